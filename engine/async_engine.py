@@ -1,0 +1,386 @@
+"""``AsyncEngine``: the anyio engine loop, the lifecycle owner and the in-process API.
+
+One task (the loop) runs steps on a single worker thread, so the event loop stays responsive
+while the model runs. API calls never touch the core directly: they queue adds and aborts that
+the loop applies between steps. Every transition of the lifecycle happens on the event-loop
+thread through :class:`states.Lifecycle`.
+
+Guarantee: every request accepted by :meth:`generate`/:meth:`submit` receives exactly one
+terminal output (finished, aborted with a reason) or, if the engine dies, ``EngineDeadError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+from collections import deque
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Callable, NamedTuple, Optional, Union
+
+import anyio
+import msgspec
+from anyio import to_thread
+
+from states import Lifecycle, State
+
+from .config import EngineConfig
+from .core import EngineCore
+from .errors import (BadRequestError, EngineDeadError, EngineDrainingError, EngineShutdownError,
+                     InvalidTransitionError)
+from .params import RequestOutput, SamplingParams
+from .runner import ModelRunner
+
+log = logging.getLogger("enginecore.engine")
+
+Sink = Callable[[Union[RequestOutput, BaseException]], None]
+_MAX_ID = 256
+
+
+class Health(msgspec.Struct, kw_only=True):
+    state: str
+    live: bool
+    ready: bool
+    running: int
+    waiting: int
+    kv_usage: float
+
+
+class EngineStats(NamedTuple):
+    state: State
+    steps: int
+    prompt_tokens: int
+    generation_tokens: int
+    finished: dict
+    preemptions: int
+    spec_proposed: int
+    spec_accepted: int
+    running: int
+    waiting: int
+    kv_usage: float
+    uptime_s: float
+
+
+class RequestStream:
+    """Async iterator of one request's outputs. Leaving it early (``break``, ``aclose()``, or
+    dropping it) aborts the request and frees its blocks."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str):
+        self.request_id = request_id
+        self._engine = engine
+        self._send, self._recv = anyio.create_memory_object_stream(math.inf)
+        self._done = False
+
+    def _sink(self, item) -> None:
+        try:
+            self._send.send_nowait(item)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # the consumer went away; the engine already aborts the request
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._recv.receive()
+        except anyio.EndOfStream:  # pragma: no cover - the engine always sends a terminal item
+            self._done = True
+            raise self._engine._closed_error() from None
+        if isinstance(item, BaseException):
+            self._close()
+            raise item
+        if item.finished:
+            self._close()
+        return item
+
+    def _close(self) -> None:
+        self._done = True
+        self._recv.close()
+        self._send.close()
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    def cancel(self) -> None:
+        if not self._done:
+            self._close()
+            self._engine._abort_nowait(self.request_id, "client stopped reading")
+
+    def __del__(self) -> None:
+        try:
+            self.cancel()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, *, check_integrity: bool = False):
+        self.config = config.validate()
+        self.lifecycle = Lifecycle()
+        self.runner = ModelRunner(config)
+        self.core: Optional[EngineCore] = None
+        self._check_integrity = check_integrity
+        self._sinks: dict[str, Sink] = {}
+        self._inbox: deque = deque()  # ("add", ...) / ("abort", id, reason)
+        self._wakeup = anyio.Event()
+        self._stopped = anyio.Event()
+        self._limiter = anyio.CapacityLimiter(1)
+        self._death: Optional[BaseException] = None
+        self._drain_deadline = math.inf
+        self._drain_reason = "drain timeout"
+        self._started = time.monotonic()
+        self._loop_thread = threading.get_ident()
+        self._listeners: list[Callable[[State, State], None]] = []
+        self.lifecycle.on_change(self._notify)
+
+    # -- opening and closing ------------------------------------------------------------------
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, config: EngineConfig, **kw) -> AsyncIterator["AsyncEngine"]:
+        """Load, start serving, yield; on exit drain(0) and release, whatever happened."""
+        engine = cls(config, **kw)
+        async with anyio.create_task_group() as tg:
+            await engine.start(tg)
+            try:
+                yield engine
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await engine._close_quietly()
+
+    async def start(self, tg) -> None:
+        """Load the model on a worker thread (stoppable by cancellation), then SERVING."""
+        self._loop_thread = threading.get_ident()
+        stop = threading.Event()
+        done = threading.Event()
+
+        def load() -> None:
+            try:
+                self.runner.load(stop.is_set)
+            finally:
+                done.set()
+
+        try:
+            await to_thread.run_sync(load, abandon_on_cancel=True, limiter=self._limiter)
+        except BaseException:
+            stop.set()
+            with anyio.CancelScope(shield=True):
+                while not done.is_set():
+                    await anyio.sleep(0.01)
+                await to_thread.run_sync(self.runner.shutdown)
+                self.lifecycle.trigger("shutdown")
+                self._stopped.set()
+            raise
+        self.lifecycle.trigger("load")
+        self.core = EngineCore(self.runner, check_integrity=self._check_integrity)
+        self.lifecycle.trigger("serve")
+        tg.start_soon(self._loop)
+
+    async def _close_quietly(self) -> None:
+        if self.lifecycle.state in (State.SERVING, State.DRAINING):
+            await self.drain(0)
+        await self._stopped.wait()
+
+    async def drain(self, timeout: Optional[float] = None, reason: str = "drain timeout") -> None:
+        """Stop accepting; let in-flight requests finish until ``timeout`` seconds, then abort
+        the rest with ``reason``; release; SHUTDOWN. A second call shortens the deadline."""
+        state = self.lifecycle.state
+        if state is State.SERVING:
+            self.lifecycle.trigger("drain")
+        elif state is not State.DRAINING:
+            self._raise_unavailable("drain")
+        deadline = time.monotonic() + (math.inf if timeout is None else max(0.0, timeout))
+        if deadline < self._drain_deadline:
+            self._drain_deadline, self._drain_reason = deadline, reason
+        self._wake()
+        await self._stopped.wait()
+        if self._death is not None:
+            raise EngineDeadError("engine failed while draining", self._death)
+
+    async def shutdown(self) -> None:
+        """``drain(0)``: abort everything in flight (terminal outputs sent), release."""
+        await self.drain(0, reason="shutdown")
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    # -- requests ------------------------------------------------------------------------------
+    def generate(self, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None,
+                 request_id: Optional[str] = None) -> RequestStream:
+        """Submit now (errors are raised here, at once); iterate the result for outputs."""
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        stream = RequestStream(self, rid)
+        self.submit(prompt, params or SamplingParams(), rid, stream._sink)
+        return stream
+
+    def submit(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
+               sink: Sink) -> int:
+        """Lower-level ``generate``: outputs go to ``sink`` (called on the event-loop thread).
+        Returns the number of prompt tokens."""
+        self._require_accepting()
+        if not isinstance(request_id, str) or not (0 < len(request_id) <= _MAX_ID):
+            raise BadRequestError(f"request_id must be a non-empty string of at most {_MAX_ID} chars")
+        if request_id in self._sinks:
+            raise BadRequestError(f"request_id {request_id!r} is already in flight")
+        if not isinstance(params, SamplingParams):
+            raise BadRequestError("params must be SamplingParams")
+        params.validate()
+        ids = self._tokenize(prompt)
+        self.runner.check_prompt(len(ids), params.max_tokens)
+        self._sinks[request_id] = sink
+        self._inbox.append(("add", request_id, ids, params))
+        self._wake()
+        return len(ids)
+
+    def _tokenize(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.runner.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.runner.model_config.vocab_size
+            if any(t < 0 or t >= vocab for t in prompt):
+                raise BadRequestError(f"prompt token ids must be in [0, {vocab})")
+            return list(prompt)
+        raise BadRequestError("prompt must be a string or a list of token ids")
+
+    async def abort(self, request_id: str, reason: str = "aborted by client") -> None:
+        self._abort_nowait(request_id, reason)
+
+    def _abort_nowait(self, request_id: str, reason: str) -> None:
+        if request_id in self._sinks and self.lifecycle.state in (State.SERVING, State.DRAINING):
+            self._inbox.append(("abort", request_id, reason))
+            if threading.get_ident() == self._loop_thread:
+                self._wake()
+
+    # -- state ---------------------------------------------------------------------------------
+    @property
+    def state(self) -> State:
+        return self.lifecycle.state
+
+    @property
+    def tokenizer(self):
+        return self.runner.tokenizer
+
+    def on_state_change(self, listener: Callable[[State, State], None]) -> None:
+        self._listeners.append(listener)
+
+    def _notify(self, old: State, new: State) -> None:
+        for listener in list(self._listeners):
+            listener(old, new)
+
+    def health(self) -> Health:
+        st = self.lifecycle.state
+        core = self.core if st in (State.SERVING, State.DRAINING) else None
+        return Health(state=st.value, live=self.lifecycle.live, ready=st is State.SERVING,
+                      running=core.num_running if core else 0,
+                      waiting=(core.num_waiting if core else 0) + sum(1 for m in self._inbox if m[0] == "add"),
+                      kv_usage=core.kv_usage if core else 0.0)
+
+    def statistics(self) -> EngineStats:
+        core = self.core
+        cs = core.statistics() if core else None
+        h = self.health()
+        return EngineStats(
+            self.lifecycle.state, cs.steps if cs else 0, cs.prompt_tokens if cs else 0,
+            cs.generation_tokens if cs else 0, cs.finished if cs else {}, cs.preemptions if cs else 0,
+            cs.spec_proposed if cs else 0, cs.spec_accepted if cs else 0, h.running, h.waiting,
+            h.kv_usage, time.monotonic() - self._started)
+
+    def _require_accepting(self) -> None:
+        if self.lifecycle.state is not State.SERVING:
+            self._raise_unavailable("generate")
+
+    def _raise_unavailable(self, call: str):
+        st = self.lifecycle.state
+        if self._death is not None or st is State.FAILED:
+            raise EngineDeadError("engine is dead", self._death)
+        if st is State.DRAINING:
+            raise EngineDrainingError()
+        if st is State.SHUTDOWN:
+            raise EngineShutdownError(f"engine is shut down; {call}() is not possible")
+        raise InvalidTransitionError(st, call, ["serving"])
+
+    def _closed_error(self) -> Exception:
+        if self._death is not None:
+            return EngineDeadError("engine is dead", self._death)
+        return EngineShutdownError("engine shut down")
+
+    # -- the loop -------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        self._wakeup.set()
+
+    async def _loop(self) -> None:
+        core = self.core
+        assert core is not None
+        try:
+            while True:
+                self._apply_inbox(core)
+                if self.lifecycle.state is State.DRAINING:
+                    if time.monotonic() >= self._drain_deadline:
+                        self._dispatch(core.abort_all(self._drain_reason))
+                    if not core.has_work():
+                        break
+                if not core.has_work():
+                    await self._wakeup.wait()
+                    self._wakeup = anyio.Event()
+                    continue
+                outputs = await to_thread.run_sync(core.step, limiter=self._limiter)
+                self._dispatch(outputs)
+                if self.lifecycle.state is State.DRAINING and self._drain_deadline < math.inf:
+                    await anyio.sleep(0)  # let drain() deadlines and aborts in
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await self._die(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        with anyio.CancelScope(shield=True):
+            await self._release()
+
+    def _apply_inbox(self, core: EngineCore) -> None:
+        while self._inbox:
+            item = self._inbox.popleft()
+            if item[0] == "add":
+                _, rid, ids, params = item
+                core.add_request(rid, ids, params)
+            else:
+                _, rid, reason = item
+                out = core.abort(rid, reason)
+                if out is not None:
+                    self._dispatch([out])
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        sinks = self._sinks
+        for out in outputs:
+            sink = sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                del sinks[out.request_id]
+            sink(out)
+
+    async def _release(self) -> None:
+        await to_thread.run_sync(self.runner.shutdown)
+        self.core = None
+        self.lifecycle.trigger("shutdown")
+        self._stopped.set()
+
+    async def _die(self, exc: BaseException) -> None:
+        log.error("engine failed: %r", exc)
+        self._death = exc
+        if self.lifecycle.may("fail"):
+            self.lifecycle.trigger("fail")
+        err = EngineDeadError("engine failed", exc)
+        sinks, self._sinks = self._sinks, {}
+        self._inbox.clear()
+        for sink in sinks.values():
+            sink(err)
+        try:
+            # the limiter waits for a step still running on the worker thread
+            await to_thread.run_sync(self.runner.shutdown, limiter=self._limiter)
+        finally:
+            self.core = None
+            self.lifecycle.trigger("shutdown")
+            self._stopped.set()

@@ -1,0 +1,80 @@
+"""Attention over the paged KV cache, in plain torch (CPU and CUDA).
+
+One step's tokens are packed as ``[T, ...]``. Prefill chunks (one or more tokens of a sequence,
+possibly after earlier chunks) are computed per sequence; single-token decodes are batched with
+a padded gather of their blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass
+class PrefillSeq:
+    start: int  # first row in the packed batch
+    end: int  # one past the last row
+    context_len: int  # tokens in the sequence's cache after this step (prefix + chunk)
+    block_table: torch.Tensor  # [n_blocks] long, on device
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: where each token's k/v goes
+    prefills: list[PrefillSeq]
+    decode_rows: Optional[torch.Tensor]  # [B] long rows in the packed batch, or None
+    decode_block_tables: Optional[torch.Tensor]  # [B, max_blocks] long (padded with 0)
+    decode_context_lens: Optional[torch.Tensor]  # [B] long
+    decode_max_len: int = 0  # max context among decodes, rounded up to a block
+
+
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """cache: [2, num_blocks, block_size, Hkv, D]; k/v: [T, Hkv, D]."""
+    kv_heads, dim = k.shape[1], k.shape[2]
+    cache[0].view(-1, kv_heads, dim).index_copy_(0, slots, k.to(cache.dtype))
+    cache[1].view(-1, kv_heads, dim).index_copy_(0, slots, v.to(cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D] (this step's, already written to ``cache``). -> [T, H, D]"""
+    out = torch.empty_like(q)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    gqa = heads // kv_heads
+    block_size = cache.shape[2]
+    for p in meta.prefills:
+        n = p.end - p.start
+        qs = q[p.start:p.end].transpose(0, 1)  # [H, n, D]
+        if p.context_len == n:  # no earlier context: use this step's k/v directly
+            ks, vs = k[p.start:p.end], v[p.start:p.end]
+            mask, causal = None, True
+        else:
+            ks = cache[0][p.block_table].reshape(-1, kv_heads, k.shape[2])[: p.context_len]
+            vs = cache[1][p.block_table].reshape(-1, kv_heads, k.shape[2])[: p.context_len]
+            # query i sits at position context_len - n + i and sees keys 0..that position
+            qpos = torch.arange(p.context_len - n, p.context_len, device=q.device)
+            mask = qpos[:, None] >= torch.arange(p.context_len, device=q.device)[None, :]
+            causal = False
+        ks = ks.transpose(0, 1).repeat_interleave(gqa, dim=0)
+        vs = vs.transpose(0, 1).repeat_interleave(gqa, dim=0)
+        o = F.scaled_dot_product_attention(qs, ks.to(q.dtype), vs.to(q.dtype), attn_mask=mask,
+                                           is_causal=causal, scale=scale)
+        out[p.start:p.end] = o.transpose(0, 1)
+    if meta.decode_rows is not None:
+        rows = meta.decode_rows
+        bt = meta.decode_block_tables[:, : (meta.decode_max_len + block_size - 1) // block_size]
+        bsz = bt.shape[0]
+        ks = cache[0][bt].reshape(bsz, -1, kv_heads, k.shape[2])  # [B, L, Hkv, D]
+        vs = cache[1][bt].reshape(bsz, -1, kv_heads, k.shape[2])
+        length = ks.shape[1]
+        mask = torch.arange(length, device=q.device)[None, :] < meta.decode_context_lens[:, None]
+        qd = q[rows].unsqueeze(2)  # [B, H, 1, D]
+        ks = ks.permute(0, 2, 1, 3).repeat_interleave(gqa, dim=1).to(q.dtype)
+        vs = vs.permute(0, 2, 1, 3).repeat_interleave(gqa, dim=1).to(q.dtype)
+        o = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=mask[:, None, None, :], scale=scale)
+        out[rows] = o.squeeze(2)
+    return out

@@ -1,0 +1,59 @@
+"""``EngineConfig``: everything that shapes one engine. A msgspec Struct so it crosses process
+boundaries as JSON (``enginecore serve --config-json``)."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import msgspec
+import torch
+
+from .errors import BadRequestError
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str = "default"
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
+    seed: int = 0  # for random: presets and unseeded sampling
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None  # overrides kv_cache_bytes
+    kv_cache_bytes: Optional[int] = None  # default: 512 MiB on cpu, 40% of free memory on cuda
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: Optional[int] = None  # default: the model's context, capped at 8192
+    speculator: Literal["none", "ngram", "draft"] = "none"
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 4
+    draft_model: Optional[str] = None
+    # Test hook: raise inside the model forward on this (1-based) step. Never set in production.
+    fault_at_step: Optional[int] = None
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        try:
+            return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                    "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[self.dtype]
+        except KeyError:
+            raise BadRequestError(f"unknown dtype {self.dtype!r}") from None
+
+    def validate(self) -> "EngineConfig":
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise BadRequestError("block_size must be a power of two")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise BadRequestError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.speculator == "draft" and not self.draft_model:
+            raise BadRequestError("speculator 'draft' needs draft_model")
+        if not (1 <= self.ngram_min <= self.ngram_max <= 16):
+            raise BadRequestError("need 1 <= ngram_min <= ngram_max <= 16")
+        if not (1 <= self.num_speculative_tokens <= 16):
+            raise BadRequestError("num_speculative_tokens must be in [1, 16]")
+        self.resolved_dtype()
+        return self

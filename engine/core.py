@@ -1,0 +1,178 @@
+"""``EngineCore``: the synchronous heart. ``step()`` is propose → schedule → execute → update.
+
+It owns the requests, the scheduler and the runner; it knows nothing about async, processes or
+lifecycles. The async engine calls ``step()`` on a worker thread and applies adds/aborts only
+between steps, so nothing here needs a lock.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple, Optional, Sequence
+
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache import BlockAllocator, blocks_needed
+from .params import RequestOutput, SamplingParams
+from .request import Request
+from .runner import ModelRunner, StepResult
+from .scheduler import Scheduler
+
+
+class CoreStats(NamedTuple):
+    steps: int
+    prompt_tokens: int
+    generation_tokens: int
+    finished: dict
+    preemptions: int
+    spec_proposed: int
+    spec_accepted: int
+
+
+class EngineCore:
+    def __init__(self, runner: ModelRunner, *, check_integrity: bool = False):
+        self.runner = runner
+        self.tokenizer = runner.tokenizer
+        cfg = runner.config
+        self.allocator = BlockAllocator(runner.num_blocks)
+        self.scheduler = Scheduler(self.allocator, runner.block_size, cfg.max_num_seqs,
+                                   cfg.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.check_integrity = check_integrity
+        self._eos = runner.tokenizer.eos_token_ids | set(runner.model_config.eos_token_ids)
+        self._steps = 0
+        self._prompt_tokens = 0
+        self._gen_tokens = 0
+        self._finished: dict[str, int] = {}
+        self._spec_proposed = 0
+        self._spec_accepted = 0
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    params: SamplingParams, client: object = None) -> Request:
+        """Validated input only (the async engine checks ids, params and length first)."""
+        req = Request(request_id, list(prompt_token_ids), params, client)
+        req.detok = IncrementalDetokenizer(self.tokenizer, req.token_ids, params.stop)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self._prompt_tokens += req.num_prompt_tokens
+        return req
+
+    def abort(self, request_id: str, reason: str) -> Optional[RequestOutput]:
+        """Finish ``request_id`` with "abort"; returns its terminal output (None if unknown)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        return self._finish(req, "abort", reason, RequestOutput(request_id=request_id))
+
+    def abort_all(self, reason: str) -> list[RequestOutput]:
+        return [o for rid in list(self.requests) if (o := self.abort(rid, reason)) is not None]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        if self.runner.speculator is not None:
+            self.runner.speculator.propose(self.scheduler.running)
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        result = self.runner.execute(batch)
+        outputs = self._update(batch, result)
+        self._steps += 1
+        if self.check_integrity:
+            self.scheduler.check_integrity()
+        return outputs
+
+    def _update(self, batch, result: StepResult) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        bs = self.runner.block_size
+        for k, (req, n) in enumerate(batch):
+            new = result.tokens[k]
+            proposed = len(req.spec_token_ids) if new else 0
+            req.spec_token_ids = []
+            if not new:
+                req.num_computed_tokens += n
+                continue
+            req.num_computed_tokens += n + len(new) - 1  # accepted drafts are in the cache too
+            if proposed:
+                req.spec_proposed += proposed
+                req.spec_accepted += len(new) - 1
+                self._spec_proposed += proposed
+                self._spec_accepted += len(new) - 1
+            # roll back blocks that only rejected draft tokens used
+            keep = blocks_needed(req.num_computed_tokens + 1, bs)
+            if len(req.block_ids) > keep:
+                self.allocator.free(req.block_ids[keep:])
+                del req.block_ids[keep:]
+            out = self._append(req, new, result.logprobs[k] if result.logprobs else None)
+            outputs.append(out)
+        return outputs
+
+    def _append(self, req: Request, new: list[int], logprobs) -> RequestOutput:
+        p = req.params
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        finish: Optional[str] = None
+        reason = None
+        accepted: list[int] = []
+        for i, tok in enumerate(new):
+            req.token_ids.append(tok)
+            accepted.append(tok)
+            if p.logprobs and logprobs:
+                req.logprobs.append(logprobs[i])
+            n_out = req.num_output_tokens
+            if n_out >= p.min_tokens and ((tok in self._eos and not p.ignore_eos)
+                                          or tok in p.stop_token_ids):
+                finish = "stop"
+            elif n_out >= p.max_tokens:
+                finish = "length"
+            elif req.num_tokens >= self.runner.max_model_len:
+                finish, reason = "length", "context limit"
+            elif blocks_needed(req.num_tokens + 1, self.runner.block_size) > self.allocator.num_blocks:
+                finish, reason = "length", "KV cache capacity"
+            if finish:
+                break
+        self._gen_tokens += len(accepted)
+        text = req.detok.add([t for t in accepted if not (t in self._eos and finish == "stop")])
+        if req.detok.stopped:
+            finish = "stop"
+        out = RequestOutput(request_id=req.request_id, token_ids=accepted, text=text)
+        if p.logprobs:
+            out.logprobs = req.logprobs[len(req.logprobs) - len(accepted):]
+        if finish:
+            out.text += req.detok.flush()
+            return self._finish(req, finish, reason, out)
+        out.num_prompt_tokens = req.num_prompt_tokens
+        out.num_output_tokens = req.num_output_tokens
+        return out
+
+    def _finish(self, req: Request, finish_reason: str, reason: Optional[str],
+                out: RequestOutput) -> RequestOutput:
+        self.scheduler.remove(req)
+        self.runner.forget(req.request_id)
+        del self.requests[req.request_id]
+        self._finished[finish_reason] = self._finished.get(finish_reason, 0) + 1
+        out.finished = True
+        out.finish_reason = finish_reason  # type: ignore[assignment]
+        out.reason = reason
+        out.num_prompt_tokens = req.num_prompt_tokens
+        out.num_output_tokens = req.num_output_tokens
+        return out
+
+    # -- introspection --------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.allocator.usage
+
+    def statistics(self) -> CoreStats:
+        return CoreStats(self._steps, self._prompt_tokens, self._gen_tokens, dict(self._finished),
+                         self.scheduler.num_preemptions, self._spec_proposed, self._spec_accepted)

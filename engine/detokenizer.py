@@ -1,0 +1,72 @@
+"""Incremental detokenization that never emits broken UTF-8, plus stop-string handling.
+
+Byte-level BPE tokens can end in the middle of a UTF-8 character. We decode a short window of
+recent tokens and emit only the text that has become stable (no trailing U+FFFD). Stop strings
+are searched in the pending text; text that could still be the start of a stop string is held
+back until it cannot, so a stop string never appears in any streamed delta.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .tokenizer import Tokenizer
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    __slots__ = ("_tok", "_ids", "_prefix", "_read", "_stops", "_hold", "_pending", "text",
+                 "stopped")
+
+    def __init__(self, tokenizer: Tokenizer, prompt_tail: Sequence[int], stop: Sequence[str]):
+        self._tok = tokenizer
+        # A few prompt tokens give the decoder context (e.g. a leading space merges correctly).
+        self._ids: list[int] = list(prompt_tail[-4:])
+        self._prefix = 0
+        self._read = len(self._ids)
+        self._stops = list(stop)
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._pending = ""  # decoded but not yet emitted (could start a stop string)
+        self.text = ""  # everything emitted so far
+        self.stopped = False
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Feed new tokens; return the newly stable text (possibly ""). Sets ``stopped`` when a
+        stop string was found (the text then ends right before it)."""
+        for t in token_ids:
+            self._ids.append(t)
+            prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
+            full = self._tok.decode(self._ids[self._prefix:])
+            if full.endswith(_REPLACEMENT) or len(full) < len(prefix_text):
+                continue  # an incomplete character: wait for more bytes
+            self._pending += full[len(prefix_text):]
+            self._prefix, self._read = self._read, len(self._ids)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """The request finished: emit whatever is still held back."""
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stopped:
+            return ""
+        if self._stops:
+            # Search the tail of emitted text too: a stop string may straddle the boundary.
+            window = self.text[-self._hold:] if self._hold else ""
+            hay = window + self._pending
+            cut = min((i for i in (hay.find(s) for s in self._stops) if i >= 0), default=-1)
+            if cut >= 0:
+                out = hay[len(window):cut] if cut >= len(window) else ""
+                self.stopped = True
+                self.text += out
+                self._pending = ""
+                return out
+        if final or not self._stops:
+            out, self._pending = self._pending, ""
+        else:
+            keep = min(self._hold, len(self._pending))
+            out = self._pending[: len(self._pending) - keep]
+            self._pending = self._pending[len(self._pending) - keep:]
+        self.text += out
+        return out

@@ -1,0 +1,146 @@
+"""Turn ``EngineConfig.model`` into (ModelConfig, weights on the device, Tokenizer).
+
+Sources: ``"default"`` (the embedded SmolLM2 GGUF), a Hugging Face checkpoint directory
+(config.json + safetensors, sharded or not + tokenizer.json), or ``"random:<preset>"``.
+Every failure is a :class:`CheckpointError` naming the file and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from .errors import CheckpointError
+from .model import CausalLM
+from .model_config import ModelConfig
+from .presets import PRESETS
+from .tokenizer import Tokenizer
+
+# Non-weights that checkpoints sometimes carry; safe to skip.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_source(spec: str) -> tuple[ModelConfig, Callable[[], Iterator[tuple[str, torch.Tensor]]], Tokenizer]:
+    """Read the config and tokenizer now; return a generator of (name, tensor) for the weights."""
+    if spec == "default":
+        from .gguf_loader import default_model_path, load_gguf
+
+        cfg, weights, tok = load_gguf(default_model_path())
+        return cfg, lambda: _drain_dict(weights), tok
+    if spec.startswith("random:"):
+        name = spec.split(":", 1)[1]
+        if name not in PRESETS:
+            raise CheckpointError(spec, f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+        cfg = PRESETS[name]
+        return cfg, None, Tokenizer.bytes(cfg.vocab_size)  # type: ignore[return-value]
+    return _hf_dir(Path(spec))
+
+
+def _drain_dict(weights: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    # Pop as we go so the host copy is freed tensor by tensor.
+    while weights:
+        name = next(iter(weights))
+        yield name, weights.pop(name)
+
+
+def _hf_dir(path: Path):
+    if not path.exists():
+        raise CheckpointError(path, "model path does not exist")
+    if not path.is_dir():
+        if path.suffix == ".gguf":
+            from .gguf_loader import load_gguf
+
+            cfg, weights, tok = load_gguf(path)
+            return cfg, lambda: _drain_dict(weights), tok
+        raise CheckpointError(path, "not a checkpoint directory or .gguf file")
+    cfg = ModelConfig.from_file(path / "config.json")
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise CheckpointError(index, f"invalid index: {exc!r}") from exc
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(path, "no *.safetensors weight files")
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f, "weight file is missing")
+    tok_cfg = {}
+    if (path / "tokenizer_config.json").exists():
+        try:
+            tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
+        except ValueError as exc:
+            raise CheckpointError(path / "tokenizer_config.json", f"invalid JSON: {exc}") from exc
+    tok = Tokenizer.from_file(path / "tokenizer.json", vocab_size=cfg.vocab_size,
+                              bos_token_id=cfg.bos_token_id, eos_token_ids=cfg.eos_token_ids,
+                              tokenizer_config=tok_cfg)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import SafetensorError, safe_open
+
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt") as sf:
+                    for name in sf.keys():
+                        yield name, sf.get_tensor(name)
+            except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+                raise CheckpointError(f, f"cannot read weights (truncated or corrupt?): {exc}") from exc
+
+    return cfg, tensors, tok
+
+
+def build_model(cfg: ModelConfig, tensors, device: torch.device, dtype: torch.dtype,
+                seed: int = 0, source: str = "") -> CausalLM:
+    """Create the model on ``device`` in ``dtype`` and fill it (from ``tensors`` or seeded)."""
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.model.rotary.reset(device)  # fp32 rope tables, computed on the real device
+    params = dict(model.named_parameters())
+    if tensors is None:
+        _fill_random(params, seed, device)
+    else:
+        _fill_from(params, tensors(), cfg, source)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def _fill_random(params: dict[str, torch.nn.Parameter], seed: int, device) -> None:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in params.items():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32)
+                        .mul_(0.02 if p.shape[-1] > 256 else 0.08))
+
+
+def _fill_from(params, tensors, cfg: ModelConfig, source: str) -> None:
+    missing = set(params)
+    with torch.no_grad():
+        for name, t in tensors:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            if name not in params:
+                raise CheckpointError(source, f"unexpected weight {name!r} for {cfg.architecture}")
+            p = params[name]
+            if tuple(t.shape) != tuple(p.shape):
+                raise CheckpointError(
+                    source, f"shape mismatch for {name}: checkpoint {tuple(t.shape)}, model {tuple(p.shape)}"
+                )
+            p.copy_(t)
+            missing.discard(name)
+    if missing:
+        raise CheckpointError(source, f"missing weights: {', '.join(sorted(missing)[:5])}"
+                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))

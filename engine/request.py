@@ -1,0 +1,66 @@
+"""``Request``: one request's whole state on the engine side (tokens, progress, blocks)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+from .params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    __slots__ = (
+        "request_id", "params", "token_ids", "num_prompt_tokens", "num_computed_tokens",
+        "block_ids", "status", "arrival", "finish_reason", "reason", "detok", "spec_token_ids",
+        "num_preemptions", "first_token_time", "logprobs", "num_sent_tokens", "client",
+        "spec_proposed", "spec_accepted",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 client: object = None):
+        self.request_id = request_id
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.block_ids: list[int] = []
+        self.status = Status.WAITING
+        self.arrival = time.monotonic()
+        self.finish_reason: Optional[str] = None
+        self.reason: Optional[str] = None
+        self.detok = None  # IncrementalDetokenizer, set by the engine core
+        self.spec_token_ids: list[int] = []  # proposed draft tokens for this step
+        self.num_preemptions = 0
+        self.first_token_time: Optional[float] = None
+        self.logprobs: list[float] = []
+        self.num_sent_tokens = 0
+        self.client = client
+        self.spec_proposed = 0
+        self.spec_accepted = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")

@@ -1,0 +1,252 @@
+"""``ModelRunner``: loads a model onto a device, runs one mixed prefill/decode step, releases.
+
+Every device allocation is adopted by ``self._owner`` (a :class:`DeviceOwner`) in creation
+order: weights, KV cache, model state, speculator. ``shutdown()`` synchronizes and releases them
+in reverse. The runner refuses to hold a tensor or module as a plain attribute (see
+``__setattr__``), so a new device attribute cannot be forgotten at shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import torch
+
+from .attention import AttentionMetadata, PrefillSeq
+from .config import EngineConfig
+from .errors import BadRequestError
+from .kv_cache import KVCache
+from .loader import build_model, resolve_source
+from .model_state import ModelState
+from .owner import DeviceOwner, reachable_tensors
+from .request import Request
+from .sampler import SamplingBatch, sample
+
+log = logging.getLogger("enginecore.runner")
+
+_MAX_CONTEXT_DEFAULT = 8192
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the ``fault_at_step`` test hook."""
+
+
+class StepResult:
+    """Per scheduled entry: the new tokens (empty while a prefill is still chunking)."""
+
+    __slots__ = ("tokens", "logprobs")
+
+    def __init__(self, tokens: list[list[int]], logprobs: Optional[list[list[float]]]):
+        self.tokens = tokens
+        self.logprobs = logprobs
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config.validate()
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype()
+        self._owner = DeviceOwner(self.device)
+        self.model_config = None
+        self.tokenizer = None
+        self.num_blocks = 0
+        self.block_size = config.block_size
+        self.max_model_len = 0
+        self.steps = 0
+        self.speculator = None  # host-side proposer; its device tensors live in the owner
+
+    # -- the seed bug, made impossible ------------------------------------------------------
+    def __setattr__(self, name: str, value) -> None:
+        if name != "_owner" and not isinstance(value, (str, int, float, bool, type(None))):
+            if reachable_tensors(value):
+                raise TypeError(
+                    f"ModelRunner.{name} would hold a device tensor outside the owner; adopt it "
+                    f"with self._owner.adopt(name, resource) so shutdown() releases it"
+                )
+        object.__setattr__(self, name, value)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def load(self, should_stop=lambda: False) -> None:
+        """Create weights, KV cache, model state (and speculator). ``should_stop`` is polled
+        between stages so a signal during startup stops loading promptly."""
+        cfg, tensors, tok = resolve_source(self.config.model)
+        self.model_config, self.tokenizer = cfg, tok
+        self.max_model_len = min(self.config.max_model_len or _MAX_CONTEXT_DEFAULT,
+                                 cfg.max_position_embeddings)
+        if should_stop():
+            return
+        self._owner.adopt("weights", build_model(cfg, tensors, self.device, self.dtype,
+                                                 self.config.seed, self.config.model))
+        if should_stop():
+            return
+        kv = KVCache(num_layers=cfg.num_layers, num_blocks=self._num_kv_blocks(cfg),
+                     block_size=self.block_size, num_kv_heads=cfg.num_kv_heads,
+                     head_dim=cfg.head_dim, dtype=self.dtype, device=self.device)
+        self._owner.adopt("kv_cache", kv)
+        self.num_blocks = kv.num_blocks
+        if should_stop():
+            return
+        max_blocks = -(-self.max_model_len // self.block_size) + 1
+        self._owner.adopt("model_state", ModelState(
+            max_tokens=self.config.max_num_batched_tokens + self.config.max_num_seqs * 17,
+            max_seqs=self.config.max_num_seqs, max_blocks_per_seq=max_blocks, device=self.device))
+        if self.config.speculator != "none" and not should_stop():
+            from .speculative import build_speculator
+
+            self.speculator = build_speculator(self.config, self)
+        log.info("loaded %s on %s/%s: %d KV blocks of %d tokens (%.1f MiB)",
+                 self.config.model, self.device, self.dtype, kv.num_blocks, self.block_size,
+                 kv.nbytes / 2**20)
+
+    def _num_kv_blocks(self, cfg) -> int:
+        if self.config.num_kv_blocks:
+            return self.config.num_kv_blocks
+        per_block = cfg.kv_bytes_per_token * self.block_size * torch.finfo(self.dtype).bits // 8
+        budget = self.config.kv_cache_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * 0.4)
+            else:
+                budget = 512 * 2**20
+        enough = self.config.max_num_seqs * (-(-self.max_model_len // self.block_size))
+        return max(1, min(budget // per_block, enough))
+
+    @property
+    def loaded(self) -> bool:
+        return "model_state" in self._owner
+
+    @property
+    def released(self) -> bool:
+        return self._owner.closed
+
+    def adopt(self, name: str, resource):
+        """For components (the speculator) that allocate device memory for this runner."""
+        return self._owner.adopt(name, resource)
+
+    def resource(self, name: str):
+        return self._owner[name]
+
+    def shutdown(self) -> list[str]:
+        """Synchronize, release speculator, model state, KV cache, weights (reverse creation)."""
+        if self.speculator is not None:
+            self.speculator = None
+        order = self._owner.close()
+        log.info("released %s", ", ".join(order) or "nothing")
+        return order
+
+    # -- one step ----------------------------------------------------------------------------
+    def check_prompt(self, n: int, max_tokens: int) -> None:
+        if n == 0:
+            raise BadRequestError("prompt is empty")
+        if n >= self.max_model_len:
+            raise BadRequestError(
+                f"prompt has {n} tokens; the context limit is {self.max_model_len} "
+                f"(prompt must leave room for at least one output token)")
+        need = -(-(n + 1) // self.block_size)
+        if need > self.num_blocks:
+            raise BadRequestError(f"prompt needs {need} KV blocks; the cache has {self.num_blocks}")
+
+    def forget(self, request_id: str) -> None:
+        """A request is gone: drop its per-request device state."""
+        self._owner["model_state"].forget(request_id)
+
+    @torch.inference_mode()
+    def execute(self, batch: Sequence[tuple[Request, int]]) -> StepResult:
+        """Run the scheduled ``(request, num_tokens)`` entries; sample where a request reaches
+        the end of its known tokens. Speculative tokens in ``request.spec_token_ids`` are
+        verified in the same forward."""
+        self.steps += 1
+        if self.config.fault_at_step is not None and self.steps == self.config.fault_at_step:
+            raise InjectedFault(f"injected fault at step {self.steps}")
+        state: ModelState = self._owner["model_state"]
+        model = self._owner["weights"]
+        kv: KVCache = self._owner["kv_cache"]
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        prefills: list[PrefillSeq] = []
+        dec_rows: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        sample_rows: list[list[int]] = []  # per entry: rows whose logits are sampled
+        for req, n in batch:
+            start = req.num_computed_tokens
+            toks = req.token_ids[start:start + n]
+            spec = req.spec_token_ids if start + n == req.num_tokens else []
+            toks = toks + spec
+            m = len(toks)
+            row0 = len(ids)
+            ids.extend(toks)
+            blocks = req.block_ids
+            for p in range(start, start + m):
+                pos.append(p)
+                slots.append(blocks[p // bs] * bs + p % bs)
+            if m == 1 and start > 0:
+                dec_rows.append(row0)
+                dec_tables.append(blocks)
+                dec_lens.append(start + 1)
+            else:
+                prefills.append(PrefillSeq(row0, row0 + m, start + m,
+                                           torch.tensor(blocks[: -(-(start + m) // bs)], device=self.device)))
+            if start + n == req.num_tokens:
+                sample_rows.append(list(range(row0 + n - 1, row0 + m)))
+            else:
+                sample_rows.append([])
+        t = len(ids)
+        input_ids = state.load("input_ids", torch.tensor(ids))
+        positions = state.load("positions", torch.tensor(pos))
+        slot_mapping = state.load("slot_mapping", torch.tensor(slots))
+        meta = AttentionMetadata(slot_mapping, prefills, None, None, None)
+        if dec_rows:
+            width = max(len(b) for b in dec_tables)
+            table = torch.zeros((len(dec_rows), width), dtype=torch.long)
+            for i, b in enumerate(dec_tables):
+                table[i, : len(b)] = torch.tensor(b)
+            meta.decode_rows = torch.tensor(dec_rows, device=self.device)
+            meta.decode_block_tables = state.load("block_tables", table)
+            meta.decode_context_lens = state.load("context_lens", torch.tensor(dec_lens))
+            meta.decode_max_len = max(dec_lens)
+        hidden = model(input_ids, positions, kv.tensor, meta)
+        del t
+        flat = [r for rows in sample_rows for r in rows]
+        if not flat:
+            return StepResult([[] for _ in batch], None)
+        logits = model.logits(hidden[torch.tensor(flat, device=self.device)])
+        owners = [i for i, rows in enumerate(sample_rows) for _ in rows]
+        if self.speculator is not None:
+            return self.speculator.verify(batch, sample_rows, owners, logits, state)
+        return self._sample(batch, sample_rows, owners, logits, state)
+
+    def sampling_batch(self, batch, owners: list[int], state: ModelState) -> SamplingBatch:
+        params = [batch[i][0].params for i in owners]
+        gens = []
+        for i in owners:
+            req = batch[i][0]
+            seed = req.params.seed
+            gens.append(None if seed is None or req.params.temperature == 0
+                        else state.generator(req.request_id, seed))
+        dev = self.device
+        return SamplingBatch(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+            generators=gens,
+            all_greedy=all(p.temperature == 0 for p in params),
+            need_logprobs=any(p.logprobs for p in params),
+        )
+
+    def _sample(self, batch, sample_rows, owners, logits, state) -> StepResult:
+        sb = self.sampling_batch(batch, owners, state)
+        tokens, logprobs = sample(logits, sb)
+        tok_list = tokens.tolist()
+        lp_list = logprobs.tolist() if logprobs is not None else None
+        out: list[list[int]] = [[] for _ in batch]
+        lps: Optional[list[list[float]]] = [[] for _ in batch] if lp_list is not None else None
+        for k, i in enumerate(owners):
+            out[i].append(tok_list[k])
+            if lps is not None:
+                lps[i].append(lp_list[k])
+        return StepResult(out, lps)

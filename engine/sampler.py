@@ -1,0 +1,72 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, per-request seeds, optional logprobs.
+
+Sampling uses the exponential-race trick (argmax of p / E with E ~ Exp(1)), which needs no
+host sync and lets a seeded request draw its noise from its own generator, so its result does
+not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+
+@dataclasses.dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [N] float32 (0 = greedy)
+    top_k: torch.Tensor  # [N] long (0 = off)
+    top_p: torch.Tensor  # [N] float32
+    generators: list[Optional[torch.Generator]]  # per row; None = the shared default stream
+    all_greedy: bool
+    need_logprobs: bool
+
+
+def apply_penalty_free_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, top-k and top-p applied to fp32 ``logits`` [N, V] (greedy rows untouched)."""
+    temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
+    logits = logits / temp[:, None]
+    use_k = bool((batch.top_k > 0).any())
+    use_p = bool((batch.top_p < 1.0).any())
+    if use_k or use_p:
+        sorted_logits, idx = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        if use_k:
+            k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=vocab), torch.full_like(batch.top_k, vocab))
+            kth = sorted_logits.gather(1, (k - 1)[:, None])
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        if use_p:
+            probs = sorted_logits.softmax(-1)
+            cum = probs.cumsum(-1)
+            # drop a token when the mass before it already reaches top_p (always keep the first)
+            drop = (cum - probs) >= batch.top_p[:, None]
+            drop[:, 0] = False
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter_(1, idx, sorted_logits)
+    return logits
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """logits: [N, V] fp32 → (tokens [N] long, logprobs of the chosen tokens [N] or None)."""
+    greedy_tokens = logits.argmax(-1)
+    if batch.all_greedy:
+        tokens = greedy_tokens
+    else:
+        probs = apply_penalty_free_filters(logits, batch).softmax(-1)
+        noise = torch.empty_like(probs)
+        for i, g in enumerate(batch.generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        unseeded = [i for i, g in enumerate(batch.generators) if g is None]
+        if len(unseeded) == len(batch.generators):
+            noise.exponential_()
+        elif unseeded:
+            rows = torch.tensor(unseeded, device=logits.device)
+            noise[rows] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_()
+        sampled = (probs / noise).argmax(-1)
+        tokens = torch.where(batch.temperature > 0, sampled, greedy_tokens)
+    logprobs = None
+    if batch.need_logprobs:
+        logprobs = logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
+    return tokens, logprobs

@@ -1,0 +1,106 @@
+"""``Tokenizer``: one interface over a ``tokenizers`` tokenizer (from tokenizer.json or GGUF
+metadata) and the byte-level tokenizer used with ``random:`` presets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .errors import BadRequestError, CheckpointError
+
+
+class Tokenizer:
+    """Encode/decode plus the model's special ids and chat template."""
+
+    def __init__(
+        self,
+        backend,  # tokenizers.Tokenizer, or None for the byte-level tokenizer
+        *,
+        vocab_size: int,
+        bos_token_id: Optional[int] = None,
+        eos_token_ids: Sequence[int] = (),
+        chat_template: Optional[str] = None,
+        add_bos: bool = False,
+        special_tokens: Optional[dict[str, int]] = None,
+    ):
+        self._backend = backend
+        self.vocab_size = vocab_size
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.chat_template = chat_template
+        self.add_bos = add_bos
+        self.special_tokens = dict(special_tokens or {})
+
+    # -- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_file(cls, path: Path, *, vocab_size: int, bos_token_id=None, eos_token_ids=(),
+                  tokenizer_config: Optional[dict] = None) -> "Tokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            backend = HFTokenizer.from_file(str(path))
+        except FileNotFoundError as exc:
+            raise CheckpointError(path, "tokenizer.json is missing") from exc
+        except Exception as exc:  # tokenizers raises plain Exception subclasses
+            raise CheckpointError(path, f"cannot read tokenizer.json: {exc}") from exc
+        cfg = tokenizer_config or {}
+        eos = set(eos_token_ids)
+        eos_tok = cfg.get("eos_token")
+        if isinstance(eos_tok, dict):
+            eos_tok = eos_tok.get("content")
+        if isinstance(eos_tok, str) and backend.token_to_id(eos_tok) is not None:
+            eos.add(backend.token_to_id(eos_tok))
+        return cls(
+            backend, vocab_size=vocab_size, bos_token_id=bos_token_id, eos_token_ids=sorted(eos),
+            chat_template=cfg.get("chat_template"), add_bos=bool(cfg.get("add_bos_token", False)),
+        )
+
+    @classmethod
+    def bytes(cls, vocab_size: int) -> "Tokenizer":
+        """Byte-level tokenizer: ids 0..255 are bytes; 256 = BOS, 257 = EOS; vocab padded."""
+        if vocab_size < 258:
+            raise ValueError("byte tokenizer needs vocab_size >= 258")
+        return cls(None, vocab_size=vocab_size, bos_token_id=256, eos_token_ids=(257,),
+                   special_tokens={"<s>": 256, "</s>": 257})
+
+    # -- use ---------------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._backend is None:
+            ids = list(text.encode("utf-8"))
+        else:
+            ids = self._backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self._backend is None:
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` with the model's chat template (Jinja, sandboxed)."""
+        if not self.chat_template:
+            # A plain fallback so chat works on random presets: "role: content" lines.
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+            return text + ("assistant: " if add_generation_prompt else "")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(msg):
+            raise BadRequestError(f"chat template: {msg}")
+
+        env.globals["raise_exception"] = raise_exception
+        tmpl = env.from_string(self.chat_template)
+        bos = self._id_to_token(self.bos_token_id)
+        eos = self._id_to_token(min(self.eos_token_ids)) if self.eos_token_ids else ""
+        return tmpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=bos or "", eos_token=eos or "")
+
+    def _id_to_token(self, i: Optional[int]) -> Optional[str]:
+        if i is None:
+            return None
+        if self._backend is None:
+            return {v: k for k, v in self.special_tokens.items()}.get(i)
+        return self._backend.id_to_token(i)

@@ -1,0 +1,27 @@
+"""The engine's IPC layer: msgpack frames over a Unix socket or TCP. See :mod:`ipc.messages`."""
+
+from .errors import (
+    AuthError,
+    ConnectionClosed,
+    FrameTooLargeError,
+    IPCError,
+    ProtocolError,
+    RemoteError,
+    VersionError,
+)
+from .framing import FrameCodec, read_frame, write_frame
+from .messages import (
+    DEFAULT_MAX_FRAME,
+    PROTOCOL_VERSION,
+    ErrorKind,
+    error_to_message,
+    message_to_error,
+)
+from .transport import connect, open_listener, parse_address, remove_socket
+
+__all__ = [
+    "IPCError", "ProtocolError", "FrameTooLargeError", "ConnectionClosed", "AuthError",
+    "VersionError", "RemoteError", "FrameCodec", "read_frame", "write_frame", "PROTOCOL_VERSION",
+    "DEFAULT_MAX_FRAME", "ErrorKind", "error_to_message", "message_to_error", "connect",
+    "open_listener", "parse_address", "remove_socket",
+]

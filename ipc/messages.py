@@ -1,0 +1,410 @@
+"""The engine's wire protocol: every message, as msgspec Structs in one tagged union.
+
+This module is the protocol's documentation; a client in any language can be written from it.
+
+Transport
+=========
+A byte stream: a Unix socket (``unix:///path``, mode 0600, the default) or TCP
+(``tcp://host:port``; 127.0.0.1 unless told otherwise; a non-loopback address requires a token).
+
+Framing
+=======
+Each message is one frame::
+
+    +----------------------------+---------------------------------+
+    | length N: 4 bytes, uint32, | body: N bytes, one MessagePack  |
+    | big-endian (network order) | map (the message)               |
+    +----------------------------+---------------------------------+
+
+* ``1 <= N <= max_frame``. ``max_frame`` is 16 MiB (:data:`DEFAULT_MAX_FRAME`) unless configured;
+  the engine tells it in ``Welcome.max_frame``. Before the handshake is done the engine accepts at
+  most :data:`HANDSHAKE_MAX_FRAME` (64 KiB). A header outside the bounds is rejected *before the
+  body is read*: the engine answers ``Error(kind=TOO_LARGE, fatal=True)`` (``PROTOCOL`` for 0) and
+  closes the connection.
+* The body is a MessagePack map. Key ``"t"`` holds the message type, which is the class name below
+  (``"Hello"``, ``"Generate"``, ...). The other keys are the fields by name. Fields equal to their
+  default are left out by the sender and may be left out by you; unknown keys, wrong types and
+  values outside the bounds given below make the whole frame invalid (``Error(kind=PROTOCOL,
+  fatal=True)``, then the connection is closed). Enums travel as their values: ``State`` as a
+  string ("init", "loaded", "serving", "draining", "shutdown", "failed"), :class:`ErrorKind` as
+  an integer. ``SamplingParams`` and ``RequestOutput`` (engine/params.py) are nested maps with
+  their field names as keys and no ``"t"`` key: SamplingParams {max_tokens: int = 16,
+  temperature: float = 0.0 (greedy), top_k: int = 0, top_p: float = 1.0, seed: int | nil,
+  stop: [str], stop_token_ids: [int], ignore_eos: bool, logprobs: bool, min_tokens: int = 0}
+  (unknown keys rejected); RequestOutput {request_id: str, token_ids: [int] (new tokens),
+  text: str (new text), num_prompt_tokens: int, num_output_tokens: int (cumulative), finished:
+  bool, finish_reason: "stop" | "length" | "abort" | "error" | nil, reason: str | nil,
+  logprobs: [float] | nil}.
+* Example: ``Hello(protocol_version=1, client_name="cli")`` is the header ``00 00 00 2b``
+  (43) followed by the 43-byte body ``{"t": "Hello", "protocol_version": 1, "client_name":
+  "cli"}``: ``83 a1 74 a5 48 65 6c 6c 6f b0 70 72 6f 74 6f 63 6f 6c 5f 76 65 72 73 69 6f 6e 01
+  ab 63 6c 69 65 6e 74 5f 6e 61 6d 65 a3 63 6c 69``.
+
+Handshake
+=========
+1. The client connects and sends :class:`Hello` (``protocol_version`` =
+   :data:`PROTOCOL_VERSION`, and the ``token`` if the engine was started with one). It must
+   arrive within the engine's handshake timeout (10 s).
+2. The engine answers :class:`Welcome` -- or, for a wrong version, a missing/wrong token or
+   anything but a Hello, ``Error(kind=VERSION | AUTH | PROTOCOL, fatal=True)`` and closes.
+   Tokens are compared in constant time. ``Hello``, ``Welcome`` and ``Error`` keep their layout
+   in every protocol version, so a version mismatch is always reported as ``VERSION``.
+
+Message flow (after the handshake)
+==================================
+Both directions are asynchronous: the client may pipeline requests without waiting for
+replies, and the engine pushes frames whenever it has something to say.
+
+Client -> engine:
+
+* :class:`Generate` starts a request. ``request_id`` is chosen by the client and scoped to the
+  connection (other connections' ids never collide with it); it must not be in use by one of
+  the connection's unfinished requests. The engine streams the request's :class:`RequestOutput`
+  pieces (new tokens/text since the previous piece) inside :class:`Outputs` frames; exactly one
+  piece has ``finished=True`` (with ``finish_reason``), after which the id is free again. If the
+  request is refused or fails, the engine sends ``Error(request_id=...)`` instead, and nothing
+  else for that id (it is finished). Refusals: ``BAD_REQUEST`` (invalid params/prompt),
+  ``DRAINING`` (``retry_after`` seconds: try another replica / later), ``SHUTDOWN``, ``DEAD``.
+* :class:`Abort` ends a request early: if still running, its last piece has
+  ``finish_reason="abort"``. Aborting an unknown or finished id is not an error.
+* :class:`HealthRequest` asks for a :class:`Health` snapshot.
+* :class:`Drain` stops admission (new Generates get ``DRAINING``) and waits up to ``timeout``
+  seconds for running requests to finish (the rest are aborted).
+* :class:`Shutdown` drains with no grace period and shuts the engine down; every connection is
+  then closed.
+
+Correlation: ``Abort``, ``HealthRequest``, ``Drain`` and ``Shutdown`` take an optional
+``call_id`` (client-chosen integer). With it, the engine answers with a message carrying the same
+``call_id``: :class:`Health` for a HealthRequest, :class:`Ack` when an Abort was delivered or a
+Drain/Shutdown completed, or :class:`Error` if the call failed (e.g. ``INVALID_TRANSITION``).
+Without it, only failures are reported. An Ack for an Abort may arrive before the request's last
+(``"abort"``) piece.
+
+Engine -> client, unprompted:
+
+* :class:`Outputs`: all of this connection's pieces produced by one engine step, in one frame.
+  Pieces of one request are in order; pieces of different requests may interleave.
+* :class:`StateChanged` on every lifecycle transition (e.g. serving -> draining).
+* :class:`Error` with ``fatal=True`` (protocol violation, oversize frame, failed handshake):
+  the engine closes the connection right after it.
+
+Closing
+=======
+When a connection closes (either side, EOF, half-close, reset), the engine aborts all of that
+connection's unfinished requests. A client that stops reading for too long is disconnected.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Optional, Union
+
+import msgspec
+from msgspec import Meta
+
+from engine.errors import (
+    BadRequestError,
+    EngineDeadError,
+    EngineDrainingError,
+    EngineError,
+    EngineShutdownError,
+)
+from engine.params import RequestOutput, SamplingParams
+from states import InvalidTransitionError, State
+
+from .errors import (
+    AuthError,
+    ConnectionClosed,
+    FrameTooLargeError,
+    ProtocolError,
+    RemoteError,
+    VersionError,
+)
+
+#: Bumped on any incompatible change of the messages below.
+PROTOCOL_VERSION = 1
+#: Largest frame body (bytes) unless configured otherwise; told in ``Welcome.max_frame``.
+DEFAULT_MAX_FRAME = 16 * 1024 * 1024
+#: Largest frame the engine accepts before the handshake is done.
+HANDSHAKE_MAX_FRAME = 64 * 1024
+
+MAX_REQUEST_ID_LEN = 256
+MAX_PROMPT_CHARS = 4 * 1024 * 1024
+MAX_PROMPT_TOKENS = 1024 * 1024
+MAX_TOKEN_LEN = 1024
+MAX_NAME_LEN = 256
+MAX_ERROR_MESSAGE_LEN = 8192
+
+RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+CallId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Count = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Version = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]
+Prompt = Union[
+    Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)],
+    Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKENS)],
+]
+
+
+class ErrorKind(enum.IntEnum):
+    """What went wrong; travels as its integer value."""
+
+    BAD_REQUEST = 1         # invalid params/prompt/request id          -> BadRequestError
+    DRAINING = 2            # not accepting new requests; retry_after    -> EngineDrainingError
+    SHUTDOWN = 3            # the engine has shut down                   -> EngineShutdownError
+    DEAD = 4                # the engine failed                          -> EngineDeadError
+    INVALID_TRANSITION = 5  # e.g. Drain while already shut down         -> InvalidTransitionError
+    PROTOCOL = 6            # undecodable/invalid/unexpected frame       -> ProtocolError
+    AUTH = 7                # missing or wrong token                     -> AuthError
+    VERSION = 8             # protocol version mismatch                  -> VersionError
+    TOO_LARGE = 9           # frame length header above max_frame        -> FrameTooLargeError
+    INTERNAL = 10           # unexpected error in the engine process     -> RemoteError
+
+
+class _Message(
+    msgspec.Struct,
+    tag_field="t",
+    tag=True,
+    forbid_unknown_fields=True,
+    omit_defaults=True,
+    kw_only=True,
+    gc=False,
+):
+    """Base of every message (not itself on the wire)."""
+
+
+# --------------------------------------------------------------------------- client -> engine
+
+
+class Hello(_Message, tag="Hello"):
+    """First frame of every connection (layout frozen across versions)."""
+
+    protocol_version: Version
+    token: Optional[Annotated[str, Meta(max_length=MAX_TOKEN_LEN)]] = None
+    client_name: Annotated[str, Meta(max_length=MAX_NAME_LEN)] = ""
+
+
+class Generate(_Message, tag="Generate"):
+    """Start a request; its outputs stream back in :class:`Outputs` frames."""
+
+    request_id: RequestId
+    prompt: Prompt
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+
+
+class Abort(_Message, tag="Abort"):
+    """End a request early (idempotent)."""
+
+    request_id: RequestId
+    call_id: Optional[CallId] = None
+
+
+class HealthRequest(_Message, tag="HealthRequest"):
+    """Ask for a :class:`Health` snapshot."""
+
+    call_id: Optional[CallId] = None
+
+
+class Drain(_Message, tag="Drain"):
+    """Stop admission; wait up to ``timeout`` s for running requests, abort the rest."""
+
+    timeout: Seconds = 30.0
+    call_id: Optional[CallId] = None
+
+
+class Shutdown(_Message, tag="Shutdown"):
+    """Shut the engine down (running requests are aborted); all connections close after it."""
+
+    call_id: Optional[CallId] = None
+
+
+# --------------------------------------------------------------------------- engine -> client
+
+
+class Welcome(_Message, tag="Welcome"):
+    """Handshake accepted (layout frozen across versions)."""
+
+    protocol_version: Version
+    state: State
+    max_frame: Count = DEFAULT_MAX_FRAME
+    client_id: Count = 0
+    model: Annotated[str, Meta(max_length=MAX_NAME_LEN)] = ""
+
+
+class Outputs(_Message, tag="Outputs"):
+    """All of one connection's output pieces from one engine step."""
+
+    outputs: list[RequestOutput]
+
+
+class Health(_Message, tag="Health"):
+    """A snapshot of the engine's health (answer to :class:`HealthRequest`)."""
+
+    state: State
+    live: bool
+    ready: bool
+    running: Count = 0
+    waiting: Count = 0
+    kv_usage: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    call_id: Optional[CallId] = None
+
+
+class Error(_Message, tag="Error"):
+    """A failure (layout frozen across versions).
+
+    ``request_id`` set: that request is finished. ``call_id`` set: the answer to that call.
+    ``fatal``: the engine closes the connection right after this frame. ``state``/``trigger``/
+    ``allowed`` describe an ``INVALID_TRANSITION``.
+    """
+
+    kind: ErrorKind
+    message: Annotated[str, Meta(max_length=MAX_ERROR_MESSAGE_LEN)] = ""
+    request_id: Optional[RequestId] = None
+    call_id: Optional[CallId] = None
+    retry_after: Optional[Seconds] = None
+    fatal: bool = False
+    state: Optional[State] = None
+    trigger: Optional[Annotated[str, Meta(max_length=MAX_NAME_LEN)]] = None
+    allowed: Optional[Annotated[list[Annotated[str, Meta(max_length=MAX_NAME_LEN)]], Meta(max_length=64)]] = None
+
+
+class StateChanged(_Message, tag="StateChanged"):
+    """The engine's lifecycle moved from ``previous`` to ``state``."""
+
+    state: State
+    previous: Optional[State] = None
+
+
+class Ack(_Message, tag="Ack"):
+    """Completion of an Abort/Drain/Shutdown that carried a ``call_id``."""
+
+    call_id: Optional[CallId] = None
+    request_id: Optional[RequestId] = None
+    state: Optional[State] = None
+
+
+ClientMessage = Union[Hello, Generate, Abort, HealthRequest, Drain, Shutdown]
+EngineMessage = Union[Welcome, Outputs, Health, Error, StateChanged, Ack]
+Message = Union[ClientMessage, EngineMessage]
+
+CLIENT_MESSAGES: tuple[type, ...] = (Hello, Generate, Abort, HealthRequest, Drain, Shutdown)
+ENGINE_MESSAGES: tuple[type, ...] = (Welcome, Outputs, Health, Error, StateChanged, Ack)
+ALL_MESSAGES: tuple[type, ...] = CLIENT_MESSAGES + ENGINE_MESSAGES
+
+#: Kinds after which the engine closes the connection.
+FATAL_KINDS = frozenset({ErrorKind.PROTOCOL, ErrorKind.AUTH, ErrorKind.VERSION, ErrorKind.TOO_LARGE})
+
+
+# --------------------------------------------------------------------------- errors <-> messages
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_ERROR_MESSAGE_LEN else text[: MAX_ERROR_MESSAGE_LEN - 3] + "..."
+
+
+def _kind_of(exc: BaseException) -> ErrorKind:
+    # Order matters: subclasses before their bases.
+    if isinstance(exc, FrameTooLargeError):
+        return ErrorKind.TOO_LARGE
+    if isinstance(exc, ProtocolError):
+        return ErrorKind.PROTOCOL
+    if isinstance(exc, AuthError):
+        return ErrorKind.AUTH
+    if isinstance(exc, VersionError):
+        return ErrorKind.VERSION
+    if isinstance(exc, EngineDrainingError):
+        return ErrorKind.DRAINING
+    if isinstance(exc, EngineShutdownError):
+        return ErrorKind.SHUTDOWN
+    if isinstance(exc, (EngineDeadError, ConnectionClosed)):
+        return ErrorKind.DEAD
+    if isinstance(exc, BadRequestError):
+        return ErrorKind.BAD_REQUEST
+    if isinstance(exc, InvalidTransitionError):
+        return ErrorKind.INVALID_TRANSITION
+    return ErrorKind.INTERNAL
+
+
+def error_to_message(
+    exc: BaseException,
+    *,
+    request_id: str | None = None,
+    call_id: int | None = None,
+    fatal: bool | None = None,
+) -> Error:
+    """The :class:`Error` frame for ``exc`` (``fatal`` defaults to the kind's :data:`FATAL_KINDS`)."""
+    kind = _kind_of(exc)
+    if kind is ErrorKind.INTERNAL and not isinstance(exc, (EngineError,)):
+        text = f"{type(exc).__name__}: {exc}"
+    else:
+        text = str(exc)
+    msg = Error(
+        kind=kind,
+        message=_clip(text),
+        request_id=request_id,
+        call_id=call_id,
+        fatal=(kind in FATAL_KINDS) if fatal is None else fatal,
+    )
+    if kind is ErrorKind.DRAINING:
+        msg.retry_after = max(0.0, float(getattr(exc, "retry_after", 1.0)))
+    elif kind is ErrorKind.INVALID_TRANSITION:
+        state = getattr(exc, "state", None)
+        msg.state = state if isinstance(state, State) else None
+        trigger = getattr(exc, "trigger", None)
+        msg.trigger = str(trigger)[:MAX_NAME_LEN] if trigger is not None else None
+        allowed = getattr(exc, "allowed", None)
+        if allowed is not None:
+            msg.allowed = [str(a)[:MAX_NAME_LEN] for a in list(allowed)[:64]]
+    return msg
+
+
+def message_to_error(msg: Error) -> Exception:
+    """The exception a client raises for ``msg``: the class the in-process engine would raise.
+
+    The result carries ``request_id``, ``call_id`` and ``fatal`` attributes from the frame.
+    """
+    kind = msg.kind
+    exc: Exception
+    if kind is ErrorKind.BAD_REQUEST:
+        exc = BadRequestError(msg.message)
+    elif kind is ErrorKind.DRAINING:
+        exc = EngineDrainingError(msg.message, retry_after=1.0 if msg.retry_after is None else msg.retry_after)
+    elif kind is ErrorKind.SHUTDOWN:
+        exc = EngineShutdownError(msg.message)
+    elif kind is ErrorKind.DEAD:
+        exc = EngineDeadError(msg.message)
+    elif kind is ErrorKind.INVALID_TRANSITION:
+        if msg.state is not None and msg.trigger is not None:
+            exc = InvalidTransitionError(msg.state, msg.trigger, msg.allowed or [])
+        else:  # Not enough to rebuild the standard message: keep the engine's text.
+            exc = InvalidTransitionError.__new__(InvalidTransitionError)
+            RuntimeError.__init__(exc, msg.message)
+            exc.state = msg.state  # type: ignore[assignment]
+            exc.trigger = msg.trigger or ""
+            exc.allowed = list(msg.allowed or [])
+    elif kind is ErrorKind.PROTOCOL:
+        exc = ProtocolError(msg.message)
+    elif kind is ErrorKind.TOO_LARGE:
+        exc = FrameTooLargeError(message=msg.message)
+    elif kind is ErrorKind.AUTH:
+        exc = AuthError(msg.message)
+    elif kind is ErrorKind.VERSION:
+        exc = VersionError(msg.message)
+    else:
+        exc = RemoteError(msg.message)
+    exc.request_id = msg.request_id  # type: ignore[attr-defined]
+    exc.call_id = msg.call_id  # type: ignore[attr-defined]
+    exc.fatal = msg.fatal  # type: ignore[attr-defined]
+    return exc
+
+
+__all__ = [
+    "PROTOCOL_VERSION", "DEFAULT_MAX_FRAME", "HANDSHAKE_MAX_FRAME", "ErrorKind", "FATAL_KINDS",
+    "Hello", "Generate", "Abort", "HealthRequest", "Drain", "Shutdown",
+    "Welcome", "Outputs", "Health", "Error", "StateChanged", "Ack",
+    "ClientMessage", "EngineMessage", "Message",
+    "CLIENT_MESSAGES", "ENGINE_MESSAGES", "ALL_MESSAGES",
+    "SamplingParams", "RequestOutput", "State",
+    "error_to_message", "message_to_error",
+]

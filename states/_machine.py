@@ -1,0 +1,117 @@
+"""``Lifecycle``: a synchronous ``transitions.Machine`` over the table, with one owner.
+
+NOTE: we use the sync ``Machine`` on purpose. ``AsyncMachine`` cancels the caller's task when two
+triggers race (see shared field notes); here a single task (the engine loop) owns the machine and
+does the slow async work itself, outside the callbacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterable
+
+from transitions import Machine, MachineError
+
+from ._table import LIVE_STATES, TRANSITIONS, State, allowed_triggers
+
+log = logging.getLogger("enginecore.states")
+
+
+class InvalidTransitionError(RuntimeError):
+    """A trigger or call that the current lifecycle state does not allow."""
+
+    def __init__(self, state: State, trigger: str, allowed: Iterable[str]):
+        self.state = state
+        self.trigger = trigger
+        self.allowed = list(allowed)
+        super().__init__(
+            f"{trigger!r} is not allowed in state {state.name}; allowed: "
+            f"{', '.join(self.allowed) or 'nothing'}"
+        )
+
+
+class _Model:
+    """The object `transitions` decorates; kept private so triggers are only reached via Lifecycle."""
+
+    state: State
+
+
+class Lifecycle:
+    """The engine's lifecycle state, moved only by :meth:`trigger`.
+
+    Every transition is logged with the time spent in the previous state. Listeners registered
+    with :meth:`on_change` are called synchronously after each transition.
+    """
+
+    def __init__(self, name: str = "engine") -> None:
+        self._model = _Model()
+        self._machine = Machine(
+            model=self._model,
+            states=State,
+            transitions=TRANSITIONS,
+            initial=State.INIT,
+            auto_transitions=False,
+            ignore_invalid_triggers=False,
+            model_attribute="state",
+        )
+        self._name = name
+        self._since = time.perf_counter()
+        self._listeners: list[Callable[[State, State], None]] = []
+        self.history: list[tuple[State, float]] = [(State.INIT, time.time())]
+
+    @property
+    def state(self) -> State:
+        return self._model.state
+
+    @property
+    def live(self) -> bool:
+        return self.state in LIVE_STATES
+
+    def allowed(self) -> list[str]:
+        return allowed_triggers(self.state)
+
+    def may(self, trigger: str) -> bool:
+        return trigger in self.allowed()
+
+    def trigger(self, trigger: str) -> State:
+        """Fire ``trigger``; raise :class:`InvalidTransitionError` if the table forbids it."""
+        before = self.state
+        if not self.may(trigger):
+            raise InvalidTransitionError(before, trigger, self.allowed())
+        try:
+            self._model.trigger(trigger)
+        except MachineError as exc:  # pragma: no cover - guarded by may() above
+            raise InvalidTransitionError(before, trigger, self.allowed()) from exc
+        now = time.perf_counter()
+        log.info(
+            "%s: %s -> %s via %s (%.3f s in %s)",
+            self._name, before.name, self.state.name, trigger, now - self._since, before.name,
+        )
+        self._since = now
+        self.history.append((self.state, time.time()))
+        for listener in list(self._listeners):
+            listener(before, self.state)
+        return self.state
+
+    def require(self, call: str, *states: State) -> None:
+        """Raise :class:`InvalidTransitionError` unless the current state is one of ``states``."""
+        if self.state not in states:
+            raise InvalidTransitionError(self.state, call, [s.name for s in states])
+
+    def on_change(self, listener: Callable[[State, State], None]) -> None:
+        self._listeners.append(listener)
+
+
+def mermaid() -> str:
+    """The state diagram, generated from the machine's own table (README embeds this text)."""
+    from transitions.extensions import GraphMachine
+
+    class _G:
+        pass
+
+    g = GraphMachine(
+        model=_G(), states=State, transitions=TRANSITIONS, initial=State.INIT,
+        auto_transitions=False, graph_engine="mermaid", title="",
+    )
+    return g.get_graph().draw(None)

@@ -1,0 +1,45 @@
+"""The lifecycle as data: the states and the one table of legal transitions."""
+
+from __future__ import annotations
+
+import enum
+
+
+class State(str, enum.Enum):
+    INIT = "init"
+    LOADED = "loaded"
+    SERVING = "serving"
+    DRAINING = "draining"
+    SHUTDOWN = "shutdown"
+    FAILED = "failed"
+
+
+#: States in which the engine is alive (a failure can still happen there).
+LIVE_STATES = (State.INIT, State.LOADED, State.SERVING, State.DRAINING)
+
+#: The whole lifecycle. NOTE: no "*" sources and no auto transitions, so there are no self-loops
+#: (shutdown -> shutdown would hide a double release).
+TRANSITIONS: list[dict] = [
+    {"trigger": "load", "source": State.INIT, "dest": State.LOADED},
+    {"trigger": "serve", "source": State.LOADED, "dest": State.SERVING},
+    {"trigger": "drain", "source": State.SERVING, "dest": State.DRAINING},
+    {"trigger": "shutdown", "source": State.DRAINING, "dest": State.SHUTDOWN},
+    # A start that is cancelled before serving releases straight away.
+    {"trigger": "shutdown", "source": State.LOADED, "dest": State.SHUTDOWN},
+    {"trigger": "shutdown", "source": State.INIT, "dest": State.SHUTDOWN},
+    {"trigger": "fail", "source": list(LIVE_STATES), "dest": State.FAILED},
+    # The release after a failure.
+    {"trigger": "shutdown", "source": State.FAILED, "dest": State.SHUTDOWN},
+]
+
+TRIGGERS: tuple[str, ...] = tuple(dict.fromkeys(t["trigger"] for t in TRANSITIONS))
+
+
+def allowed_triggers(state: State) -> list[str]:
+    """Triggers that are legal from ``state``, in table order."""
+    out: list[str] = []
+    for t in TRANSITIONS:
+        sources = t["source"] if isinstance(t["source"], list) else [t["source"]]
+        if state in sources and t["trigger"] not in out:
+            out.append(t["trigger"])
+    return out

