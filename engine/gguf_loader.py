@@ -130,14 +130,13 @@ def _build_config(path: Path, meta: _Metadata, tensor_names: set[str]) -> ModelC
     hidden = int(meta.require(path, "llama.embedding_length"))
     heads = int(meta.require(path, "llama.attention.head_count"))
     scaling = meta.get("llama.rope.scaling.type")
-    if (scaling not in (None, "none")) or "rope_freqs.weight" in tensor_names:
+    if scaling not in (None, "none") or "rope_freqs.weight" in tensor_names:
         # Llama 3.1-style files store precomputed frequencies, not the HF scaling parameters.
         raise CheckpointError(path, f"unsupported RoPE scaling ({scaling or 'rope_freqs tensor'})")
-    tokens = meta.get("tokenizer.ggml.tokens") or []
     eos = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     return ModelConfig(
         architecture="LlamaForCausalLM",
-        vocab_size=int(meta.get("llama.vocab_size") or len(tokens)),
+        vocab_size=int(meta.get("llama.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ())),
         hidden_size=hidden,
         intermediate_size=int(meta.require(path, "llama.feed_forward_length")),
         num_layers=int(meta.require(path, "llama.block_count")),
@@ -190,13 +189,14 @@ def _load_weights(path: Path, reader, config: ModelConfig) -> dict[str, torch.Te
         elif name.endswith("k_proj.weight"):
             array = _unpermute_rotary(array, config.num_kv_heads)
         # F32 tensors come back as views of the read-only mapping: copy those to own the memory.
-        weights[name] = torch.from_numpy(np.require(array, np.float32, ["C", "W", "O"]))
+        weights[name] = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
 
     expected = {"model.embed_tokens.weight", "model.norm.weight"} | {
         f"model.layers.{i}.{kind}.weight" for i in range(config.num_layers) for kind in _LAYER_NAMES.values()
     }
     if missing := sorted(expected - weights.keys()):
-        raise CheckpointError(path, f"missing tensors: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        more = " ..." if len(missing) > 5 else ""
+        raise CheckpointError(path, f"missing tensors: {', '.join(missing[:5])}{more}")
     embed = weights["model.embed_tokens.weight"]
     if tuple(embed.shape) != (config.vocab_size, config.hidden_size):
         raise CheckpointError(path, f"token embedding has shape {tuple(embed.shape)}, expected "
@@ -209,7 +209,7 @@ def _build_tokenizer(path: Path, meta: _Metadata, config: ModelConfig) -> Tokeni
 
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise CheckpointError(path, f"unsupported GGUF tokenizer {kind!r}; supported: 'gpt2' (byte-level BPE)")
+        raise CheckpointError(path, f"unsupported GGUF tokenizer {kind!r}; supported: 'gpt2'")
     pre = meta.get("tokenizer.ggml.pre", "default")
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":

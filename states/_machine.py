@@ -114,4 +114,8 @@ def mermaid() -> str:
         model=_G(), states=State, transitions=TRANSITIONS, initial=State.INIT,
         auto_transitions=False, graph_engine="mermaid", title="",
     )
-    return g.get_graph().draw(None)
+    text = g.get_graph().draw(None)
+    # Keep the structure only: no empty front matter, no styling classes (GitHub renders it as is).
+    keep = [ln for ln in text.splitlines()
+            if ln.strip() and ln.strip() != "---" and not ln.strip().startswith(("classDef", "Class "))]
+    return "\n".join(keep) + "\n"

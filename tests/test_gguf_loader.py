@@ -168,7 +168,7 @@ def test_missing_file(tmp_path):
 def test_not_a_gguf(tmp_path, content):
     path = tmp_path / "bad.gguf"
     path.write_bytes(content)
-    with pytest.raises(CheckpointError) as info:
+    with pytest.raises(CheckpointError, match="not a GGUF file") as info:
         load_gguf(path)
     _assert_names(info.value, path)
 
@@ -178,22 +178,42 @@ def test_truncated_gguf(tmp_path, gguf_path, fraction):
     data = gguf_path.read_bytes()
     path = tmp_path / "truncated.gguf"
     path.write_bytes(data[: int(len(data) * fraction)])
-    with pytest.raises(CheckpointError) as info:
+    with pytest.raises(CheckpointError, match="truncated") as info:
         load_gguf(path)
     _assert_names(info.value, path)
 
 
-def test_unsupported_architecture(tmp_path):
+def _write_gguf(path, arch: str, tensors: dict[str, np.ndarray]) -> None:
     import gguf
 
-    path = tmp_path / "gpt2.gguf"
-    writer = gguf.GGUFWriter(path, "gpt2")
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer = gguf.GGUFWriter(path, arch)
+    if arch == "llama":  # a one-layer toy: enough metadata to reach the tensors
+        writer.add_block_count(1)
+        writer.add_context_length(16)
+        writer.add_embedding_length(8)
+        writer.add_feed_forward_length(16)
+        writer.add_head_count(2)
+        writer.add_head_count_kv(1)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_unsupported_architecture(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    _write_gguf(path, "gpt2", {"token_embd.weight": np.zeros((4, 8), dtype=np.float32)})
     with pytest.raises(CheckpointError, match="unsupported GGUF architecture 'gpt2'") as info:
+        load_gguf(path)
+    _assert_names(info.value, path)
+
+
+def test_unsupported_tensor_type(tmp_path):
+    path = tmp_path / "int.gguf"
+    _write_gguf(path, "llama", {"blk.0.attn_norm.weight": np.zeros(8, dtype=np.int32)})
+    with pytest.raises(CheckpointError, match="unsupported type I32") as info:
         load_gguf(path)
     _assert_names(info.value, path)
 

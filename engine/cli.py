@@ -1,0 +1,123 @@
+"""``enginecore`` command line: ``generate`` (in-process or over IPC) and ``serve``.
+
+This module is the process entry point; it alone may install signal handlers (in ``serve``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import anyio
+
+from .config import EngineConfig
+from .params import SamplingParams
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help='"default" (embedded SmolLM2-135M), a HF checkpoint dir, a .gguf, or random:<preset>')
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--speculator", choices=["none", "ngram", "draft"], default="none")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--config-json", default=None, help="a whole EngineConfig as JSON (overrides the flags)")
+
+
+def config_from_args(a: argparse.Namespace) -> EngineConfig:
+    import msgspec
+
+    if a.config_json:
+        return msgspec.json.decode(a.config_json, type=EngineConfig)
+    return EngineConfig(
+        model=a.model, device=a.device, dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
+        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=a.max_model_len, speculator=a.speculator,
+        num_speculative_tokens=a.num_speculative_tokens, draft_model=a.draft_model,
+    )
+
+
+def _sampling_from_args(a: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                          top_k=a.top_k, seed=a.seed, stop=a.stop or []).validate()
+
+
+async def _generate(a: argparse.Namespace) -> int:
+    params = _sampling_from_args(a)
+    if a.connect:
+        from ipc import EngineClient
+
+        async with EngineClient.connect(a.connect, token=a.token) as eng:
+            prompt = a.prompt
+            async for out in eng.generate(prompt, params):
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+    else:
+        from .async_engine import AsyncEngine
+
+        async with AsyncEngine.open(config_from_args(a)) as eng:
+            prompt = a.prompt
+            if a.chat:
+                prompt = eng.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
+            sys.stdout.write(a.prompt if not a.chat else "")
+            async for out in eng.generate(prompt, params):
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="enginecore", description=__doc__)
+    ap.add_argument("-v", "--verbose", action="store_true")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="stream one completion")
+    g.add_argument("prompt")
+    _add_model_args(g)
+    g.add_argument("--connect", default=None, help="unix:///path or tcp://host:port of a running engine")
+    g.add_argument("--token", default=None)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append")
+
+    s = sub.add_parser("serve", help="run an engine process (IPC, optionally HTTP frontends)")
+    _add_model_args(s)
+    s.add_argument("--listen", default=None, help="unix:///path (default) or tcp://127.0.0.1:PORT")
+    s.add_argument("--token", default=None, help="shared secret clients must present")
+    s.add_argument("--drain-timeout", type=float, default=30.0)
+    s.add_argument("--http", default=None, help="HOST:PORT for the OpenAI-compatible frontends")
+    s.add_argument("--api-servers", type=int, default=1)
+    s.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    s.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from .errors import EngineError
+
+    try:
+        if a.cmd == "generate":
+            return anyio.run(_generate, a)
+        from .serve import serve_main
+
+        return serve_main(a)
+    except EngineError as exc:
+        print(f"enginecore: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""Framing: round trips over streams, limits checked before reading, and fuzzing.
+
+The fuzz tests check that nothing a peer can send makes ``decode`` raise anything but
+``ProtocolError``, or ``read_frame`` anything but ``ProtocolError``/``ConnectionClosed``, and that
+neither hangs.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+from collections import deque
+
+import anyio
+import anyio.lowlevel
+from anyio.abc import ByteReceiveStream
+import msgspec
+import pytest
+from anyio.streams.buffered import BufferedByteReceiveStream
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ipc.errors import ConnectionClosed, FrameTooLargeError, ProtocolError
+from ipc.framing import FrameCodec, read_frame, write_frame
+from ipc.messages import ALL_MESSAGES, DEFAULT_MAX_FRAME, ClientMessage, Generate, Outputs
+from ipc_samples import messages, sample_messages
+from engine.params import RequestOutput
+
+SAMPLES = sample_messages()
+FRAMES = [FrameCodec().encode(m) for m in SAMPLES]
+FUZZ = settings(max_examples=2000, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+class ChunkStream(ByteReceiveStream):
+    """An in-memory peer: yields ``chunks`` (split further to ``max_bytes``), then EOF -- or,
+    with ``close=False``, never sends anything more (a peer that went quiet)."""
+
+    def __init__(self, chunks: list[bytes], *, close: bool = True) -> None:
+        self._chunks = deque(c for c in chunks if c)
+        self._close = close
+        self.received = 0
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        await anyio.lowlevel.checkpoint()
+        if self._chunks:
+            chunk = self._chunks.popleft()
+            if len(chunk) > max_bytes:
+                self._chunks.appendleft(chunk[max_bytes:])
+                chunk = chunk[:max_bytes]
+            self.received += len(chunk)
+            return chunk
+        if self._close:
+            raise anyio.EndOfStream
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def aclose(self) -> None:
+        self._chunks.clear()
+
+
+def _stream_of(chunks: list[bytes], *, close: bool = True) -> BufferedByteReceiveStream:
+    return BufferedByteReceiveStream(ChunkStream(chunks, close=close))
+
+
+def _chunks(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
+    return [data[a:b] for a, b in zip(points, points[1:])]
+
+
+async def _read_all(stream, codec: FrameCodec, max_frame: int = DEFAULT_MAX_FRAME) -> list:
+    out = []
+    with anyio.fail_after(5):
+        while True:
+            try:
+                out.append(codec.decode(await read_frame(stream, max_frame)))
+            except ConnectionClosed:
+                return out
+
+
+# ------------------------------------------------------------------------------ round trips
+
+
+@pytest.mark.asyncio
+async def test_all_samples_round_trip_over_a_stream():
+    codec = FrameCodec()
+    data = b"".join(FRAMES)
+    # Byte by byte, in one piece, and in uneven pieces.
+    for chunks in ([data[i:i + 1] for i in range(len(data))], [data], _chunks(data, [3, 7, 100, 501])):
+        stream = _stream_of(chunks)
+        assert await _read_all(stream, codec) == SAMPLES
+
+
+@pytest.mark.asyncio
+async def test_encode_many_equals_concatenated_frames():
+    codec = FrameCodec()
+    assert codec.encode_many(SAMPLES) == b"".join(FRAMES)
+    stream = _stream_of([codec.encode_many(SAMPLES)])
+    assert await _read_all(stream, codec) == SAMPLES
+
+
+@pytest.mark.asyncio
+async def test_write_frame_and_read_over_a_unix_socket(tmp_path):
+    from ipc.transport import connect, open_listener
+
+    address = f"unix://{tmp_path}/s.sock"
+    codec = FrameCodec()
+    received: list = []
+    async with await open_listener(address) as listener, anyio.create_task_group() as tg:
+        async def serve_one():
+            conn = await listener.accept()
+            async with conn:
+                received.extend(await _read_all(BufferedByteReceiveStream(conn), FrameCodec()))
+
+        tg.start_soon(serve_one)
+        async with await connect(address) as client:
+            for msg in SAMPLES:
+                await write_frame(client, codec, msg)
+        # the client closed: the server sees EOF after the last frame
+    assert received == SAMPLES
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(messages, min_size=1, max_size=5), st.lists(st.integers(0, 10**6), max_size=6))
+@pytest.mark.asyncio
+async def test_random_messages_round_trip_in_random_chunks(msgs, cuts):
+    codec = FrameCodec()
+    stream = _stream_of(_chunks(codec.encode_many(msgs), cuts))
+    assert await _read_all(stream, codec) == msgs
+
+
+def test_reused_buffer_does_not_leak_between_messages():
+    codec = FrameCodec()
+    big = Generate(request_id="a", prompt="x" * 2_000_000)
+    small = Generate(request_id="b", prompt="y")
+    assert codec.decode(codec.encode(big)[4:]) == big
+    frame = codec.encode(small)
+    assert len(frame) == 4 + len(msgspec.msgpack.encode(small))
+    assert codec.decode(frame[4:]) == small
+
+
+def test_encode_over_the_limit_raises():
+    codec = FrameCodec(max_frame=1000)
+    with pytest.raises(FrameTooLargeError):
+        codec.encode(Generate(request_id="a", prompt="x" * 2000))
+    # The codec is still usable, and a batch that fails does not leave partial frames behind.
+    ok = Generate(request_id="a", prompt="ok")
+    with pytest.raises(FrameTooLargeError):
+        codec.encode_many([ok, Generate(request_id="a", prompt="x" * 2000)])
+    assert codec.decode(codec.encode(ok)[4:]) == ok
+
+
+def test_bad_max_frame():
+    with pytest.raises(ValueError):
+        FrameCodec(max_frame=0)
+    with pytest.raises(ValueError):
+        FrameCodec(max_frame=2**32)
+
+
+# ------------------------------------------------------------------------------ limits
+
+
+@pytest.mark.asyncio
+async def test_oversize_header_rejected_before_the_body_is_read():
+    # Header claims max+1 bytes; no body is ever sent and the stream stays open. Reading the body
+    # would hang, so a prompt FrameTooLargeError proves the header was checked first.
+    stream = _stream_of([struct.pack(">I", 1025)], close=False)
+    with anyio.fail_after(1):
+        with pytest.raises(FrameTooLargeError) as info:
+            await read_frame(stream, max_frame=1024)
+    assert info.value.size == 1025 and info.value.limit == 1024
+
+
+@pytest.mark.asyncio
+async def test_huge_header_rejected_at_default_limit():
+    stream = _stream_of([b"\xff\xff\xff\xff" + b"\x00" * 10], close=False)
+    with anyio.fail_after(1), pytest.raises(FrameTooLargeError):
+        await read_frame(stream)
+
+
+@pytest.mark.asyncio
+async def test_frame_exactly_at_the_limit_is_accepted():
+    body = msgspec.msgpack.encode({"t": "Generate", "request_id": "a", "prompt": "x" * 100})
+    stream = _stream_of([struct.pack(">I", len(body)) + body])
+    assert await read_frame(stream, max_frame=len(body)) == body
+
+
+@pytest.mark.asyncio
+async def test_zero_length_frame_is_a_protocol_error():
+    stream = _stream_of([b"\x00\x00\x00\x00"], close=False)
+    with anyio.fail_after(1), pytest.raises(ProtocolError):
+        await read_frame(stream)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("data", [b"", b"\x00\x00", b"\x00\x00\x00\x10abc"], ids=["eof", "mid-header", "mid-body"])
+async def test_eof_is_connection_closed(data):
+    stream = _stream_of([data])
+    with anyio.fail_after(1), pytest.raises(ConnectionClosed):
+        await read_frame(stream)
+
+
+@pytest.mark.asyncio
+async def test_closed_stream_is_connection_closed():
+    stream = _stream_of([])
+    await stream.aclose()
+    with pytest.raises(ConnectionClosed):
+        await read_frame(stream)
+
+
+# ------------------------------------------------------------------------------ hostile bodies
+
+
+DEPTH = 200_000
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\x91" * DEPTH + b"\xc0",                                          # [[[[...nil]]]]
+        b"\x81\xc0" * DEPTH + b"\xc0",                                      # {nil: {nil: ...}}
+        b"\x84\xa1t\xa8Generate\xaarequest_id\xa1a\xa6prompt" + b"\x91" * DEPTH + b"\x01",
+        b"\x82\xa1t\xa7Outputs\xa7outputs" + b"\x91" * DEPTH + b"\xc0",
+        b"\x82\xa1t\xa5Hello\xa1x" + b"\x91" * DEPTH + b"\xc0",             # unknown field, deep
+        b"\xdd\xff\xff\xff\xff",                                            # array32 claiming 4G items
+        b"\xdf\xff\xff\xff\xff",                                            # map32 claiming 4G pairs
+        b"\xdb\xff\xff\xff\xff",                                            # str32 claiming 4 GiB
+        b"\xc6\xff\xff\xff\xff",                                            # bin32 claiming 4 GiB
+        b"\xc1",                                                            # never-used byte
+        b"\xd4\x01\x00",                                                    # ext type
+        b"\xc0\xc0",                                                        # trailing data
+    ],
+)
+def test_hostile_bodies_are_protocol_errors(body):
+    with pytest.raises(ProtocolError):
+        FrameCodec().decode(body)
+
+
+@FUZZ
+@given(st.binary(max_size=512))
+def test_fuzz_random_bytes_decode_only_raises_protocol_error(body):
+    codec = FrameCodec()
+    try:
+        msg = codec.decode(body)
+    except ProtocolError:
+        return
+    assert isinstance(msg, ALL_MESSAGES)
+
+
+def _mutate(frame: bytes, data) -> bytes:
+    """Apply 1-4 random mutations: bit flips, truncation, insertion, header rewrite, splicing."""
+    buf = bytearray(frame)
+    for _ in range(data.draw(st.integers(1, 4), label="n_mutations")):
+        op = data.draw(st.sampled_from(["flip", "truncate", "insert", "header", "byte", "splice"]))
+        if op == "flip" and buf:
+            i = data.draw(st.integers(0, len(buf) - 1))
+            buf[i] ^= 1 << data.draw(st.integers(0, 7))
+        elif op == "byte" and buf:
+            i = data.draw(st.integers(0, len(buf) - 1))
+            buf[i] = data.draw(st.integers(0, 255))
+        elif op == "truncate":
+            del buf[data.draw(st.integers(0, len(buf))):]
+        elif op == "insert":
+            i = data.draw(st.integers(0, len(buf)))
+            buf[i:i] = data.draw(st.binary(min_size=1, max_size=16))
+        elif op == "header" and len(buf) >= 4:
+            n = data.draw(st.one_of(st.integers(0, 2**32 - 1), st.integers(0, len(buf) + 8)))
+            buf[:4] = struct.pack(">I", n)
+        elif op == "splice":
+            other = data.draw(st.sampled_from(FRAMES))
+            i = data.draw(st.integers(0, len(buf)))
+            buf[i:] = other[data.draw(st.integers(0, len(other))):]
+    return bytes(buf)
+
+
+@FUZZ
+@given(st.data())
+def test_fuzz_mutated_frames_decode_only_raises_protocol_error(data):
+    frame = data.draw(st.sampled_from(FRAMES))
+    mutated = _mutate(frame, data)
+    for codec in (FrameCodec(), FrameCodec(ClientMessage)):
+        try:
+            msg = codec.decode(mutated[4:])
+        except ProtocolError:
+            continue
+        assert isinstance(msg, ALL_MESSAGES)
+
+
+@FUZZ
+@given(st.data())
+@pytest.mark.asyncio
+async def test_fuzz_read_frame_over_a_stream(data):
+    """Mutated frame sequences, in random chunks, through read_frame + decode: only the two
+    error types, and the reader always finishes (the stream ends; nothing waits for bytes that
+    a header promised but the peer never sent once EOF came)."""
+    n = data.draw(st.integers(1, 3), label="n_frames")
+    stream_bytes = b"".join(_mutate(data.draw(st.sampled_from(FRAMES)), data) for _ in range(n))
+    if data.draw(st.booleans(), label="random_tail"):
+        stream_bytes += data.draw(st.binary(max_size=64))
+    cuts = data.draw(st.lists(st.integers(0, 10**6), max_size=5), label="cuts")
+    max_frame = data.draw(st.sampled_from([DEFAULT_MAX_FRAME, 64, 512]), label="max_frame")
+    stream = _stream_of(_chunks(stream_bytes, cuts))
+    codec = FrameCodec()
+    with anyio.fail_after(5):
+        while True:
+            try:
+                body = await read_frame(stream, max_frame)
+            except ConnectionClosed:
+                break
+            except ProtocolError:  # incl. FrameTooLargeError: the connection would be dropped
+                break
+            assert 0 < len(body) <= max_frame
+            try:
+                msg = codec.decode(body)
+            except ProtocolError:
+                break
+            assert isinstance(msg, ALL_MESSAGES)
+
+
+def test_large_outputs_batch_round_trip():
+    outs = [RequestOutput(request_id=f"req-{i}", token_ids=[i], text="abc", num_prompt_tokens=10,
+                          num_output_tokens=i) for i in range(4096)]
+    codec = FrameCodec()
+    msg = Outputs(outputs=outs)
+    assert codec.decode(codec.encode(msg)[4:]) == msg

@@ -1,0 +1,89 @@
+"""The lifecycle table: every legal transition works, every illegal one raises, README diagram."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+
+import pytest
+
+from states import (TRANSITIONS, TRIGGERS, InvalidTransitionError, Lifecycle, State,
+                    allowed_triggers, mermaid)
+
+# Paths from INIT that reach each state, used to put a fresh machine into any state.
+_PATH = {
+    State.INIT: [],
+    State.LOADED: ["load"],
+    State.SERVING: ["load", "serve"],
+    State.DRAINING: ["load", "serve", "drain"],
+    State.SHUTDOWN: ["load", "serve", "drain", "shutdown"],
+    State.FAILED: ["load", "fail"],
+}
+
+
+def _machine_in(state: State) -> Lifecycle:
+    lc = Lifecycle()
+    for t in _PATH[state]:
+        lc.trigger(t)
+    assert lc.state is state
+    return lc
+
+
+def _expected_dest(state: State, trigger: str):
+    for t in TRANSITIONS:
+        src = t["source"] if isinstance(t["source"], list) else [t["source"]]
+        if t["trigger"] == trigger and state in src:
+            return t["dest"]
+    return None
+
+
+@pytest.mark.parametrize("state,trigger", list(itertools.product(State, TRIGGERS)))
+def test_whole_table(state: State, trigger: str) -> None:
+    lc = _machine_in(state)
+    dest = _expected_dest(state, trigger)
+    if dest is None:
+        with pytest.raises(InvalidTransitionError) as ei:
+            lc.trigger(trigger)
+        msg = str(ei.value)
+        assert state.name in msg and trigger in msg
+        for allowed in allowed_triggers(state):
+            assert allowed in msg
+        assert lc.state is state  # nothing moved
+    else:
+        assert lc.trigger(trigger) is dest
+        assert lc.state is dest
+
+
+def test_shape_of_the_table() -> None:
+    for t in TRANSITIONS:
+        assert t["source"] != "*"
+        src = t["source"] if isinstance(t["source"], list) else [t["source"]]
+        assert t["dest"] not in src, f"self-loop in {t}"
+    assert allowed_triggers(State.SHUTDOWN) == []
+    assert set(allowed_triggers(State.FAILED)) == {"shutdown"}
+    for s in (State.INIT, State.LOADED, State.SERVING, State.DRAINING):
+        assert "fail" in allowed_triggers(s)
+
+
+def test_transitions_are_logged_and_listened(caplog) -> None:
+    seen = []
+    lc = Lifecycle("t")
+    lc.on_change(lambda a, b: seen.append((a, b)))
+    with caplog.at_level("INFO", logger="enginecore.states"):
+        lc.trigger("load")
+    assert seen == [(State.INIT, State.LOADED)]
+    assert re.search(r"INIT -> LOADED via load \(\d+\.\d+ s in INIT\)", caplog.text)
+
+
+def test_require_names_state_and_allowed() -> None:
+    lc = Lifecycle()
+    with pytest.raises(InvalidTransitionError, match="INIT.*SERVING"):
+        lc.require("generate", State.SERVING)
+
+
+def test_readme_diagram_is_generated_from_the_machine() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"```mermaid\n(.*?)```", readme, re.S)
+    assert block, "README has no mermaid block"
+    assert block.group(1).strip() == mermaid().strip()
