@@ -73,11 +73,18 @@ class RequestStream:
         self._send, self._recv = anyio.create_memory_object_stream(math.inf)
         self._done = False
 
-    def _sink(self, item) -> None:
-        try:
-            self._send.send_nowait(item)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            pass  # the consumer went away; the engine already aborts the request
+    def sink(self) -> Sink:
+        # NOTE: the sink must not reference the stream itself, or the engine would keep an
+        # abandoned stream alive and dropping it could not abort the request.
+        send = self._send
+
+        def deliver(item) -> None:
+            try:
+                send.send_nowait(item)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass  # the consumer went away; the engine already aborts the request
+
+        return deliver
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -213,7 +220,7 @@ class AsyncEngine:
         """Submit now (errors are raised here, at once); iterate the result for outputs."""
         rid = request_id if request_id is not None else uuid.uuid4().hex
         stream = RequestStream(self, rid)
-        self.submit(prompt, params or SamplingParams(), rid, stream._sink)
+        self.submit(prompt, params or SamplingParams(), rid, stream.sink())
         return stream
 
     def submit(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,

@@ -84,7 +84,9 @@ class ModelConfig:
             hidden = int(d["hidden_size"])
             eos = d.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            scaling = d.get("rope_scaling")
+            # transformers >= 5 writes both as one "rope_parameters" dict; older: top-level keys
+            rope_params = d.get("rope_parameters") or {}
+            scaling = d.get("rope_scaling") or (rope_params or None)
             if scaling is not None:
                 rtype = scaling.get("rope_type", scaling.get("type"))
                 if rtype not in ("llama3", "default", None):
@@ -102,7 +104,7 @@ class ModelConfig:
                 head_dim=int(d.get("head_dim") or hidden // heads),
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(d.get("rope_theta", 10000.0)),
+                rope_theta=float(d.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
                 rope_scaling=scaling,
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),

@@ -143,6 +143,17 @@ def test_special_tokens(loaded):
     assert tokenizer.decode(ids) == "user\nhi"
 
 
+def test_digits_split_like_smollm2(loaded):
+    """SmolLM2's own tokenizer.json (Digits(individual) + ByteLevel) and llama.cpp's "smollm"
+    pre-tokenizer isolate each digit first, so a whitespace run before a digit stays one piece.
+    transformers 5.24's GGUF path has no "smollm" entry and falls back to plain GPT-2 splitting,
+    which gives "a  1" as [a, Ġ, Ġ, 1]; we follow the model's own tokenizer instead."""
+    tokenizer = loaded[2]
+    ids = tokenizer.encode("a  1", add_special_tokens=False)
+    assert [tokenizer._backend.id_to_token(i) for i in ids] == ["a", "ĠĠ", "1"]
+    assert tokenizer.encode("x   42", add_special_tokens=False) == [104, 333, 36, 34]
+
+
 @pytest.mark.parametrize("messages", CONVERSATIONS, ids=["user-assistant", "system-user"])
 def test_chat_template_matches_transformers(loaded, hf_tokenizer, messages):
     tokenizer = loaded[2]
@@ -173,7 +184,7 @@ def test_not_a_gguf(tmp_path, content):
     _assert_names(info.value, path)
 
 
-@pytest.mark.parametrize("fraction", [0.001, 0.5, 0.999])
+@pytest.mark.parametrize("fraction", [0.001, 0.999])  # in the header; in the last tensor
 def test_truncated_gguf(tmp_path, gguf_path, fraction):
     data = gguf_path.read_bytes()
     path = tmp_path / "truncated.gguf"

@@ -1,0 +1,66 @@
+"""Shared fixtures: random-weight Hugging Face checkpoints written by transformers itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+# Small enough to build and run in milliseconds, big enough to exercise GQA, several KV blocks
+# and multi-layer caches. Architecture-specific knobs are passed as overrides.
+TINY_HF_CONFIG = dict(
+    vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+)
+
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """A trivial WordLevel tokenizer.json: token ``t<i>`` is id ``i``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+
+
+def write_hf_checkpoint(path: Path, arch: str = "LlamaForCausalLM", *, seed: int = 0,
+                        std: float = 0.15, max_shard_size=None, **overrides):
+    """Build ``arch`` with transformers from TINY_HF_CONFIG + ``overrides``, with N(0, std)
+    weights from ``seed`` (large std -> peaky logits, so greedy argmax has no near-ties), and
+    ``save_pretrained`` it (safetensors) plus a tokenizer.json into ``path``.
+
+    Returns the fp32 transformers model (eval mode), the reference for parity tests."""
+    import transformers
+
+    model_cls = getattr(transformers, arch)
+    config_cls = model_cls.config_class
+    config = config_cls(**{**TINY_HF_CONFIG, "initializer_range": std, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # norms are initialised to 1 and biases to 0; randomise them too
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.8, 1.2)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, std)
+    path.mkdir(parents=True, exist_ok=True)
+    kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, safe_serialization=True, **kw)
+    write_tokenizer(path, config.vocab_size)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """Factory ``hf_checkpoint(name, arch, **kw) -> (path, hf_model)``, cached per name."""
+    cache: dict[str, tuple[Path, object]] = {}
+
+    def make(name: str, arch: str = "LlamaForCausalLM", **kw):
+        if name not in cache:
+            path = tmp_path_factory.mktemp("ckpt") / name
+            cache[name] = (path, write_hf_checkpoint(path, arch, **kw))
+        return cache[name]
+
+    return make
