@@ -116,6 +116,7 @@ class EngineCore:
         finish: Optional[str] = None
         reason = None
         accepted: list[int] = []
+        text = ""
         for i, tok in enumerate(new):
             req.token_ids.append(tok)
             accepted.append(tok)
@@ -131,12 +132,15 @@ class EngineCore:
                 finish, reason = "length", "context limit"
             elif blocks_needed(req.num_tokens + 1, self.runner.block_size) > self.allocator.num_blocks:
                 finish, reason = "length", "KV cache capacity"
+            # token by token, so a stop string ends the output where it would without
+            # speculation (accepted drafts after it are dropped)
+            if not (tok in self._eos and finish == "stop"):
+                text += req.detok.add([tok])
+            if req.detok.stopped:
+                finish = "stop"
             if finish:
                 break
         self._gen_tokens += len(accepted)
-        text = req.detok.add([t for t in accepted if not (t in self._eos and finish == "stop")])
-        if req.detok.stopped:
-            finish = "stop"
         out = RequestOutput(request_id=req.request_id, token_ids=accepted, text=text)
         if p.logprobs:
             out.logprobs = req.logprobs[len(req.logprobs) - len(accepted):]

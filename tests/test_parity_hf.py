@@ -30,7 +30,7 @@ CASES = {
     "llama": ("LlamaForCausalLM", dict(seed=1)),
     "llama-llama3-rope": ("LlamaForCausalLM", dict(seed=2, rope_parameters=LLAMA3_ROPE)),
     "llama-sharded": ("LlamaForCausalLM", dict(seed=3, max_shard_size="100KB")),
-    "mistral": ("MistralForCausalLM", dict(seed=4, sliding_window=None,
+    "mistral": ("MistralForCausalLM", dict(seed=7, sliding_window=None,
                                            rope_parameters={"rope_type": "default",
                                                             "rope_theta": 1e6})),
     "qwen2-qkv-bias": ("Qwen2ForCausalLM", dict(seed=5)),
@@ -77,6 +77,8 @@ def _hf_greedy(hf, prompt: list[int]) -> list[int]:
     new = res.sequences[0, len(prompt):].tolist()
     assert len(new) == MAX_TOKENS
     # The fixture's weights must make greedy decoding well defined: no near-tie at any step.
+    # Logits here have std ~1.2, so 1e-3 is ~1000x the fp32 difference between two correct
+    # implementations; a smaller margin would make the comparison a coin flip.
     top2 = torch.stack(res.scores).squeeze(1).topk(2, dim=-1).values
     margin = (top2[:, 0] - top2[:, 1]).min().item()
     assert margin > 1e-3, f"reference has a near-tie (margin {margin:.2e}); pick another seed"

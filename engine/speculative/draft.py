@@ -1,0 +1,306 @@
+"""Draft-model proposer: a (smaller) model with the target's vocabulary runs ``k`` autoregressive
+steps per engine step for every proposing request, batched, over its own paged KV cache.
+
+Device memory (the draft's weights, its KV cache, the draft distributions of sampled requests
+between propose and verify, its per-request generators) lives in one :class:`DraftResources`
+adopted by the runner's owner as ``"speculator"``; this object keeps host bookkeeping only.
+
+Keeping the draft's cache in sync: per request we remember how many tokens the draft has cached
+(``cached``), and which draft tokens were written past the real tokens (``tail``). Next step the
+tail is compared with the tokens the target actually accepted and ``cached`` rolls back to the
+common prefix; the tokens the draft lacks (the target's correction, the last accepted draft) are
+fed as a small prefill chunk before drafting. A request that is preempted (it leaves the running
+set, or its preemption count moves) or finishes loses its draft blocks.
+
+``draft_model`` is any model spec (``"random:<preset>"``, a checkpoint directory, a .gguf file,
+``"default"``); ``"...@seed=N"`` picks the seed of a random preset (default: the engine's seed,
+so ``draft_model == model`` is the target itself).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from ..attention import AttentionMetadata, PrefillSeq
+from ..errors import BadRequestError
+from ..kv_cache import BlockAllocator, KVCache, blocks_needed
+from ..loader import build_model, resolve_source
+from ..owner import empty_in_place
+from ..sampler import SamplingBatch, apply_penalty_free_filters
+from .base import Speculator, race
+
+log = logging.getLogger("enginecore.speculative")
+
+
+class DraftResources:
+    """Everything the draft allocates on the device; ``close()`` releases all of it."""
+
+    def __init__(self, model, kv: KVCache):
+        self.model = model
+        self.kv: Optional[KVCache] = kv
+        self.pending: dict[str, torch.Tensor] = {}  # request id -> draft probs [m, V]
+        self.generators: dict[str, torch.Generator] = {}
+
+    @property
+    def nbytes(self) -> int:
+        w = 0 if self.model is None else sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return w + (self.kv.nbytes if self.kv is not None else 0)
+
+    def close(self) -> None:
+        self.pending_clear()
+        self.generators.clear()
+        if self.kv is not None:
+            self.kv.close()
+        self.kv = None
+        if self.model is not None:
+            empty_in_place(self.model)
+        self.model = None
+
+    def pending_clear(self) -> None:
+        for t in self.pending.values():
+            t.set_()
+        self.pending.clear()
+
+
+class _Seq:
+    __slots__ = ("blocks", "cached", "base", "tail", "preemptions")
+
+    def __init__(self, preemptions: int):
+        self.blocks: list[int] = []
+        self.cached = 0  # tokens whose K/V the draft holds (real tokens, then ``tail``)
+        self.base = 0  # num_tokens when the tail was drafted
+        self.tail: list[int] = []  # draft tokens written to the cache after ``base``
+        self.preemptions = preemptions
+
+
+def _parse_spec(spec: str, default_seed: int) -> tuple[str, int]:
+    if "@seed=" in spec:
+        source, seed = spec.rsplit("@seed=", 1)
+        try:
+            return source, int(seed)
+        except ValueError:
+            raise BadRequestError(f"draft_model {spec!r}: seed must be an integer") from None
+    return spec, default_seed
+
+
+class DraftSpeculator(Speculator):
+    name = "draft"
+
+    def __init__(self, config, runner):
+        super().__init__(config, runner)
+        source, seed = _parse_spec(config.draft_model, config.seed)
+        dcfg, tensors, _tok = resolve_source(source)
+        if dcfg.vocab_size != runner.model_config.vocab_size:
+            raise BadRequestError(
+                f"draft model {source!r} has vocabulary {dcfg.vocab_size}; the target has "
+                f"{runner.model_config.vocab_size}")
+        self.max_pos = dcfg.max_position_embeddings
+        self.block_size = runner.block_size
+        self.num_blocks = runner.num_blocks  # as many tokens as the target's cache
+        self.budget = config.max_num_batched_tokens
+        self.device = runner.device
+        model = build_model(dcfg, tensors, runner.device, runner.dtype, seed, source)
+        kv = KVCache(num_layers=dcfg.num_layers, num_blocks=self.num_blocks,
+                     block_size=self.block_size, num_kv_heads=dcfg.num_kv_heads,
+                     head_dim=dcfg.head_dim, dtype=runner.dtype, device=runner.device)
+        res = runner.adopt("speculator", DraftResources(model, kv))
+        self.allocator = BlockAllocator(self.num_blocks)
+        self._seqs: dict[str, _Seq] = {}
+        log.info("draft model %s: %.1f MiB (weights + %d KV blocks)", source,
+                 res.nbytes / 2**20, self.num_blocks)
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def _res(self) -> DraftResources:
+        return self.runner.resource("speculator")
+
+    def _drop(self, request_id: str) -> None:
+        st = self._seqs.pop(request_id, None)
+        if st is not None and st.blocks:
+            self.allocator.free(st.blocks)
+
+    def forget(self, request_id: str) -> None:
+        self._drop(request_id)
+        try:
+            res = self._res()
+        except KeyError:  # already released
+            return
+        res.generators.pop(request_id, None)
+        t = res.pending.pop(request_id, None)
+        if t is not None:
+            t.set_()
+
+    def num_cached(self, request_id: str) -> int:
+        st = self._seqs.get(request_id)
+        return 0 if st is None else st.cached
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    def _resize(self, st: _Seq, tokens: int) -> bool:
+        need = blocks_needed(tokens, self.block_size)
+        have = len(st.blocks)
+        if need < have:
+            self.allocator.free(st.blocks[need:])
+            del st.blocks[need:]
+        elif need > have:
+            if not self.allocator.can_allocate(need - have):
+                return False
+            st.blocks += self.allocator.allocate(need - have)
+        return True
+
+    # -- proposing -----------------------------------------------------------------------------
+    def _propose(self, running, want) -> None:
+        res = self._res()
+        res.pending_clear()
+        live = {r.request_id for r in running}
+        for rid in [rid for rid in self._seqs if rid not in live]:
+            self._drop(rid)  # preempted (back to waiting): its draft cache goes too
+        plan: list[tuple] = []  # (req, seq, tokens to feed now, drafts to make)
+        budget = self.budget
+        for req, n in want:
+            if budget <= 0:
+                break
+            st = self._seqs.get(req.request_id)
+            if st is not None and st.preemptions != req.num_preemptions:
+                self._drop(req.request_id)
+                st = None
+            if st is None:
+                st = self._seqs[req.request_id] = _Seq(req.num_preemptions)
+            if st.tail:  # roll back to what the target accepted
+                real = req.token_ids[st.base:st.base + len(st.tail)]
+                keep = 0
+                while keep < len(real) and real[keep] == st.tail[keep]:
+                    keep += 1
+                st.cached = min(st.cached, st.base + keep)
+                st.tail = []
+            size = req.num_tokens
+            n = min(n, self.max_pos - size + 1)
+            take = min(size - st.cached, budget)
+            if take <= 0:
+                continue
+            if take < size - st.cached or n <= 0:
+                n = 0  # prefill the draft's cache this step, propose later
+            if not self._resize(st, st.cached + take + max(n - 1, 0)):
+                n = 0
+                if not self._resize(st, st.cached + take):
+                    continue
+            plan.append((req, st, take, n))
+            budget -= take
+        if plan:
+            self._run(res, plan)
+
+    def _run(self, res: DraftResources, plan) -> None:
+        model, kv = res.model, res.kv.tensor
+        dev = self.device
+        # round 0: catch up on the real tokens (a prefill chunk per request) and draft one
+        seqs = [(req.token_ids[st.cached:st.cached + take], st) for req, st, take, _ in plan]
+        hidden = self._forward(model, kv, seqs)
+        ends, row = [], 0
+        for toks, _ in seqs:
+            row += len(toks)
+            ends.append(row - 1)
+        for (_, st, take, _) in plan:
+            st.cached += take
+        active = [i for i, p in enumerate(plan) if p[3] > 0]
+        if not active:
+            return
+        logits = model.logits(hidden[torch.tensor([ends[i] for i in active], device=dev)])
+        drafts: dict[int, list[int]] = {i: [] for i in active}
+        qs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
+        r = 0
+        while True:
+            toks, probs = self._sample(res, [plan[i][0] for i in active], logits)
+            for a, i in enumerate(active):
+                drafts[i].append(toks[a])
+                if probs is not None and plan[i][0].params.temperature > 0:
+                    qs[i].append(probs[a])
+            r += 1
+            active = [i for i in active if plan[i][3] > r]
+            if not active:
+                break
+            seqs = [([drafts[i][-1]], plan[i][1]) for i in active]
+            hidden = self._forward(model, kv, seqs)
+            for i in active:
+                plan[i][1].cached += 1
+            logits = model.logits(hidden)
+        for i, dr in drafts.items():
+            req, st, _, n = plan[i]
+            req.spec_token_ids = dr
+            st.base = req.num_tokens
+            st.tail = dr[: n - 1]
+            if qs[i]:
+                res.pending[req.request_id] = torch.stack(qs[i])
+
+    def _forward(self, model, kv: torch.Tensor, seqs) -> torch.Tensor:
+        """One packed forward of ``(tokens, seq)`` pairs written at ``seq.cached`` onwards."""
+        dev, bs = self.device, self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        prefills: list[PrefillSeq] = []
+        dec_rows: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        for toks, st in seqs:
+            start, m, blocks = st.cached, len(toks), st.blocks
+            row0 = len(ids)
+            ids.extend(toks)
+            for p in range(start, start + m):
+                pos.append(p)
+                slots.append(blocks[p // bs] * bs + p % bs)
+            if m == 1 and start > 0:
+                dec_rows.append(row0)
+                dec_tables.append(blocks)
+                dec_lens.append(start + 1)
+            else:
+                prefills.append(PrefillSeq(row0, row0 + m, start + m, torch.tensor(
+                    blocks[: blocks_needed(start + m, bs)], device=dev)))
+        meta = AttentionMetadata(torch.tensor(slots, device=dev), prefills, None, None, None)
+        if dec_rows:
+            width = max(len(b) for b in dec_tables)
+            table = torch.zeros((len(dec_rows), width), dtype=torch.long)
+            for i, b in enumerate(dec_tables):
+                table[i, : len(b)] = torch.tensor(b)
+            meta.decode_rows = torch.tensor(dec_rows, device=dev)
+            meta.decode_block_tables = table.to(dev)
+            meta.decode_context_lens = torch.tensor(dec_lens, device=dev)
+            meta.decode_max_len = max(dec_lens)
+        return model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), kv, meta)
+
+    def _sample(self, res: DraftResources, reqs, logits: torch.Tensor):
+        """Draft tokens: the argmax for greedy requests, a sample from q (the request's
+        temperature/top-k/top-p applied to the draft's logits) for the others."""
+        params = [r.params for r in reqs]
+        if all(p.temperature == 0 for p in params):
+            return logits.argmax(-1).tolist(), None
+        dev = self.device
+        gens = []
+        for r in reqs:
+            seed = r.params.seed
+            g = None
+            if seed is not None and r.params.temperature > 0:
+                g = res.generators.get(r.request_id)
+                if g is None:
+                    g = torch.Generator(device=dev).manual_seed((seed * 0x9E3779B1 + 1) % 2**63)
+                    res.generators[r.request_id] = g
+            gens.append(g)
+        sb = SamplingBatch(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+            generators=gens, all_greedy=False, need_logprobs=False)
+        probs = apply_penalty_free_filters(logits, sb).softmax(-1)
+        tokens = torch.where(sb.temperature > 0, race(probs, gens), logits.argmax(-1))
+        return tokens.tolist(), probs
+
+    # -- verifying -------------------------------------------------------------------------------
+    def _draft_probs(self, batch):
+        pending = self._res().pending
+        return [pending.get(req.request_id) for req, _ in batch]
+
+    def _verified(self, batch, drafts, n_acc) -> None:
+        self._res().pending_clear()

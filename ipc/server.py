@@ -1,0 +1,524 @@
+"""``serve_ipc``: serve an :class:`engine.AsyncEngine` to many clients over the wire protocol.
+
+One task per connection reads and dispatches frames; one sender task per connection owns the
+stream's write side. Outputs reach a connection through a sink that the engine calls on the
+event-loop thread, all of one step's outputs in one go (``AsyncEngine._dispatch``), so the
+sender -- which only runs after that -- finds the whole step in its outbox and writes it as one
+``Outputs`` frame (several pending frames go out in one ``send``).
+
+Isolation: a malformed, oversize or unexpected frame, a failed handshake, a peer that stops
+reading (``send_timeout``) or lets its outbox grow past ``max_outbox`` closes only that
+connection. Closing a connection, for whatever reason, aborts its unfinished requests.
+
+Request ids are the client's, scoped to its connection: the engine sees ``c<conn>-<n>`` and the
+outputs are renamed back, so clients can neither collide with nor abort each other's requests.
+
+``serve_ipc`` returns when the engine has stopped (SHUTDOWN, after a drain, shutdown or
+failure -- also one a client asked for), after each connection's pending replies are flushed;
+or when cancelled. It never installs signal handlers and never shuts the engine down itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections import deque
+from typing import Any, Optional
+
+import anyio
+import msgspec
+from anyio.abc import ByteStream, TaskStatus
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from engine.errors import BadRequestError
+from engine.params import RequestOutput
+from states import State
+
+from .errors import ConnectionClosed, FrameTooLargeError, ProtocolError
+from .framing import FrameCodec, read_frame
+from .messages import (
+    DEFAULT_MAX_FRAME,
+    HANDSHAKE_MAX_FRAME,
+    MAX_NAME_LEN,
+    PROTOCOL_VERSION,
+    Abort,
+    Ack,
+    ClientMessage,
+    Drain,
+    Error,
+    ErrorKind,
+    Generate,
+    Health,
+    HealthRequest,
+    Hello,
+    Outputs,
+    Shutdown,
+    StateChanged,
+    Welcome,
+    error_to_message,
+)
+from .transport import (
+    check_token,
+    listener_address,
+    open_listener,
+    parse_address,
+    remove_socket,
+    socket_inode,
+)
+
+log = logging.getLogger("enginecore.ipc")
+
+_replace = msgspec.structs.replace
+_STREAM_ERRORS = (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream, OSError,
+                  ConnectionClosed)
+
+
+class _Connection:
+    """One client: its outbox, its in-flight requests and its sender."""
+
+    def __init__(self, server: "IPCServer", stream: ByteStream, cid: int) -> None:
+        self.server = server
+        self.stream = stream
+        self.id = cid
+        self.name = ""
+        self.codec = FrameCodec(ClientMessage, max_frame=server.max_frame)
+        self.outbox: deque = deque()
+        self.inflight: dict[str, str] = {}  # client request id -> engine request id
+        self.accepting = True   # False after a fatal error: nothing more is queued
+        self.closing = False    # flush, wait for pending calls, then close
+        self.fatal = False      # flush what is queued now, then close
+        self.pending_calls = 0  # drain/shutdown calls still running
+        self.overflow = False
+        self._wake = anyio.Event()
+        self._seq = itertools.count()
+        self.scope: Optional[anyio.CancelScope] = None
+        self.buffered = BufferedByteReceiveStream(stream)
+
+    # ------------------------------------------------------------------ queueing (sync)
+
+    def push(self, item: Any) -> None:
+        """Queue a message or a RequestOutput for the sender (never blocks)."""
+        if not self.accepting:
+            return
+        self.outbox.append(item)
+        if len(self.outbox) > self.server.max_outbox and not self.overflow:
+            self.overflow = True
+            log.warning("ipc client %d: outbox over %d items (not reading?); closing",
+                        self.id, self.server.max_outbox)
+            self.accepting = False
+            if self.scope is not None:
+                self.scope.cancel()
+        self._wake.set()
+
+    def fail(self, exc: BaseException, **kw: Any) -> None:
+        """Queue a fatal Error for ``exc``, then close after flushing."""
+        self.push(error_to_message(exc, fatal=True, **kw))
+        self.accepting = False
+        self.fatal = True
+        self._wake.set()
+
+    def close(self) -> None:
+        """Graceful close: flush everything, including replies of running calls."""
+        self.closing = True
+        self._wake.set()
+
+    def make_sink(self, rid: str):
+        inflight = self.inflight
+        push = self.push
+
+        def sink(item) -> None:
+            if isinstance(item, RequestOutput):
+                if item.finished:
+                    inflight.pop(rid, None)
+                push(_replace(item, request_id=rid))
+            else:  # an exception: the request is over (e.g. EngineDeadError)
+                inflight.pop(rid, None)
+                push(error_to_message(item, request_id=rid, fatal=False))
+
+        return sink
+
+    # ------------------------------------------------------------------ sending
+
+    def _encode(self, items: list) -> bytes:
+        """Frames for ``items``: runs of consecutive outputs become one Outputs frame each."""
+        msgs: list = []
+        run: list = []
+        for item in items:
+            if type(item) is RequestOutput:
+                run.append(item)
+                continue
+            if run:
+                msgs.append(Outputs(outputs=run))
+                run = []
+            msgs.append(item)
+        if run:
+            msgs.append(Outputs(outputs=run))
+        try:
+            return self.codec.encode_many(msgs)
+        except FrameTooLargeError:
+            return b"".join(self._encode_one(m) for m in msgs)
+
+    def _encode_one(self, msg: Any) -> bytes:
+        try:
+            return self.codec.encode(msg)
+        except FrameTooLargeError as exc:
+            if isinstance(msg, Outputs) and len(msg.outputs) > 1:
+                half = len(msg.outputs) // 2
+                return (self._encode_one(Outputs(outputs=msg.outputs[:half]))
+                        + self._encode_one(Outputs(outputs=msg.outputs[half:])))
+            if isinstance(msg, Outputs):  # one output alone exceeds the frame limit
+                out = msg.outputs[0]
+                log.error("ipc client %d: output of %r exceeds max_frame", self.id, out.request_id)
+                erid = self.inflight.pop(out.request_id, None)
+                if erid is not None:
+                    self.server.engine_abort(erid, "output exceeds the frame limit")
+                return self.codec.encode(error_to_message(exc, request_id=out.request_id, fatal=False))
+            raise
+
+    async def sender(self) -> None:
+        stream, timeout = self.stream, self.server.send_timeout
+        while True:
+            if not self.outbox:
+                if self.fatal or (self.closing and self.pending_calls == 0):
+                    return
+                self._wake = anyio.Event()
+                await self._wake.wait()
+                continue
+            items = list(self.outbox)
+            self.outbox.clear()
+            data = self._encode(items)
+            with anyio.fail_after(timeout):
+                await stream.send(data)
+
+    # ------------------------------------------------------------------ reading
+
+    async def reader(self) -> None:
+        buffered = self.buffered
+        max_frame = self.server.max_frame
+        while self.accepting and not self.closing:
+            try:
+                body = await read_frame(buffered, max_frame)
+                msg = self.codec.decode(body)
+            except ConnectionClosed:
+                raise
+            except ProtocolError as exc:  # incl. FrameTooLargeError
+                log.info("ipc client %d: %s; closing", self.id, exc)
+                self.fail(exc)
+                return
+            try:
+                await self.server.dispatch(self, msg)
+            except Exception as exc:  # a bug of ours: report it, keep the connection
+                log.exception("ipc client %d: error handling %s", self.id, type(msg).__name__)
+                self.push(error_to_message(exc, call_id=getattr(msg, "call_id", None),
+                                           request_id=getattr(msg, "request_id", None), fatal=False))
+
+
+class IPCServer:
+    """Serves one engine on one address. Use :func:`serve_ipc` unless you need the object."""
+
+    def __init__(
+        self,
+        engine: Any,
+        address: str,
+        token: Optional[str] = None,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        *,
+        handshake_timeout: float = 10.0,
+        send_timeout: float = 30.0,
+        max_outbox: int = 1 << 16,
+        max_inflight: int = 1 << 14,
+        close_grace: float = 5.0,
+    ) -> None:
+        parse_address(address)  # fail early on a bad address
+        FrameCodec(max_frame=max_frame)  # and on a bad limit
+        self.engine = engine
+        self.address = address
+        self.token = token
+        self.max_frame = max_frame
+        self.handshake_timeout = handshake_timeout
+        self.send_timeout = send_timeout
+        self.max_outbox = max_outbox
+        self.max_inflight = max_inflight
+        self.close_grace = close_grace
+        self.connections: dict[int, _Connection] = {}
+        self.bound_address: Optional[str] = None
+        self._ids = itertools.count(1)
+        self._active = False
+        self._tg: Optional[anyio.abc.TaskGroup] = None
+        self._stopped = anyio.Event()
+
+    # ------------------------------------------------------------------ lifetime
+
+    async def serve(self, *, task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
+        listener = await open_listener(self.address, self.token)
+        inode = socket_inode(self.address)
+        self.bound_address = listener_address(listener, self.address)
+        self._active = True
+        self._register_state_listener()
+        try:
+            async with listener, anyio.create_task_group() as tg:
+                self._tg = tg
+                accept_scope = anyio.CancelScope()
+
+                async def accept() -> None:
+                    with accept_scope:
+                        await listener.serve(self._handle, task_group=tg)
+
+                tg.start_soon(accept)
+                log.info("ipc: serving on %s", self.bound_address)
+                task_status.started(self.bound_address)
+                await self._wait_engine_stopped()
+                log.info("ipc: engine stopped (%s); closing %d connection(s)",
+                         self._engine_state(), len(self.connections))
+                accept_scope.cancel()
+                for conn in list(self.connections.values()):
+                    conn.close()
+                with anyio.move_on_after(self.close_grace):
+                    while self.connections:
+                        await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+        finally:
+            self._active = False
+            remove_socket(self.address, inode=inode)
+            self._stopped.set()
+
+    async def _wait_engine_stopped(self) -> None:
+        wait = getattr(self.engine, "wait_stopped", None)
+        if wait is not None:
+            await wait()
+            return
+        while self._engine_state() is not State.SHUTDOWN:  # pragma: no cover - other engines
+            await anyio.sleep(0.05)
+
+    def _engine_state(self) -> State:
+        return self.engine.state
+
+    def _register_state_listener(self) -> None:
+        register = getattr(self.engine, "on_state_change", None)
+        if register is None:  # pragma: no cover - other engines
+            return
+        connections = self.connections
+
+        def on_change(old: State, new: State) -> None:
+            if not self._active:
+                return  # the engine has no way to unregister; a stopped server ignores it
+            msg = StateChanged(state=new, previous=old)
+            for conn in list(connections.values()):
+                conn.push(msg)
+
+        register(on_change)
+
+    def engine_abort(self, engine_rid: str, reason: str) -> None:
+        """Abort from synchronous code (in the server's task group)."""
+        if self._tg is not None and self._active:
+            self._tg.start_soon(self.engine.abort, engine_rid, reason)
+
+    # ------------------------------------------------------------------ one connection
+
+    async def _handle(self, stream: ByteStream) -> None:
+        cid = next(self._ids)
+        conn = _Connection(self, stream, cid)
+        try:
+            if await self._handshake(conn):
+                self.connections[cid] = conn
+                await self._run(conn)
+        except Exception:  # never let one connection take the server down
+            log.exception("ipc client %d: unexpected error", cid)
+        finally:
+            self.connections.pop(cid, None)
+            conn.accepting = False
+            with anyio.CancelScope(shield=True):
+                erids, conn.inflight = list(conn.inflight.values()), {}
+                for erid in erids:
+                    try:
+                        await self.engine.abort(erid, "client disconnected")
+                    except Exception:  # the engine is stopping or dead: nothing left to abort
+                        pass
+                await stream.aclose()
+
+    async def _handshake(self, conn: _Connection) -> bool:
+        buffered = BufferedByteReceiveStream(conn.stream)
+        try:
+            with anyio.fail_after(self.handshake_timeout):
+                body = await read_frame(buffered, HANDSHAKE_MAX_FRAME)
+            msg = conn.codec.decode(body)
+        except TimeoutError:
+            await self._reject(conn, Error(kind=ErrorKind.PROTOCOL, message="handshake timeout", fatal=True))
+            return False
+        except ConnectionClosed:
+            return False
+        except ProtocolError as exc:
+            await self._reject(conn, error_to_message(exc, fatal=True))
+            return False
+        if not isinstance(msg, Hello):
+            await self._reject(conn, Error(kind=ErrorKind.PROTOCOL, fatal=True,
+                                           message=f"expected Hello, got {type(msg).__name__}"))
+            return False
+        if msg.protocol_version != PROTOCOL_VERSION:
+            await self._reject(conn, Error(
+                kind=ErrorKind.VERSION, fatal=True,
+                message=f"protocol version {msg.protocol_version} not supported; "
+                        f"this engine speaks {PROTOCOL_VERSION}"))
+            return False
+        if not check_token(self.token, msg.token):
+            log.warning("ipc client %d: bad token", conn.id)
+            await self._reject(conn, Error(kind=ErrorKind.AUTH, fatal=True,
+                                           message="missing or wrong token"))
+            return False
+        conn.name = msg.client_name
+        model = getattr(getattr(self.engine, "config", None), "model", "")
+        welcome = Welcome(protocol_version=PROTOCOL_VERSION, state=self._engine_state(),
+                          max_frame=self.max_frame, client_id=conn.id,
+                          model=str(model)[:MAX_NAME_LEN])
+        try:
+            with anyio.fail_after(self.send_timeout):
+                await conn.stream.send(conn.codec.encode(welcome))
+        except (TimeoutError, *_STREAM_ERRORS):
+            return False
+        # Bytes the client pipelined right after its Hello are in ``buffered``: keep reading
+        # through the same buffer.
+        conn.buffered = buffered
+        return True
+
+    async def _reject(self, conn: _Connection, err: Error) -> None:
+        with anyio.move_on_after(min(self.send_timeout, 5.0)):
+            try:
+                await conn.stream.send(conn.codec.encode(err))
+            except _STREAM_ERRORS:
+                pass
+
+    async def _run(self, conn: _Connection) -> None:
+        async with anyio.create_task_group() as tg:
+            conn.scope = tg.cancel_scope
+
+            async def send_all() -> None:
+                try:
+                    await conn.sender()
+                except TimeoutError:
+                    log.warning("ipc client %d: not reading for %.0fs; closing", conn.id, self.send_timeout)
+                except _STREAM_ERRORS:
+                    pass
+                tg.cancel_scope.cancel()
+
+            async def read_all() -> None:
+                try:
+                    await conn.reader()
+                except _STREAM_ERRORS:
+                    tg.cancel_scope.cancel()  # the peer is gone: nobody to flush to
+
+            tg.start_soon(send_all)
+            tg.start_soon(read_all)
+
+    # ------------------------------------------------------------------ requests
+
+    async def dispatch(self, conn: _Connection, msg: Any) -> None:
+        t = type(msg)
+        if t is Generate:
+            self._generate(conn, msg)
+        elif t is Abort:
+            erid = conn.inflight.get(msg.request_id)
+            if erid is not None:
+                await self.engine.abort(erid, "aborted by client")
+            if msg.call_id is not None:
+                conn.push(Ack(call_id=msg.call_id, request_id=msg.request_id))
+        elif t is HealthRequest:
+            conn.push(self._health(msg.call_id))
+        elif t is Drain:
+            self._call(conn, msg.call_id, self.engine.drain, msg.timeout)
+        elif t is Shutdown:
+            self._call(conn, msg.call_id, self.engine.shutdown)
+        else:  # a second Hello
+            conn.fail(ProtocolError(f"unexpected {t.__name__} after the handshake"))
+
+    def _generate(self, conn: _Connection, msg: Generate) -> None:
+        rid = msg.request_id
+        if rid in conn.inflight:
+            conn.push(error_to_message(BadRequestError(f"request_id {rid!r} is already in flight"),
+                                       request_id=rid))
+            return
+        if len(conn.inflight) >= self.max_inflight:
+            conn.push(error_to_message(BadRequestError(
+                f"too many requests in flight on this connection (max {self.max_inflight})"),
+                request_id=rid))
+            return
+        erid = f"c{conn.id}-{next(conn._seq)}"
+        conn.inflight[rid] = erid
+        try:
+            self._submit(msg.prompt, msg.params, erid, conn.make_sink(rid))
+        except Exception as exc:
+            conn.inflight.pop(rid, None)
+            conn.push(error_to_message(exc, request_id=rid, fatal=False))
+
+    def _submit(self, prompt, params, erid: str, sink) -> None:
+        submit = getattr(self.engine, "submit", None)
+        if submit is not None:
+            submit(prompt, params, erid, sink)
+            return
+        # An engine with only ``generate``: one task per request forwards its stream.
+        stream = self.engine.generate(prompt, params, request_id=erid)  # pragma: no cover
+
+        async def forward() -> None:  # pragma: no cover
+            try:
+                async for out in stream:
+                    sink(out)
+            except Exception as exc:
+                sink(exc)
+
+        assert self._tg is not None  # pragma: no cover
+        self._tg.start_soon(forward)  # pragma: no cover
+
+    def _health(self, call_id: Optional[int]) -> Health:
+        h = self.engine.health()
+        state = h.state if isinstance(h.state, State) else State(h.state)
+        kv = float(h.kv_usage)
+        return Health(state=state, live=bool(h.live), ready=bool(h.ready), running=int(h.running),
+                      waiting=int(h.waiting),
+                      kv_usage=min(1.0, max(0.0, kv)) if math.isfinite(kv) else 0.0,
+                      call_id=call_id)
+
+    def _call(self, conn: _Connection, call_id: Optional[int], fn, *args: Any) -> None:
+        """Run a long engine call (drain/shutdown) without blocking the connection's reader."""
+        assert self._tg is not None
+        conn.pending_calls += 1
+
+        async def run() -> None:
+            try:
+                await fn(*args)
+            except Exception as exc:
+                conn.push(error_to_message(exc, call_id=call_id, fatal=False))
+            else:
+                if call_id is not None:
+                    conn.push(Ack(call_id=call_id, state=self._engine_state()))
+            finally:
+                conn.pending_calls -= 1
+                conn._wake.set()
+
+        # In the server's task group: the call outlives the connection that asked for it.
+        self._tg.start_soon(run)
+
+
+async def serve_ipc(
+    engine: Any,
+    address: str,
+    token: Optional[str] = None,
+    max_frame: int = DEFAULT_MAX_FRAME,
+    *,
+    task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
+    **options: Any,
+) -> None:
+    """Serve ``engine`` on ``address`` (``unix:///path`` or ``tcp://host:port``) until the
+    engine stops or the caller cancels.
+
+    ``token``: required in every client's Hello (and mandatory for a non-loopback TCP host).
+    ``max_frame``: the largest frame accepted or sent. With ``await tg.start(serve_ipc, ...)``
+    the caller gets the concrete address (TCP port 0 resolved) once the listener is up.
+    ``options``: ``handshake_timeout`` (10 s), ``send_timeout`` (30 s: a client that stops
+    reading is dropped), ``max_outbox`` (65,536 queued items), ``max_inflight`` (16,384
+    requests per connection), ``close_grace`` (5 s to flush replies when the engine stops).
+    """
+    server = IPCServer(engine, address, token, max_frame, **options)
+    await server.serve(task_status=task_status)
+
+
+__all__ = ["serve_ipc", "IPCServer"]
