@@ -148,15 +148,30 @@ class AsyncEngine:
     @classmethod
     @asynccontextmanager
     async def open(cls, config: EngineConfig, **kw) -> AsyncIterator["AsyncEngine"]:
-        """Load, start serving, yield; on exit drain(0) and release, whatever happened."""
+        """Load, start serving, yield; on exit drain(0) and release, whatever happened.
+
+        A failure (e.g. ``CheckpointError`` from loading, or the caller's own exception) is
+        raised as itself, not wrapped in the task group's ``ExceptionGroup``."""
         engine = cls(config, **kw)
-        async with anyio.create_task_group() as tg:
-            await engine.start(tg)
+        try:
+            async with anyio.create_task_group() as tg:
+                await engine.start(tg)
+                try:
+                    yield engine
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await engine._close_quietly()
+        except BaseExceptionGroup as group:
+            if len(group.exceptions) != 1:
+                raise
+            exc = group.exceptions[0]
+            context = exc.__context__
+            del group
             try:
-                yield engine
+                raise exc
             finally:
-                with anyio.CancelScope(shield=True):
-                    await engine._close_quietly()
+                exc.__context__ = context  # not the group we unwrapped
+                del exc, context
 
     async def start(self, tg) -> None:
         """Load the model on a worker thread (stoppable by cancellation), then SERVING."""

@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("transitions").setLevel(logging.WARNING)
     from .errors import EngineError
 
     try:

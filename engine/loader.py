@@ -8,6 +8,7 @@ Every failure is a :class:`CheckpointError` naming the file and the problem.
 from __future__ import annotations
 
 import json
+import traceback
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -16,6 +17,7 @@ import torch
 from .errors import CheckpointError
 from .model import CausalLM
 from .model_config import ModelConfig
+from .owner import empty_in_place
 from .presets import PRESETS
 from .tokenizer import Tokenizer
 
@@ -103,10 +105,17 @@ def build_model(cfg: ModelConfig, tensors, device: torch.device, dtype: torch.dt
     model = model.to_empty(device=device).to(dtype)
     model.model.rotary.reset(device)  # fp32 rope tables, computed on the real device
     params = dict(model.named_parameters())
-    if tensors is None:
-        _fill_random(params, seed, device)
-    else:
-        _fill_from(params, tensors(), cfg, source)
+    try:
+        if tensors is None:
+            _fill_random(params, seed, device)
+        else:
+            _fill_from(params, tensors(), cfg, source)
+    except BaseException as exc:
+        # A failed load keeps nothing: without this, the traceback's frames pin the half-filled
+        # model (device memory) and the tensor being copied for as long as the error lives.
+        empty_in_place(model)
+        traceback.clear_frames(exc.__traceback__)
+        raise
     model.eval().requires_grad_(False)
     return model
 

@@ -1,0 +1,560 @@
+"""Offline throughput on the nano-vllm workload, through every layer of the engine.
+
+    python -m bench.throughput --device cpu                       # scaled down, ~1-2 min on 2 cores
+    python -m bench.throughput --device cuda                      # nano-vllm: 256 req, [100, 1024]
+
+Workload (nano-vllm's bench.py): N requests (default 256 on cuda), prompt lengths and output
+lengths uniform in [min, max] (default [100, 1024] on cuda), random token-id prompts, ignore_eos,
+temperature 0.6, ``random.seed(0)``. Every request is submitted at t=0.
+
+Modes, all on the same workload, one after another in the same process:
+
+* ``bare``   — ``ModelRunner`` + ``EngineCore.step()`` in a plain loop: the engine's own batches
+               without the async loop (the ceiling for the layers above).
+* ``inproc`` — ``AsyncEngine`` in this process; every request streamed concurrently.
+* ``ipc``    — ``ipc.EngineClient.spawn(config)``: the engine in a child process, streams over
+               the IPC channel (skipped with a message while ``ipc.EngineClient`` does not exist).
+* ``hf-generate`` (cuda default) — transformers ``generate`` on the same synthetic weights,
+               left-padded static batches of ``--hf-batch`` requests; each batch runs to its
+               longest output (``min_new_tokens`` = ``max_new_tokens``: no EOS stop), only the
+               requested tokens are counted.
+* ``hf-cb``  (cuda default) — transformers' continuous batching manager
+               (``init_continuous_batching`` / ``add_request(max_new_tokens=...)``) when the
+               installed transformers has one.
+
+Reported per mode: output tok/s, total (prompt + output) tok/s, TTFT p50/p99 and inter-token
+latency p50/p99 (time between consecutive streamed tokens of one request; a piece carrying k
+tokens counts as k gaps of 1/k), plus the ratios inproc/bare and ipc/inproc. Model load and a
+short warm-up are outside the timed region. JSON goes to ``bench/results/throughput.json``
+(rewritten after every mode, so a run cut short keeps what finished).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import sys
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import common
+from .common import now, percentile
+
+CPU_DEFAULTS = dict(num_requests=256, min_input=16, max_input=128, min_output=16, max_output=64)
+CUDA_DEFAULTS = dict(num_requests=256, min_input=100, max_input=1024, min_output=100, max_output=1024)
+ENGINE_MODES = ("bare", "inproc", "ipc")
+HF_MODES = ("hf-generate", "hf-cb")
+
+
+# -- recording -------------------------------------------------------------------------------------
+class Recorder:
+    """Arrival times of every streamed piece; turns them into throughput and latency figures."""
+
+    def __init__(self, work: list[tuple[list[int], int]], bar=None):
+        n = len(work)
+        self.prompt_tokens = sum(len(p) for p, _ in work)
+        self.expected_output = sum(o for _, o in work)
+        self.submit: list[Optional[float]] = [None] * n
+        self.first: list[Optional[float]] = [None] * n
+        self.last: list[Optional[float]] = [None] * n
+        self.out_tokens = [0] * n
+        self.finish: list[Optional[str]] = [None] * n
+        self.itl: list[float] = []
+        self.t0 = self.t1 = 0.0
+        self.bar = bar
+        self.pending_bar = 0
+
+    def submitted(self, i: int, t: float) -> None:
+        self.submit[i] = t
+
+    def piece(self, i: int, t: float, k: int, finish: Optional[str] = None) -> None:
+        if k:
+            if self.first[i] is None:
+                self.first[i] = t
+                if k > 1:
+                    self.itl.extend([0.0] * (k - 1))
+            else:
+                gap = (t - self.last[i]) / k
+                self.itl.extend([gap] * k)
+            self.last[i] = t
+            self.out_tokens[i] += k
+            self.pending_bar += k
+        if finish is not None:
+            self.finish[i] = finish
+
+    def flush_bar(self) -> None:
+        if self.bar is not None and self.pending_bar:
+            self.bar.update(self.pending_bar)
+            self.pending_bar = 0
+
+    def summary(self, mode: str, **extra) -> dict[str, Any]:
+        wall = self.t1 - self.t0
+        out = sum(self.out_tokens)
+        ttft = [f - s for f, s in zip(self.first, self.submit) if f is not None and s is not None]
+        bad = {}
+        for r in self.finish:
+            if r != "length":
+                bad[str(r)] = bad.get(str(r), 0) + 1
+        res = {
+            "mode": mode, "requests": len(self.finish), "prompt_tokens": self.prompt_tokens,
+            "output_tokens": out, "expected_output_tokens": self.expected_output, "wall_s": wall,
+            "output_tok_s": out / wall if wall > 0 else None,
+            "total_tok_s": (out + self.prompt_tokens) / wall if wall > 0 else None,
+            "ttft_p50_ms": _ms(percentile(ttft, 50)), "ttft_p99_ms": _ms(percentile(ttft, 99)),
+            "itl_p50_ms": _ms(percentile(self.itl, 50)), "itl_p99_ms": _ms(percentile(self.itl, 99)),
+            "itl_mean_ms": _ms(sum(self.itl) / len(self.itl)) if self.itl else None,
+            "not_finished_by_length": bad or None,
+        }
+        res.update(extra)
+        return res
+
+
+def _ms(x: Optional[float]) -> Optional[float]:
+    return None if x is None else x * 1e3
+
+
+def _params(max_tokens: int, temperature: float):
+    from engine import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
+
+
+def _engine_cfg(args):
+    return common.engine_config(
+        args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        kv_cache_bytes=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None)
+
+
+def _warm_work(work, n):
+    return [(p, min(o, 8)) for p, o in work[:n]]
+
+
+# -- mode: bare EngineCore.step() loop --------------------------------------------------------------
+def run_bare(args, work) -> dict[str, Any]:
+    from engine.core import EngineCore
+    from engine.runner import ModelRunner
+
+    cfg = _engine_cfg(args)
+    t_load = now()
+    runner = ModelRunner(cfg)
+    try:
+        runner.load()
+        load_s = now() - t_load
+        if args.warmup:
+            core = EngineCore(runner)
+            for i, (p, o) in enumerate(_warm_work(work, args.warmup)):
+                core.add_request(f"w{i}", p, _params(o, args.temperature))
+            while core.has_work():
+                core.step()
+        core = EngineCore(runner)  # fresh scheduler and statistics for the timed run
+        common.sync(args.device)
+        with common.progress(sum(o for _, o in work), "bare", "tok", args.no_progress) as bar:
+            rec = Recorder(work, bar)
+            index = {}
+            rec.t0 = now()
+            for i, (p, o) in enumerate(work):
+                rid = f"r{i}"
+                index[rid] = i
+                rec.submitted(i, now())
+                core.add_request(rid, p, _params(o, args.temperature))
+            last_bar = 0.0
+            while core.has_work():
+                outs = core.step()
+                t = now()
+                for out in outs:
+                    rec.piece(index[out.request_id], t, len(out.token_ids),
+                              out.finish_reason if out.finished else None)
+                if t - last_bar > 0.2:
+                    rec.flush_bar()
+                    last_bar = t
+            common.sync(args.device)
+            rec.t1 = now()
+            rec.flush_bar()
+        st = core.statistics()
+        return rec.summary("bare", load_s=load_s, steps=st.steps, preemptions=st.preemptions,
+                           kv_blocks=runner.num_blocks)
+    finally:
+        runner.shutdown()
+
+
+# -- modes: streaming (in-process AsyncEngine, IPC client) -------------------------------------------
+async def _stream_all(generate: Callable, work, temperature: float, rec: Recorder) -> None:
+    import anyio
+
+    async def one(i: int, prompt: list[int], max_tokens: int) -> None:
+        rec.submitted(i, now())
+        stream = generate(prompt, _params(max_tokens, temperature))
+        if inspect.isawaitable(stream):
+            stream = await stream
+        async for out in stream:
+            rec.piece(i, now(), len(out.token_ids), out.finish_reason if out.finished else None)
+
+    async def ticker(done: anyio.Event) -> None:
+        while not done.is_set():
+            rec.flush_bar()
+            with anyio.move_on_after(0.2):
+                await done.wait()
+
+    done = anyio.Event()
+    async with anyio.create_task_group() as outer:
+        outer.start_soon(ticker, done)
+        rec.t0 = now()
+        async with anyio.create_task_group() as tg:
+            for i, (p, o) in enumerate(work):
+                tg.start_soon(one, i, p, o)
+        rec.t1 = now()
+        done.set()
+    rec.flush_bar()
+
+
+async def _warm(generate: Callable, work, temperature: float) -> None:
+    rec = Recorder(work)
+    await _stream_all(generate, work, temperature, rec)
+
+
+def run_inproc(args, work) -> dict[str, Any]:
+    import anyio
+
+    from engine import AsyncEngine
+
+    result: dict[str, Any] = {}
+
+    async def main() -> None:
+        t_load = now()
+        async with AsyncEngine.open(_engine_cfg(args)) as eng:
+            load_s = now() - t_load
+            if args.warmup:
+                await _warm(eng.generate, _warm_work(work, args.warmup), args.temperature)
+            s0 = eng.statistics()
+            with common.progress(sum(o for _, o in work), "inproc", "tok", args.no_progress) as bar:
+                rec = Recorder(work, bar)
+                await _stream_all(eng.generate, work, args.temperature, rec)
+            s1 = eng.statistics()
+            result.update(rec.summary("inproc", load_s=load_s, steps=s1.steps - s0.steps,
+                                      preemptions=s1.preemptions - s0.preemptions))
+
+    anyio.run(main, backend="asyncio", backend_options=_backend_options(args))
+    return result
+
+
+def _ipc_client_class():
+    """``ipc.EngineClient`` or None (with the reason) while it does not exist yet."""
+    try:
+        import ipc
+
+        cls = getattr(ipc, "EngineClient", None)
+        if cls is None:
+            try:
+                from ipc.client import EngineClient as cls  # type: ignore[no-redef]
+            except ImportError:
+                cls = None
+        if cls is None or not hasattr(cls, "spawn"):
+            return None, "ipc.EngineClient (with .spawn) does not exist yet"
+        return cls, None
+    except Exception as exc:  # noqa: BLE001 - a half-written module must not stop the benchmark
+        return None, f"importing ipc failed: {exc!r}"
+
+
+def run_ipc(args, work) -> dict[str, Any]:
+    import anyio
+
+    cls, why = _ipc_client_class()
+    if cls is None:
+        return {"mode": "ipc", "skipped": why}
+    result: dict[str, Any] = {}
+
+    async def main() -> None:
+        t_load = now()
+        async with cls.spawn(_engine_cfg(args)) as client:
+            load_s = now() - t_load
+            if args.warmup:
+                await _warm(client.generate, _warm_work(work, args.warmup), args.temperature)
+            with common.progress(sum(o for _, o in work), "ipc", "tok", args.no_progress) as bar:
+                rec = Recorder(work, bar)
+                await _stream_all(client.generate, work, args.temperature, rec)
+            result.update(rec.summary("ipc", load_s=load_s))
+
+    anyio.run(main, backend="asyncio", backend_options=_backend_options(args))
+    return result
+
+
+def _backend_options(args) -> dict:
+    if args.uvloop:
+        try:
+            import uvloop  # noqa: F401
+
+            return {"use_uvloop": True}
+        except ImportError:
+            pass
+    return {}
+
+
+# -- modes: Hugging Face transformers on the same weights -------------------------------------------
+def build_hf_model(args):
+    """The peer: a transformers model built from the preset's config, holding exactly the
+    engine's synthetic weights (same seed, same fill), on the benchmark device and dtype."""
+    import transformers
+
+    from engine.loader import build_model, resolve_source
+
+    device, dtype = torch.device(args.device), common.torch_dtype(args.dtype)
+    cfg, tensors, _ = resolve_source(args.model)
+    ours = build_model(cfg, tensors, device, dtype, args.seed, args.model)
+    d = dict(cfg.to_hf_dict())
+    model_type = d.pop("model_type")
+    d.pop("torch_dtype", None)
+    hf_cfg = transformers.AutoConfig.for_model(model_type, **d)
+    hf_cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        try:
+            hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+        except TypeError:
+            hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=dtype)
+    hf = hf.to(device=device, dtype=dtype).eval()
+    missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"HF weight mismatch: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    if cfg.tie_word_embeddings:
+        hf.tie_weights()
+    del ours
+    gc.collect()
+    return hf
+
+
+def run_hf_generate(args, work, hf) -> dict[str, Any]:
+    device = torch.device(args.device)
+    T = args.temperature
+    B = args.hf_batch
+    with torch.inference_mode():
+        # warm-up: one small batch
+        p0 = work[0][0]
+        hf.generate(torch.tensor([p0], device=device), attention_mask=torch.ones(1, len(p0), dtype=torch.long, device=device),
+                    max_new_tokens=4, min_new_tokens=4, do_sample=T > 0, temperature=T if T > 0 else None,
+                    top_k=None, top_p=None, pad_token_id=0, eos_token_id=None)
+        common.sync(device)
+        generated = 0
+        with common.progress(sum(o for _, o in work), "hf-generate", "tok", args.no_progress) as bar:
+            rec = Recorder(work, bar)
+            rec.t0 = now()
+            for b0 in range(0, len(work), B):
+                chunk = work[b0:b0 + B]
+                width = max(len(p) for p, _ in chunk)
+                new = max(o for _, o in chunk)
+                ids = torch.zeros((len(chunk), width), dtype=torch.long)
+                mask = torch.zeros((len(chunk), width), dtype=torch.long)
+                for r, (p, _) in enumerate(chunk):
+                    ids[r, width - len(p):] = torch.tensor(p)
+                    mask[r, width - len(p):] = 1
+                for r in range(len(chunk)):
+                    rec.submitted(b0 + r, rec.t0)
+                hf.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
+                            min_new_tokens=new, do_sample=T > 0, temperature=T if T > 0 else None,
+                            top_k=None, top_p=None, pad_token_id=0, eos_token_id=None)
+                common.sync(device)
+                t = now()
+                generated += new * len(chunk)
+                for r, (_, o) in enumerate(chunk):
+                    rec.out_tokens[b0 + r] = o
+                    rec.finish[b0 + r] = "length"
+                bar.update(sum(o for _, o in chunk))
+            rec.t1 = now()
+    res = rec.summary("hf-generate", batch=B, generated_tokens_incl_padding_waste=generated,
+                      note="static batches; requested tokens counted; no streaming (no TTFT/ITL)")
+    return res
+
+
+def run_hf_cb(args, work, hf) -> dict[str, Any]:
+    import transformers
+
+    if not hasattr(hf, "init_continuous_batching"):
+        return {"mode": "hf-cb", "skipped": f"transformers {transformers.__version__} has no continuous batching"}
+    T = args.temperature
+    gen_cfg = transformers.GenerationConfig(
+        max_new_tokens=max(o for _, o in work), do_sample=T > 0, temperature=T if T > 0 else 1.0,
+        top_k=None, top_p=None, eos_token_id=-1, pad_token_id=0)
+    rec = None
+    manager = hf.init_continuous_batching(generation_config=gen_cfg)
+    with torch.inference_mode():
+        if hasattr(manager, "warmup") and args.device == "cuda":
+            manager.warmup()
+        manager.start()
+        try:
+            def add(rid, ids, n):
+                try:
+                    return manager.add_request(input_ids=ids, request_id=rid, max_new_tokens=n,
+                                               record_timestamps=True)
+                except TypeError:
+                    return manager.add_request(input_ids=ids, request_id=rid, max_new_tokens=n)
+
+            # warm-up
+            if args.warmup:
+                for i, (p, o) in enumerate(_warm_work(work, args.warmup)):
+                    add(f"w{i}", p, o)
+                got = 0
+                while got < min(args.warmup, len(work)):
+                    r = manager.get_result(timeout=60)
+                    if r is None:
+                        raise RuntimeError("hf continuous batching: no warm-up result within 60 s")
+                    got += r.is_finished()
+            with common.progress(sum(o for _, o in work), "hf-cb", "tok", args.no_progress) as bar:
+                rec = Recorder(work, bar)
+                rec.t0 = now()
+                for i, (p, o) in enumerate(work):
+                    rec.submitted(i, now())
+                    add(f"r{i}", p, o)
+                left = len(work)
+                while left:
+                    r = manager.get_result(timeout=120)
+                    if r is None:
+                        raise RuntimeError("hf continuous batching: no result within 120 s")
+                    if not r.is_finished() or not r.request_id.startswith("r"):
+                        continue
+                    i = int(r.request_id[1:])
+                    left -= 1
+                    toks = len(r.generated_tokens)
+                    ts = getattr(r, "timestamps", None)
+                    if ts:
+                        for k, t in enumerate(ts):
+                            rec.piece(i, t, 1)
+                        rec.out_tokens[i] = toks
+                    else:
+                        rec.piece(i, now(), toks)
+                    rec.finish[i] = "length" if r.error is None else f"error: {r.error}"
+                    rec.flush_bar()
+                rec.t1 = now()
+        finally:
+            try:
+                manager.stop(block=True, timeout=30)
+            except TypeError:
+                manager.stop(block=True)
+            destroy = getattr(hf, "destroy_cached_continuous_batching_manager", None)
+            if destroy:
+                destroy()
+    return rec.summary("hf-cb", attn=getattr(hf.config, "_attn_implementation", None),
+                       note="TTFT/ITL from transformers' per-token timestamps (record_timestamps)")
+
+
+# -- main --------------------------------------------------------------------------------------------
+COLUMNS = [
+    ("mode", "mode", ""), ("requests", "req", ""), ("output_tokens", "out tok", ""),
+    ("wall_s", "wall s", ".2f"), ("output_tok_s", "out tok/s", ",.1f"), ("total_tok_s", "total tok/s", ",.1f"),
+    ("ttft_p50_ms", "TTFT p50 ms", ",.1f"), ("ttft_p99_ms", "TTFT p99 ms", ",.1f"),
+    ("itl_p50_ms", "ITL p50 ms", ".2f"), ("itl_p99_ms", "ITL p99 ms", ".2f"), ("steps", "steps", ""),
+    ("preemptions", "preempt", ""), ("load_s", "load s", ".2f"),
+]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.throughput", description=__doc__.split("\n")[0])
+    common.add_common_args(ap, default_cpu_model="random:tiny-llama")
+    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--min-input", type=int, default=None)
+    ap.add_argument("--max-input", type=int, default=None)
+    ap.add_argument("--min-output", type=int, default=None)
+    ap.add_argument("--max-output", type=int, default=None)
+    ap.add_argument("--temperature", type=float, default=0.6, help="nano-vllm uses 0.6 (0 = greedy)")
+    ap.add_argument("--modes", default=None,
+                    help="comma list of bare,inproc,ipc,hf-generate,hf-cb "
+                         "(default: bare,inproc,ipc on cpu; all on cuda)")
+    ap.add_argument("--warmup", type=int, default=4, help="warm-up requests (8 tokens) per mode")
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: max input + max output")
+    ap.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: the engine's)")
+    ap.add_argument("--hf-batch", type=int, default=64, help="hf-generate static batch size")
+    ap.add_argument("--uvloop", action="store_true", help="run the async modes on uvloop")
+    args = common.finish_common_args(ap.parse_args(argv), "throughput")
+    defaults = CUDA_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.max_model_len is None:
+        args.max_model_len = args.max_input + args.max_output + 1
+    modes = (args.modes.split(",") if args.modes else
+             list(ENGINE_MODES + (HF_MODES if args.device == "cuda" else ())))
+    for m in modes:
+        if m not in ENGINE_MODES + HF_MODES:
+            ap.error(f"unknown mode {m!r}")
+
+    from engine.loader import resolve_source
+
+    cfg, _, _ = resolve_source(args.model)
+    work = common.nano_vllm_workload(args.num_requests, args.min_input, args.max_input,
+                                     args.min_output, args.max_output, cfg.vocab_size, args.seed)
+    result: dict[str, Any] = {
+        "benchmark": "throughput",
+        "command": " ".join(["python -m bench.throughput"] + (argv if argv is not None else sys.argv[1:])),
+        "environment": common.environment(args.device),
+        "workload": {"model": args.model, "dtype": args.dtype, "num_requests": args.num_requests,
+                     "input_len": [args.min_input, args.max_input],
+                     "output_len": [args.min_output, args.max_output], "temperature": args.temperature,
+                     "ignore_eos": True, "seed": args.seed,
+                     "prompt_tokens": sum(len(p) for p, _ in work),
+                     "output_tokens": sum(o for _, o in work)},
+        "engine_config": {k: getattr(args, k) for k in ("max_num_seqs", "max_num_batched_tokens",
+                                                        "max_model_len", "kv_cache_gib")},
+        "modes": [],
+    }
+    w = result["workload"]
+    print(f"throughput: {args.model} {args.dtype} on {args.device}; {args.num_requests} requests, "
+          f"input {args.min_input}-{args.max_input}, output {args.min_output}-{args.max_output} "
+          f"({w['prompt_tokens']} prompt + {w['output_tokens']} output tokens), T={args.temperature}",
+          flush=True)
+
+    hf = None
+    runners = {"bare": run_bare, "inproc": run_inproc, "ipc": run_ipc}
+    for m in modes:
+        t = time.perf_counter()
+        try:
+            if m in runners:
+                row = runners[m](args, work)
+            else:
+                if hf is None:
+                    hf = build_hf_model(args)
+                row = (run_hf_generate if m == "hf-generate" else run_hf_cb)(args, work, hf)
+        except Exception as exc:  # noqa: BLE001 - report and go on with the other modes
+            traceback.print_exc()
+            row = {"mode": m, "error": repr(exc)}
+        row["mode_seconds"] = time.perf_counter() - t
+        row["memory_after"] = common.memory_snapshot(args.device)
+        if row.get("skipped"):
+            print(f"[{m}] skipped: {row['skipped']}", file=sys.stderr, flush=True)
+        result["modes"].append(row)
+        _ratios(result)
+        common.write_json(args.out, result)
+    del hf
+    gc.collect()
+
+    rows = [r for r in result["modes"] if "output_tok_s" in r]
+    print()
+    common.print_table(f"nano-vllm workload, {args.model} {args.dtype} on {args.device} "
+                       f"(all {args.num_requests} requests submitted at t=0)", COLUMNS, rows)
+    for r in result["modes"]:
+        if "output_tok_s" not in r:
+            print(f"{r['mode']}: {r.get('skipped') or r.get('error')}")
+    rat = result.get("ratios", {})
+    if rat:
+        print("ratios (output tok/s): " + ", ".join(f"{k} = {v:.3f}" for k, v in rat.items()))
+        print("CPU targets: inproc/bare >= 0.90; ipc/inproc >= 0.97 at 256 concurrent streams")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _ratios(result: dict) -> None:
+    by = {r["mode"]: r.get("output_tok_s") for r in result["modes"]}
+    rat = {}
+    for a, b in (("inproc", "bare"), ("ipc", "inproc"), ("ipc", "bare"), ("bare", "hf-generate"),
+                 ("bare", "hf-cb"), ("inproc", "hf-cb")):
+        if by.get(a) and by.get(b):
+            rat[f"{a}/{b}"] = by[a] / by[b]
+    result["ratios"] = rat
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

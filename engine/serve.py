@@ -1,0 +1,143 @@
+"""``enginecore serve``: the engine process's entry point — the only code that touches signals.
+
+Exit codes (also in the README):
+  0    clean shutdown: drained (or aborted at the drain deadline / second signal), released
+  1    the engine failed (an exception in a step, a lost device); clients got EngineDeadError
+  2    startup error (bad model path, bad config, address in use)
+  128+N  signal N arrived during startup: loading stopped, what was allocated was released
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import tempfile
+from typing import Optional
+
+import anyio
+
+from .async_engine import AsyncEngine
+from .errors import EngineDeadError, EngineError
+from states import State
+
+log = logging.getLogger("enginecore.serve")
+
+EXIT_OK, EXIT_FAILED, EXIT_STARTUP = 0, 1, 2
+
+
+def default_address() -> str:
+    return f"unix://{tempfile.gettempdir()}/enginecore-{os.getpid()}.sock"
+
+
+class _Stopper:
+    """What a signal (or the parent's death) does, by lifecycle state."""
+
+    def __init__(self, engine: AsyncEngine, tg, drain_timeout: float):
+        self.engine = engine
+        self.tg = tg
+        self.drain_timeout = drain_timeout
+        self.startup = anyio.CancelScope()
+        self.signal_in_startup: Optional[int] = None
+        self.count = 0
+
+    def stop(self, signum: int, why: str) -> None:
+        self.count += 1
+        state = self.engine.state
+        log.warning("%s in state %s", why, state.name)
+        if state in (State.INIT, State.LOADED):
+            self.signal_in_startup = signum
+            self.startup.cancel()
+        elif state is State.SERVING:
+            self.tg.start_soon(self._drain, self.drain_timeout if self.count == 1 else 0.0)
+        elif state is State.DRAINING:
+            self.tg.start_soon(self._drain, 0.0)  # second signal: abort the rest now
+        # SHUTDOWN / FAILED: the release is under way; never cut it short.
+
+    async def _drain(self, timeout: float) -> None:
+        try:
+            await self.engine.drain(timeout, reason="shutdown")
+        except EngineError as exc:
+            log.info("drain ended: %s", exc)
+
+
+async def _watch_signals(stopper: _Stopper) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        stopper.ready.set()
+        async for signum in signals:
+            stopper.stop(signum, f"signal {signal.Signals(signum).name}")
+
+
+async def _watch_parent(stopper: _Stopper, parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        await anyio.sleep(0.25)
+    stopper.stop(signal.SIGTERM, f"parent {parent_pid} died")
+    await anyio.sleep(0.5)
+    stopper.stop(signal.SIGTERM, "parent still gone")  # a second stop: no drain grace
+
+
+async def run(config, *, listen: Optional[str], token: Optional[str], drain_timeout: float,
+              parent_pid: Optional[int] = None, ready_fd: Optional[int] = None,
+              on_serving=None) -> int:
+    engine = AsyncEngine(config)
+    address = listen or default_address()
+    async with anyio.create_task_group() as tg:
+        stopper = _Stopper(engine, tg, drain_timeout)
+        stopper.ready = anyio.Event()
+        tg.start_soon(_watch_signals, stopper)
+        await stopper.ready.wait()  # handlers are in place before loading starts
+        if parent_pid:
+            tg.start_soon(_watch_parent, stopper, parent_pid)
+        try:
+            with stopper.startup:
+                await engine.start(tg)
+        except EngineError as exc:
+            print(f"enginecore: startup failed: {exc}", file=sys.stderr)
+            tg.cancel_scope.cancel()
+            return EXIT_STARTUP
+        if stopper.signal_in_startup is not None:
+            print(f"enginecore: stopped by signal {stopper.signal_in_startup} during startup",
+                  file=sys.stderr)
+            tg.cancel_scope.cancel()
+            return 128 + stopper.signal_in_startup
+        from ipc.server import serve_ipc
+
+        try:
+            async with anyio.create_task_group() as server:
+                bound = await server.start(serve_ipc, engine, address, token)
+                log.warning("serving %s on %s", config.model, bound)
+                if ready_fd is not None:
+                    os.write(ready_fd, f"READY {bound}\n".encode())
+                    os.close(ready_fd)
+                if on_serving is not None:
+                    await on_serving(bound, server)
+                # serve_ipc returns by itself once the engine stopped, after flushing every
+                # terminal output, closing connections and removing the socket.
+        except (OSError, ValueError, ExceptionGroup) as exc:
+            if isinstance(exc, ExceptionGroup):  # a task group wraps the listener's error
+                _, rest = exc.split((OSError, ValueError))
+                if rest is not None:
+                    raise
+            print(f"enginecore: cannot listen on {address}: {exc}", file=sys.stderr)
+            with anyio.CancelScope(shield=True):
+                await engine.shutdown()
+            tg.cancel_scope.cancel()
+            return EXIT_STARTUP
+        await engine.wait_stopped()
+        tg.cancel_scope.cancel()
+    return EXIT_FAILED if engine._death is not None else EXIT_OK
+
+
+def serve_main(a) -> int:
+    from .cli import config_from_args
+
+    try:
+        config = config_from_args(a)
+        config.validate()
+    except (EngineError, ValueError) as exc:
+        print(f"enginecore: bad configuration: {exc}", file=sys.stderr)
+        return EXIT_STARTUP
+    return anyio.run(lambda: run(config, listen=a.listen, token=a.token,
+                                 drain_timeout=a.drain_timeout, parent_pid=a.parent_pid,
+                                 ready_fd=a.ready_fd))

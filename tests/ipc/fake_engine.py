@@ -1,0 +1,151 @@
+"""A fast, deterministic stand-in for ``engine.AsyncEngine`` with the same API surface the IPC
+server uses (``submit`` with a sink, ``abort``, ``state``, ``health``, ``drain``, ``shutdown``,
+``on_state_change``, ``wait_stopped``, ``config.model``).
+
+Each step produces one token per running request and hands all of the step's outputs to their
+sinks in one synchronous loop, like ``AsyncEngine._dispatch``. Token ``k`` of a request is
+``k``; its text is ``"<k>"`` (or ``text_size`` bytes when set).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from types import SimpleNamespace
+from typing import Callable, Optional
+
+import anyio
+import msgspec
+
+from engine.errors import (BadRequestError, EngineDeadError, EngineDrainingError,
+                           EngineShutdownError)
+from engine.params import RequestOutput, SamplingParams
+from states import InvalidTransitionError, Lifecycle, State
+
+
+class FakeHealth(msgspec.Struct, kw_only=True):
+    state: str
+    live: bool
+    ready: bool
+    running: int
+    waiting: int
+    kv_usage: float
+
+
+class FakeEngine:
+    def __init__(self, step_interval: float = 0.002, text_size: int = 0) -> None:
+        self.lifecycle = Lifecycle()
+        self.lifecycle.trigger("load")
+        self.lifecycle.trigger("serve")
+        self.config = SimpleNamespace(model="fake:counter")
+        self.step_interval = step_interval
+        self.text_size = text_size
+        self.requests: dict[str, list] = {}  # rid -> [sink, params, n_out, n_prompt]
+        self.aborted: list[tuple[str, str]] = []
+        self.submitted: list[str] = []
+        self.steps = 0
+        self.step_sizes: list[int] = []
+        self.paused = False
+        self._listeners: list[Callable[[State, State], None]] = []
+        self.lifecycle.on_change(lambda old, new: [f(old, new) for f in list(self._listeners)])
+        self._stopped = anyio.Event()
+        self._deadline = math.inf
+        self._death: Optional[BaseException] = None
+
+    # -- API ----------------------------------------------------------------------------------
+    @property
+    def state(self) -> State:
+        return self.lifecycle.state
+
+    def on_state_change(self, listener) -> None:
+        self._listeners.append(listener)
+
+    def submit(self, prompt, params: SamplingParams, request_id: str, sink) -> int:
+        st = self.state
+        if st is State.DRAINING:
+            raise EngineDrainingError(retry_after=2.5)
+        if st is State.SHUTDOWN:
+            raise EngineShutdownError("engine is shut down; generate() is not possible")
+        if st is State.FAILED:
+            raise EngineDeadError("engine is dead")
+        if request_id in self.requests:
+            raise BadRequestError(f"request_id {request_id!r} is already in flight")
+        params.validate()
+        n_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+        if n_prompt == 0:
+            raise BadRequestError("empty prompt")
+        self.requests[request_id] = [sink, params, 0, n_prompt]
+        self.submitted.append(request_id)
+        return n_prompt
+
+    async def abort(self, request_id: str, reason: str = "aborted by client") -> None:
+        self.aborted.append((request_id, reason))
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            req[0](RequestOutput(request_id=request_id, finished=True, finish_reason="abort",
+                                 reason=reason, num_prompt_tokens=req[3], num_output_tokens=req[2]))
+
+    def health(self) -> FakeHealth:
+        st = self.state
+        return FakeHealth(state=st.value, live=self.lifecycle.live, ready=st is State.SERVING,
+                          running=len(self.requests), waiting=0, kv_usage=len(self.requests) / 100)
+
+    async def drain(self, timeout: Optional[float] = None, reason: str = "drain timeout") -> None:
+        st = self.state
+        if st is State.SERVING:
+            self.lifecycle.trigger("drain")
+        elif st is not State.DRAINING:
+            if st is State.SHUTDOWN:
+                raise InvalidTransitionError(st, "drain", self.lifecycle.allowed())
+            raise EngineDeadError("engine is dead")
+        self._deadline = min(self._deadline, time.monotonic() + (math.inf if timeout is None else timeout))
+        await self._stopped.wait()
+
+    async def shutdown(self) -> None:
+        await self.drain(0)
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    # -- the loop -----------------------------------------------------------------------------
+    async def run(self) -> None:
+        while not self._stopped.is_set():
+            await anyio.sleep(self.step_interval)
+            if self.state is State.DRAINING:
+                if time.monotonic() >= self._deadline:
+                    for rid in list(self.requests):
+                        await self.abort(rid, "drain timeout")
+                if not self.requests:
+                    self.lifecycle.trigger("shutdown")
+                    self._stopped.set()
+                    return
+            if not self.paused:
+                self.step()
+
+    def step(self) -> None:
+        outputs = []
+        for rid, req in list(self.requests.items()):
+            sink, params, n, n_prompt = req
+            req[2] = n = n + 1
+            text = "x" * self.text_size if self.text_size else f"<{n}>"
+            out = RequestOutput(request_id=rid, token_ids=[n], text=text,
+                                num_prompt_tokens=n_prompt, num_output_tokens=n)
+            if n >= params.max_tokens:
+                out.finished, out.finish_reason = True, "length"
+                del self.requests[rid]
+            outputs.append((sink, out))
+        if outputs:
+            self.steps += 1
+            self.step_sizes.append(len(outputs))
+        for sink, out in outputs:  # one synchronous dispatch per step
+            sink(out)
+
+    def die(self, exc: BaseException) -> None:
+        self._death = exc
+        self.lifecycle.trigger("fail")
+        err = EngineDeadError("engine failed", exc)
+        reqs, self.requests = self.requests, {}
+        for req in reqs.values():
+            req[0](err)
+        self.lifecycle.trigger("shutdown")
+        self._stopped.set()
