@@ -63,15 +63,19 @@ Client -> engine:
   pieces (new tokens/text since the previous piece) inside :class:`Outputs` frames; exactly one
   piece has ``finished=True`` (with ``finish_reason``), after which the id is free again. If the
   request is refused or fails, the engine sends ``Error(request_id=...)`` instead, and nothing
-  else for that id (it is finished). Refusals: ``BAD_REQUEST`` (invalid params/prompt),
-  ``DRAINING`` (``retry_after`` seconds: try another replica / later), ``SHUTDOWN``, ``DEAD``.
+  else for that id (it is finished). Refusals: ``BAD_REQUEST`` (invalid params/prompt, id in
+  use, too many requests in flight on the connection -- 16,384 by default), ``DRAINING``
+  (``retry_after`` seconds: try another replica / later), ``SHUTDOWN``, ``DEAD`` (also for a
+  running request when the engine fails), ``TOO_LARGE`` (non-fatal: one piece did not fit in a
+  frame; the request was aborted).
 * :class:`Abort` ends a request early: if still running, its last piece has
   ``finish_reason="abort"``. Aborting an unknown or finished id is not an error.
 * :class:`HealthRequest` asks for a :class:`Health` snapshot.
-* :class:`Drain` stops admission (new Generates get ``DRAINING``) and waits up to ``timeout``
-  seconds for running requests to finish (the rest are aborted).
-* :class:`Shutdown` drains with no grace period and shuts the engine down; every connection is
-  then closed.
+* :class:`Drain` stops admission (new Generates get ``DRAINING``; every connection gets
+  ``StateChanged(draining)``), waits up to ``timeout`` seconds for running requests to finish,
+  aborts the rest, and shuts the engine down (``StateChanged(shutdown)``). The Ack comes then,
+  after which the engine closes every connection.
+* :class:`Shutdown` is ``Drain(timeout=0)``: running requests end with ``"abort"`` at once.
 
 Correlation: ``Abort``, ``HealthRequest``, ``Drain`` and ``Shutdown`` take an optional
 ``call_id`` (client-chosen integer). With it, the engine answers with a message carrying the same
@@ -207,7 +211,7 @@ class HealthRequest(_Message, tag="HealthRequest"):
 
 
 class Drain(_Message, tag="Drain"):
-    """Stop admission; wait up to ``timeout`` s for running requests, abort the rest."""
+    """Stop admission; wait up to ``timeout`` s for running requests, abort the rest, shut down."""
 
     timeout: Seconds = 30.0
     call_id: Optional[CallId] = None

@@ -123,11 +123,13 @@ class _Connection:
         self.closing = True
         self._wake.set()
 
-    def make_sink(self, rid: str):
+    def make_sink(self, rid: str, erid: str):
         inflight = self.inflight
         push = self.push
 
         def sink(item) -> None:
+            if inflight.get(rid) != erid:
+                return  # already ended for the client (e.g. its output could not be framed)
             if isinstance(item, RequestOutput):
                 if item.finished:
                     inflight.pop(rid, None)
@@ -445,7 +447,7 @@ class IPCServer:
         erid = f"c{conn.id}-{next(conn._seq)}"
         conn.inflight[rid] = erid
         try:
-            self._submit(msg.prompt, msg.params, erid, conn.make_sink(rid))
+            self._submit(msg.prompt, msg.params, erid, conn.make_sink(rid, erid))
         except Exception as exc:
             conn.inflight.pop(rid, None)
             conn.push(error_to_message(exc, request_id=rid, fatal=False))

@@ -88,91 +88,108 @@ def verify_tokens(logits: torch.Tensor, sample_rows: Sequence[Sequence[int]],
     argmax = logits.argmax(-1)
     probs = None if sb.all_greedy else apply_penalty_free_filters(logits, sb).softmax(-1)
 
+    # dense draft distributions, stacked: entry i's row j is qcat[q_off[i] + j]
+    q_off: dict[int, int] = {}
+    q_list: list[torch.Tensor] = []
+    n_q = 0
+    for i, rows in enumerate(sample_rows):
+        q = draft_probs[i]
+        if q is not None and len(rows) > 1 and not greedy_row[rows[0]]:
+            assert q.shape[0] == len(rows) - 1, f"entry {i}: draft probs for {q.shape[0]} tokens"
+            q_off[i] = n_q
+            q_list.append(q)
+            n_q += q.shape[0]
+    qcat = torch.cat(q_list) if q_list else None
+
     # one flat list of (row, draft token) checks
     chk_rows: list[int] = []
     chk_toks: list[int] = []
-    chk_q: list[tuple[int, int]] = []  # (index into chk, entry) for dense-q lookups
+    chk_sampled: list[bool] = []
+    dense_at: list[int] = []  # check indices whose q is dense ...
+    dense_q: list[int] = []  # ... and their qcat rows
+    seeded: list[tuple[int, int, torch.Generator]] = []  # (first check, count, generator)
     for i, rows in enumerate(sample_rows):
         m = len(rows) - 1
         if m <= 0:
             continue
         d = drafts[i]
         assert len(d) == m, f"entry {i}: {m} draft rows but {len(d)} drafts"
-        for j in range(m):
-            chk_rows.append(rows[j])
-            chk_toks.append(d[j])
+        sampled = not greedy_row[rows[0]]
+        if sampled and sb.generators[rows[0]] is not None:
+            seeded.append((len(chk_rows), m, sb.generators[rows[0]]))
+        if i in q_off:
+            dense_at.extend(range(len(chk_rows), len(chk_rows) + m))
+            dense_q.extend(range(q_off[i], q_off[i] + m))
+        chk_rows.extend(rows[:m])
+        chk_toks.extend(d)
+        chk_sampled.extend([sampled] * m)
     accept: list[bool] = []
     if chk_rows:
         rows_t = torch.tensor(chk_rows, device=device)
         toks_t = torch.tensor(chk_toks, device=device)
         acc = argmax[rows_t] == toks_t
-        if probs is not None:
+        if probs is not None and any(chk_sampled):
             p_x = probs[rows_t, toks_t]
-            q_x = torch.ones_like(p_x)
+            q_x = torch.ones_like(p_x)  # a point mass unless the draft said otherwise
+            if dense_at:
+                at = torch.tensor(dense_at, device=device)
+                q_x[at] = qcat[torch.tensor(dense_q, device=device), toks_t[at]]
             u = torch.rand(len(chk_rows), device=device)
-            pos = 0
-            for i, rows in enumerate(sample_rows):
-                m = len(rows) - 1
-                if m <= 0:
-                    continue
-                if not greedy_row[rows[0]]:
-                    g = sb.generators[rows[0]]
-                    if g is not None:
-                        u[pos:pos + m] = torch.rand(m, generator=g, device=device)
-                    q = draft_probs[i]
-                    if q is not None:
-                        q_x[pos:pos + m] = q[torch.arange(m, device=device),
-                                             torch.tensor(drafts[i], device=device)]
-                pos += m
-            samp_acc = u * q_x < p_x
-            is_greedy = torch.tensor([greedy_row[r] for r in chk_rows], device=device)
-            acc = torch.where(is_greedy, acc, samp_acc)
+            for c0, m, g in seeded:
+                u[c0:c0 + m] = torch.rand(m, generator=g, device=device)
+            # accept with probability min(1, p/q)
+            acc = torch.where(torch.tensor(chk_sampled, device=device), u * q_x < p_x, acc)
         accept = acc.tolist()
 
     tokens: list[list[int]] = [[] for _ in range(n_entries)]
     n_acc = [0] * n_entries
     greedy_final: list[tuple[int, int]] = []  # (entry, row)
-    samp_final: list[tuple[int, int, Optional[int]]] = []  # (entry, row, rejected draft j)
-    pos = 0
+    samp_final: list[tuple[int, int]] = []  # (entry, row)
+    rej_point: list[tuple[int, int]] = []  # (index in samp_final, rejected draft token)
+    rej_dense: list[tuple[int, int]] = []  # (index in samp_final, qcat row)
+    c = 0
     for i, rows in enumerate(sample_rows):
         if not rows:
             continue
         m = len(rows) - 1
         j = 0
-        while j < m and accept[pos + j]:
+        while j < m and accept[c + j]:
             j += 1
-        pos += max(m, 0)
+        c += m
         n_acc[i] = j
         tokens[i] = list(drafts[i][:j]) if m > 0 else []
         if greedy_row[rows[0]]:
             greedy_final.append((i, rows[j]))
-        else:
-            samp_final.append((i, rows[j], j if j < m else None))
+            continue
+        if j < m:  # rejected: sample from the residual
+            if i in q_off:
+                rej_dense.append((len(samp_final), q_off[i] + j))
+            else:
+                rej_point.append((len(samp_final), drafts[i][j]))
+        samp_final.append((i, rows[j]))
 
-    finals: dict[int, int] = {}
+    finals: list[tuple[int, int]] = []
     if greedy_final:
         picked = argmax[torch.tensor([r for _, r in greedy_final], device=device)].tolist()
-        finals.update({i: t for (i, _), t in zip(greedy_final, picked)})
+        finals += [(i, t) for (i, _), t in zip(greedy_final, picked)]
     if samp_final:
         assert probs is not None
-        dist = probs[torch.tensor([r for _, r, _ in samp_final], device=device)]
-        for k, (i, _, rej) in enumerate(samp_final):
-            if rej is None:
-                continue
-            q = draft_probs[i]
-            p = dist[k]
-            if q is not None:
-                res = (p - q[rej]).clamp_(min=0)
-            else:
-                res = p.clone()
-                res[drafts[i][rej]] = 0
-            total = res.sum()
-            # p == q up to rounding: the rejection had probability ~0; p is then the right law
-            dist[k] = torch.where(total > _TINY, res / total.clamp(min=_TINY), p)
-        gens = [sb.generators[rows_i[0]] for rows_i in (sample_rows[i] for i, _, _ in samp_final)]
+        dist = probs[torch.tensor([r for _, r in samp_final], device=device)]
+        if rej_point or rej_dense:
+            p = dist.clone()
+            if rej_point:  # q = point mass at x: max(0, p - q) is p without x
+                dist[torch.tensor([k for k, _ in rej_point], device=device),
+                     torch.tensor([x for _, x in rej_point], device=device)] = 0
+            if rej_dense:
+                ks = torch.tensor([k for k, _ in rej_dense], device=device)
+                dist[ks] = (dist[ks] - qcat[torch.tensor([r for _, r in rej_dense], device=device)]).clamp_(min=0)
+            total = dist.sum(-1, keepdim=True)
+            # p == q up to rounding: rejection had probability ~0, and p is then the right law
+            dist = torch.where(total > _TINY, dist / total.clamp(min=_TINY), p)
+        gens = [sb.generators[sample_rows[i][0]] for i, _ in samp_final]
         picked = race(dist, gens).tolist()
-        finals.update({i: t for (i, _, _), t in zip(samp_final, picked)})
-    for i, t in finals.items():
+        finals += [(i, t) for (i, _), t in zip(samp_final, picked)]
+    for i, t in finals:
         tokens[i].append(t)
 
     logprobs = None

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 import anyio
 import pytest
+import pytest_asyncio
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from engine.params import RequestOutput, SamplingParams
@@ -38,6 +39,14 @@ from ipc.transport import connect
 from states import State
 
 pytestmark = pytest.mark.asyncio
+_OPEN: list = []
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def _close_test_clients():
+    yield
+    while _OPEN:
+        await _OPEN.pop().stream.aclose()
 
 
 class RawClient:
@@ -52,6 +61,7 @@ class RawClient:
     @classmethod
     async def open(cls, address: str, *, hello: bool = True, token: str | None = None) -> "RawClient":
         c = cls(await connect(address))
+        _OPEN.append(c)
         if hello:
             await c.send(Hello(protocol_version=PROTOCOL_VERSION, token=token, client_name="test"))
             welcome = await c.recv()
@@ -204,9 +214,14 @@ async def test_generate_streams_and_coalesces_per_step():
     async with serving(FakeEngine(step_interval=0.005)) as (eng, server, addr):
         c = await RawClient.open(addr)
         ids = {f"r{i}" for i in range(32)}
-        # All 32 in one write so they start on the same step.
+        # Hold the engine until all 32 are submitted (the Health reply comes after them), so
+        # they run in lockstep.
+        eng.paused = True
         await c.stream.send(c.codec.encode_many(
-            [Generate(request_id=i, prompt="a b c", params=SamplingParams(max_tokens=10)) for i in sorted(ids)]))
+            [Generate(request_id=i, prompt="a b c", params=SamplingParams(max_tokens=10)) for i in sorted(ids)]
+            + [HealthRequest(call_id=1)]))
+        assert (await c.recv()).running == 32
+        eng.paused = False
         outs, frames, other = await c.collect(ids)
         assert not other
         for rid, pieces in outs.items():
@@ -224,15 +239,11 @@ async def test_request_ids_are_per_connection():
         a, b = await RawClient.open(addr), await RawClient.open(addr)
         for c, n in ((a, 3), (b, 5)):
             await c.send(Generate(request_id="same", prompt=[1], params=SamplingParams(max_tokens=n)))
-        (oa, _, _), (ob, _, _) = await c_collect(a, {"same"}), await c_collect(b, {"same"})
+        (oa, _, _), (ob, _, _) = await a.collect({"same"}), await b.collect({"same"})
         assert len(oa["same"]) == 3 and len(ob["same"]) == 5
         assert len(set(eng.submitted)) == 2 and "same" not in eng.submitted
         await a.aclose()
         await b.aclose()
-
-
-async def c_collect(c, ids):
-    return await c.collect(ids)
 
 
 async def test_duplicate_request_id_and_bad_params():
@@ -356,7 +367,8 @@ async def test_client_that_stops_reading_is_dropped():
 
 async def test_outbox_limit_drops_the_client():
     eng = FakeEngine(step_interval=0.001, text_size=64 * 1024)
-    async with serving(eng, send_timeout=30, max_outbox=8) as (eng, server, addr):
+    # The client never reads: the socket fills, the sender blocks, the outbox passes its limit.
+    async with serving(eng, send_timeout=30, max_outbox=64) as (eng, server, addr):
         slow = await RawClient.open(addr)
         await slow.stream.send(slow.codec.encode_many(
             [Generate(request_id=f"s{i}", prompt=[1], params=SamplingParams(max_tokens=100_000))
@@ -423,7 +435,7 @@ async def test_shutdown_over_ipc_aborts_and_closes_everyone():
     assert eng.state is State.SHUTDOWN
 
 
-async def test_drain_after_shutdown_is_invalid_transition():
+async def test_engine_draining_by_itself_notifies_and_closes():
     eng = FakeEngine()
     async with serving(eng) as (eng, server, addr):
         c = await RawClient.open(addr)
@@ -452,8 +464,6 @@ async def test_cancelling_the_server_aborts_inflight_requests():
     eng = FakeEngine()
     async with anyio.create_task_group() as tg:
         tg.start_soon(eng.run)
-        with anyio.CancelScope() as server_scope:
-            pass
         server_scope = anyio.CancelScope()
 
         async def run_server(task_status):
@@ -516,3 +526,20 @@ async def test_real_engine_over_unix_socket():
         assert not os.path.exists(addr[len("unix://"):])
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+async def test_output_too_large_for_a_frame_ends_only_that_request():
+    eng = FakeEngine(text_size=8192)
+    async with serving(eng, max_frame=4096) as (eng, server, addr):
+        c = await RawClient.open(addr)
+        await c.send(Generate(request_id="big", prompt=[1], params=SamplingParams(max_tokens=100)))
+        err = await c.recv()
+        assert err.kind is ErrorKind.TOO_LARGE and err.request_id == "big" and not err.fatal
+        with anyio.fail_after(3):
+            while not eng.aborted:
+                await anyio.sleep(0.01)
+        assert eng.aborted[0][1] == "output exceeds the frame limit"
+        eng.text_size = 0
+        await c.send(Generate(request_id="big", prompt=[1], params=SamplingParams(max_tokens=2)))
+        outs, _, other = await c.collect({"big"})
+        assert not other and [o.token_ids for o in outs["big"]] == [[1], [2]]
