@@ -132,12 +132,30 @@ def memory_snapshot(device, collect: bool = True) -> dict[str, Any]:
         return {"allocated": int(torch.cuda.memory_allocated(dev)),
                 "reserved": int(torch.cuda.memory_reserved(dev)),
                 "driver_used": int(total - free), "rss": rss_bytes()}
-    return {"rss": rss_bytes()}
+    snap = {"rss": rss_bytes()}
+    if collect and malloc_trim():
+        snap["rss_trimmed"] = rss_bytes()
+    return snap
+
+
+def malloc_trim() -> bool:
+    """Give glibc's free heap pages back to the OS (so RSS shows what is still held). False if
+    not glibc."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
 
 
 def primary_memory(snapshot: dict[str, Any]) -> int:
-    """The one figure to compare: allocated on cuda, RSS on cpu."""
-    return snapshot["allocated"] if "allocated" in snapshot else snapshot["rss"]
+    """The one figure to compare: allocated on cuda; on cpu RSS after malloc_trim (else RSS)."""
+    if "allocated" in snapshot:
+        return snapshot["allocated"]
+    return snapshot.get("rss_trimmed", snapshot["rss"])
 
 
 def mib(n: Optional[float]) -> str:

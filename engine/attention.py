@@ -59,10 +59,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
             qpos = torch.arange(p.context_len - n, p.context_len, device=q.device)
             mask = qpos[:, None] >= torch.arange(p.context_len, device=q.device)[None, :]
             causal = False
-        ks = ks.transpose(0, 1).repeat_interleave(gqa, dim=0)
-        vs = vs.transpose(0, 1).repeat_interleave(gqa, dim=0)
-        o = F.scaled_dot_product_attention(qs, ks.to(q.dtype), vs.to(q.dtype), attn_mask=mask,
-                                           is_causal=causal, scale=scale)
+        o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).to(q.dtype),
+                                           vs.transpose(0, 1).to(q.dtype), attn_mask=mask,
+                                           is_causal=causal, scale=scale, enable_gqa=gqa > 1)
         out[p.start:p.end] = o.transpose(0, 1)
     if meta.decode_rows is not None:
         rows = meta.decode_rows
@@ -72,9 +71,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
         vs = cache[1][bt].reshape(bsz, -1, kv_heads, k.shape[2])
         length = ks.shape[1]
         mask = torch.arange(length, device=q.device)[None, :] < meta.decode_context_lens[:, None]
-        qd = q[rows].unsqueeze(2)  # [B, H, 1, D]
-        ks = ks.permute(0, 2, 1, 3).repeat_interleave(gqa, dim=1).to(q.dtype)
-        vs = vs.permute(0, 2, 1, 3).repeat_interleave(gqa, dim=1).to(q.dtype)
+        # NOTE: one query per sequence, so the gqa query heads that share a KV head can stand in
+        # the query-length dimension: [B, Hkv, gqa, D] against [B, Hkv, L, D], no K/V repeat.
+        qd = q[rows].view(bsz, kv_heads, gqa, -1)
+        ks = ks.permute(0, 2, 1, 3).to(q.dtype)
+        vs = vs.permute(0, 2, 1, 3).to(q.dtype)
         o = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=mask[:, None, None, :], scale=scale)
-        out[rows] = o.squeeze(2)
+        out[rows] = o.reshape(bsz, heads, -1)
     return out

@@ -1,0 +1,195 @@
+"""Decode steps against the memory-bandwidth roofline.
+
+    python -m bench.roofline --device cpu                         # random:smollm2-135m fp32
+    python -m bench.roofline --device cuda                        # random:qwen3-0.6b bf16
+
+A decode step of batch B at context L must move at least: every weight once (the tied
+embedding counted once, as the LM head reads it), the batch's live KV (B x L tokens) and the KV
+write of the new token (B tokens). That over the device's measured bandwidth is the fastest the
+step could possibly be; ``% roofline = that time / measured step time``.
+
+Bandwidth is measured here, not taken from a data sheet: a large device-to-device copy,
+(bytes read + bytes written) / time (CUDA events on cuda; best of several on cpu).
+
+Steps are driven through ``ModelRunner.execute`` directly with prepared decode batches (each
+request already holds L-1 tokens in its KV blocks and decodes one), so each figure is one real
+engine step: host-side batch preparation, the forward over the paged cache, the LM head and
+sampling (greedy), ending in the device-to-host copy of the sampled tokens. Activations are not
+counted as required traffic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from typing import Any, Optional
+
+import torch
+
+from . import common
+from .common import DeviceTimer
+
+CPU_GRID = dict(batches=[1, 4, 16], contexts=[128, 512])
+CUDA_GRID = dict(batches=[1, 16, 64, 128, 256], contexts=[256, 1024, 4096])
+
+
+def measure_bandwidth(device: torch.device, nbytes: int, iters: int) -> dict[str, Any]:
+    """(read + write) bytes per second of a ``dst.copy_(src)`` of ``nbytes``; best and median."""
+    n = nbytes // 4
+    src = torch.empty(n, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    common.sync(device)
+    times = []
+    for _ in range(iters):
+        with DeviceTimer(device) as t:
+            dst.copy_(src)
+        times.append(t.seconds)
+    moved = 2 * n * 4
+    del src, dst
+    return {"copy_bytes": n * 4, "iters": iters, "best_s": min(times), "median_s": statistics.median(times),
+            "bytes_per_s": moved / min(times), "bytes_per_s_median": moved / statistics.median(times)}
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        key = p.data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += p.numel() * p.element_size()
+    return total
+
+
+def decode_batch(runner, batch: int, context: int, first_block: int = 0):
+    """``batch`` requests whose first ``context - 1`` tokens are in the cache; each decodes one."""
+    from engine.kv_cache import blocks_needed
+    from engine.params import SamplingParams
+    from engine.request import Request, Status
+
+    bs = runner.block_size
+    nb = blocks_needed(context, bs)
+    vocab = runner.model_config.vocab_size
+    g = torch.Generator().manual_seed(batch * 100003 + context)
+    out = []
+    for i in range(batch):
+        ids = torch.randint(0, min(vocab, 10000), (context,), generator=g).tolist()
+        req = Request(f"d{i}", ids, SamplingParams(max_tokens=16))
+        req.num_computed_tokens = context - 1
+        req.block_ids = list(range(first_block + i * nb, first_block + (i + 1) * nb))
+        req.status = Status.RUNNING
+        out.append((req, 1))
+    return out
+
+
+def time_steps(runner, batch, device, warmup: int, iters: int) -> list[float]:
+    for _ in range(warmup):
+        runner.execute(batch)
+    common.sync(device)
+    times = []
+    for _ in range(iters):
+        with DeviceTimer(device) as t:
+            runner.execute(batch)
+        times.append(t.seconds)
+    return times
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.roofline", description=__doc__.split("\n")[0])
+    common.add_common_args(ap, default_cpu_model="random:smollm2-135m")
+    ap.add_argument("--batches", type=int, nargs="+", default=None)
+    ap.add_argument("--contexts", type=int, nargs="+", default=None)
+    ap.add_argument("--iters", type=int, default=None, help="timed steps per point (default 10 cuda, 3 cpu)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--kv-budget-gib", type=float, default=None,
+                    help="skip points whose live KV exceeds this (default 48 on cuda, 2 on cpu)")
+    ap.add_argument("--copy-mib", type=int, default=None, help="bandwidth copy size (default 2048 cuda, 512 cpu)")
+    args = common.finish_common_args(ap.parse_args(argv), "roofline")
+    device = torch.device(args.device)
+    grid = CUDA_GRID if device.type == "cuda" else CPU_GRID
+    batches = args.batches or grid["batches"]
+    contexts = args.contexts or grid["contexts"]
+    iters = args.iters or (10 if device.type == "cuda" else 3)
+    budget = int((args.kv_budget_gib or (48 if device.type == "cuda" else 2)) * 2**30)
+    copy_bytes = (args.copy_mib or (2048 if device.type == "cuda" else 512)) * 2**20
+
+    from engine.kv_cache import blocks_needed
+    from engine.loader import resolve_source
+    from engine.runner import ModelRunner
+
+    cfg, _, _ = resolve_source(args.model)
+    dtype = common.torch_dtype(args.dtype)
+    esize = torch.finfo(dtype).bits // 8
+    kv_tok = cfg.kv_bytes_per_token * esize
+    block_size = 16
+    points = [(b, c) for b in batches for c in contexts
+              if b * blocks_needed(c, block_size) * block_size * kv_tok <= budget]
+    skipped = [(b, c) for b in batches for c in contexts if (b, c) not in points]
+    if not points:
+        raise SystemExit("no (batch, context) point fits --kv-budget-gib")
+    num_blocks = max(b * blocks_needed(c, block_size) for b, c in points)
+
+    print(f"roofline: {args.model} {args.dtype} on {device}; measuring bandwidth "
+          f"({copy_bytes / 2**20:.0f} MiB copy) ...", flush=True)
+    bw = measure_bandwidth(device, copy_bytes, 20 if device.type == "cuda" else 5)
+    print(f"  device copy bandwidth (read + write): {bw['bytes_per_s'] / 1e9:,.1f} GB/s best, "
+          f"{bw['bytes_per_s_median'] / 1e9:,.1f} GB/s median", flush=True)
+
+    config = common.engine_config(args, num_kv_blocks=num_blocks, block_size=block_size,
+                                  max_num_seqs=max(max(batches), 1),
+                                  max_model_len=max(contexts) + block_size)
+    runner = ModelRunner(config)
+    rows: list[dict[str, Any]] = []
+    try:
+        runner.load()
+        wbytes = weight_bytes(runner.resource("weights"))
+        print(f"  weights {wbytes / 2**20:,.1f} MiB, KV {kv_tok} B/token, {num_blocks} blocks "
+              f"({num_blocks * block_size * kv_tok / 2**30:.2f} GiB)", flush=True)
+        with common.progress(len(points), "roofline", "pt", args.no_progress) as bar:
+            for b, c in points:
+                batch = decode_batch(runner, b, c)
+                times = time_steps(runner, batch, device, args.warmup, iters)
+                step = statistics.median(times)
+                need = wbytes + b * c * kv_tok + b * kv_tok  # KV read: c tokens incl. the new one
+                floor = need / bw["bytes_per_s"]
+                rows.append({
+                    "batch": b, "context": c, "weight_bytes": wbytes, "kv_read_bytes": b * c * kv_tok,
+                    "kv_write_bytes": b * kv_tok, "bytes": need, "step_ms": step * 1e3,
+                    "step_ms_min": min(times) * 1e3, "floor_ms": floor * 1e3,
+                    "achieved_GB_s": need / step / 1e9, "pct_roofline": 100 * floor / step,
+                    "tok_s": b / step,
+                })
+                bar.update(1)
+                del batch
+    finally:
+        runner.shutdown()
+
+    print()
+    common.print_table(
+        f"decode step vs roofline: {args.model} {args.dtype} on {device}, bandwidth "
+        f"{bw['bytes_per_s'] / 1e9:,.1f} GB/s (copy, read+write); median of {iters} steps",
+        [("batch", "batch", ""), ("context", "ctx", ""), ("bytes", "MiB moved", ""),
+         ("floor_ms", "floor ms", ".3f"), ("step_ms", "step ms", ".3f"),
+         ("achieved_GB_s", "GB/s", ",.1f"), ("pct_roofline", "% roofline", ".1f"), ("tok_s", "tok/s", ",.0f")],
+        [dict(r, bytes=f"{r['bytes'] / 2**20:,.1f}") for r in rows])
+    if skipped:
+        print(f"skipped (live KV over {budget / 2**30:.0f} GiB): {skipped}")
+    result = {
+        "benchmark": "roofline",
+        "command": " ".join(["python -m bench.roofline"] + (argv if argv is not None else sys.argv[1:])),
+        "environment": common.environment(device), "model": args.model, "dtype": args.dtype,
+        "bandwidth": bw, "kv_bytes_per_token": kv_tok, "block_size": block_size,
+        "iters": iters, "warmup": args.warmup, "points": rows, "skipped": skipped,
+        "definition": "bytes = weights (unique) + batch*context*kv_bytes_per_token + batch*kv_bytes_per_token; "
+                      "floor = bytes / copy bandwidth; pct_roofline = floor / median step time",
+    }
+    common.write_json(args.out, result)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
