@@ -97,33 +97,45 @@ def _hf_dir(path: Path):
     return cfg, tensors, tok
 
 
-def build_model(cfg: ModelConfig, tensors, device: torch.device, dtype: torch.dtype,
-                seed: int = 0, source: str = "") -> CausalLM:
-    """Create the model on ``device`` in ``dtype`` and fill it (from ``tensors`` or seeded)."""
+class LoadStopped(Exception):
+    """Loading was asked to stop (e.g. a signal during startup)."""
+
+
+def create_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """Allocate the model on ``device`` (uninitialised weights, fp32 rope tables)."""
     with torch.device("meta"):
         model = CausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
-    model.model.rotary.reset(device)  # fp32 rope tables, computed on the real device
+    model.model.rotary.reset(device)
+    return model.eval().requires_grad_(False)
+
+
+def fill_model(model: CausalLM, tensors, seed: int = 0, source: str = "",
+               should_stop: Callable[[], bool] = lambda: False) -> None:
+    """Fill weights from ``tensors`` (a generator factory) or seeded random values. Polls
+    ``should_stop`` between tensors and raises :class:`LoadStopped`."""
     params = dict(model.named_parameters())
-    try:
-        if tensors is None:
-            _fill_random(params, seed, device)
-        else:
-            _fill_from(params, tensors(), cfg, source)
-    except BaseException as exc:
-        # A failed load keeps nothing: without this, the traceback's frames pin the half-filled
-        # model (device memory) and the tensor being copied for as long as the error lives.
-        empty_in_place(model)
-        traceback.clear_frames(exc.__traceback__)
-        raise
-    model.eval().requires_grad_(False)
+    device = next(iter(params.values())).device
+    if tensors is None:
+        _fill_random(params, seed, device, should_stop)
+    else:
+        _fill_from(params, tensors(), model.config, source, should_stop)
+
+
+def build_model(cfg: ModelConfig, tensors, device: torch.device, dtype: torch.dtype,
+                seed: int = 0, source: str = "") -> CausalLM:
+    """``create_model`` + ``fill_model``."""
+    model = create_model(cfg, device, dtype)
+    fill_model(model, tensors, seed, source)
     return model
 
 
-def _fill_random(params: dict[str, torch.nn.Parameter], seed: int, device) -> None:
+def _fill_random(params: dict[str, torch.nn.Parameter], seed: int, device, should_stop) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in params.items():
+            if should_stop():
+                raise LoadStopped()
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
@@ -133,10 +145,12 @@ def _fill_random(params: dict[str, torch.nn.Parameter], seed: int, device) -> No
                         .mul_(0.02 if p.shape[-1] > 256 else 0.08))
 
 
-def _fill_from(params, tensors, cfg: ModelConfig, source: str) -> None:
+def _fill_from(params, tensors, cfg: ModelConfig, source: str, should_stop) -> None:
     missing = set(params)
     with torch.no_grad():
         for name, t in tensors:
+            if should_stop():
+                raise LoadStopped()
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:

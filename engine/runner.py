@@ -17,7 +17,7 @@ from .attention import AttentionMetadata, PrefillSeq
 from .config import EngineConfig
 from .errors import BadRequestError
 from .kv_cache import KVCache
-from .loader import build_model, resolve_source
+from .loader import LoadStopped, create_model, fill_model, resolve_source
 from .model_state import ModelState
 from .owner import DeviceOwner, reachable_tensors
 from .request import Request
@@ -76,8 +76,13 @@ class ModelRunner:
                                  cfg.max_position_embeddings)
         if should_stop():
             return
-        self._owner.adopt("weights", build_model(cfg, tensors, self.device, self.dtype,
-                                                 self.config.seed, self.config.model))
+        # Adopt first, fill second: a failed or stopped fill is released like everything else.
+        model = self._owner.adopt("weights", create_model(cfg, self.device, self.dtype))
+        try:
+            fill_model(model, tensors, self.config.seed, self.config.model, should_stop)
+        except LoadStopped:
+            return
+        del model
         if should_stop():
             return
         kv = KVCache(num_layers=cfg.num_layers, num_blocks=self._num_kv_blocks(cfg),

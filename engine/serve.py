@@ -89,6 +89,7 @@ async def run(config, *, listen: Optional[str], token: Optional[str], drain_time
         await stopper.ready.wait()  # handlers are in place before loading starts
         if parent_pid:
             tg.start_soon(_watch_parent, stopper, parent_pid)
+        log.warning("loading %s (pid %d)", config.model, os.getpid())
         try:
             with stopper.startup:
                 await engine.start(tg)

@@ -64,3 +64,13 @@ def hf_checkpoint(tmp_path_factory):
         return cache[name]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's
+    waiting makes every small op many times slower. Opt in per module (``usefixtures``)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

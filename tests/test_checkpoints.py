@@ -19,6 +19,8 @@ from engine.errors import CheckpointError
 from engine.owner import reachable_tensors
 from states import State
 
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 
 @pytest.fixture(scope="module")
 def good(hf_checkpoint):

@@ -17,6 +17,8 @@ import torch
 
 from engine import AsyncEngine, EngineConfig, SamplingParams
 
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 MAX_TOKENS = 32
 PROMPT_LENGTHS = (1, 6, 19, 45)
 

@@ -21,6 +21,8 @@ from engine.core import EngineCore
 from engine.owner import reachable_tensors
 from states import State
 
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 CFG = dict(device="cpu", num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=32)
 ORDER = ["model_state", "kv_cache", "weights"]
 

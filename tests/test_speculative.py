@@ -379,7 +379,10 @@ async def test_sampling_distribution_end_to_end():
         got, stats, spec, _ = await _generate(
             EngineConfig(model=MODEL, device="cpu", max_num_seqs=n, **kw), work, seeds=True)
         assert stats.spec_proposed > 100, kw
-        assert 0.1 < spec["acceptance_rate"] < 0.9 or kw.get("draft_model") == MODEL, (kw, spec)
+        if kw["speculator"] == "ngram":  # point-mass proposals, accepted and rejected
+            assert 0.1 < spec["acceptance_rate"] < 0.9, spec
+        elif kw["draft_model"] == MODEL:  # q == p: (almost) always accepted
+            assert spec["acceptance_rate"] > 0.9, spec
         assert [got[i][0][0] for i in range(n)] == [base[i][0][0] for i in range(n)]
         for pos in (1, 2):
             a = collections.Counter(base[i][0][pos] for i in range(n))

@@ -11,10 +11,13 @@ import gc
 import os
 
 import anyio
+import pytest
 import torch
 
 from engine import AsyncEngine, EngineConfig, SamplingParams
 from states import State
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 CYCLES = 20
 WARMUP = 3  # first cycles fill one-time caches (torch kernels, thread pool, logging)

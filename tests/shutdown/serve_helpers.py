@@ -1,0 +1,79 @@
+"""Start and watch real ``enginecore serve`` processes for the shutdown suite."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import msgspec
+
+from engine.config import EngineConfig
+
+
+class ServeProcess:
+    """``python -m engine.cli serve`` with stderr captured to a file we can poll."""
+
+    def __init__(self, tmp: Path, config: Optional[EngineConfig] = None, *, args: tuple = (),
+                 drain_timeout: float = 30.0, model: Optional[str] = None):
+        self.sock = tmp / "engine.sock"
+        self.address = f"unix://{self.sock}"
+        self.log_path = tmp / "serve.log"
+        cmd = [sys.executable, "-m", "engine.cli", "serve", "--listen", self.address,
+               "--drain-timeout", str(drain_timeout), *args]
+        if config is not None:
+            cmd += ["--config-json", msgspec.json.encode(config).decode()]
+        elif model is not None:
+            cmd += ["--model", model]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     cwd=Path(__file__).resolve().parents[2])
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_log(self, text: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.log:
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"serve exited {self.proc.returncode} before {text!r}:\n{self.log}")
+            time.sleep(0.05)
+        raise AssertionError(f"no {text!r} in the log after {timeout}s:\n{self.log}")
+
+    def wait_serving(self, timeout: float = 120.0) -> None:
+        self.wait_for_log("serving ", timeout)
+
+    def signal(self, signum: int = signal.SIGTERM) -> float:
+        os.kill(self.proc.pid, signum)
+        return time.monotonic()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); look at its state
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
