@@ -28,7 +28,8 @@ def add_common_args(ap: argparse.ArgumentParser, *, default_cpu_model: str,
                     help=f"engine model spec (default: {default_cpu_model} on cpu, {default_cuda_model} on cuda)")
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on cpu, bf16 on cuda)")
     ap.add_argument("--seed", type=int, default=0, help="workload and random-weights seed")
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (cpu)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads (default 1 on cpu; the torch default on cuda)")
     ap.add_argument("--out", type=Path, default=None, help="JSON result path")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.set_defaults(_default_cpu_model=default_cpu_model, _default_cuda_model=default_cuda_model)
@@ -43,6 +44,10 @@ def finish_common_args(args: argparse.Namespace, name: str) -> argparse.Namespac
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     if args.out is None:
         args.out = RESULTS_DIR / f"{name}.json"
+    if args.threads is None and args.device == "cpu":
+        # One intra-op thread: on small shared CPU boxes, OpenMP workers spin against the event
+        # loop thread and other processes and make step times erratic (10x and worse, measured).
+        args.threads = 1
     if args.threads:
         torch.set_num_threads(args.threads)
     return args

@@ -1,11 +1,64 @@
-"""enginecore's engine: the model runner, the scheduler, and the async engine loop."""
+"""enginecore's engine: the model runner, the scheduler, and the async engine loop.
 
-from .async_engine import AsyncEngine, EngineStats, Health, RequestStream
-from .config import EngineConfig
-from .errors import (BadRequestError, CheckpointError, EngineDeadError, EngineDrainingError,
-                     EngineError, EngineShutdownError, InvalidTransitionError)
-from .params import RequestOutput, SamplingParams
-from .runner import ModelRunner
+The exports are lazy (PEP 562): ``import engine.params`` / ``import ipc`` must not pull in torch,
+so the heavy modules (async_engine, config, runner) load on first attribute access only.
+``from engine import AsyncEngine, EngineConfig, SamplingParams`` works as before.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "AsyncEngine": ".async_engine",
+    "EngineStats": ".async_engine",
+    "Health": ".async_engine",
+    "RequestStream": ".async_engine",
+    "EngineConfig": ".config",
+    "BadRequestError": ".errors",
+    "CheckpointError": ".errors",
+    "EngineDeadError": ".errors",
+    "EngineDrainingError": ".errors",
+    "EngineError": ".errors",
+    "EngineShutdownError": ".errors",
+    "InvalidTransitionError": ".errors",
+    "RequestOutput": ".params",
+    "SamplingParams": ".params",
+    "ModelRunner": ".runner",
+}
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
+    from .async_engine import AsyncEngine, EngineStats, Health, RequestStream
+    from .config import EngineConfig
+    from .errors import (BadRequestError, CheckpointError, EngineDeadError, EngineDrainingError,
+                         EngineError, EngineShutdownError, InvalidTransitionError)
+    from .params import RequestOutput, SamplingParams
+    from .runner import ModelRunner
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # Static imports only (tests/test_no_pickle.py rejects import_module with a variable name).
+    if module == ".async_engine":
+        from . import async_engine as mod
+    elif module == ".config":
+        from . import config as mod
+    elif module == ".errors":
+        from . import errors as mod
+    elif module == ".params":
+        from . import params as mod
+    else:
+        from . import runner as mod
+    value = getattr(mod, name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutput", "RequestStream", "Health",

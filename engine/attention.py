@@ -1,8 +1,9 @@
-"""Attention over the paged KV cache, in plain torch (CPU and CUDA).
+"""Attention over the paged KV cache.
 
 One step's tokens are packed as ``[T, ...]``. Prefill chunks (one or more tokens of a sequence,
-possibly after earlier chunks) are computed per sequence; single-token decodes are batched with
-a padded gather of their blocks.
+possibly after earlier chunks) are computed per sequence in torch; single-token decodes are
+batched: on CUDA with Triton by the paged decode kernel in :mod:`.triton_attention` (reads K/V
+blocks through the block table; graph safe), elsewhere with a padded gather of their blocks.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from . import triton_attention
 
 
 @dataclasses.dataclass
@@ -29,7 +32,7 @@ class AttentionMetadata:
     decode_rows: Optional[torch.Tensor]  # [B] long rows in the packed batch, or None
     decode_block_tables: Optional[torch.Tensor]  # [B, max_blocks] long (padded with 0)
     decode_context_lens: Optional[torch.Tensor]  # [B] long
-    decode_max_len: int = 0  # max context among decodes, rounded up to a block
+    decode_max_len: int = 0  # max context among decodes (torch path only; the kernel reads lens)
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -63,7 +66,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
                                            vs.transpose(0, 1).to(q.dtype), attn_mask=mask,
                                            is_causal=causal, scale=scale, enable_gqa=gqa > 1)
         out[p.start:p.end] = o.transpose(0, 1)
-    if meta.decode_rows is not None:
+    if meta.decode_rows is not None and triton_attention.supported(q, cache):
+        triton_attention.decode_attention(q, cache, meta.decode_rows, meta.decode_block_tables,
+                                          meta.decode_context_lens, scale, out)
+    elif meta.decode_rows is not None:
         rows = meta.decode_rows
         bt = meta.decode_block_tables[:, : (meta.decode_max_len + block_size - 1) // block_size]
         bsz = bt.shape[0]

@@ -27,6 +27,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ngram_min: int = 1
     ngram_max: int = 4
     draft_model: Optional[str] = None
+    cuda_graphs: bool = True  # capture decode-only steps as CUDA graphs (CUDA + Triton only)
     # Test hook: raise inside the model forward on this (1-based) step. Never set in production.
     fault_at_step: Optional[int] = None
 

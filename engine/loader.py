@@ -126,7 +126,14 @@ def build_model(cfg: ModelConfig, tensors, device: torch.device, dtype: torch.dt
                 seed: int = 0, source: str = "") -> CausalLM:
     """``create_model`` + ``fill_model``."""
     model = create_model(cfg, device, dtype)
-    fill_model(model, tensors, seed, source)
+    try:
+        fill_model(model, tensors, seed, source)
+    except BaseException as exc:
+        # A failed fill keeps nothing: without this, the traceback's frames pin the half-filled
+        # model (device memory) and the tensor being copied for as long as the error lives.
+        empty_in_place(model)
+        traceback.clear_frames(exc.__traceback__)
+        raise
     return model
 
 

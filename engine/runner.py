@@ -1,18 +1,20 @@
 """``ModelRunner``: loads a model onto a device, runs one mixed prefill/decode step, releases.
 
 Every device allocation is adopted by ``self._owner`` (a :class:`DeviceOwner`) in creation
-order: weights, KV cache, model state, speculator. ``shutdown()`` synchronizes and releases them
-in reverse. The runner refuses to hold a tensor or module as a plain attribute (see
-``__setattr__``), so a new device attribute cannot be forgotten at shutdown.
+order: weights, KV cache, model state, CUDA graphs (CUDA only), speculator. ``shutdown()``
+synchronizes and releases them in reverse. The runner refuses to hold a tensor or module as a
+plain attribute (see ``__setattr__``), so a new device attribute cannot be forgotten at shutdown.
 """
 
 from __future__ import annotations
 
 import logging
+import traceback
 from typing import Optional, Sequence
 
 import torch
 
+from . import cuda_graphs
 from .attention import AttentionMetadata, PrefillSeq
 from .config import EngineConfig
 from .errors import BadRequestError
@@ -69,7 +71,17 @@ class ModelRunner:
     # -- lifecycle -------------------------------------------------------------------------
     def load(self, should_stop=lambda: False) -> None:
         """Create weights, KV cache, model state (and speculator). ``should_stop`` is polled
-        between stages so a signal during startup stops loading promptly."""
+        between stages so a signal during startup stops loading promptly. A load that raises
+        keeps nothing: what was adopted is released (the owner is closed) before the error
+        propagates, and the error's traceback holds no tensor (its frames' locals are cleared)."""
+        try:
+            self._load(should_stop)
+        except BaseException as exc:
+            self.shutdown()
+            traceback.clear_frames(exc.__traceback__)
+            raise
+
+    def _load(self, should_stop) -> None:
         cfg, tensors, tok = resolve_source(self.config.model)
         self.model_config, self.tokenizer = cfg, tok
         self.max_model_len = min(self.config.max_model_len or _MAX_CONTEXT_DEFAULT,
@@ -85,24 +97,32 @@ class ModelRunner:
         del model
         if should_stop():
             return
-        kv = KVCache(num_layers=cfg.num_layers, num_blocks=self._num_kv_blocks(cfg),
+        graphs = cuda_graphs.usable(self.device, self.config.cuda_graphs, cfg.head_dim,
+                                    self.block_size)
+        usable_blocks = self._num_kv_blocks(cfg)
+        # with CUDA graphs, one extra block (the last) is the scratch block padded rows write to
+        kv = KVCache(num_layers=cfg.num_layers, num_blocks=usable_blocks + int(graphs),
                      block_size=self.block_size, num_kv_heads=cfg.num_kv_heads,
                      head_dim=cfg.head_dim, dtype=self.dtype, device=self.device)
         self._owner.adopt("kv_cache", kv)
-        self.num_blocks = kv.num_blocks
+        self.num_blocks = usable_blocks
         if should_stop():
             return
         max_blocks = -(-self.max_model_len // self.block_size) + 1
         self._owner.adopt("model_state", ModelState(
             max_tokens=self.config.max_num_batched_tokens + self.config.max_num_seqs * 17,
             max_seqs=self.config.max_num_seqs, max_blocks_per_seq=max_blocks, device=self.device))
+        if graphs:  # after model_state, so that it is released first
+            self._owner.adopt("cuda_graphs", cuda_graphs.CudaGraphs(
+                max_num_seqs=self.config.max_num_seqs, scratch_block=usable_blocks,
+                block_size=self.block_size, device=self.device))
         if self.config.speculator != "none" and not should_stop():
             from .speculative import build_speculator
 
             self.speculator = build_speculator(self.config, self)
-        log.info("loaded %s on %s/%s: %d KV blocks of %d tokens (%.1f MiB)",
-                 self.config.model, self.device, self.dtype, kv.num_blocks, self.block_size,
-                 kv.nbytes / 2**20)
+        log.info("loaded %s on %s/%s: %d KV blocks of %d tokens (%.1f MiB); CUDA graphs %s",
+                 self.config.model, self.device, self.dtype, self.num_blocks, self.block_size,
+                 kv.nbytes / 2**20, "on" if graphs else "off")
 
     def _num_kv_blocks(self, cfg) -> int:
         if self.config.num_kv_blocks:
@@ -203,25 +223,41 @@ class ModelRunner:
             else:
                 sample_rows.append([])
         t = len(ids)
+        graphs = self._owner.get("cuda_graphs")
+        bucket = None
+        if graphs is not None and not prefills and len(dec_rows) == t:  # decode-only step
+            bucket = graphs.bucket(t)
+        if bucket is not None:  # pad to the bucket: padded rows use the scratch slot/block
+            pad = bucket - t
+            ids += [0] * pad
+            pos += [0] * pad
+            slots += [graphs.scratch_slot] * pad
+            dec_lens += [1] * pad
+            dec_tables += [[graphs.scratch_block]] * pad
         input_ids = state.load("input_ids", torch.tensor(ids))
         positions = state.load("positions", torch.tensor(pos))
         slot_mapping = state.load("slot_mapping", torch.tensor(slots))
         meta = AttentionMetadata(slot_mapping, prefills, None, None, None)
         if dec_rows:
             width = max(len(b) for b in dec_tables)
-            table = torch.zeros((len(dec_rows), width), dtype=torch.long)
-            for i, b in enumerate(dec_tables):
-                table[i, : len(b)] = torch.tensor(b)
-            meta.decode_rows = torch.tensor(dec_rows, device=self.device)
+            table = torch.tensor([b + [0] * (width - len(b)) for b in dec_tables], dtype=torch.long)
             meta.decode_block_tables = state.load("block_tables", table)
             meta.decode_context_lens = state.load("context_lens", torch.tensor(dec_lens))
             meta.decode_max_len = max(dec_lens)
-        hidden = model(input_ids, positions, kv.tensor, meta)
+            if bucket is None:
+                meta.decode_rows = torch.tensor(dec_rows, device=self.device)
+        if bucket is not None:
+            hidden = graphs.run(bucket, model, kv.tensor, state)
+        else:
+            hidden = model(input_ids, positions, kv.tensor, meta)
         del t
         flat = [r for rows in sample_rows for r in rows]
         if not flat:
             return StepResult([[] for _ in batch], None)
-        logits = model.logits(hidden[torch.tensor(flat, device=self.device)])
+        if flat == list(range(len(flat))):
+            logits = model.logits(hidden[: len(flat)])
+        else:
+            logits = model.logits(hidden[torch.tensor(flat, device=self.device)])
         owners = [i for i, rows in enumerate(sample_rows) for _ in rows]
         if self.speculator is not None:
             return self.speculator.verify(batch, sample_rows, owners, logits, state)

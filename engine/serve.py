@@ -139,6 +139,39 @@ def serve_main(a) -> int:
     except (EngineError, ValueError) as exc:
         print(f"enginecore: bad configuration: {exc}", file=sys.stderr)
         return EXIT_STARTUP
-    return anyio.run(lambda: run(config, listen=a.listen, token=a.token,
-                                 drain_timeout=a.drain_timeout, parent_pid=a.parent_pid,
-                                 ready_fd=a.ready_fd))
+    if not getattr(a, "http", None):
+        return anyio.run(lambda: run(config, listen=a.listen, token=a.token,
+                                     drain_timeout=a.drain_timeout, parent_pid=a.parent_pid,
+                                     ready_fd=a.ready_fd))
+    return _serve_http(a, config)
+
+
+def _serve_http(a, config) -> int:
+    """``--http HOST:PORT [--api-servers N]``: the engine (IPC on a private socket unless
+    ``--listen``) plus N HTTP frontend processes sharing one listening socket, bound here before
+    loading. They start once the engine serves and exit after it (engine/http/frontend.py); this
+    process exits after them."""
+    import secrets
+
+    from .http.frontend import Frontends, bind_http
+
+    if a.api_servers < 1:
+        print("enginecore: bad configuration: --api-servers must be >= 1", file=sys.stderr)
+        return EXIT_STARTUP
+    try:
+        sock = bind_http(a.http)
+    except (OSError, ValueError) as exc:
+        print(f"enginecore: cannot listen on {a.http}: {exc}", file=sys.stderr)
+        return EXIT_STARTUP
+    token = a.token or secrets.token_urlsafe(24)  # the IPC socket is private to the frontends
+    frontends = Frontends(sock, a.api_servers, token, drain_timeout=a.drain_timeout,
+                          verbose=logging.getLogger().isEnabledFor(logging.INFO))
+    try:
+        code = anyio.run(lambda: run(config, listen=a.listen, token=token,
+                                     drain_timeout=a.drain_timeout, parent_pid=a.parent_pid,
+                                     ready_fd=a.ready_fd, on_serving=frontends))
+    finally:
+        sock.close()  # if the engine never got to serving
+    if code == EXIT_OK and frontends.failed:
+        return EXIT_FAILED
+    return code

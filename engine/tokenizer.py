@@ -80,23 +80,18 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` with the model's chat template (Jinja, sandboxed)."""
-        if not self.chat_template:
-            # A plain fallback so chat works on random presets: "role: content" lines.
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-            return text + ("assistant: " if add_generation_prompt else "")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        return render_chat_template(self.chat_template, messages, self.bos_token, self.eos_token,
+                                    add_generation_prompt)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    @property
+    def bos_token(self) -> Optional[str]:
+        """The BOS token's text (for chat templates), or None."""
+        return self._id_to_token(self.bos_token_id)
 
-        def raise_exception(msg):
-            raise BadRequestError(f"chat template: {msg}")
-
-        env.globals["raise_exception"] = raise_exception
-        tmpl = env.from_string(self.chat_template)
-        bos = self._id_to_token(self.bos_token_id)
-        eos = self._id_to_token(min(self.eos_token_ids)) if self.eos_token_ids else ""
-        return tmpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=bos or "", eos_token=eos or "")
+    @property
+    def eos_token(self) -> Optional[str]:
+        """The (lowest-id) EOS token's text (for chat templates), or None."""
+        return self._id_to_token(min(self.eos_token_ids)) if self.eos_token_ids else None
 
     def _id_to_token(self, i: Optional[int]) -> Optional[str]:
         if i is None:
@@ -104,3 +99,25 @@ class Tokenizer:
         if self._backend is None:
             return {v: k for k, v in self.special_tokens.items()}.get(i)
         return self._backend.id_to_token(i)
+
+
+def render_chat_template(template: Optional[str], messages: list[dict], bos_token: Optional[str],
+                         eos_token: Optional[str], add_generation_prompt: bool = True) -> str:
+    """Render ``messages`` with a chat ``template`` (Jinja, sandboxed) -- shared by
+    :meth:`Tokenizer.apply_chat_template` and the IPC client, which gets the template in its
+    handshake. Without a template: plain "role: content" lines (so chat works on random presets).
+    """
+    if not template:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant: " if add_generation_prompt else "")
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(msg):
+        raise BadRequestError(f"chat template: {msg}")
+
+    env.globals["raise_exception"] = raise_exception
+    tmpl = env.from_string(template)
+    return tmpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                       bos_token=bos_token or "", eos_token=eos_token or "")

@@ -49,6 +49,9 @@ Handshake
    anything but a Hello, ``Error(kind=VERSION | AUTH | PROTOCOL, fatal=True)`` and closes.
    Tokens are compared in constant time. ``Hello``, ``Welcome`` and ``Error`` keep their layout
    in every protocol version, so a version mismatch is always reported as ``VERSION``.
+   Besides the engine's state and frame limit, ``Welcome`` describes the model (``model``,
+   ``chat_template``, ``bos_token``, ``eos_token``, ``max_model_len``, ``vocab_size``), so a
+   client can render chat prompts and check token ids without asking.
 
 Message flow (after the handshake)
 ==================================
@@ -138,6 +141,7 @@ MAX_PROMPT_TOKENS = 1024 * 1024
 MAX_TOKEN_LEN = 1024
 MAX_NAME_LEN = 256
 MAX_ERROR_MESSAGE_LEN = 8192
+MAX_CHAT_TEMPLATE_LEN = 1024 * 1024
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -234,6 +238,15 @@ class Welcome(_Message, tag="Welcome"):
     max_frame: Count = DEFAULT_MAX_FRAME
     client_id: Count = 0
     model: Annotated[str, Meta(max_length=MAX_NAME_LEN)] = ""
+    # What a client needs to build prompts itself (all optional; absent = unknown):
+    # the tokenizer's Jinja chat template and the texts of its BOS / (lowest) EOS tokens, as
+    # engine.tokenizer.render_chat_template takes them; the context limit and the vocabulary
+    # size (prompt token ids must be < vocab_size; 0 = unknown).
+    chat_template: Optional[Annotated[str, Meta(max_length=MAX_CHAT_TEMPLATE_LEN)]] = None
+    bos_token: Optional[Annotated[str, Meta(max_length=MAX_NAME_LEN)]] = None
+    eos_token: Optional[Annotated[str, Meta(max_length=MAX_NAME_LEN)]] = None
+    max_model_len: Count = 0
+    vocab_size: Count = 0
 
 
 class Outputs(_Message, tag="Outputs"):

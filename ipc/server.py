@@ -40,6 +40,7 @@ from .framing import FrameCodec, read_frame
 from .messages import (
     DEFAULT_MAX_FRAME,
     HANDSHAKE_MAX_FRAME,
+    MAX_CHAT_TEMPLATE_LEN,
     MAX_NAME_LEN,
     PROTOCOL_VERSION,
     Abort,
@@ -249,6 +250,7 @@ class IPCServer:
         self._active = False
         self._tg: Optional[anyio.abc.TaskGroup] = None
         self._stopped = anyio.Event()
+        self._info: Optional[dict] = None  # Welcome's model description, once known
 
     # ------------------------------------------------------------------ lifetime
 
@@ -369,10 +371,8 @@ class IPCServer:
                                            message="missing or wrong token"))
             return False
         conn.name = msg.client_name
-        model = getattr(getattr(self.engine, "config", None), "model", "")
         welcome = Welcome(protocol_version=PROTOCOL_VERSION, state=self._engine_state(),
-                          max_frame=self.max_frame, client_id=conn.id,
-                          model=str(model)[:MAX_NAME_LEN])
+                          max_frame=self.max_frame, client_id=conn.id, **self._model_info())
         try:
             with anyio.fail_after(self.send_timeout):
                 await conn.stream.send(conn.codec.encode(welcome))
@@ -382,6 +382,38 @@ class IPCServer:
         # through the same buffer.
         conn.buffered = buffered
         return True
+
+    def _model_info(self) -> dict:
+        """Welcome's description of the model (computed once; absent parts are left out)."""
+        if self._info is not None:
+            return self._info
+        engine = self.engine
+        model = getattr(getattr(engine, "config", None), "model", "")
+        info: dict = {"model": str(model)[:MAX_NAME_LEN]}
+        tok = getattr(engine, "tokenizer", None)
+        runner = getattr(engine, "runner", None)
+        try:
+            if tok is not None:
+                template = getattr(tok, "chat_template", None)
+                if isinstance(template, str) and len(template) <= MAX_CHAT_TEMPLATE_LEN:
+                    info["chat_template"] = template
+                elif template is not None:
+                    log.warning("ipc: chat template not sent (not a string or too long)")
+                for key in ("bos_token", "eos_token"):
+                    text = getattr(tok, key, None)
+                    if isinstance(text, str) and len(text) <= MAX_NAME_LEN:
+                        info[key] = text
+            max_len = getattr(runner, "max_model_len", 0)
+            vocab = getattr(getattr(runner, "model_config", None), "vocab_size", None)
+            if vocab is None:
+                vocab = getattr(tok, "vocab_size", 0)
+            info["max_model_len"] = max(0, int(max_len or 0))
+            info["vocab_size"] = max(0, int(vocab or 0))
+        except Exception:  # never fail a handshake over a description
+            log.exception("ipc: cannot describe the model in Welcome")
+        if self._engine_state() in (State.SERVING, State.DRAINING):
+            self._info = info  # loaded: it will not change any more
+        return info
 
     async def _reject(self, conn: _Connection, err: Error) -> None:
         with anyio.move_on_after(min(self.send_timeout, 5.0)):

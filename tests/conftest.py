@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import pytest
-import torch
+# NOTE: the suite runs engines in this process and in `enginecore serve` subprocesses at once on
+# a 2-core CI machine; several OpenMP pools spinning against each other made steps ~100x slower.
+# One intra-op thread per process (inherited by subprocesses) keeps timings sane.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Small enough to build and run in milliseconds, big enough to exercise GQA, several KV blocks
 # and multi-layer caches. Architecture-specific knobs are passed as overrides.

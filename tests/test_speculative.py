@@ -13,7 +13,6 @@ import collections
 import gc
 import math
 import random
-import time
 import weakref
 
 import anyio
@@ -164,20 +163,20 @@ def test_verify_seeded_rows_are_reproducible_and_batch_independent():
 
 
 # -- n-gram ---------------------------------------------------------------------------------------
-def test_ngram_index_matches_linear_scan():
-    rng = random.Random(5)
+@pytest.mark.parametrize("n_min,n_max,alphabet", [(1, 4, 6), (2, 3, 3), (1, 1, 10), (3, 8, 2)])
+def test_ngram_lookup_matches_linear_scan(n_min, n_max, alphabet):
+    rng = random.Random(n_min * 100 + n_max)
 
     class Req:
         def __init__(self, toks):
             self.request_id, self.token_ids = "r", toks
 
     spec = NgramSpeculator.__new__(NgramSpeculator)
-    spec.n_min, spec.n_max, spec._index = 1, 4, {}
+    spec.n_min, spec.n_max, spec._hist = n_min, n_max, {}
     toks: list[int] = []
-    for _ in range(400):  # grow one request token by token, checking every step
-        toks.append(rng.randrange(6))
-        req = Req(toks)
-        assert spec.lookup(req, 5) == ngram_lookup(toks, 5, 1, 4)
+    for _ in range(300):  # grow one request token by token, checking every step
+        toks.append(rng.randrange(alphabet))
+        assert spec.lookup(Req(toks), 5) == ngram_lookup(toks, 5, n_min, n_max), toks
     assert ngram_lookup([1, 2, 3, 1, 2], 3, 1, 3) == [3, 1, 2]
     assert ngram_lookup([1, 2, 3, 9, 2], 3, 2, 3) == []
     assert ngram_lookup([5, 5, 5], 4, 1, 2) == [5]  # most recent earlier occurrence
@@ -204,7 +203,7 @@ def test_proposals_respect_max_tokens_and_context():
             core._update(batch, runner.execute(batch))
         assert a.num_output_tokens == 5 and b.num_tokens == 40  # max_tokens, context limit
         assert set(seen) == {"a", "b"}
-        assert runner.speculator._index == {}  # forgotten when finished
+        assert runner.speculator._hist == {}  # forgotten when finished
     finally:
         runner.shutdown()
 
@@ -266,7 +265,7 @@ async def _generate(cfg: EngineConfig, work, stops: dict[int, list[str]] | None 
             state = (dict(spec._seqs), spec.num_free_blocks, spec.num_blocks,
                      len(eng.runner.resource("speculator").generators))
         elif isinstance(spec, NgramSpeculator):
-            state = dict(spec._index)
+            state = dict(spec._hist)
     assert reachable_tensors(eng.runner) == []
     return res, stats, spec_stats, state
 
@@ -421,3 +420,50 @@ def test_no_speculator_owns_nothing_extra():
     assert isinstance(runner.speculator, NgramSpeculator)
     assert runner.shutdown() == ["model_state", "kv_cache", "weights"]
     assert reachable_tensors(runner) == []
+
+
+# -- CUDA ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("case", ["ngram", "draft-self", "draft-other", "draft-seed-small-kv"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_gpu_greedy_token_identical(case):
+    """fp32 on CUDA (decodes go through the Triton kernel, verification through prefill)."""
+    work = _workload()
+    kw = CASES[case]
+    base_kw = SMALL_KV if "num_kv_blocks" in kw else {}
+    base, *_ = await _memo(("gpu-base", bool(base_kw)), lambda: _generate(
+        EngineConfig(model=MODEL, device="cuda", dtype="float32", **base_kw), work))
+    got, stats, spec, _ = await _generate(
+        EngineConfig(model=MODEL, device="cuda", dtype="float32", **kw), work)
+    assert {i: r[0] for i, r in got.items()} == {i: r[0] for i, r in base.items()}
+    assert stats.spec_proposed > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_draft_release_to_the_byte():
+    """bf16 draft speculation with sampled and greedy requests, then shutdown: the caching
+    allocator is back where it was before load."""
+    torch.cuda.synchronize()
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    runner = ModelRunner(EngineConfig(model=MODEL, device="cuda", dtype="bfloat16",
+                                      speculator="draft", draft_model=MODEL + "@seed=2",
+                                      num_kv_blocks=64))
+    runner.load()
+    core = EngineCore(runner, check_integrity=True)
+    for i in range(8):
+        core.add_request(str(i), [3, 4, 5] * (i + 2), SamplingParams(
+            max_tokens=24, temperature=0.8 if i % 2 else 0.0, seed=i, top_k=20, ignore_eos=True))
+    while core.has_work():
+        core.step()
+    assert core.statistics().spec_proposed > 0
+    del core
+    assert runner.shutdown()[0] == "speculator"
+    assert reachable_tensors(runner) == []
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before

@@ -178,6 +178,8 @@ class DraftSpeculator(Speculator):
                 st.cached = min(st.cached, st.base + keep)
                 st.tail = []
             size = req.num_tokens
+            if size > self.max_pos:  # past the draft's context: the target goes on alone
+                continue
             n = min(n, self.max_pos - size + 1)
             take = min(size - st.cached, budget)
             if take <= 0:

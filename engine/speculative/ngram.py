@@ -1,14 +1,17 @@
 """N-gram (prompt lookup) proposer: the tokens that followed the most recent earlier occurrence
 of the request's last n tokens, for n from ``ngram_max`` down to ``ngram_min``.
 
-Per request an index maps each n-gram to the latest position it started at (only occurrences
-followed by at least one token count); it is extended with the new tokens each step, so a
-lookup costs O(k) however long the request is. Host memory only.
+Per request the tokens are mirrored in a growable int32 array (4 bytes a token, extended with
+the new tokens each step). A lookup is one vectorized comparison with the last token over the
+whole history, then the few candidate positions are extended backwards to ``ngram_max``. Host
+memory only.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
+
+import numpy as np
 
 from ..request import Request
 from .base import Speculator
@@ -26,12 +29,51 @@ def ngram_lookup(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[
     return []
 
 
-class _Index:
-    __slots__ = ("last", "upto")
+class _History:
+    __slots__ = ("buf", "size")
 
-    def __init__(self, n_min: int, n_max: int):
-        self.last: dict[int, dict[tuple, int]] = {n: {} for n in range(n_min, n_max + 1)}
-        self.upto = 0  # tokens[:upto] indexed (as followers-capable positions)
+    def __init__(self):
+        self.buf = np.empty(64, dtype=np.int32)
+        self.size = 0
+
+    def sync(self, tokens: list[int]) -> np.ndarray:
+        n = len(tokens)
+        if n < self.size:  # cannot happen (tokens only grow); start over to be safe
+            self.size = 0
+        if n > self.buf.shape[0]:
+            grown = np.empty(max(n, 2 * self.buf.shape[0]), dtype=np.int32)
+            grown[: self.size] = self.buf[: self.size]
+            self.buf = grown
+        if n > self.size:
+            self.buf[self.size:n] = tokens[self.size:n]
+            self.size = n
+        return self.buf[:n]
+
+
+def lookup_array(toks: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+    """:func:`ngram_lookup` on an int array, vectorized."""
+    size = toks.shape[0]
+    if size < n_min + 1:
+        return []
+    ends = np.flatnonzero(toks[: size - 1] == toks[size - 1])  # occurrence ends, a follower after
+    if ends.size == 0:
+        return []
+    match = np.ones(ends.shape[0], dtype=np.int64)  # matched length (backwards), up to n_max
+    ok = np.ones(ends.shape[0], dtype=bool)
+    for j in range(1, min(n_max, size - 1)):
+        back = ends - j
+        valid = back >= 0
+        ok &= valid
+        ok[valid] &= toks[back[valid]] == toks[size - 1 - j]
+        if not ok.any():
+            break
+        match += ok
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        hit = np.flatnonzero(match >= n)
+        if hit.size:
+            e = int(ends[hit[-1]])
+            return toks[e + 1:e + 1 + k].tolist()
+    return []
 
 
 class NgramSpeculator(Speculator):
@@ -40,30 +82,17 @@ class NgramSpeculator(Speculator):
     def __init__(self, config, runner):
         super().__init__(config, runner)
         self.n_min, self.n_max = config.ngram_min, config.ngram_max
-        self._index: dict[str, _Index] = {}
+        self._hist: dict[str, _History] = {}
 
     def lookup(self, req: Request, k: int) -> list[int]:
-        toks = req.token_ids
-        size = len(toks)
-        idx = self._index.get(req.request_id)
-        if idx is None or idx.upto > size:
-            idx = self._index[req.request_id] = _Index(self.n_min, self.n_max)
-        # an n-gram starting at i qualifies once a token follows it: i + n <= size - 1
-        for n, table in idx.last.items():
-            for i in range(max(0, idx.upto - n), size - n):
-                table[tuple(toks[i:i + n])] = i
-        idx.upto = size
-        for n in range(self.n_max, self.n_min - 1, -1):
-            if n >= size:
-                continue
-            i = idx.last[n].get(tuple(toks[size - n:]))
-            if i is not None:
-                return toks[i + n:i + n + k]
-        return []
+        h = self._hist.get(req.request_id)
+        if h is None:
+            h = self._hist[req.request_id] = _History()
+        return lookup_array(h.sync(req.token_ids), k, self.n_min, self.n_max)
 
     def _propose(self, running, want) -> None:
         for req, n in want:
             req.spec_token_ids = self.lookup(req, n)
 
     def forget(self, request_id: str) -> None:
-        self._index.pop(request_id, None)
+        self._hist.pop(request_id, None)

@@ -71,8 +71,8 @@ def test_open_close_cycles_do_not_grow():
 
     anyio.run(main)
     growth = sizes[-1] - sizes[0]
-    print(f"\nlive tensors {counts} (open: {probe}); RSS {sizes[0] / 2**20:.1f} -> {sizes[-1] / 2**20:.1f} MiB "
-          f"(max {max(sizes) / 2**20:.1f}) over {CYCLES} cycles")
+    print(f"\nlive tensors {counts} (open: {probe}); RSS {sizes[0] / 2**20:.1f} -> "
+          f"{sizes[-1] / 2**20:.1f} MiB (max {max(sizes) / 2**20:.1f}) over {CYCLES} cycles")
     assert probe[0] > counts[0] + 20, "the live-tensor count does not see the engine's tensors"
     assert counts[1:] == [counts[0]] * 2, f"live torch.Tensor objects grew: {counts}"
     assert growth < RSS_NOISE, f"RSS grew by {growth / 2**20:.1f} MiB over {CYCLES} cycles"

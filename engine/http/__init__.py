@@ -1,0 +1,20 @@
+"""OpenAI-compatible HTTP frontends of the engine (FastAPI + uvicorn).
+
+* :mod:`engine.http.app`: the ASGI app over an engine-like object (``AsyncEngine`` in process,
+  ``ipc.EngineClient`` in a frontend process);
+* :mod:`engine.http.frontend`: the frontend process (``enginecore serve --http``) and the engine
+  process's supervisor of its frontends;
+* :mod:`engine.http.protocol`, :mod:`engine.http.metrics`: request/response bodies, Prometheus.
+"""
+
+
+
+def __getattr__(name: str):  # lazy: the engine process imports .frontend without FastAPI
+    if name in ("create_app", "EngineHandle"):
+        from . import app
+
+        return getattr(app, name)
+    raise AttributeError(name)
+
+
+__all__ = ["create_app", "EngineHandle"]

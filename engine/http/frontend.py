@@ -1,0 +1,288 @@
+"""HTTP frontend processes: ``python -m engine.http.frontend`` and their supervisor.
+
+``enginecore serve --http HOST:PORT --api-servers N`` binds the HTTP socket once in the engine
+process (``SO_REUSEADDR``; before loading, so "address in use" is a startup error), and once the
+engine is SERVING starts N frontend processes (:class:`Frontends`, the ``on_serving`` hook of
+:func:`engine.serve.run`). Each inherits the listening socket (``pass_fds``) -- the kernel spreads
+connections over them -- connects to the engine's private IPC socket as an ``ipc.EngineClient``
+and serves the OpenAI-compatible app (:mod:`engine.http.app`) with uvicorn on that socket.
+
+The engine process owns the lifecycle; a frontend follows it:
+
+* It ignores SIGINT and SIGTERM. A SIGTERM to the whole process group (Kubernetes, Ctrl-C) makes
+  the engine drain; the frontends keep serving meanwhile: ``/ready`` is 503 at once, new requests
+  get 503 with ``Retry-After``, open streams run to their end.
+* Engine SHUTDOWN after a clean drain: the frontend finishes writing the open responses, closes
+  and exits 0.
+* The engine died (its connection broke, it FAILED, or the parent process is gone): ``/health``
+  turns 503 for :data:`DEAD_GRACE` seconds, then the frontend exits 3.
+
+Exit codes: 0 the engine shut down cleanly; 3 the engine died; 2 startup error (no engine to
+connect to); 1 a bug (an uncaught exception). The engine process waits for its frontends before
+it exits; one that exits while the engine serves makes the engine process stop (it drains) and
+exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import anyio
+import uvicorn
+
+from states import State
+
+log = logging.getLogger("enginecore.http")
+
+#: How long a frontend answers 503 after the engine died, before it exits 1.
+DEAD_GRACE = 1.0
+#: How long uvicorn may take to finish open responses once the engine is gone or shut down.
+GRACEFUL_TIMEOUT = 10.0
+TOKEN_ENV = "ENGINECORE_TOKEN"
+EXIT_OK, EXIT_CRASH, EXIT_STARTUP, EXIT_ENGINE_DIED = 0, 1, 2, 3
+
+
+class Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the engine process decides when we stop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def make_server(app, **kw: Any) -> Server:
+    options = dict(log_config=None, access_log=False, lifespan="off",
+                   timeout_graceful_shutdown=GRACEFUL_TIMEOUT, log_level="warning")
+    options.update(kw)
+    return Server(uvicorn.Config(app, **options))
+
+
+async def watch_engine(handle, server: Server, *, parent_pid: Optional[int] = None,
+                       dead_grace: float = DEAD_GRACE, interval: float = 0.05) -> int:
+    """Follow the engine behind ``handle`` (an :class:`~engine.http.app.EngineHandle`); when it
+    has shut down or died, make ``server`` exit. Returns the frontend's exit code (0 or 3)."""
+    engine = handle.engine
+    while True:
+        reason = None
+        if parent_pid is not None and os.getppid() != parent_pid:
+            reason = f"the engine process {parent_pid} exited"
+        else:
+            state = handle.state
+            closed = getattr(engine, "closed", None)  # an EngineClient: the connection ended
+            if state is State.SHUTDOWN and (closed is None or closed) and not handle.failed:
+                log.info("frontend %d: the engine shut down; exiting", os.getpid())
+                server.should_exit = True
+                return EXIT_OK
+            if state is State.FAILED or handle.failed or closed:
+                reason = "the engine failed" if handle.failed else "lost the engine"
+        if reason is not None:
+            break
+        await anyio.sleep(interval)
+    log.error("frontend %d: %s; /health is 503, exiting in %.1fs", os.getpid(), reason, dead_grace)
+    handle.dead = reason
+    await anyio.sleep(dead_grace)
+    server.should_exit = True
+    return EXIT_ENGINE_DIED
+
+
+async def serve_frontend(engine, sock: socket.socket, *, parent_pid: Optional[int] = None,
+                         dead_grace: float = DEAD_GRACE, **server_options: Any) -> int:
+    """Serve ``engine`` (AsyncEngine or EngineClient) over HTTP on ``sock`` until the engine has
+    shut down (returns 0) or died (returns 3)."""
+    from .app import create_app
+
+    app = create_app(engine)
+    server = make_server(app, **server_options)
+    code = EXIT_OK
+    async with anyio.create_task_group() as tg:
+        async def watch() -> None:
+            nonlocal code
+            code = await watch_engine(app.state.frontend.handle, server, parent_pid=parent_pid,
+                                      dead_grace=dead_grace)
+
+        tg.start_soon(watch)
+        await server.serve(sockets=[sock])
+        tg.cancel_scope.cancel()
+    if not server.started:
+        return EXIT_STARTUP
+    return code
+
+
+async def _main(a: argparse.Namespace) -> int:
+    from ipc.client import EngineClient
+
+    from ..errors import EngineError
+
+    sock = socket.socket(fileno=a.fd)
+    sock.setblocking(False)
+    token = os.environ.pop(TOKEN_ENV, None) or None
+    async with contextlib.AsyncExitStack() as stack:
+        stack.callback(sock.close)
+        try:
+            client = await stack.enter_async_context(EngineClient.connect(
+                a.connect, token=token, client_name=f"http-frontend-{a.index}"))
+        except (OSError, TimeoutError, EngineError) as exc:
+            print(f"enginecore frontend {a.index}: cannot connect to {a.connect}: {exc}",
+                  file=sys.stderr)
+            return EXIT_STARTUP
+        return await serve_frontend(client, sock, parent_pid=a.parent_pid)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine.http.frontend",
+                                 description="One OpenAI-compatible HTTP frontend of an engine "
+                                             "process (started by `enginecore serve --http`).")
+    ap.add_argument("--connect", required=True, help="the engine's IPC address")
+    ap.add_argument("--fd", type=int, required=True, help="an inherited listening socket")
+    ap.add_argument("--parent-pid", type=int, default=None,
+                    help="exit (3) when this process is no longer our parent")
+    ap.add_argument("--index", type=int, default=0)
+    ap.add_argument("-v", "--verbose", action="store_true")
+    a = ap.parse_args(argv)
+    # The engine process drives the lifecycle (see the module docstring).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if a.parent_pid is not None and os.getppid() != a.parent_pid:
+        return EXIT_ENGINE_DIED
+    return anyio.run(_main, a)
+
+
+# --------------------------------------------------------------------------- the engine's side
+
+def parse_http_address(spec: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT``; an empty host is 0.0.0.0) -> (host, port)."""
+    host, sep, port = spec.rpartition(":")
+    if not sep or not port.isdigit() or not (0 <= int(port) <= 65535):
+        raise ValueError(f"--http {spec!r}: expected HOST:PORT")
+    host = host.strip("[]") or "0.0.0.0"
+    return host, int(port)
+
+
+def bind_http(spec: str, backlog: int = 2048) -> socket.socket:
+    """The shared listening socket (``OSError`` e.g. when the address is in use)."""
+    host, port = parse_http_address(spec)
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, type_, proto, _, addr = infos[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(addr)
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _frontend_env(token: Optional[str]) -> dict:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])  # this checkout's code, like ipc.spawn
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([root, *paths])
+    if token:
+        env[TOKEN_ENV] = token
+    else:
+        env.pop(TOKEN_ENV, None)
+    return env
+
+
+class Frontends:
+    """The ``on_serving`` hook: start ``n`` frontend processes on ``sock`` once the engine
+    serves, and keep the engine process (its IPC server's task group) alive until they exited.
+
+    A frontend that exits while the engine serves is a failure: the engine process is stopped
+    (SIGTERM to itself: it drains) and ``failed`` is set (the process then exits non-zero).
+    Frontends still running :data:`STRAGGLER_TIMEOUT` seconds after the engine is over (and the
+    drain allowance) are killed."""
+
+    STRAGGLER_TIMEOUT = 30.0
+
+    def __init__(self, sock: socket.socket, n: int, token: Optional[str],
+                 drain_timeout: float = 30.0, verbose: bool = False) -> None:
+        self.sock = sock
+        self.n = n
+        self.token = token
+        self.drain_timeout = drain_timeout
+        self.verbose = verbose
+        self.procs: list = []
+        self.codes: dict[int, int] = {}
+        self.failed = False
+        self._stopping = False
+
+    @property
+    def address(self) -> tuple:
+        return self.sock.getsockname()
+
+    async def __call__(self, bound: str, tg) -> None:
+        fd = self.sock.fileno()
+        host, port = self.address[:2]
+        env = _frontend_env(self.token)
+        try:
+            for i in range(self.n):
+                argv = [sys.executable, "-m", "engine.http.frontend", "--connect", bound,
+                        "--fd", str(fd), "--parent-pid", str(os.getpid()), "--index", str(i)]
+                if self.verbose:
+                    argv.append("-v")
+                self.procs.append(await anyio.open_process(
+                    argv, stdin=subprocess.DEVNULL, stdout=None, stderr=None, pass_fds=(fd,),
+                    env=env))
+        except OSError as exc:
+            log.error("cannot start the HTTP frontends: %s", exc)
+            self._fail()
+        finally:
+            self.sock.close()  # the frontends hold it now
+        log.warning("HTTP on http://%s:%d (%d API server process%s)", host, port, len(self.procs),
+                    "" if len(self.procs) == 1 else "es")
+        tg.start_soon(self._supervise)
+
+    def _fail(self) -> None:
+        self.failed = True
+        if not self._stopping:
+            self._stopping = True
+            os.kill(os.getpid(), signal.SIGTERM)  # the engine process drains (serve._Stopper)
+
+    async def _supervise(self) -> None:
+        over = anyio.Event()
+
+        async def wait_one(i: int, proc) -> None:
+            code = await proc.wait()
+            self.codes[i] = code
+            if code == EXIT_OK or (code == EXIT_ENGINE_DIED and not self._stopping):
+                log.info("HTTP frontend %d (pid %d) exited with %d", i, proc.pid, code)
+            else:
+                log.error("HTTP frontend %d (pid %d) exited with %d", i, proc.pid, code)
+            if code not in (EXIT_OK, EXIT_ENGINE_DIED):
+                self._fail()  # it crashed or could not start: stop serving
+            over.set()
+
+        async with anyio.create_task_group() as tg:
+            for i, proc in enumerate(self.procs):
+                tg.start_soon(wait_one, i, proc)
+            await over.wait()
+            # One has exited: the engine is over (or is being stopped because of it).
+            with anyio.move_on_after(self.drain_timeout + self.STRAGGLER_TIMEOUT):
+                while len(self.codes) < len(self.procs):
+                    await anyio.sleep(0.05)
+            for i, proc in enumerate(self.procs):
+                if proc.returncode is None:
+                    log.error("HTTP frontend %d (pid %d) did not exit; killing it", i, proc.pid)
+                    self.failed = True
+                    proc.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
