@@ -50,6 +50,9 @@ def finish_common_args(args: argparse.Namespace, name: str) -> argparse.Namespac
         args.threads = 1
     if args.threads:
         torch.set_num_threads(args.threads)
+        # the same for child processes (the IPC mode's engine process reads these at start)
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(args.threads)
     return args
 
 

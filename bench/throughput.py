@@ -140,6 +140,7 @@ def _best(runs: list[dict], **extra) -> dict[str, Any]:
     best = dict(max(runs, key=lambda r: r["output_tok_s"] or 0))
     best["runs_output_tok_s"] = [r["output_tok_s"] for r in runs]
     best["repeat"] = len(runs)
+    best["median_output_tok_s"] = sorted(best["runs_output_tok_s"])[len(runs) // 2]
     best.update(extra)
     return best
 
@@ -363,7 +364,7 @@ def run_hf_generate(args, work, hf) -> dict[str, Any]:
         p0 = work[0][0]
         hf.generate(torch.tensor([p0], device=device), attention_mask=torch.ones(1, len(p0), dtype=torch.long, device=device),
                     max_new_tokens=4, min_new_tokens=4, do_sample=T > 0, temperature=T if T > 0 else None,
-                    top_k=None, top_p=None, pad_token_id=0, eos_token_id=None)
+                    top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
         common.sync(device)
         generated = 0
         with common.progress(sum(o for _, o in work), "hf-generate", "tok", args.no_progress) as bar:
@@ -382,7 +383,7 @@ def run_hf_generate(args, work, hf) -> dict[str, Any]:
                     rec.submitted(b0 + r, rec.t0)
                 hf.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
                             min_new_tokens=new, do_sample=T > 0, temperature=T if T > 0 else None,
-                            top_k=None, top_p=None, pad_token_id=0, eos_token_id=None)
+                            top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
                 common.sync(device)
                 t = now()
                 generated += new * len(chunk)
@@ -396,6 +397,13 @@ def run_hf_generate(args, work, hf) -> dict[str, Any]:
     return res
 
 
+def _hf_finished(r) -> bool:
+    fn = getattr(r, "is_finished", None)
+    if fn is not None:
+        return bool(fn())
+    return str(getattr(r, "status", "")).upper().endswith(("FINISHED", "FAILED"))
+
+
 def run_hf_cb(args, work, hf) -> dict[str, Any]:
     import transformers
 
@@ -404,7 +412,7 @@ def run_hf_cb(args, work, hf) -> dict[str, Any]:
     T = args.temperature
     gen_cfg = transformers.GenerationConfig(
         max_new_tokens=max(o for _, o in work), do_sample=T > 0, temperature=T if T > 0 else 1.0,
-        top_k=None, top_p=None, eos_token_id=-1, pad_token_id=0)
+        top_k=0, top_p=1.0, eos_token_id=-1, pad_token_id=0)
     rec = None
     manager = hf.init_continuous_batching(generation_config=gen_cfg)
     with torch.inference_mode():
@@ -428,7 +436,7 @@ def run_hf_cb(args, work, hf) -> dict[str, Any]:
                     r = manager.get_result(timeout=60)
                     if r is None:
                         raise RuntimeError("hf continuous batching: no warm-up result within 60 s")
-                    got += r.is_finished()
+                    got += _hf_finished(r)
             with common.progress(sum(o for _, o in work), "hf-cb", "tok", args.no_progress) as bar:
                 rec = Recorder(work, bar)
                 rec.t0 = now()
@@ -440,7 +448,7 @@ def run_hf_cb(args, work, hf) -> dict[str, Any]:
                     r = manager.get_result(timeout=120)
                     if r is None:
                         raise RuntimeError("hf continuous batching: no result within 120 s")
-                    if not r.is_finished() or not r.request_id.startswith("r"):
+                    if not _hf_finished(r) or not r.request_id.startswith("r"):
                         continue
                     i = int(r.request_id[1:])
                     left -= 1
@@ -452,7 +460,8 @@ def run_hf_cb(args, work, hf) -> dict[str, Any]:
                         rec.out_tokens[i] = toks
                     else:
                         rec.piece(i, now(), toks)
-                    rec.finish[i] = "length" if r.error is None else f"error: {r.error}"
+                    err = getattr(r, "error", None)
+                    rec.finish[i] = "length" if err is None else f"error: {err}"
                     rec.flush_bar()
                 rec.t1 = now()
         finally:
@@ -491,6 +500,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "(default: bare,inproc,ipc on cpu; all on cuda)")
     ap.add_argument("--repeat", type=int, default=None,
                     help="timed runs per engine mode, best kept (default 3 on cpu, 1 on cuda)")
+    ap.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
+                    help="round-robin the engine modes --repeat times, fresh engine each "
+                         "(default on for cpu, off for cuda)")
     ap.add_argument("--warmup", type=int, default=4, help="warm-up requests (8 tokens) per mode")
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -505,6 +517,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             setattr(args, k, v)
     if args.repeat is None:
         args.repeat = 1 if args.device == "cuda" else 3
+    if args.interleave is None:
+        args.interleave = args.device == "cpu"
     if args.max_model_len is None:
         args.max_model_len = args.max_input + args.max_output + 1
     modes = (args.modes.split(",") if args.modes else
@@ -540,11 +554,20 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     hf = None
     runners = {"bare": run_bare, "inproc": run_inproc, "ipc": run_ipc}
-    for m in modes:
+    engine_modes = [m for m in modes if m in runners]
+    # --interleave: round r runs every engine mode once (fresh engine each), so slow drifts in
+    # machine load hit all modes alike; otherwise each mode runs its --repeat runs in one engine.
+    rounds = args.repeat if args.interleave else 1
+    per_call = argparse.Namespace(**{**vars(args), "repeat": 1}) if args.interleave else args
+    collected: dict[str, list[dict]] = {m: [] for m in engine_modes}
+    schedule = [(m, r) for r in range(rounds) for m in engine_modes] + [(m, 0) for m in modes if m not in runners]
+    for m, r in schedule:
         t = time.perf_counter()
         try:
             if m in runners:
-                row = runners[m](args, work)
+                if rounds > 1:
+                    print(f"[round {r + 1}/{rounds}] {m}", file=sys.stderr, flush=True)
+                row = runners[m](per_call, work)
             else:
                 if hf is None:
                     hf = build_hf_model(args)
@@ -556,7 +579,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         row["memory_after"] = common.memory_snapshot(args.device)
         if row.get("skipped"):
             print(f"[{m}] skipped: {row['skipped']}", file=sys.stderr, flush=True)
-        result["modes"].append(row)
+        if m in collected:
+            collected[m].append(row)
+            row = _merge_rounds(collected[m])
+        result["modes"] = [x for x in result["modes"] if x["mode"] != m] + [row]
         _ratios(result)
         common.write_json(args.out, result)
     del hf
@@ -570,26 +596,50 @@ def main(argv: Optional[list[str]] = None) -> int:
     for r in rows:
         if r.get("repeat", 1) > 1:
             print(f"{r['mode']}: out tok/s of each run: "
-                  + ", ".join(f"{x:,.1f}" for x in r["runs_output_tok_s"]) + " (best shown)")
+                  + ", ".join(f"{x:,.1f}" for x in r["runs_output_tok_s"])
+                  + f" (best shown; median {r['median_output_tok_s']:,.1f})")
     for r in result["modes"]:
         if "output_tok_s" not in r:
             print(f"{r['mode']}: {r.get('skipped') or r.get('error')}")
     rat = result.get("ratios", {})
     if rat:
-        print("ratios (output tok/s): " + ", ".join(f"{k} = {v:.3f}" for k, v in rat.items()))
+        print("ratios (output tok/s, best runs): " + ", ".join(f"{k} = {v:.3f}" for k, v in rat.items()))
+        for key, label in (("ratios_of_medians", "medians"), ("ratios_paired_median", "median of per-round ratios")):
+            if result.get(key):
+                print(f"ratios ({label}): " + ", ".join(f"{k} = {v:.3f}" for k, v in result[key].items()))
         print("CPU targets: inproc/bare >= 0.90; ipc/inproc >= 0.97 at 256 concurrent streams")
     print(f"wrote {args.out}")
     return 0
 
 
+def _merge_rounds(rows: list[dict]) -> dict:
+    """One row per mode from its interleaved rounds: the best run, with every run's figure."""
+    ok = [r for r in rows if "output_tok_s" in r]
+    if not ok:
+        return rows[-1]
+    best = dict(max(ok, key=lambda r: r["output_tok_s"] or 0))
+    runs = [x for r in ok for x in r.get("runs_output_tok_s", [r["output_tok_s"]])]
+    best["runs_output_tok_s"] = runs
+    best["repeat"] = len(runs)
+    best["median_output_tok_s"] = sorted(runs)[len(runs) // 2]
+    return best
+
+
 def _ratios(result: dict) -> None:
+    pairs = (("inproc", "bare"), ("ipc", "inproc"), ("ipc", "bare"), ("bare", "hf-generate"),
+             ("bare", "hf-cb"), ("inproc", "hf-cb"))
     by = {r["mode"]: r.get("output_tok_s") for r in result["modes"]}
-    rat = {}
-    for a, b in (("inproc", "bare"), ("ipc", "inproc"), ("ipc", "bare"), ("bare", "hf-generate"),
-                 ("bare", "hf-cb"), ("inproc", "hf-cb")):
-        if by.get(a) and by.get(b):
-            rat[f"{a}/{b}"] = by[a] / by[b]
-    result["ratios"] = rat
+    result["ratios"] = {f"{a}/{b}": by[a] / by[b] for a, b in pairs if by.get(a) and by.get(b)}
+    med = {r["mode"]: r.get("median_output_tok_s") for r in result["modes"]}
+    result["ratios_of_medians"] = {f"{a}/{b}": med[a] / med[b] for a, b in pairs if med.get(a) and med.get(b)}
+    # interleaved rounds: the ratio within each round (same machine load), then its median
+    runs = {r["mode"]: r.get("runs_output_tok_s") for r in result["modes"]}
+    paired = {}
+    for a, b in pairs:
+        ra, rb = runs.get(a), runs.get(b)
+        if ra and rb and len(ra) == len(rb) and len(ra) > 1:
+            paired[f"{a}/{b}"] = sorted(x / y for x, y in zip(ra, rb))[len(ra) // 2]
+    result["ratios_paired_median"] = paired
 
 
 if __name__ == "__main__":

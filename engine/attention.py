@@ -70,18 +70,27 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
         triton_attention.decode_attention(q, cache, meta.decode_rows, meta.decode_block_tables,
                                           meta.decode_context_lens, scale, out)
     elif meta.decode_rows is not None:
-        rows = meta.decode_rows
-        bt = meta.decode_block_tables[:, : (meta.decode_max_len + block_size - 1) // block_size]
-        bsz = bt.shape[0]
-        ks = cache[0][bt].reshape(bsz, -1, kv_heads, k.shape[2])  # [B, L, Hkv, D]
-        vs = cache[1][bt].reshape(bsz, -1, kv_heads, k.shape[2])
-        length = ks.shape[1]
-        mask = torch.arange(length, device=q.device)[None, :] < meta.decode_context_lens[:, None]
-        # NOTE: one query per sequence, so the gqa query heads that share a KV head can stand in
-        # the query-length dimension: [B, Hkv, gqa, D] against [B, Hkv, L, D], no K/V repeat.
-        qd = q[rows].view(bsz, kv_heads, gqa, -1)
-        ks = ks.permute(0, 2, 1, 3).to(q.dtype)
-        vs = vs.permute(0, 2, 1, 3).to(q.dtype)
-        o = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=mask[:, None, None, :], scale=scale)
-        out[rows] = o.reshape(bsz, heads, -1)
+        decode_attention_torch(q, cache, meta, scale, out)
     return out
+
+
+def decode_attention_torch(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                           scale: float, out: torch.Tensor) -> None:
+    """The decode rows by a padded gather of their blocks (CPU path, fallback, reference)."""
+    heads, kv_heads, dim = q.shape[1], cache.shape[3], cache.shape[4]
+    gqa = heads // kv_heads
+    block_size = cache.shape[2]
+    rows = meta.decode_rows
+    bt = meta.decode_block_tables[:, : (meta.decode_max_len + block_size - 1) // block_size]
+    bsz = bt.shape[0]
+    ks = cache[0][bt].reshape(bsz, -1, kv_heads, dim)  # [B, L, Hkv, D]
+    vs = cache[1][bt].reshape(bsz, -1, kv_heads, dim)
+    length = ks.shape[1]
+    mask = torch.arange(length, device=q.device)[None, :] < meta.decode_context_lens[:, None]
+    # NOTE: one query per sequence, so the gqa query heads that share a KV head can stand in
+    # the query-length dimension: [B, Hkv, gqa, D] against [B, Hkv, L, D], no K/V repeat.
+    qd = q[rows].view(bsz, kv_heads, gqa, -1)
+    ks = ks.permute(0, 2, 1, 3).to(q.dtype)
+    vs = vs.permute(0, 2, 1, 3).to(q.dtype)
+    o = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=mask[:, None, None, :], scale=scale)
+    out[rows] = o.reshape(bsz, heads, -1)

@@ -51,13 +51,24 @@ def _sampling_from_args(a: argparse.Namespace) -> SamplingParams:
 async def _generate(a: argparse.Namespace) -> int:
     params = _sampling_from_args(a)
     if a.connect:
-        from ipc import EngineClient
+        from ipc.client import EngineClient
 
-        async with EngineClient.connect(a.connect, token=a.token) as eng:
-            prompt = a.prompt
-            async for out in eng.generate(prompt, params):
-                sys.stdout.write(out.text)
-                sys.stdout.flush()
+        connected = False
+        try:
+            async with EngineClient.connect(a.connect, token=a.token, client_name="enginecore-cli") as eng:
+                connected = True
+                prompt = a.prompt
+                if a.chat:  # rendered here, with the template the engine sent in its handshake
+                    prompt = eng.apply_chat_template([{"role": "user", "content": a.prompt}])
+                sys.stdout.write(a.prompt if not a.chat else "")
+                async for out in eng.generate(prompt, params):
+                    sys.stdout.write(out.text)
+                    sys.stdout.flush()
+        except (OSError, ValueError, TimeoutError) as exc:
+            if connected:
+                raise
+            print(f"enginecore: cannot connect to {a.connect}: {exc}", file=sys.stderr)
+            return 2
     else:
         from .async_engine import AsyncEngine
 

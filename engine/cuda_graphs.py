@@ -24,6 +24,7 @@ never pays for that bucket. ``capture_seconds`` records the cost per bucket.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Optional
 
@@ -45,8 +46,9 @@ def buckets_for(max_num_seqs: int) -> tuple[int, ...]:
 
 
 def usable(device: torch.device, enabled: bool, head_dim: int, block_size: int) -> bool:
-    """Graphs need CUDA, the config's consent, and the graph-safe Triton decode kernel."""
-    return (enabled and device.type == "cuda" and triton_attention.HAVE_TRITON
+    """Graphs need CUDA, the config's consent, and the graph-safe Triton decode kernel.
+    ``ENGINECORE_CUDA_GRAPHS=0`` in the environment turns them off (a kill switch)."""
+    return (enabled and os.environ.get("ENGINECORE_CUDA_GRAPHS", "1") != "0" and device.type == "cuda" and triton_attention.HAVE_TRITON
             and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and head_dim <= 256
             and block_size & (block_size - 1) == 0)
 

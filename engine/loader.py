@@ -148,8 +148,15 @@ def _fill_random(params: dict[str, torch.nn.Parameter], seed: int, device, shoul
             elif name.endswith(".bias"):
                 p.zero_()
             else:
-                p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32)
-                        .mul_(0.02 if p.shape[-1] > 256 else 0.08))
+                std = 0.02 if p.shape[-1] > 256 else 0.08
+                # Row chunks of ~4M values: a stop request is seen within a fraction of a second.
+                rows = max(1, (4 << 20) // max(1, p[0].numel())) if p.dim() > 1 else p.shape[0]
+                for r in range(0, p.shape[0], rows):
+                    if should_stop():
+                        raise LoadStopped()
+                    chunk = p[r:r + rows]
+                    chunk.copy_(torch.randn(chunk.shape, generator=gen, device=device,
+                                            dtype=torch.float32).mul_(std))
 
 
 def _fill_from(params, tensors, cfg: ModelConfig, source: str, should_stop) -> None:

@@ -109,12 +109,16 @@ class ModelRunner:
         if should_stop():
             return
         max_blocks = -(-self.max_model_len // self.block_size) + 1
+        # with a speculator a decode carries up to k draft rows, each a decode row
+        rows_per_seq = 1 + (self.config.num_speculative_tokens
+                            if self.config.speculator != "none" else 0)
         self._owner.adopt("model_state", ModelState(
             max_tokens=self.config.max_num_batched_tokens + self.config.max_num_seqs * 17,
-            max_seqs=self.config.max_num_seqs, max_blocks_per_seq=max_blocks, device=self.device))
+            max_seqs=self.config.max_num_seqs * rows_per_seq, max_blocks_per_seq=max_blocks,
+            device=self.device))
         if graphs:  # after model_state, so that it is released first
             self._owner.adopt("cuda_graphs", cuda_graphs.CudaGraphs(
-                max_num_seqs=self.config.max_num_seqs, scratch_block=usable_blocks,
+                max_num_seqs=self.config.max_num_seqs * rows_per_seq, scratch_block=usable_blocks,
                 block_size=self.block_size, device=self.device))
         if self.config.speculator != "none" and not should_stop():
             from .speculative import build_speculator
@@ -211,10 +215,13 @@ class ModelRunner:
             for p in range(start, start + m):
                 pos.append(p)
                 slots.append(blocks[p // bs] * bs + p % bs)
-            if m == 1 and start > 0:
-                dec_rows.append(row0)
-                dec_tables.append(blocks)
-                dec_lens.append(start + 1)
+            if start > 0 and (m == 1 or spec):
+                # a decode (plus its draft tokens): each row attends to keys 0..its own
+                # position, so every row is a decode row of the batched (graphable) path
+                for j in range(m):
+                    dec_rows.append(row0 + j)
+                    dec_tables.append(blocks)
+                    dec_lens.append(start + j + 1)
             else:
                 prefills.append(PrefillSeq(row0, row0 + m, start + m,
                                            torch.tensor(blocks[: -(-(start + m) // bs)], device=self.device)))

@@ -2,20 +2,23 @@
 
 ``decode_attention(q, cache, rows, block_tables, context_lens, scale, out)`` reads each
 sequence's K/V blocks from the cache layer view ``[2, num_blocks, block_size, Hkv, D]`` through
-its row of ``block_tables`` (no gather into a padded copy), with an online softmax in fp32. One
-program handles one (sequence, KV head, split): the ``H // Hkv`` query heads that share the KV
-head are the rows of one small ``tl.dot`` (padded to 16), so K/V are read once per KV head.
+its row of ``block_tables`` (no gather into a padded copy), with an online softmax in fp32. A
+program works for one (sequence, KV head): the ``H // Hkv`` query heads that share the KV head
+are the rows of one small ``tl.dot`` (padded to 16), so K/V are read once per KV head.
 
-Split-K: a sequence's context is cut into fixed pieces of ``SPLIT_TOKENS`` tokens; the grid has
-``ceil(table_width * block_size / SPLIT_TOKENS)`` splits and a program whose piece lies past its
-sequence's end exits at once. A sequence that fits one piece is written directly; longer ones go
-through a partial (max, sum, acc) buffer and a reduce kernel. Both decisions are made on the
-device from ``context_lens``, so the launch is CUDA-graph safe (no host sync, the grid depends on
-shapes only), and a sequence's arithmetic does not depend on the batch it is in or on the table
-width (an eager step and a padded graph replay give bit-identical attention).
+Split-K: a sequence's context is cut into fixed pieces of ``SPLIT_TOKENS`` tokens (at most
+``ceil(table_width * block_size / SPLIT_TOKENS)``); a grid of ``G`` programs per (sequence, KV
+head), ``G`` from the batch size (about four programs per multiprocessor in all), takes them in
+turn. A sequence that fits one piece is written directly; longer ones go through a partial
+(max, sum, acc) buffer and a reduce kernel that combines the pieces in order. Both decisions
+are made on the device from ``context_lens``, so the launch is CUDA-graph safe (no host sync;
+the grid depends on shapes only), and a sequence's arithmetic does not depend on the batch it is
+in or on the table width (an eager step and a padded graph replay give bit-identical attention).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -23,7 +26,8 @@ try:  # Triton is optional: the torch path in attention.py is the CPU path and t
     import triton
     import triton.language as tl
 
-    HAVE_TRITON = True
+    # ENGINECORE_TRITON=0 forces the torch path (a kill switch, and the "before" of benchmarks)
+    HAVE_TRITON = os.environ.get("ENGINECORE_TRITON", "1") != "0"
 except Exception:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
@@ -45,7 +49,7 @@ def supported(q: torch.Tensor, cache: torch.Tensor) -> bool:
             and q.dtype == cache.dtype)
 
 
-if HAVE_TRITON:
+if triton is not None:
 
     @triton.jit
     def _decode_kernel(
@@ -59,19 +63,20 @@ if HAVE_TRITON:
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
-        s = tl.program_id(2)
         ctx = tl.load(CL + b).to(tl.int32)
-        tok0 = s * SPLIT
-        if tok0 < ctx:
+        row = tl.load(ROWS + b)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, HEAD_DIM)
+        heads = kvh * GQA + g
+        gmask = g < GQA
+        q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=gmask[:, None], other=0.0)
+        n = tl.arange(0, TILE)
+        # this program takes splits pid, pid + G, ... of its sequence (G = the grid's 3rd dim);
+        # each split is computed the same way whichever program takes it
+        for s in range(tl.program_id(2), tl.cdiv(ctx, SPLIT), tl.num_programs(2)):
+            tok0 = s * SPLIT
             tok1 = tl.minimum(tok0 + SPLIT, ctx)
-            row = tl.load(ROWS + b)
-            g = tl.arange(0, GP)
-            d = tl.arange(0, HEAD_DIM)
-            heads = kvh * GQA + g
-            gmask = g < GQA
-            q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                        mask=gmask[:, None], other=0.0)
-            n = tl.arange(0, TILE)
             m_i = tl.full([GP], float("-inf"), tl.float32)
             l_i = tl.zeros([GP], tl.float32)
             acc = tl.zeros([GP, HEAD_DIM], tl.float32)
@@ -111,27 +116,39 @@ if HAVE_TRITON:
     def _reduce_kernel(
         PM, PL, PACC, Out, CL, ROWS,
         stride_ot, stride_oh, num_heads, num_splits,
-        S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
+        HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
     ):
+        # Splits are combined one by one in a fixed order, so the result does not depend on
+        # the grid's split count (an eager step and a graph replay agree bit for bit).
         b = tl.program_id(0)
         h = tl.program_id(1)
         ctx = tl.load(CL + b).to(tl.int32)
         if ctx > SPLIT:
             used = tl.cdiv(ctx, SPLIT)
-            s = tl.arange(0, S_PAD)
-            smask = s < used
             d = tl.arange(0, HEAD_DIM)
             base = (b * num_heads + h) * num_splits
-            m = tl.load(PM + base + s, mask=smask, other=float("-inf"))
-            lsum = tl.load(PL + base + s, mask=smask, other=0.0)
-            mx = tl.max(m, 0)
-            w = tl.where(smask, tl.exp2(m - mx), 0.0)
-            total = tl.sum(lsum * w, 0)
-            acc = tl.load(PACC + (base + s)[:, None] * HEAD_DIM + d[None, :],
-                          mask=smask[:, None], other=0.0)
-            o = tl.sum(acc * w[:, None], 0) / total
+            mx = tl.load(PM + base)
+            for s in range(1, used):
+                mx = tl.maximum(mx, tl.load(PM + base + s))
+            total = tl.zeros([1], tl.float32)
+            acc = tl.zeros([HEAD_DIM], tl.float32)
+            for s in range(0, used):
+                w = tl.exp2(tl.load(PM + base + s) - mx)
+                total += tl.load(PL + base + s) * w
+                acc += tl.load(PACC + (base + s) * HEAD_DIM + d) * w
+            o = acc / total
             row = tl.load(ROWS + b)
             tl.store(Out + row * stride_ot + h * stride_oh + d, o.to(Out.dtype.element_ty))
+
+
+_SMS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    n = _SMS.get(device)
+    if n is None:
+        n = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
 
 
 def num_splits(table_width: int, block_size: int) -> int:
@@ -168,7 +185,9 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
         pm = pl = pacc = context_lens  # unused (no sequence exceeds one split)
     tile = max(TILE_TOKENS, block_size)
     ieee = q.dtype == torch.float32
-    _decode_kernel[(bsz, kv_heads, splits)](
+    # programs per (sequence, KV head): enough for ~4 per multiprocessor, at most one a split
+    per = min(splits, max(1, -(-4 * _sm_count(q.device) // (bsz * kv_heads))))
+    _decode_kernel[(bsz, kv_heads, per)](
         q, k, v, out, block_tables, context_lens, rows, pm, pl, pacc,
         scale * 1.4426950408889634,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -181,6 +200,5 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
         _reduce_kernel[(bsz, heads)](
             pm, pl, pacc, out, context_lens, rows,
             out.stride(0), out.stride(1), heads, splits,
-            S_PAD=triton.next_power_of_2(splits), HEAD_DIM=dim, SPLIT=SPLIT_TOKENS,
-            num_warps=4,
+            HEAD_DIM=dim, SPLIT=SPLIT_TOKENS, num_warps=1,
         )

@@ -18,10 +18,14 @@ from .messages import (
     message_to_error,
 )
 from .transport import connect, open_listener, parse_address, remove_socket
+from .client import EngineClient, RemoteStream
+from .spawn import EngineProcess, EngineStartupError
+from .sync_client import SyncEngineClient
 
 __all__ = [
     "IPCError", "ProtocolError", "FrameTooLargeError", "ConnectionClosed", "AuthError",
     "VersionError", "RemoteError", "FrameCodec", "read_frame", "write_frame", "PROTOCOL_VERSION",
     "DEFAULT_MAX_FRAME", "ErrorKind", "error_to_message", "message_to_error", "connect",
-    "open_listener", "parse_address", "remove_socket",
+    "open_listener", "parse_address", "remove_socket", "EngineClient", "RemoteStream",
+    "SyncEngineClient", "EngineProcess", "EngineStartupError",
 ]

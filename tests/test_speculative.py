@@ -179,7 +179,11 @@ def test_ngram_lookup_matches_linear_scan(n_min, n_max, alphabet):
         assert spec.lookup(Req(toks), 5) == ngram_lookup(toks, 5, n_min, n_max), toks
     assert ngram_lookup([1, 2, 3, 1, 2], 3, 1, 3) == [3, 1, 2]
     assert ngram_lookup([1, 2, 3, 9, 2], 3, 2, 3) == []
-    assert ngram_lookup([5, 5, 5], 4, 1, 2) == [5]  # most recent earlier occurrence
+    assert ngram_lookup([5, 6, 7, 5, 8], 2, 1, 2) == []
+    assert ngram_lookup([5, 6, 5, 7, 5], 2, 1, 2) == [7, 5]  # the most recent occurrence
+    # fewer than k tokens follow it: the repeat goes on
+    assert ngram_lookup([5, 5, 5], 4, 1, 2) == [5, 5, 5, 5]
+    assert ngram_lookup([7, 1, 2, 1, 2], 5, 1, 2) == [1, 2, 1, 2, 1]
 
 
 def test_proposals_respect_max_tokens_and_context():

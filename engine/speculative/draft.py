@@ -34,6 +34,9 @@ from .base import Speculator, race
 
 log = logging.getLogger("enginecore.speculative")
 
+# catch-up chunks up to this long (after the first, cached > 0) run as decode rows
+_MAX_DECODE_CHUNK = 32
+
 
 class DraftResources:
     """Everything the draft allocates on the device; ``close()`` releases all of it."""
@@ -254,21 +257,21 @@ class DraftSpeculator(Speculator):
             for p in range(start, start + m):
                 pos.append(p)
                 slots.append(blocks[p // bs] * bs + p % bs)
-            if m == 1 and start > 0:
-                dec_rows.append(row0)
-                dec_tables.append(blocks)
-                dec_lens.append(start + 1)
+            if start > 0 and m <= _MAX_DECODE_CHUNK:
+                # a short catch-up chunk: each row is a decode row (batched, no per-seq loop)
+                for j in range(m):
+                    dec_rows.append(row0 + j)
+                    dec_tables.append(blocks)
+                    dec_lens.append(start + j + 1)
             else:
                 prefills.append(PrefillSeq(row0, row0 + m, start + m, torch.tensor(
                     blocks[: blocks_needed(start + m, bs)], device=dev)))
         meta = AttentionMetadata(torch.tensor(slots, device=dev), prefills, None, None, None)
         if dec_rows:
             width = max(len(b) for b in dec_tables)
-            table = torch.zeros((len(dec_rows), width), dtype=torch.long)
-            for i, b in enumerate(dec_tables):
-                table[i, : len(b)] = torch.tensor(b)
+            table = [b + [0] * (width - len(b)) for b in dec_tables]
             meta.decode_rows = torch.tensor(dec_rows, device=dev)
-            meta.decode_block_tables = table.to(dev)
+            meta.decode_block_tables = torch.tensor(table, dtype=torch.long, device=dev)
             meta.decode_context_lens = torch.tensor(dec_lens, device=dev)
             meta.decode_max_len = max(dec_lens)
         return model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), kv, meta)

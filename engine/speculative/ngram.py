@@ -1,5 +1,7 @@
 """N-gram (prompt lookup) proposer: the tokens that followed the most recent earlier occurrence
-of the request's last n tokens, for n from ``ngram_max`` down to ``ngram_min``.
+of the request's last n tokens, for n from ``ngram_max`` down to ``ngram_min``. When fewer than
+k tokens follow that occurrence (it is recent: the text repeats with a short period), the repeat
+is continued, so a loop of period p < k still gets k proposals.
 
 Per request the tokens are mirrored in a growable int32 array (4 bytes a token, extended with
 the new tokens each step). A lookup is one vectorized comparison with the last token over the
@@ -17,15 +19,26 @@ from ..request import Request
 from .base import Speculator
 
 
+def _follow(tokens: Sequence[int], start: int, k: int) -> list[int]:
+    """``k`` tokens from ``start`` on; past the end the repeat goes on (the tokens from the
+    match to the end are a period of the sequence), so a recent match still proposes k."""
+    out = list(tokens[start:start + k])
+    period = len(tokens) - start
+    while len(out) < k and period > 0:
+        out.append(out[len(out) - period] if len(out) >= period else tokens[start + len(out)])
+    return out
+
+
 def ngram_lookup(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Reference implementation (a linear scan): up to ``k`` tokens that followed the most
-    recent earlier occurrence of the last n tokens, longest n first."""
+    """Reference implementation (a linear scan): the ``k`` tokens that followed the most recent
+    earlier occurrence of the last n tokens, longest n first (continuing the repeat when fewer
+    than k tokens follow it)."""
     size = len(tokens)
     for n in range(min(n_max, size - 1), n_min - 1, -1):
         pattern = list(tokens[size - n:])
         for i in range(size - n - 1, -1, -1):
             if list(tokens[i:i + n]) == pattern:
-                return list(tokens[i + n:i + n + k])
+                return _follow(tokens, i + n, k)
     return []
 
 
@@ -72,7 +85,9 @@ def lookup_array(toks: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
         hit = np.flatnonzero(match >= n)
         if hit.size:
             e = int(ends[hit[-1]])
-            return toks[e + 1:e + 1 + k].tolist()
+            if e + 1 + k <= size:
+                return toks[e + 1:e + 1 + k].tolist()
+            return _follow(toks[e + 1:].tolist(), 0, k)
     return []
 
 
