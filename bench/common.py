@@ -35,7 +35,17 @@ def add_common_args(ap: argparse.ArgumentParser, *, default_cpu_model: str,
     ap.set_defaults(_default_cpu_model=default_cpu_model, _default_cuda_model=default_cuda_model)
 
 
+def _terminate(signum, frame):  # pragma: no cover - signal path
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def finish_common_args(args: argparse.Namespace, name: str) -> argparse.Namespace:
+    # A benchmark is a process entry point: SIGTERM (e.g. from `timeout`) and SIGINT unwind like
+    # Ctrl-C, so engines drain and spawned engine processes are shut down on the way out.
+    import signal
+
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but torch.cuda.is_available() is False")
     if args.model is None:

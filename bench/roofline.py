@@ -6,10 +6,13 @@
 A decode step of batch B at context L must move at least: every weight once (the tied
 embedding counted once, as the LM head reads it), the batch's live KV (B x L tokens) and the KV
 write of the new token (B tokens). That over the device's measured bandwidth is the fastest the
-step could possibly be; ``% roofline = that time / measured step time``.
+step could possibly be; ``% BW roofline = that time / measured step time``.
 
 Bandwidth is measured here, not taken from a data sheet: a large device-to-device copy,
-(bytes read + bytes written) / time (CUDA events on cuda; best of several on cpu).
+(bytes read + bytes written) / time (CUDA events on cuda; best of several on cpu). A compute
+floor is reported next to it: the step's matmul FLOPs (projections, LM head, attention over L
+keys) over a measured square-matmul rate in the same dtype; ``% roofline`` uses the larger of
+the two floors (``bound`` says which), ``% BW roofline`` the bandwidth floor alone.
 
 Steps are driven through ``ModelRunner.execute`` directly with prepared decode batches (each
 request already holds L-1 tokens in its KV blocks and decodes one), so each figure is one real
@@ -51,6 +54,35 @@ def measure_bandwidth(device: torch.device, nbytes: int, iters: int) -> dict[str
     del src, dst
     return {"copy_bytes": n * 4, "iters": iters, "best_s": min(times), "median_s": statistics.median(times),
             "bytes_per_s": moved / min(times), "bytes_per_s_median": moved / statistics.median(times)}
+
+
+def measure_matmul(device: torch.device, dtype: torch.dtype, n: int, iters: int) -> dict[str, Any]:
+    """FLOP/s of an ``n x n @ n x n`` matmul in ``dtype`` (best of ``iters``)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    for _ in range(2):
+        a @ b
+    common.sync(device)
+    times = []
+    for _ in range(iters):
+        with DeviceTimer(device) as t:
+            a @ b
+        times.append(t.seconds)
+    del a, b
+    return {"n": n, "dtype": str(dtype), "best_s": min(times), "flop_per_s": 2 * n**3 / min(times)}
+
+
+def step_flops(cfg, linear_params: int, batch: int, context: int) -> int:
+    """Matmul FLOPs of one decode step: the layers' projections, the LM head, attention
+    (QK^T and AV over ``context`` keys)."""
+    per_tok = (2 * linear_params + 2 * cfg.vocab_size * cfg.hidden_size
+               + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context)
+    return batch * per_tok
+
+
+def linear_param_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for name, p in model.named_parameters()
+               if ".layers." in name and name.endswith("proj.weight"))
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -137,6 +169,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     bw = measure_bandwidth(device, copy_bytes, 20 if device.type == "cuda" else 5)
     print(f"  device copy bandwidth (read + write): {bw['bytes_per_s'] / 1e9:,.1f} GB/s best, "
           f"{bw['bytes_per_s_median'] / 1e9:,.1f} GB/s median", flush=True)
+    mm = measure_matmul(device, dtype, 8192 if device.type == "cuda" else 1024,
+                        10 if device.type == "cuda" else 3)
+    print(f"  matmul ({mm['n']}^3, {args.dtype}): {mm['flop_per_s'] / 1e12:,.2f} TFLOP/s", flush=True)
 
     config = common.engine_config(args, num_kv_blocks=num_blocks, block_size=block_size,
                                   max_num_seqs=max(max(batches), 1),
@@ -146,6 +181,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         runner.load()
         wbytes = weight_bytes(runner.resource("weights"))
+        lin = linear_param_count(runner.resource("weights"))
         print(f"  weights {wbytes / 2**20:,.1f} MiB, KV {kv_tok} B/token, {num_blocks} blocks "
               f"({num_blocks * block_size * kv_tok / 2**30:.2f} GiB)", flush=True)
         with common.progress(len(points), "roofline", "pt", args.no_progress) as bar:
@@ -154,8 +190,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                 times = time_steps(runner, batch, device, args.warmup, iters)
                 step = statistics.median(times)
                 need = wbytes + b * c * kv_tok + b * kv_tok  # KV read: c tokens incl. the new one
-                floor = need / bw["bytes_per_s"]
+                mem_floor = need / bw["bytes_per_s"]
+                flops = step_flops(cfg, lin, b, c)
+                compute_floor = flops / mm["flop_per_s"]
+                floor = max(mem_floor, compute_floor)
                 rows.append({
+                    "flops": flops, "mem_floor_ms": mem_floor * 1e3, "compute_floor_ms": compute_floor * 1e3,
+                    "bound": "memory" if mem_floor >= compute_floor else "compute",
+                    "pct_bw_roofline": 100 * mem_floor / step,
                     "batch": b, "context": c, "weight_bytes": wbytes, "kv_read_bytes": b * c * kv_tok,
                     "kv_write_bytes": b * kv_tok, "bytes": need, "step_ms": step * 1e3,
                     "step_ms_min": min(times) * 1e3, "floor_ms": floor * 1e3,
@@ -170,10 +212,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     print()
     common.print_table(
         f"decode step vs roofline: {args.model} {args.dtype} on {device}, bandwidth "
-        f"{bw['bytes_per_s'] / 1e9:,.1f} GB/s (copy, read+write); median of {iters} steps",
+        f"{bw['bytes_per_s'] / 1e9:,.1f} GB/s (copy, read+write), matmul "
+        f"{mm['flop_per_s'] / 1e12:,.2f} TFLOP/s; median of {iters} steps",
         [("batch", "batch", ""), ("context", "ctx", ""), ("bytes", "MiB moved", ""),
-         ("floor_ms", "floor ms", ".3f"), ("step_ms", "step ms", ".3f"),
-         ("achieved_GB_s", "GB/s", ",.1f"), ("pct_roofline", "% roofline", ".1f"), ("tok_s", "tok/s", ",.0f")],
+         ("mem_floor_ms", "bytes/BW ms", ".3f"), ("compute_floor_ms", "FLOPs/peak ms", ".3f"),
+         ("step_ms", "step ms", ".3f"), ("achieved_GB_s", "GB/s", ",.1f"),
+         ("pct_bw_roofline", "% BW roofline", ".1f"), ("pct_roofline", "% roofline", ".1f"),
+         ("bound", "bound", ""), ("tok_s", "tok/s", ",.0f")],
         [dict(r, bytes=f"{r['bytes'] / 2**20:,.1f}") for r in rows])
     if skipped:
         print(f"skipped (live KV over {budget / 2**30:.0f} GiB): {skipped}")
@@ -181,10 +226,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         "benchmark": "roofline",
         "command": " ".join(["python -m bench.roofline"] + (argv if argv is not None else sys.argv[1:])),
         "environment": common.environment(device), "model": args.model, "dtype": args.dtype,
-        "bandwidth": bw, "kv_bytes_per_token": kv_tok, "block_size": block_size,
+        "bandwidth": bw, "matmul": mm, "linear_params": lin, "kv_bytes_per_token": kv_tok, "block_size": block_size,
         "iters": iters, "warmup": args.warmup, "points": rows, "skipped": skipped,
         "definition": "bytes = weights (unique) + batch*context*kv_bytes_per_token + batch*kv_bytes_per_token; "
-                      "floor = bytes / copy bandwidth; pct_roofline = floor / median step time",
+                      "pct_bw_roofline = (bytes / copy bandwidth) / median step time; "
+                      "flops = batch * (2*linear_params + 2*vocab*hidden + 4*layers*heads*head_dim*context); "
+                      "pct_roofline = max(bytes/bandwidth, flops/matmul peak) / median step time",
     }
     common.write_json(args.out, result)
     print(f"wrote {args.out}")

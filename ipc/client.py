@@ -102,7 +102,7 @@ class _Channel:
 
     def __init__(self) -> None:
         self.items: deque = deque()
-        self.waiter: Optional[anyio.Event] = None
+        self.waiter: Any = None  # an asyncio Future (asyncio) or an anyio.Event (other loops)
         self.error: Optional[BaseException] = None
 
 
@@ -149,8 +149,13 @@ class RemoteStream:
                 self._done = True
                 err, ch.error = ch.error, None
                 raise err
-            waiter = ch.waiter = anyio.Event()
-            await waiter.wait()
+            loop = self._client._loop
+            if loop is not None:  # asyncio: a bare future is the cheapest way to sleep
+                waiter = ch.waiter = loop.create_future()
+                await waiter
+            else:  # pragma: no cover - other backends
+                waiter = ch.waiter = anyio.Event()
+                await waiter.wait()
 
     @property
     def finished(self) -> bool:
@@ -188,6 +193,24 @@ def _thread_caller() -> Callable[[Callable[[], None]], None]:
         return lambda fn: None
 
 
+def _asyncio_loop() -> Any:
+    import asyncio
+
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # pragma: no cover - another backend
+        return None
+
+
+def _set_future(fut: Any) -> None:
+    if not fut.done():  # a cancelled waiter is done
+        fut.set_result(None)
+
+
+def _set_event(event: anyio.Event) -> None:  # pragma: no cover - other backends
+    event.set()
+
+
 class EngineClient:
     """A connection to an engine process, with :class:`engine.AsyncEngine`'s API.
 
@@ -213,6 +236,8 @@ class EngineClient:
         self._rids = itertools.count(1)
         self._loop_thread = threading.get_ident()
         self._call_soon_threadsafe = _thread_caller()
+        self._loop = _asyncio_loop()
+        self._wake_waiter = _set_future if self._loop is not None else _set_event
         self._failed = False        # the engine reported FAILED
         self._lost = False          # the connection ended; deciding how (see _lose)
         self._closed = False        # finished: every pending call has its error
@@ -539,6 +564,7 @@ class EngineClient:
         t = type(msg)
         if t is Outputs:
             streams = self._streams
+            wake = self._wake_waiter
             for out in msg.outputs:
                 rid = out.request_id
                 if rid not in streams:
@@ -552,7 +578,7 @@ class EngineClient:
                 waiter = ch.waiter
                 if waiter is not None:
                     ch.waiter = None
-                    waiter.set()
+                    wake(waiter)
         elif t is Error:
             self._on_error(msg)
         elif t is StateChanged:
@@ -583,7 +609,7 @@ class EngineClient:
                 waiter = ch.waiter
                 if waiter is not None:
                     ch.waiter = None
-                    waiter.set()
+                    self._wake_waiter(waiter)
             return
         if msg.fatal:
             self._fatal = message_to_error(msg)
@@ -627,7 +653,7 @@ class EngineClient:
                 waiter = ch.waiter
                 if waiter is not None:
                     ch.waiter = None
-                    waiter.set()
+                    self._wake_waiter(waiter)
         calls, self._calls = self._calls, {}
         for call in calls.values():
             if self._end == "shutdown" and call.kind in ("drain", "shutdown"):

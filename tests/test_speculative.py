@@ -267,7 +267,7 @@ async def _generate(cfg: EngineConfig, work, stops: dict[int, list[str]] | None 
         state = None
         if isinstance(spec, DraftSpeculator):
             state = (dict(spec._seqs), spec.num_free_blocks, spec.num_blocks,
-                     len(eng.runner.resource("speculator").generators))
+                     len(eng.runner.resource("speculator").state.generators))
         elif isinstance(spec, NgramSpeculator):
             state = dict(spec._hist)
     assert reachable_tensors(eng.runner) == []
@@ -465,7 +465,9 @@ def test_gpu_draft_release_to_the_byte():
     while core.has_work():
         core.step()
     assert core.statistics().spec_proposed > 0
-    del core
+    graphs = runner.resource("speculator").graphs
+    assert graphs is None or graphs.replays > 0  # the draft's decode rounds replay graphs
+    del core, graphs
     assert runner.shutdown()[0] == "speculator"
     assert reachable_tensors(runner) == []
     gc.collect()

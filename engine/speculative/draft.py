@@ -1,9 +1,10 @@
 """Draft-model proposer: a (smaller) model with the target's vocabulary runs ``k`` autoregressive
 steps per engine step for every proposing request, batched, over its own paged KV cache.
 
-Device memory (the draft's weights, its KV cache, the draft distributions of sampled requests
-between propose and verify, its per-request generators) lives in one :class:`DraftResources`
-adopted by the runner's owner as ``"speculator"``; this object keeps host bookkeeping only.
+Device memory (the draft's weights, its KV cache, its input buffers and per-request generators
+(a :class:`ModelState`), its CUDA graphs on CUDA, the draft distributions of sampled requests
+between propose and verify) lives in one :class:`DraftResources` adopted by the runner's owner
+as ``"speculator"``; this object keeps host bookkeeping only.
 
 Keeping the draft's cache in sync: per request we remember how many tokens the draft has cached
 (``cached``), and which draft tokens were written past the real tokens (``tail``). Next step the
@@ -24,28 +25,30 @@ from typing import Optional
 
 import torch
 
+from .. import cuda_graphs
 from ..attention import AttentionMetadata, PrefillSeq
 from ..errors import BadRequestError
 from ..kv_cache import BlockAllocator, KVCache, blocks_needed
 from ..loader import build_model, resolve_source
+from ..model_state import ModelState
 from ..owner import empty_in_place
 from ..sampler import SamplingBatch, apply_penalty_free_filters
 from .base import Speculator, race
 
 log = logging.getLogger("enginecore.speculative")
 
-# catch-up chunks up to this long (after the first, cached > 0) run as decode rows
-_MAX_DECODE_CHUNK = 32
-
 
 class DraftResources:
-    """Everything the draft allocates on the device; ``close()`` releases all of it."""
+    """Everything the draft allocates on the device; ``close()`` releases all of it (its CUDA
+    graphs first, then its input buffers, its KV cache, its weights)."""
 
-    def __init__(self, model, kv: KVCache):
+    def __init__(self, model, kv: KVCache, state: ModelState,
+                 graphs: "Optional[cuda_graphs.CudaGraphs]"):
         self.model = model
         self.kv: Optional[KVCache] = kv
+        self.state: Optional[ModelState] = state  # input buffers; generators of sampled requests
+        self.graphs = graphs
         self.pending: dict[str, torch.Tensor] = {}  # request id -> draft probs [m, V]
-        self.generators: dict[str, torch.Generator] = {}
 
     @property
     def nbytes(self) -> int:
@@ -54,7 +57,12 @@ class DraftResources:
 
     def close(self) -> None:
         self.pending_clear()
-        self.generators.clear()
+        if self.graphs is not None:
+            self.graphs.close()
+        self.graphs = None
+        if self.state is not None:
+            self.state.close()
+        self.state = None
         if self.kv is not None:
             self.kv.close()
         self.kv = None
@@ -105,11 +113,24 @@ class DraftSpeculator(Speculator):
         self.num_blocks = runner.num_blocks  # as many tokens as the target's cache
         self.budget = config.max_num_batched_tokens
         self.device = runner.device
+        self.max_chunk = self.k + 1  # catch-up chunks up to this long run as decode rows
         model = build_model(dcfg, tensors, runner.device, runner.dtype, seed, source)
-        kv = KVCache(num_layers=dcfg.num_layers, num_blocks=self.num_blocks,
+        graphs = cuda_graphs.usable(runner.device, config.cuda_graphs, dcfg.head_dim,
+                                    self.block_size)
+        # with CUDA graphs, one extra block (the last) is the scratch block padded rows write to
+        kv = KVCache(num_layers=dcfg.num_layers, num_blocks=self.num_blocks + int(graphs),
                      block_size=self.block_size, num_kv_heads=dcfg.num_kv_heads,
                      head_dim=dcfg.head_dim, dtype=runner.dtype, device=runner.device)
-        res = runner.adopt("speculator", DraftResources(model, kv))
+        max_rows = config.max_num_seqs * self.max_chunk
+        state = ModelState(max_tokens=config.max_num_batched_tokens + max_rows,
+                           max_seqs=max_rows,
+                           max_blocks_per_seq=-(-runner.max_model_len // self.block_size) + 1,
+                           device=runner.device)
+        res = runner.adopt("speculator", DraftResources(model, kv, state, None))
+        del model, kv, state
+        if graphs:
+            res.graphs = cuda_graphs.CudaGraphs(max_num_seqs=max_rows, scratch_block=self.num_blocks,
+                                                block_size=self.block_size, device=runner.device)
         self.allocator = BlockAllocator(self.num_blocks)
         self._seqs: dict[str, _Seq] = {}
         log.info("draft model %s: %.1f MiB (weights + %d KV blocks)", source,
@@ -130,7 +151,8 @@ class DraftSpeculator(Speculator):
             res = self._res()
         except KeyError:  # already released
             return
-        res.generators.pop(request_id, None)
+        if res.state is not None:
+            res.state.forget(request_id)
         t = res.pending.pop(request_id, None)
         if t is not None:
             t.set_()
@@ -199,11 +221,11 @@ class DraftSpeculator(Speculator):
             self._run(res, plan)
 
     def _run(self, res: DraftResources, plan) -> None:
-        model, kv = res.model, res.kv.tensor
+        model = res.model
         dev = self.device
         # round 0: catch up on the real tokens (a prefill chunk per request) and draft one
         seqs = [(req.token_ids[st.cached:st.cached + take], st) for req, st, take, _ in plan]
-        hidden = self._forward(model, kv, seqs)
+        hidden = self._forward(res, seqs)
         ends, row = [], 0
         for toks, _ in seqs:
             row += len(toks)
@@ -228,7 +250,7 @@ class DraftSpeculator(Speculator):
             if not active:
                 break
             seqs = [([drafts[i][-1]], plan[i][1]) for i in active]
-            hidden = self._forward(model, kv, seqs)
+            hidden = self._forward(res, seqs)
             for i in active:
                 plan[i][1].cached += 1
             logits = model.logits(hidden)
@@ -240,8 +262,10 @@ class DraftSpeculator(Speculator):
             if qs[i]:
                 res.pending[req.request_id] = torch.stack(qs[i])
 
-    def _forward(self, model, kv: torch.Tensor, seqs) -> torch.Tensor:
-        """One packed forward of ``(tokens, seq)`` pairs written at ``seq.cached`` onwards."""
+    def _forward(self, res: DraftResources, seqs) -> torch.Tensor:
+        """One packed forward of ``(tokens, seq)`` pairs written at ``seq.cached`` onwards.
+        Short chunks after some context are decode rows (one per token, each attending to its
+        own prefix); a step of decode rows only replays a CUDA graph where there are graphs."""
         dev, bs = self.device, self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -257,8 +281,7 @@ class DraftSpeculator(Speculator):
             for p in range(start, start + m):
                 pos.append(p)
                 slots.append(blocks[p // bs] * bs + p % bs)
-            if start > 0 and m <= _MAX_DECODE_CHUNK:
-                # a short catch-up chunk: each row is a decode row (batched, no per-seq loop)
+            if start > 0 and m <= self.max_chunk:
                 for j in range(m):
                     dec_rows.append(row0 + j)
                     dec_tables.append(blocks)
@@ -266,15 +289,33 @@ class DraftSpeculator(Speculator):
             else:
                 prefills.append(PrefillSeq(row0, row0 + m, start + m, torch.tensor(
                     blocks[: blocks_needed(start + m, bs)], device=dev)))
-        meta = AttentionMetadata(torch.tensor(slots, device=dev), prefills, None, None, None)
+        t = len(ids)
+        graphs, state = res.graphs, res.state
+        bucket = None
+        if graphs is not None and not prefills and len(dec_rows) == t:
+            bucket = graphs.bucket(t)
+        if bucket is not None:  # pad to the bucket: padded rows use the scratch slot/block
+            pad = bucket - t
+            ids += [0] * pad
+            pos += [0] * pad
+            slots += [graphs.scratch_slot] * pad
+            dec_lens += [1] * pad
+            dec_tables += [[graphs.scratch_block]] * pad
+        input_ids = state.load("input_ids", torch.tensor(ids))
+        positions = state.load("positions", torch.tensor(pos))
+        meta = AttentionMetadata(state.load("slot_mapping", torch.tensor(slots)), prefills,
+                                 None, None, None)
         if dec_rows:
             width = max(len(b) for b in dec_tables)
-            table = [b + [0] * (width - len(b)) for b in dec_tables]
-            meta.decode_rows = torch.tensor(dec_rows, device=dev)
-            meta.decode_block_tables = torch.tensor(table, dtype=torch.long, device=dev)
-            meta.decode_context_lens = torch.tensor(dec_lens, device=dev)
+            table = torch.tensor([b + [0] * (width - len(b)) for b in dec_tables], dtype=torch.long)
+            meta.decode_block_tables = state.load("block_tables", table)
+            meta.decode_context_lens = state.load("context_lens", torch.tensor(dec_lens))
             meta.decode_max_len = max(dec_lens)
-        return model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), kv, meta)
+            if bucket is None:
+                meta.decode_rows = torch.tensor(dec_rows, device=dev)
+        if bucket is not None:
+            return graphs.run(bucket, res.model, res.kv.tensor, state)[:t]
+        return res.model(input_ids, positions, res.kv.tensor, meta)
 
     def _sample(self, res: DraftResources, reqs, logits: torch.Tensor):
         """Draft tokens: the argmax for greedy requests, a sample from q (the request's
@@ -288,10 +329,8 @@ class DraftSpeculator(Speculator):
             seed = r.params.seed
             g = None
             if seed is not None and r.params.temperature > 0:
-                g = res.generators.get(r.request_id)
-                if g is None:
-                    g = torch.Generator(device=dev).manual_seed((seed * 0x9E3779B1 + 1) % 2**63)
-                    res.generators[r.request_id] = g
+                # its own stream, not the target's: seeded from the request's seed
+                g = res.state.generator(r.request_id, (seed * 0x9E3779B1 + 1) % 2**63)
             gens.append(g)
         sb = SamplingBatch(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),

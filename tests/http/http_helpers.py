@@ -1,0 +1,196 @@
+"""Helpers of the HTTP frontend tests: an in-process server (AsyncEngine + uvicorn on a loopback
+port, one task) and ``enginecore serve --http`` processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import AsyncIterator, Optional
+
+import anyio
+import httpx
+import openai
+
+from engine import AsyncEngine, EngineConfig
+from engine.http.app import create_app
+from engine.http.frontend import make_server, watch_engine
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = EngineConfig(model="random:tiny-llama", device="cpu", num_kv_blocks=512,
+                    max_num_seqs=64, max_num_batched_tokens=512)
+
+
+def listening_socket() -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(256)
+    return sock
+
+
+class Served:
+    def __init__(self, engine, app, base_url: str) -> None:
+        self.engine = engine
+        self.app = app
+        self.base_url = base_url
+        self.frontend = app.state.frontend
+
+    def openai(self, **kw) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key="unused",
+                                  max_retries=0, **kw)
+
+    def http(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.base_url, timeout=60)
+
+
+@asynccontextmanager
+async def served(config: EngineConfig = TINY, engine=None) -> AsyncIterator[Served]:
+    """An engine (opened here unless given) and the app on uvicorn, on 127.0.0.1:<free port>.
+    On exit the engine is drained (if still serving) and the server has stopped."""
+    async with AsyncEngine.open(config) if engine is None else _given(engine) as eng:
+        sock = listening_socket()
+        app = create_app(eng)
+        server = make_server(app, timeout_graceful_shutdown=5)
+        port = sock.getsockname()[1]
+        stopped = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            async def run_server() -> None:
+                try:
+                    await server.serve([sock])
+                finally:
+                    stopped.set()
+
+            tg.start_soon(watch_engine, app.state.frontend.handle, server)
+            tg.start_soon(run_server)
+            while not server.started:
+                await anyio.sleep(0.01)
+            try:
+                yield Served(eng, app, f"http://127.0.0.1:{port}")
+            finally:
+                server.should_exit = True
+                with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                    await stopped.wait()
+                tg.cancel_scope.cancel()
+        sock.close()
+
+
+@asynccontextmanager
+async def _given(engine):
+    yield engine
+
+
+# --------------------------------------------------------------------------- processes
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == pid:
+            out.append(int(d))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class ServeProcess:
+    """``enginecore serve --http 127.0.0.1:<port> ...`` (torch on one thread: the test box has
+    two cores and runs the frontends too). ``--parent-pid``: it drains if the test dies."""
+
+    def __init__(self, model: str = "random:tiny-llama", api_servers: int = 1,
+                 drain_timeout: float = 60.0, extra: tuple = ()) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        argv = [sys.executable, "-m", "engine.cli", "serve", "--model", model, "--device", "cpu",
+                "--http", f"127.0.0.1:{self.port}", "--api-servers", str(api_servers),
+                "--drain-timeout", str(drain_timeout), "--parent-pid", str(os.getpid()),
+                "--kv-cache-bytes", str(64 * 2**20), *extra]
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL)
+        self.pid = self.proc.pid
+        self.frontends: list[int] = []
+
+    async def wait_ready(self, n_frontends: int, timeout: float = 90.0) -> None:
+        """Until /ready answers 200 and all frontends run."""
+        with anyio.fail_after(timeout):
+            async with httpx.AsyncClient(base_url=self.base_url, timeout=5) as c:
+                while True:
+                    assert self.proc.poll() is None, f"serve exited with {self.proc.returncode}"
+                    try:
+                        if (await c.get("/ready")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    await anyio.sleep(0.1)
+            while len(self.frontends) < n_frontends:
+                self.frontends = children(self.pid)
+                await anyio.sleep(0.05)
+        assert len(self.frontends) == n_frontends, self.frontends
+
+    def openai(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0,
+                                  timeout=120)
+
+    def http(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.base_url, timeout=30)
+
+    async def wait(self, timeout: float) -> int:
+        with anyio.fail_after(timeout):
+            while self.proc.poll() is None:
+                await anyio.sleep(0.05)
+        return self.proc.returncode
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def cleanup(self) -> None:
+        """Whatever happened: nothing of ours keeps running."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        for pid in self.frontends:
+            if alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
