@@ -153,7 +153,21 @@ def memory_snapshot(device, collect: bool = True) -> dict[str, Any]:
     snap = {"rss": rss_bytes()}
     if collect and malloc_trim():
         snap["rss_trimmed"] = rss_bytes()
+    anon = _proc_status("RssAnon")
+    if anon is not None:
+        snap["rss_anon"] = anon  # heap/anonymous pages only: no shared-library code pages
     return snap
+
+
+def _proc_status(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def malloc_trim() -> bool:
@@ -170,10 +184,11 @@ def malloc_trim() -> bool:
 
 
 def primary_memory(snapshot: dict[str, Any]) -> int:
-    """The one figure to compare: allocated on cuda; on cpu RSS after malloc_trim (else RSS)."""
+    """The one figure to compare: allocated on cuda; on cpu anonymous RSS after malloc_trim
+    (file-backed library pages, which the first model run touches once, excluded)."""
     if "allocated" in snapshot:
         return snapshot["allocated"]
-    return snapshot.get("rss_trimmed", snapshot["rss"])
+    return snapshot.get("rss_anon", snapshot.get("rss_trimmed", snapshot["rss"]))
 
 
 def mib(n: Optional[float]) -> str:

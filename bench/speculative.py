@@ -13,7 +13,9 @@ submitted at t=0 through the in-process ``AsyncEngine``:
 Speculators: ``none`` (the baseline), ``ngram`` (prompt lookup, k = ``--k``) and ``draft``
 (``--draft-model``; default: the target itself, i.e. the acceptance upper bound at twice the
 compute — no smaller model with the same vocabulary ships with the repo). One engine per
-speculator runs both workloads; model load and a warm-up request are outside the timed region.
+speculator runs both workloads; model load and a warm-up (one short request, or with
+``--warmup full``, the default on cuda, a first untimed pass of each workload so that lazily
+captured CUDA graphs are not timed) are outside the timed region.
 Reported: output tok/s, speedup over ``none``, engine steps, acceptance rate (accepted /
 proposed drafts), mean accepted drafts per verification, and whether the greedy outputs are
 token-identical to ``none``. JSON: ``bench/results/speculative.json``.
@@ -100,7 +102,11 @@ async def run_speculator(name: str, args, results: list[dict]) -> None:
         vocab = eng.runner.model_config.vocab_size
         async for _ in eng.generate([1, 2, 3, 1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True)):
             pass  # warm-up
-        for wname, prompts in workloads(args, vocab).items():
+        work = workloads(args, vocab)
+        if args.warmup == "full":  # every batch shape once: CUDA graphs are captured lazily
+            for prompts in work.values():
+                await run_one(eng, prompts, args)
+        for wname, prompts in work.items():
             row = await run_one(eng, prompts, args)
             row.update(speculator=name, workload=wname, load_s=load_s,
                        draft_model=kw.get("draft_model"))
@@ -123,11 +129,15 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--warmup", choices=["short", "full"], default=None,
+                    help="full: run each workload once untimed first, so that lazily captured "
+                         "CUDA graphs are not timed (default: full on cuda, short on cpu)")
     args = common.finish_common_args(ap.parse_args(argv), "speculative")
     cuda = args.device == "cuda"
     args.num_requests = args.num_requests or (64 if cuda else 4)
     args.prompt_len = args.prompt_len or (256 if cuda else 64)
     args.max_tokens = args.max_tokens or (256 if cuda else 48)
+    args.warmup = args.warmup or ("full" if cuda else "short")
     args.workloads = args.workloads.split(",")
     specs = args.speculators.split(",")
     if "none" in specs:  # the baseline first

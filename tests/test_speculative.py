@@ -404,12 +404,21 @@ def test_release_draft_first_and_completely():
     model_ref = weakref.ref(res.model)
     del res
     core = EngineCore(runner, check_integrity=True)
-    core.add_request("a", [5, 6, 7] * 5, SamplingParams(max_tokens=30, temperature=0.8, seed=1))
-    core.add_request("b", [1, 2] * 9, SamplingParams(max_tokens=30))
+    core.add_request("a", [5, 6, 7] * 5, SamplingParams(max_tokens=30, temperature=0.8, seed=1,
+                                                        ignore_eos=True))
+    core.add_request("b", [1, 2] * 9, SamplingParams(max_tokens=30, ignore_eos=True))
     for _ in range(4):  # mid-flight: draft blocks, generators and pending draft laws exist
         core.step()
     assert runner.speculator.num_cached("a") > 0
-    del core
+    # drafts proposed (a draft law pending for the sampled request), then an abort and a
+    # shutdown before any verification
+    runner.speculator.propose(core.scheduler.running)
+    pending = runner.resource("speculator").pending
+    assert set(pending) == {"a"}
+    core.abort("a", "test")
+    assert not pending and runner.speculator.num_cached("a") == 0
+    runner.speculator.propose(core.scheduler.running)
+    del core, pending
     order = runner.shutdown()
     assert order == ["speculator", "model_state", "kv_cache", "weights"]
     assert reachable_tensors(runner) == []

@@ -71,8 +71,9 @@ class DraftResources:
         self.model = None
 
     def pending_clear(self) -> None:
-        for t in self.pending.values():
-            t.set_()
+        with torch.inference_mode():  # they were made in inference mode
+            for t in self.pending.values():
+                t.set_()
         self.pending.clear()
 
 
@@ -155,7 +156,8 @@ class DraftSpeculator(Speculator):
             res.state.forget(request_id)
         t = res.pending.pop(request_id, None)
         if t is not None:
-            t.set_()
+            with torch.inference_mode():
+                t.set_()
 
     def num_cached(self, request_id: str) -> int:
         st = self._seqs.get(request_id)
