@@ -32,6 +32,8 @@ def add_common_args(ap: argparse.ArgumentParser, *, default_cpu_model: str,
                     help="torch.set_num_threads (default 1 on cpu; the torch default on cuda)")
     ap.add_argument("--out", type=Path, default=None, help="JSON result path")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--engine-config", type=json.loads, default={}, metavar="JSON",
+                    help='extra EngineConfig fields, e.g. \'{"max_num_batched_tokens": 4096}\'')
     ap.set_defaults(_default_cpu_model=default_cpu_model, _default_cuda_model=default_cuda_model)
 
 
@@ -322,4 +324,5 @@ def engine_config(args, **overrides):
 
     kw = dict(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed)
     kw.update({k: v for k, v in overrides.items() if v is not None})
+    kw.update(getattr(args, "engine_config", None) or {})
     return EngineConfig(**kw)

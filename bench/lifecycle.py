@@ -23,10 +23,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from typing import Any, Optional
 
 import anyio
+import msgspec
 import torch
 
 from . import common
@@ -169,7 +169,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "benchmark": "lifecycle",
         "command": " ".join(["python -m bench.lifecycle"] + (argv if argv is not None else sys.argv[1:])),
         "environment": common.environment(device), "model": args.model, "dtype": args.dtype,
-        "kv_cache_gib": args.kv_cache_gib,
+        "kv_cache_gib": args.kv_cache_gib, "engine_config": msgspec.to_builtins(cfg),
     }
 
     async def run() -> None:

@@ -28,6 +28,7 @@ import statistics
 import sys
 from typing import Any, Optional
 
+import msgspec
 import torch
 
 from . import common
@@ -227,6 +228,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "command": " ".join(["python -m bench.roofline"] + (argv if argv is not None else sys.argv[1:])),
         "environment": common.environment(device), "model": args.model, "dtype": args.dtype,
         "bandwidth": bw, "matmul": mm, "linear_params": lin, "kv_bytes_per_token": kv_tok, "block_size": block_size,
+        "engine_config": msgspec.to_builtins(config),
         "iters": iters, "warmup": args.warmup, "points": rows, "skipped": skipped,
         "definition": "bytes = weights (unique) + batch*context*kv_bytes_per_token + batch*kv_bytes_per_token; "
                       "pct_bw_roofline = (bytes / copy bandwidth) / median step time; "

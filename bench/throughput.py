@@ -1,6 +1,6 @@
 """Offline throughput on the nano-vllm workload, through every layer of the engine.
 
-    python -m bench.throughput --device cpu                       # scaled down, about 1 min on 2 cores
+    python -m bench.throughput --device cpu                       # scaled down, 70-150 s on 2 busy cores
     python -m bench.throughput --device cuda                      # nano-vllm: 256 req, [100, 1024]
 
 Workload (nano-vllm's bench.py): N requests (default 256), prompt lengths and output lengths
@@ -35,11 +35,13 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
+import statistics
 import sys
 import time
 import traceback
 from typing import Any, Callable, Optional
 
+import msgspec
 import torch
 
 from . import common
@@ -140,7 +142,7 @@ def _best(runs: list[dict], **extra) -> dict[str, Any]:
     best = dict(max(runs, key=lambda r: r["output_tok_s"] or 0))
     best["runs_output_tok_s"] = [r["output_tok_s"] for r in runs]
     best["repeat"] = len(runs)
-    best["median_output_tok_s"] = sorted(best["runs_output_tok_s"])[len(runs) // 2]
+    best["median_output_tok_s"] = statistics.median(best["runs_output_tok_s"])
     best.update(extra)
     return best
 
@@ -542,8 +544,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "ignore_eos": True, "seed": args.seed,
                      "prompt_tokens": sum(len(p) for p, _ in work),
                      "output_tokens": sum(o for _, o in work)},
-        "engine_config": {k: getattr(args, k) for k in ("max_num_seqs", "max_num_batched_tokens",
-                                                        "max_model_len", "kv_cache_gib")},
+        "engine_config": msgspec.to_builtins(_engine_cfg(args)),
         "modes": [],
     }
     w = result["workload"]
@@ -621,7 +622,7 @@ def _merge_rounds(rows: list[dict]) -> dict:
     runs = [x for r in ok for x in r.get("runs_output_tok_s", [r["output_tok_s"]])]
     best["runs_output_tok_s"] = runs
     best["repeat"] = len(runs)
-    best["median_output_tok_s"] = sorted(runs)[len(runs) // 2]
+    best["median_output_tok_s"] = statistics.median(runs)
     return best
 
 
@@ -638,7 +639,7 @@ def _ratios(result: dict) -> None:
     for a, b in pairs:
         ra, rb = runs.get(a), runs.get(b)
         if ra and rb and len(ra) == len(rb) and len(ra) > 1:
-            paired[f"{a}/{b}"] = sorted(x / y for x, y in zip(ra, rb))[len(ra) // 2]
+            paired[f"{a}/{b}"] = statistics.median(x / y for x, y in zip(ra, rb))
     result["ratios_paired_median"] = paired
 
 

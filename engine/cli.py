@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import anyio
@@ -123,7 +124,14 @@ def main(argv: list[str] | None = None) -> int:
             return anyio.run(_generate, a)
         from .serve import serve_main
 
-        return serve_main(a)
+        code = serve_main(a)
+        # NOTE: by now every device tensor is released, every client has its terminal output
+        # and the socket is gone. Interpreter teardown with torch loaded took 1-2 s here and
+        # does nothing an operator needs, so the engine process leaves at once.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
     except EngineError as exc:
         print(f"enginecore: error: {exc}", file=sys.stderr)
         return 2

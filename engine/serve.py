@@ -140,9 +140,11 @@ def serve_main(a) -> int:
         print(f"enginecore: bad configuration: {exc}", file=sys.stderr)
         return EXIT_STARTUP
     if not getattr(a, "http", None):
-        return anyio.run(lambda: run(config, listen=a.listen, token=a.token,
+        code = anyio.run(lambda: run(config, listen=a.listen, token=a.token,
                                      drain_timeout=a.drain_timeout, parent_pid=a.parent_pid,
                                      ready_fd=a.ready_fd))
+        log.warning("event loop closed; exiting %d", code)
+        return code
     return _serve_http(a, config)
 
 

@@ -138,13 +138,13 @@ class RemoteStream:
     async def __anext__(self) -> RequestOutput:
         ch = self._ch
         while True:
+            if self._done:  # finished, failed, or cancelled
+                raise StopAsyncIteration
             if ch.items:
                 out = ch.items.popleft()
                 if out.finished:
                     self._done = True
                 return out
-            if self._done:
-                raise StopAsyncIteration
             if ch.error is not None:
                 self._done = True
                 err, ch.error = ch.error, None

@@ -207,9 +207,13 @@ def _sse(obj: dict) -> bytes:
 
 # --------------------------------------------------------------------------- one request
 
-async def _unless_disconnected(request: Request, fn: Callable[[], Awaitable[Any]]):
-    """Run ``fn`` unless the HTTP client disconnects first (then it is cancelled and this
-    returns ``(False, None)``). ``fn``'s exceptions are returned, not raised: ``(True, exc)``."""
+async def _unless_disconnected(request: Request, fn: Callable[[], Awaitable[Any]],
+                               metrics: Optional[Metrics]) -> tuple[str, Any]:
+    """Run ``fn`` unless the HTTP client disconnects first (then ``fn`` is cancelled).
+
+    Returns ``("ok", result)``, ``("error", response)`` for an exception of ``fn`` (turned into
+    its response right here: keeping the exception would keep its frames -- and the engine's
+    request stream in them -- alive in a reference cycle) or ``("gone", None)``."""
     result: list = []
     async with anyio.create_task_group() as tg:
         async def watch() -> None:
@@ -221,11 +225,11 @@ async def _unless_disconnected(request: Request, fn: Callable[[], Awaitable[Any]
 
         tg.start_soon(watch)
         try:
-            result.append(await fn())
+            result.append(("ok", await fn()))
         except Exception as exc:
-            result.append(exc)
+            result.append(("error", error_response(exc, metrics)))
         tg.cancel_scope.cancel()
-    return (True, result[0]) if result else (False, None)
+    return result[0] if result else ("gone", None)
 
 
 class _Run:
@@ -345,15 +349,13 @@ async def _serve_request(fe: "Frontend", request: Request, body: P._SamplingFiel
     tracker = fe.metrics.tracker(arrival)
     run = _Run(handle, tracker, kind.rid)
 
-    connected, result = await _unless_disconnected(request, lambda: run.start(prompt, params))
-    if not connected or isinstance(result, BaseException):
-        if run.first is None:
+    how, result = await _unless_disconnected(request, lambda: run.start(prompt, params), fe.metrics)
+    if how != "ok":
+        if how == "error" and run.first is None:
             tracker.discard()
-            run.finished = True  # nothing to abort: the request never started
-        await run.close()
-        if not connected:
-            return Response(status_code=499)
-        return error_response(result, fe.metrics)
+            run.finished = True  # refused: nothing to abort
+        await run.close()  # gone: aborts the request, queued or running
+        return Response(status_code=499) if how == "gone" else result
 
     if body.stream:
         return StreamingResponse(_stream(run, kind), media_type="text/event-stream",
@@ -367,13 +369,11 @@ async def _serve_request(fe: "Frontend", request: Request, body: P._SamplingFiel
         return "".join(parts), last
 
     try:
-        connected, result = await _unless_disconnected(request, collect)
+        how, result = await _unless_disconnected(request, collect, None)  # not a refusal
     finally:
         await run.close()
-    if not connected:
-        return Response(status_code=499)
-    if isinstance(result, BaseException):
-        return error_response(result, fe.metrics)
+    if how != "ok":
+        return Response(status_code=499) if how == "gone" else result
     text, last = result
     use = P.usage(last.num_prompt_tokens, last.num_output_tokens)
     return JSONResponse(kind.whole(text, last.finish_reason or "stop", use))

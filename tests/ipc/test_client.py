@@ -305,3 +305,38 @@ async def test_welcome_describes_the_model_and_chat_template_renders_client_side
     async with serving() as (eng, server, addr), EngineClient.connect(addr) as c:
         assert c.welcome.chat_template is None and c.vocab_size == 0
         assert c.apply_chat_template(messages) == "system: be brief\nuser: hi\nassistant: "
+
+
+async def test_outer_cancellation_closes_the_client_quietly():
+    async with serving() as (eng, server, addr):
+        with anyio.move_on_after(0.2) as scope:
+            async with EngineClient.connect(addr) as c:
+                s = c.generate([1], SamplingParams(max_tokens=100_000))
+                async for _ in s:  # cancelled in here
+                    pass
+        assert scope.cancelled_caught and c.closed
+        await wait_for(lambda: eng.aborted)
+        assert not eng.requests
+
+
+async def test_cancelled_stream_stops_at_once():
+    async with serving() as (eng, server, addr), EngineClient.connect(addr) as c:
+        s = c.generate([1], SamplingParams(max_tokens=100_000))
+        await s.__anext__()
+        await anyio.sleep(0.05)  # more pieces are queued now
+        s.cancel()
+        with pytest.raises(StopAsyncIteration):
+            await s.__anext__()
+
+
+async def test_import_ipc_does_not_import_torch():
+    import sys
+
+    code = ("import sys, ipc, ipc.client, ipc.sync_client, ipc.spawn, ipc.server\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "from engine import SamplingParams, EngineDeadError, RequestOutput\n"
+            "assert 'torch' not in sys.modules\n"
+            "from engine import AsyncEngine, EngineConfig\n"
+            "assert 'torch' in sys.modules\n")
+    with anyio.fail_after(120):
+        await anyio.run_process([sys.executable, "-c", code])  # raises on a failed assert

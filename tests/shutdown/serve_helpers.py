@@ -23,7 +23,7 @@ class ServeProcess:
         self.sock = tmp / "engine.sock"
         self.address = f"unix://{self.sock}"
         self.log_path = tmp / "serve.log"
-        cmd = [sys.executable, "-m", "engine.cli", "serve", "--listen", self.address,
+        cmd = [sys.executable, "-m", "engine.cli", *(("-v",) if os.environ.get("SERVE_VERBOSE") else ()), "serve", "--listen", self.address,
                "--drain-timeout", str(drain_timeout), *args]
         if config is not None:
             cmd += ["--config-json", msgspec.json.encode(config).decode()]
