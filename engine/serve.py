@@ -5,6 +5,11 @@ Exit codes (also in the README):
   1    the engine failed (an exception in a step, a lost device); clients got EngineDeadError
   2    startup error (bad model path, bad config, address in use)
   128+N  signal N arrived during startup: loading stopped, what was allocated was released
+
+With ``--http HOST:PORT [--api-servers N]`` the HTTP socket is bound before loading (2 if that
+fails), N frontend processes (engine/http/frontend.py) start once the engine serves, and this
+process exits after them; a frontend that fails while the engine serves stops the engine
+(drain) and makes the exit code 1.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ The child is ``python -m engine.cli serve --config-json <config> --listen <addre
 * The child's stdout and stderr go through a pipe that a thread copies to our stderr (fd 2)
   line by line, keeping the last lines for error messages.
 * ``--parent-pid``: the engine drains and exits when we die (even by SIGKILL).
+* A ``token`` travels as ``--token`` on the child's command line, which other local users can
+  read (``ps``); the default private socket needs none.
 * On exit of the context: ``Shutdown`` (running requests are aborted), wait for the process to
   exit (killed after ``shutdown_timeout``), reap it; ``client.exit_code`` tells how it ended.
   If the engine process dies, the connection's EOF makes every call raise ``EngineDeadError``
@@ -38,6 +40,7 @@ import anyio
 import msgspec
 
 from engine.errors import EngineError
+from states import InvalidTransitionError
 
 log = logging.getLogger("enginecore.ipc.spawn")
 
@@ -245,12 +248,12 @@ class EngineProcess:
         self._ready_buf += chunk
         return bool(chunk)
 
-    def _startup_failed(self, code: Optional[int]) -> EngineStartupError:
+    def _startup_failed(self, code: Optional[int], timeout: Optional[float] = None) -> EngineStartupError:
         self._pump.join(2.0)  # the last lines of its output
         tail = self.stderr_tail()
-        last = tail.splitlines()[-1] if tail else ""
+        last = _reason(tail)
         if code is None:
-            what = "did not signal readiness"
+            what = "did not signal readiness" + (f" within {timeout:g} s" if timeout else "")
         elif code < 0:
             what = f"was killed by signal {-code} during startup"
         else:
@@ -283,7 +286,7 @@ class EngineProcess:
         except TimeoutError:
             self.kill()
             self.popen.wait(10.0)
-            raise self._startup_failed(None) from None
+            raise self._startup_failed(None, timeout) from None
         except BaseException:
             if self.bound_address is None:
                 self.kill()
@@ -312,7 +315,7 @@ class EngineProcess:
             self.kill()
             with anyio.CancelScope(shield=True):
                 await self.wait_async(10.0)
-            raise self._startup_failed(None) from None
+            raise self._startup_failed(None, timeout) from None
         except BaseException:
             if self.bound_address is None and self.popen.poll() is None:
                 self.kill()
@@ -322,6 +325,19 @@ class EngineProcess:
 
     def __repr__(self) -> str:
         return f"<EngineProcess pid={self.pid} address={self.address!r} returncode={self.poll()}>"
+
+
+def _reason(tail: str) -> str:
+    """The line of the engine's output that says why it stopped: its own "enginecore: ..."
+    message (e.g. "enginecore: startup failed: <path>: <problem>"), else an exception's last
+    line, else the last line."""
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    for pick in (lambda ln: ln.startswith("enginecore:"),
+                 lambda ln: ln.split(":", 1)[0].endswith(("Error", "Exception", "Interrupt"))):
+        found = [ln for ln in lines if pick(ln)]
+        if found:
+            return found[-1]
+    return lines[-1] if lines else ""
 
 
 @asynccontextmanager
@@ -350,7 +366,7 @@ async def spawn_engine(client_cls: Any, config: Any, *, address: Optional[str] =
                         with anyio.move_on_after(shutdown_timeout, shield=True):
                             try:
                                 await client.shutdown()
-                            except EngineError:  # already shutting down / dead
+                            except (EngineError, InvalidTransitionError):  # already stopping / dead
                                 pass
         except OSError as exc:
             if not connected and proc.poll() is not None:  # it died between READY and connect

@@ -245,9 +245,10 @@ class Frontends:
             self._fail()
         finally:
             self.sock.close()  # the frontends hold it now
-        log.warning("HTTP on http://%s:%d (%d API server process%s)", host, port, len(self.procs),
-                    "" if len(self.procs) == 1 else "es")
-        tg.start_soon(self._supervise)
+        if self.procs:
+            log.warning("HTTP on http://%s:%d (%d API server process%s)", host, port,
+                        len(self.procs), "" if len(self.procs) == 1 else "es")
+            tg.start_soon(self._supervise)
 
     def _fail(self) -> None:
         self.failed = True

@@ -4,10 +4,12 @@ port, one task) and ``enginecore serve --http`` processes."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -127,12 +129,16 @@ class ServeProcess:
                  drain_timeout: float = 60.0, extra: tuple = ()) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        self.tmpdir = tempfile.mkdtemp(prefix="ec-http-")  # the IPC socket: gone even after SIGKILL
         env = dict(os.environ, OMP_NUM_THREADS="1")
         argv = [sys.executable, "-m", "engine.cli", "serve", "--model", model, "--device", "cpu",
+                "--listen", f"unix://{self.tmpdir}/engine.sock",
                 "--http", f"127.0.0.1:{self.port}", "--api-servers", str(api_servers),
                 "--drain-timeout", str(drain_timeout), "--parent-pid", str(os.getpid()),
                 "--kv-cache-bytes", str(64 * 2**20), *extra]
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL)
+        # its own process group, like a container's: signal_group() is Kubernetes' SIGTERM
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
         self.pid = self.proc.pid
         self.frontends: list[int] = []
 
@@ -169,6 +175,10 @@ class ServeProcess:
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
 
+    def signal_group(self, sig: int) -> None:
+        """``sig`` to the engine and its frontends at once."""
+        os.killpg(self.pid, sig)
+
     def cleanup(self) -> None:
         """Whatever happened: nothing of ours keeps running."""
         if self.proc.poll() is None:
@@ -184,6 +194,7 @@ class ServeProcess:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
 def wait_gone(pids: list[int], timeout: float) -> list[int]:

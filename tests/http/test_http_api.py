@@ -4,6 +4,7 @@ and called with the real ``openai`` client (and httpx for raw checks)."""
 from __future__ import annotations
 
 import anyio
+import msgspec
 import httpx
 import openai
 import pytest
@@ -56,8 +57,8 @@ async def test_default_model_matches_the_engine():
             assert r.choices[0].text == ref[:cut] and r.choices[0].finish_reason == "stop"
 
         messages = [{"role": "user", "content": "What is the capital of France?"}]
-        chat_ref, chat_out = await engine_run(eng, eng.tokenizer.apply_chat_template(messages), 10)
-        r = await oc.chat.completions.create(model="default", messages=messages, max_tokens=10,
+        chat_ref, chat_out = await engine_run(eng, eng.tokenizer.apply_chat_template(messages), 8)
+        r = await oc.chat.completions.create(model="default", messages=messages, max_tokens=8,
                                              temperature=0)
         assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
         assert r.choices[0].message.role == "assistant"
@@ -67,7 +68,7 @@ async def test_default_model_matches_the_engine():
         assert r.usage.completion_tokens == chat_out.num_output_tokens
 
         stream = await oc.chat.completions.create(model="default", messages=messages,
-                                                  max_tokens=10, temperature=0, stream=True)
+                                                  max_tokens=8, temperature=0, stream=True)
         chunks = [c async for c in stream]
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat_ref
@@ -77,7 +78,7 @@ async def test_default_model_matches_the_engine():
         # seeded sampling is reproducible
         texts = set()
         for _ in range(2):
-            r = await oc.completions.create(model="default", prompt=prompt, max_tokens=8,
+            r = await oc.completions.create(model="default", prompt=prompt, max_tokens=4,
                                             temperature=1.0, top_p=0.9, seed=1234)
             texts.add(r.choices[0].text)
         assert len(texts) == 1
@@ -251,4 +252,29 @@ async def test_drain_in_process():
         await oc.close()
         with anyio.fail_after(10):  # the engine is SHUTDOWN: the server stops by itself
             while not s.app.state.frontend.handle.state.value == "shutdown":
+                await anyio.sleep(0.01)
+
+
+async def test_engine_failure_mid_stream():
+    """The engine fails: the open stream ends with an error event, new requests and /health get
+    503, and the server stops by itself (a frontend process then exits 3)."""
+    config = msgspec.structs.replace(TINY, fault_at_step=6)
+    async with served(config) as s:
+        oc = s.openai()
+        stream = await oc.completions.create(model=TINY_NAME, prompt="hi", max_tokens=100,
+                                             stream=True, extra_body={"ignore_eos": True})
+        with pytest.raises(openai.APIError) as info:
+            async for _ in stream:
+                pass
+        assert "dead" in str(info.value.message) or "fail" in str(info.value.message)
+        async with s.http() as c:
+            r = await c.get("/health")
+            assert r.status_code == 503
+            r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+            assert (await c.get("/ready")).status_code == 503
+        await oc.close()
+        assert s.frontend.metrics.requests.labels("error")._value.get() == 1
+        with anyio.fail_after(10):
+            while s.frontend.handle.dead is None:
                 await anyio.sleep(0.01)

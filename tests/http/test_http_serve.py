@@ -79,7 +79,10 @@ async def test_two_api_servers_32_concurrent_streams():
         sp.cleanup()
 
 
-async def test_sigterm_drains_open_streams():
+@pytest.mark.parametrize("to_group", [False, True], ids=["engine", "process-group"])
+async def test_sigterm_drains_open_streams(to_group: bool):
+    """SIGTERM to the engine process -- or to the whole process group, as Kubernetes does: the
+    frontends ignore it and keep serving the drain."""
     sp = ServeProcess(MODEL, api_servers=2, drain_timeout=120)
     try:
         await sp.wait_ready(2)
@@ -98,7 +101,10 @@ async def test_sigterm_drains_open_streams():
                 while len(started) < 16:
                     await anyio.sleep(0.005)
             frontends = list(sp.frontends)
-            sp.signal(signal.SIGTERM)
+            if to_group:
+                sp.signal_group(signal.SIGTERM)
+            else:
+                sp.signal(signal.SIGTERM)
             async with sp.http() as c:
                 with anyio.fail_after(10):
                     while (await c.get("/ready")).status_code != 503:
@@ -182,3 +188,17 @@ async def test_engine_killed_frontends_exit_nonzero():
             except ChildProcessError:
                 pass
         assert not any(alive(p) for p in sp.frontends)
+
+
+async def test_a_frontend_dying_stops_the_engine():
+    """No half-served port: a frontend that dies while the engine serves makes the engine drain
+    and exit 1; the other frontend exits with it."""
+    sp = ServeProcess(MODEL, api_servers=2, drain_timeout=5)
+    try:
+        await sp.wait_ready(2)
+        frontends = list(sp.frontends)
+        os.kill(frontends[0], signal.SIGKILL)
+        assert await sp.wait(60) == 1
+        assert wait_gone(frontends, 5) == []
+    finally:
+        sp.cleanup()

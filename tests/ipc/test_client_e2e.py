@@ -271,3 +271,19 @@ def test_sync_client_and_cli_generate(engine):
                           engine.bound_address, "--token", "wrong", "hi"],
                          env=ENV, capture_output=True, timeout=120)
     assert bad.returncode == 2 and b"token" in bad.stderr
+
+
+@pytest.mark.slow
+def test_sync_spawn_round_trip_and_clean_exit():
+    from engine import EngineConfig
+
+    with SyncEngineClient.spawn(EngineConfig(model=MODEL), startup_timeout=180) as c:
+        proc = c.client.process
+        sock = proc.bound_address[len("unix://"):]
+        assert c.exit_code is None and os.stat(os.path.dirname(sock)).st_mode & 0o777 == 0o700
+        out = c.complete([3, 1, 4, 1, 5], SamplingParams(max_tokens=6, ignore_eos=True))
+        assert len(out.token_ids) == 6 and out.finish_reason == "length"
+        chat = c.apply_chat_template([{"role": "user", "content": "hi"}])
+        assert chat == "user: hi\nassistant: "  # random presets have no template: the fallback
+    assert c.exit_code == 0  # Shutdown on exit, then reaped
+    assert not os.path.exists(os.path.dirname(sock))  # the private directory is gone
