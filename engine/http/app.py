@@ -284,19 +284,19 @@ class _Run:
         if self.closed:
             return
         self.closed = True
+        if not self.finished:
+            self.tracker.finish("abort")
+        # Both engines' streams abort an unfinished request on aclose(); other iterators get an
+        # explicit abort.
+        aclose = getattr(self.it, "aclose", None)
         with anyio.CancelScope(shield=True):
-            if not self.finished:
-                self.tracker.finish("abort")
-                try:
-                    await self.handle.abort(self.request_id)
-                except Exception as exc:  # the engine is gone: nothing left to abort
-                    log.debug("abort of %s failed: %r", self.request_id, exc)
-            aclose = getattr(self.it, "aclose", None)
-            if aclose is not None:
-                try:
+            try:
+                if aclose is not None:
                     await aclose()
-                except Exception:  # pragma: no cover
-                    pass
+                elif not self.finished and self.it is not None:
+                    await self.handle.abort(self.request_id)
+            except Exception as exc:  # the engine is gone: nothing left to abort
+                log.debug("abort of %s failed: %r", self.request_id, exc)
 
 
 class _Kind:
@@ -358,8 +358,7 @@ async def _serve_request(fe: "Frontend", request: Request, body: P._SamplingFiel
         return Response(status_code=499) if how == "gone" else result
 
     if body.stream:
-        return StreamingResponse(_stream(run, kind), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _EventStream(run, kind)
 
     async def collect():
         parts, last = [], None
@@ -377,6 +376,22 @@ async def _serve_request(fe: "Frontend", request: Request, body: P._SamplingFiel
     text, last = result
     use = P.usage(last.num_prompt_tokens, last.num_output_tokens)
     return JSONResponse(kind.whole(text, last.finish_reason or "stop", use))
+
+
+class _EventStream(StreamingResponse):
+    """The SSE response; closes (aborts) the request also when the body never started (the
+    client went away before the response began)."""
+
+    def __init__(self, run: _Run, kind: _Kind) -> None:
+        super().__init__(_stream(run, kind), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._run = run
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._run.close()
 
 
 async def _stream(run: _Run, kind: _Kind) -> AsyncIterator[bytes]:
