@@ -235,7 +235,11 @@ class AsyncEngine:
         """Submit now (errors are raised here, at once); iterate the result for outputs."""
         rid = request_id if request_id is not None else uuid.uuid4().hex
         stream = RequestStream(self, rid)
-        self.submit(prompt, params or SamplingParams(), rid, stream.sink())
+        try:
+            self.submit(prompt, params or SamplingParams(), rid, stream.sink())
+        except BaseException:
+            stream._close()  # refused: nothing was accepted, nothing to abort
+            raise
         return stream
 
     def submit(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,

@@ -71,6 +71,18 @@ async def test_two_api_servers_32_concurrent_streams():
         assert r.choices[0].text == texts[0]
         assert c.choices[0].message.content == texts[1]
 
+        # a client that leaves mid-stream: its request is aborted in the engine (over IPC)
+        oc = sp.openai()
+        stream = await oc.completions.create(model=MODEL, prompt="long", max_tokens=1800,
+                                             stream=True, extra_body={"ignore_eos": True})
+        await stream.__anext__()
+        await stream.close()
+        await oc.close()
+        async with sp.http() as client:
+            with anyio.fail_after(20):
+                while "enginecore_requests_running 0.0" not in (await client.get("/metrics")).text:
+                    await anyio.sleep(0.05)
+
         frontends = list(sp.frontends)
         sp.signal(signal.SIGTERM)
         assert await sp.wait(60) == 0
