@@ -15,7 +15,6 @@ from typing import Optional, Sequence
 import torch
 
 from . import cuda_graphs
-from .attention import AttentionMetadata, PrefillSeq
 from .config import EngineConfig
 from .errors import BadRequestError
 from .kv_cache import KVCache
@@ -24,6 +23,7 @@ from .model_state import ModelState
 from .owner import DeviceOwner, reachable_tensors
 from .request import Request
 from .sampler import SamplingBatch, sample
+from .step_inputs import packed_forward
 
 log = logging.getLogger("enginecore.runner")
 
@@ -194,70 +194,20 @@ class ModelRunner:
         state: ModelState = self._owner["model_state"]
         model = self._owner["weights"]
         kv: KVCache = self._owner["kv_cache"]
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        prefills: list[PrefillSeq] = []
-        dec_rows: list[int] = []
-        dec_tables: list[list[int]] = []
-        dec_lens: list[int] = []
+        seqs = []
         sample_rows: list[list[int]] = []  # per entry: rows whose logits are sampled
+        row = 0
         for req, n in batch:
             start = req.num_computed_tokens
-            toks = req.token_ids[start:start + n]
-            spec = req.spec_token_ids if start + n == req.num_tokens else []
-            toks = toks + spec
-            m = len(toks)
-            row0 = len(ids)
-            ids.extend(toks)
-            blocks = req.block_ids
-            for p in range(start, start + m):
-                pos.append(p)
-                slots.append(blocks[p // bs] * bs + p % bs)
-            if start > 0 and (m == 1 or spec):
-                # a decode (plus its draft tokens): each row attends to keys 0..its own
-                # position, so every row is a decode row of the batched (graphable) path
-                for j in range(m):
-                    dec_rows.append(row0 + j)
-                    dec_tables.append(blocks)
-                    dec_lens.append(start + j + 1)
-            else:
-                prefills.append(PrefillSeq(row0, row0 + m, start + m,
-                                           torch.tensor(blocks[: -(-(start + m) // bs)], device=self.device)))
-            if start + n == req.num_tokens:
-                sample_rows.append(list(range(row0 + n - 1, row0 + m)))
-            else:
-                sample_rows.append([])
-        t = len(ids)
-        graphs = self._owner.get("cuda_graphs")
-        bucket = None
-        if graphs is not None and not prefills and len(dec_rows) == t:  # decode-only step
-            bucket = graphs.bucket(t)
-        if bucket is not None:  # pad to the bucket: padded rows use the scratch slot/block
-            pad = bucket - t
-            ids += [0] * pad
-            pos += [0] * pad
-            slots += [graphs.scratch_slot] * pad
-            dec_lens += [1] * pad
-            dec_tables += [[graphs.scratch_block]] * pad
-        input_ids = state.load("input_ids", torch.tensor(ids))
-        positions = state.load("positions", torch.tensor(pos))
-        slot_mapping = state.load("slot_mapping", torch.tensor(slots))
-        meta = AttentionMetadata(slot_mapping, prefills, None, None, None)
-        if dec_rows:
-            width = max(len(b) for b in dec_tables)
-            table = torch.tensor([b + [0] * (width - len(b)) for b in dec_tables], dtype=torch.long)
-            meta.decode_block_tables = state.load("block_tables", table)
-            meta.decode_context_lens = state.load("context_lens", torch.tensor(dec_lens))
-            meta.decode_max_len = max(dec_lens)
-            if bucket is None:
-                meta.decode_rows = torch.tensor(dec_rows, device=self.device)
-        if bucket is not None:
-            hidden = graphs.run(bucket, model, kv.tensor, state)
-        else:
-            hidden = model(input_ids, positions, kv.tensor, meta)
-        del t
+            ends = start + n == req.num_tokens
+            spec = req.spec_token_ids if ends else []
+            toks = req.token_ids[start:start + n] + spec
+            # a decode plus its draft tokens: every row is a decode row (the graphable path)
+            seqs.append((toks, start, req.block_ids, start > 0 and (len(toks) == 1 or bool(spec))))
+            sample_rows.append(list(range(row + n - 1, row + len(toks))) if ends else [])
+            row += len(toks)
+        hidden = packed_forward(model, kv.tensor, state, self._owner.get("cuda_graphs"),
+                                self.device, self.block_size, seqs)
         flat = [r for rows in sample_rows for r in rows]
         if not flat:
             return StepResult([[] for _ in batch], None)

@@ -26,13 +26,13 @@ from typing import Optional
 import torch
 
 from .. import cuda_graphs
-from ..attention import AttentionMetadata, PrefillSeq
 from ..errors import BadRequestError
 from ..kv_cache import BlockAllocator, KVCache, blocks_needed
 from ..loader import build_model, resolve_source
 from ..model_state import ModelState
 from ..owner import empty_in_place
 from ..sampler import SamplingBatch, apply_penalty_free_filters
+from ..step_inputs import packed_forward
 from .base import Speculator, race
 
 log = logging.getLogger("enginecore.speculative")
@@ -268,56 +268,10 @@ class DraftSpeculator(Speculator):
         """One packed forward of ``(tokens, seq)`` pairs written at ``seq.cached`` onwards.
         Short chunks after some context are decode rows (one per token, each attending to its
         own prefix); a step of decode rows only replays a CUDA graph where there are graphs."""
-        dev, bs = self.device, self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        prefills: list[PrefillSeq] = []
-        dec_rows: list[int] = []
-        dec_tables: list[list[int]] = []
-        dec_lens: list[int] = []
-        for toks, st in seqs:
-            start, m, blocks = st.cached, len(toks), st.blocks
-            row0 = len(ids)
-            ids.extend(toks)
-            for p in range(start, start + m):
-                pos.append(p)
-                slots.append(blocks[p // bs] * bs + p % bs)
-            if start > 0 and m <= self.max_chunk:
-                for j in range(m):
-                    dec_rows.append(row0 + j)
-                    dec_tables.append(blocks)
-                    dec_lens.append(start + j + 1)
-            else:
-                prefills.append(PrefillSeq(row0, row0 + m, start + m, torch.tensor(
-                    blocks[: blocks_needed(start + m, bs)], device=dev)))
-        t = len(ids)
-        graphs, state = res.graphs, res.state
-        bucket = None
-        if graphs is not None and not prefills and len(dec_rows) == t:
-            bucket = graphs.bucket(t)
-        if bucket is not None:  # pad to the bucket: padded rows use the scratch slot/block
-            pad = bucket - t
-            ids += [0] * pad
-            pos += [0] * pad
-            slots += [graphs.scratch_slot] * pad
-            dec_lens += [1] * pad
-            dec_tables += [[graphs.scratch_block]] * pad
-        input_ids = state.load("input_ids", torch.tensor(ids))
-        positions = state.load("positions", torch.tensor(pos))
-        meta = AttentionMetadata(state.load("slot_mapping", torch.tensor(slots)), prefills,
-                                 None, None, None)
-        if dec_rows:
-            width = max(len(b) for b in dec_tables)
-            table = torch.tensor([b + [0] * (width - len(b)) for b in dec_tables], dtype=torch.long)
-            meta.decode_block_tables = state.load("block_tables", table)
-            meta.decode_context_lens = state.load("context_lens", torch.tensor(dec_lens))
-            meta.decode_max_len = max(dec_lens)
-            if bucket is None:
-                meta.decode_rows = torch.tensor(dec_rows, device=dev)
-        if bucket is not None:
-            return graphs.run(bucket, res.model, res.kv.tensor, state)[:t]
-        return res.model(input_ids, positions, res.kv.tensor, meta)
+        rows = [(toks, st.cached, st.blocks, st.cached > 0 and len(toks) <= self.max_chunk)
+                for toks, st in seqs]
+        return packed_forward(res.model, res.kv.tensor, res.state, res.graphs, self.device,
+                              self.block_size, rows)
 
     def _sample(self, res: DraftResources, reqs, logits: torch.Tensor):
         """Draft tokens: the argmax for greedy requests, a sample from q (the request's

@@ -1,0 +1,75 @@
+"""One packed forward: rows → token ids, positions, KV slots and attention metadata on the
+device, then the model (or a CUDA-graph replay). Shared by the runner and the draft speculator.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+from .attention import AttentionMetadata, PrefillSeq
+from .kv_cache import blocks_needed
+
+# (tokens to compute, position of the first one, the sequence's KV block ids, as decode rows?)
+Seq = tuple[list[int], int, list[int], bool]
+
+
+def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
+                   block_size: int, seqs: Iterable[Seq]) -> torch.Tensor:
+    """Hidden states ``[T, hidden]`` for every token of ``seqs``, in order.
+
+    A sequence computed "as decode rows" gives one batched decode row per token, each attending
+    to its own prefix (all K/V of the step is written before attention, so this is exact); the
+    others are prefill chunks. A step made only of decode rows replays a CUDA graph when
+    ``graphs`` has a bucket for it: padded rows write to the graphs' scratch slot/block.
+    """
+    bs = block_size
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    prefills: list[PrefillSeq] = []
+    dec_rows: list[int] = []
+    dec_tables: list[list[int]] = []
+    dec_lens: list[int] = []
+    for toks, start, blocks, as_decode in seqs:
+        m = len(toks)
+        row0 = len(ids)
+        ids.extend(toks)
+        for p in range(start, start + m):
+            pos.append(p)
+            slots.append(blocks[p // bs] * bs + p % bs)
+        if as_decode:
+            for j in range(m):
+                dec_rows.append(row0 + j)
+                dec_tables.append(blocks)
+                dec_lens.append(start + j + 1)
+        else:
+            prefills.append(PrefillSeq(row0, row0 + m, start + m, torch.tensor(
+                blocks[: blocks_needed(start + m, bs)], device=device)))
+    t = len(ids)
+    bucket: Optional[int] = None
+    if graphs is not None and not prefills and len(dec_rows) == t:
+        bucket = graphs.bucket(t)
+    if bucket is not None:
+        pad = bucket - t
+        ids += [0] * pad
+        pos += [0] * pad
+        slots += [graphs.scratch_slot] * pad
+        dec_lens += [1] * pad
+        dec_tables += [[graphs.scratch_block]] * pad
+    input_ids = state.load("input_ids", torch.tensor(ids))
+    positions = state.load("positions", torch.tensor(pos))
+    meta = AttentionMetadata(state.load("slot_mapping", torch.tensor(slots)), prefills,
+                             None, None, None)
+    if dec_rows:
+        width = max(len(b) for b in dec_tables)
+        table = torch.tensor([b + [0] * (width - len(b)) for b in dec_tables], dtype=torch.long)
+        meta.decode_block_tables = state.load("block_tables", table)
+        meta.decode_context_lens = state.load("context_lens", torch.tensor(dec_lens))
+        meta.decode_max_len = max(dec_lens)
+        if bucket is None:
+            meta.decode_rows = torch.tensor(dec_rows, device=device)
+    if bucket is not None:
+        return graphs.run(bucket, model, kv, state)[:t]
+    return model(input_ids, positions, kv, meta)
