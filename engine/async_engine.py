@@ -354,8 +354,10 @@ class AsyncEngine:
                     continue
                 outputs = await to_thread.run_sync(core.step, limiter=self._limiter)
                 self._dispatch(outputs)
-                if self.lifecycle.state is State.DRAINING and self._drain_deadline < math.inf:
-                    await anyio.sleep(0)  # let drain() deadlines and aborts in
+                # NOTE: let the consumers woken by this step run *before* the next step starts.
+                # Run concurrently, they fight the worker thread for the GIL (5 ms switch
+                # interval) and the step stalls; this also lets drain deadlines and aborts in.
+                await anyio.lowlevel.checkpoint()
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await self._die(exc)
