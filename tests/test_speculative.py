@@ -348,16 +348,20 @@ async def test_greedy_token_identical(case):
 @pytest.mark.asyncio
 @pytest.mark.slow
 async def test_greedy_identical_default_model():
-    """The embedded SmolLM2 (real weights) with n-gram lookup on a repetitive text prompt."""
+    """The embedded SmolLM2 (real weights), 32 mixed requests: n-gram lookup and a draft model
+    (the model itself, the only same-vocabulary checkpoint shipped) are token-identical to
+    plain greedy decoding."""
     texts = ["one two three four, one two three four, one two three",
              "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a",
-             "The cat sat on the mat. The cat sat on the", "Hello"] * 2
-    work = [(t, dict(max_tokens=12, ignore_eos=True)) for t in texts]
+             "The cat sat on the mat. The cat sat on the", "Hello",
+             "The capital of France is", "List three colours:", "1, 2, 3, 4,", "Once upon a time"]
+    work = [(t, dict(max_tokens=6 + i % 5, ignore_eos=True)) for i, t in enumerate(texts * 4)]
+    assert len(work) == 32
     base, *_ = await _generate(EngineConfig(model="default", device="cpu"), work)
-    got, stats, spec, _ = await _generate(
-        EngineConfig(model="default", device="cpu", speculator="ngram"), work)
-    assert {i: r[0] for i, r in got.items()} == {i: r[0] for i, r in base.items()}
-    assert stats.spec_accepted > 0
+    for kw in (dict(speculator="ngram"), dict(speculator="draft", draft_model="default")):
+        got, stats, spec, _ = await _generate(EngineConfig(model="default", device="cpu", **kw), work)
+        assert {i: r[0] for i, r in got.items()} == {i: r[0] for i, r in base.items()}, kw
+        assert stats.spec_accepted > 0, kw
 
 
 # -- end to end: sampling keeps the distribution --------------------------------------------------
