@@ -107,7 +107,7 @@ def create_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> 
         model = CausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
     model.model.rotary.reset(device)
-    return model.eval().requires_grad_(False)
+    return model.train(False).requires_grad_(False)
 
 
 def fill_model(model: CausalLM, tensors, seed: int = 0, source: str = "",
