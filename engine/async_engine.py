@@ -31,11 +31,11 @@ from .core import EngineCore
 from .errors import (BadRequestError, EngineDeadError, EngineDrainingError, EngineShutdownError,
                      InvalidTransitionError)
 from .params import RequestOutput, SamplingParams
+from .request_stream import RequestStream, Sink
 from .runner import ModelRunner
 
 log = logging.getLogger("enginecore.engine")
 
-Sink = Callable[[Union[RequestOutput, BaseException]], None]
 _MAX_ID = 256
 
 
@@ -61,86 +61,6 @@ class EngineStats(NamedTuple):
     waiting: int
     kv_usage: float
     uptime_s: float
-
-
-class _Mailbox:
-    """One request's undelivered outputs.
-
-    NOTE: hand-written instead of an anyio memory object stream, which yields to the event loop
-    on every receive even when an item is already waiting; with hundreds of concurrent streams
-    those extra loop turns were a visible share of in-process throughput. ``get`` waits (a
-    cancellation point) only when the mailbox is empty.
-    """
-
-    __slots__ = ("items", "waiter", "closed")
-
-    def __init__(self) -> None:
-        self.items: deque = deque()
-        self.waiter: Optional[anyio.Event] = None
-        self.closed = False
-
-    def put(self, item) -> None:
-        if self.closed:
-            return  # the consumer went away; the engine already aborts the request
-        self.items.append(item)
-        waiter, self.waiter = self.waiter, None
-        if waiter is not None:
-            waiter.set()
-
-    async def get(self):
-        while not self.items:
-            self.waiter = anyio.Event()
-            await self.waiter.wait()
-        return self.items.popleft()
-
-
-class RequestStream:
-    """Async iterator of one request's outputs. Leaving it early (``break``, ``aclose()``, or
-    dropping it) aborts the request and frees its blocks."""
-
-    def __init__(self, engine: "AsyncEngine", request_id: str):
-        self.request_id = request_id
-        self._engine = engine
-        self._box = _Mailbox()
-        self._done = False
-
-    def sink(self) -> Sink:
-        # NOTE: the sink must not reference the stream itself, or the engine would keep an
-        # abandoned stream alive and dropping it could not abort the request.
-        return self._box.put
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        item = await self._box.get()  # the engine always sends a terminal item or an error
-        if isinstance(item, BaseException):
-            self._close()
-            raise item
-        if item.finished:
-            self._close()
-        return item
-
-    def _close(self) -> None:
-        self._done = True
-        self._box.closed = True
-        self._box.items.clear()
-
-    async def aclose(self) -> None:
-        self.cancel()
-
-    def cancel(self) -> None:
-        if not self._done:
-            self._close()
-            self._engine._abort_nowait(self.request_id, "client stopped reading")
-
-    def __del__(self) -> None:
-        try:
-            self.cancel()
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
 
 
 class AsyncEngine:
