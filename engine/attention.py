@@ -48,7 +48,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     out = torch.empty_like(q)
     heads, kv_heads = q.shape[1], k.shape[1]
     gqa = heads // kv_heads
-    block_size = cache.shape[2]
     for p in meta.prefills:
         n = p.end - p.start
         qs = q[p.start:p.end].transpose(0, 1)  # [H, n, D]

@@ -5,7 +5,7 @@ Both are msgspec Structs so the IPC layer carries them unchanged.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional
+from typing import Literal, Optional
 
 import msgspec
 

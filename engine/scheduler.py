@@ -10,7 +10,6 @@ recomputed later — it is never failed.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Optional
 
 from .kv_cache import BlockAllocator, blocks_needed
 from .request import Request, Status

@@ -24,7 +24,7 @@ from typing import Optional
 import anyio
 
 from .async_engine import AsyncEngine
-from .errors import EngineDeadError, EngineError
+from .errors import EngineError
 from states import State
 
 log = logging.getLogger("enginecore.serve")

@@ -28,7 +28,7 @@ import inspect
 import logging
 import math
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import anyio
 import msgspec
