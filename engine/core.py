@@ -48,9 +48,9 @@ class EngineCore:
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    params: SamplingParams, client: object = None) -> Request:
+                    params: SamplingParams) -> Request:
         """Validated input only (the async engine checks ids, params and length first)."""
-        req = Request(request_id, list(prompt_token_ids), params, client)
+        req = Request(request_id, list(prompt_token_ids), params)
         req.detok = IncrementalDetokenizer(self.tokenizer, req.token_ids, params.stop)
         self.requests[request_id] = req
         self.scheduler.add(req)

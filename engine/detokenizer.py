@@ -52,12 +52,12 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         if self._stops:
-            # Search the tail of emitted text too: a stop string may straddle the boundary.
-            window = self.text[-self._hold:] if self._hold else ""
-            hay = window + self._pending
-            cut = min((i for i in (hay.find(s) for s in self._stops) if i >= 0), default=-1)
+            # NOTE: searching the pending text alone is enough: at least len(longest stop) - 1
+            # characters are always held back, so a stop string starting in text already
+            # emitted would have been complete (and found) when that text was emitted.
+            cut = min((i for i in (self._pending.find(s) for s in self._stops) if i >= 0), default=-1)
             if cut >= 0:
-                out = hay[len(window):cut] if cut >= len(window) else ""
+                out = self._pending[:cut]
                 self.stopped = True
                 self.text += out
                 self._pending = ""

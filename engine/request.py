@@ -19,12 +19,11 @@ class Request:
     __slots__ = (
         "request_id", "params", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_ids", "status", "arrival", "finish_reason", "reason", "detok", "spec_token_ids",
-        "num_preemptions", "first_token_time", "logprobs", "num_sent_tokens", "client",
+        "num_preemptions", "first_token_time", "logprobs",
         "spec_proposed", "spec_accepted",
     )
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 client: object = None):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         self.request_id = request_id
         self.params = params
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -40,8 +39,6 @@ class Request:
         self.num_preemptions = 0
         self.first_token_time: Optional[float] = None
         self.logprobs: list[float] = []
-        self.num_sent_tokens = 0
-        self.client = client
         self.spec_proposed = 0
         self.spec_accepted = 0
 

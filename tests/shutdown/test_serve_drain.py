@@ -30,6 +30,15 @@ async def stream_all(client, p, params, sink: dict, key) -> None:
     sink[key] = (toks, last)
 
 
+async def start_streams(tg, client, n: int, params, results: dict) -> None:
+    """Start ``n`` streams on ``client`` and return once the engine runs all of them."""
+    for i in range(n):
+        tg.start_soon(stream_all, client, prompt(i), params, results, i)
+    with anyio.fail_after(30):
+        while (await client.health()).running < n:
+            await anyio.sleep(0.01)
+
+
 async def wait_state(client, state: State, timeout: float = 5.0) -> None:
     with anyio.fail_after(timeout):
         while client.state is not state:
@@ -97,11 +106,7 @@ async def test_drain_deadline_aborts_in_flight(tmp_path) -> None:
         results: dict = {}
         async with EngineClient.connect(sp.address) as c:
             async with anyio.create_task_group() as tg:
-                for i in range(8):
-                    tg.start_soon(stream_all, c, prompt(i), params, results, i)
-                with anyio.fail_after(30):
-                    while (await c.health()).running < 8:
-                        await anyio.sleep(0.01)
+                await start_streams(tg, c, 8, params, results)
                 t = sp.signal(signal.SIGTERM)
         code = sp.wait(30)
         elapsed = time.monotonic() - t
@@ -125,11 +130,7 @@ async def test_second_signal_exits_fast_with_terminal_outputs(tmp_path) -> None:
         results: dict = {}
         async with EngineClient.connect(sp.address) as c:
             async with anyio.create_task_group() as tg:
-                for i in range(6):
-                    tg.start_soon(stream_all, c, prompt(i), params, results, i)
-                with anyio.fail_after(30):
-                    while (await c.health()).running < 6:
-                        await anyio.sleep(0.01)
+                await start_streams(tg, c, 6, params, results)
                 sp.signal(signal.SIGTERM)
                 await wait_state(c, State.DRAINING)
                 await anyio.sleep(0.3)
