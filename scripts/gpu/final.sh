@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One device run: benchmarks and GPU tests, each capped, the whole under BUDGET seconds (480).
-# Usage on the lent H200 (after the wheel install prefix): bash scripts/gpu/final.sh
+# Device runs: benchmarks and GPU tests, each capped, the whole under BUDGET seconds (560).
+# Usage on the lent H200 (after the wheel install prefix): PART=1 bash scripts/gpu/final.sh
+#   PART=1  the nano-vllm workload: every engine mode and the HF transformers peer
+#   PART=2  lifecycle (20 open/close cycles), GPU tests, roofline, speculative, SIGTERM
 export PYTHONUNBUFFERED=1
-E=$((SECONDS + ${BUDGET:-480}))
+E=$((SECONDS + ${BUDGET:-560}))
 step() {  # step NAME CAP CMD...
   local n=$1 c=$2; shift 2
   local r=$((E - SECONDS)); ((r > c)) && r=$c
@@ -13,7 +15,13 @@ step() {  # step NAME CAP CMD...
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 git rev-parse HEAD 2>/dev/null || true
-step throughput 200 python3 -m bench.throughput --device cuda --no-progress --num-requests 128 --repeat 1 --modes bare,inproc,hf-generate --out "$OUT/throughput.json"
-step gpu_tests 100 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu tests/test_speculative.py
-step roofline 30 python3 -m bench.roofline --device cuda --no-progress --out "$OUT/roofline.json"
-step speculative 40 python3 -m bench.speculative --device cuda --no-progress --num-requests 32 --out "$OUT/speculative.json"
+if [[ ${PART:-1} == 1 ]]; then
+  step throughput 560 python3 -m bench.throughput --device cuda --no-progress --repeat 1 \
+    --modes bare,inproc,ipc,hf-generate,hf-cb --out "$OUT/throughput.json"
+else
+  step lifecycle 150 python3 -m bench.lifecycle --device cuda --no-progress --cycles 20 --out "$OUT/lifecycle.json"
+  step gpu_tests 100 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu tests/test_speculative.py
+  step roofline 30 python3 -m bench.roofline --device cuda --no-progress --out "$OUT/roofline.json"
+  step speculative 70 python3 -m bench.speculative --device cuda --no-progress --num-requests 32 --out "$OUT/speculative.json"
+  step sigterm 120 python3 -m bench.sigterm --device cuda --no-progress --runs 3 --out "$OUT/sigterm.json"
+fi
