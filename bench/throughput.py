@@ -406,6 +406,19 @@ def _hf_finished(r) -> bool:
     return str(getattr(r, "status", "")).upper().endswith(("FINISHED", "FAILED"))
 
 
+def _hf_next(manager, limit: float):
+    """The next result of transformers' manager; fails at once if its generation thread died."""
+    t_end = now() + limit
+    while now() < t_end:
+        r = manager.get_result(timeout=0.5)
+        if r is not None:
+            return r
+        alive = getattr(manager, "is_running", None)
+        if alive is not None and not alive():
+            raise RuntimeError("hf continuous batching: its generation thread stopped (see its log above)")
+    raise RuntimeError(f"hf continuous batching: no result within {limit:.0f} s")
+
+
 def run_hf_cb(args, work, hf) -> dict[str, Any]:
     import transformers
 
@@ -417,63 +430,60 @@ def run_hf_cb(args, work, hf) -> dict[str, Any]:
         top_k=0, top_p=1.0, eos_token_id=-1, pad_token_id=0)
     rec = None
     manager = hf.init_continuous_batching(generation_config=gen_cfg)
-    with torch.inference_mode():
-        if hasattr(manager, "warmup") and args.device == "cuda":
-            manager.warmup()
-        manager.start()
-        try:
-            def add(rid, ids, n):
-                try:
-                    return manager.add_request(input_ids=ids, request_id=rid, max_new_tokens=n,
-                                               record_timestamps=True)
-                except TypeError:
-                    return manager.add_request(input_ids=ids, request_id=rid, max_new_tokens=n)
-
-            # warm-up
-            if args.warmup:
-                for i, (p, o) in enumerate(_warm_work(work, args.warmup)):
-                    add(f"w{i}", p, o)
-                got = 0
-                while got < min(args.warmup, len(work)):
-                    r = manager.get_result(timeout=60)
-                    if r is None:
-                        raise RuntimeError("hf continuous batching: no warm-up result within 60 s")
-                    got += _hf_finished(r)
-            with common.progress(sum(o for _, o in work), "hf-cb", "tok", args.no_progress) as bar:
-                rec = Recorder(work, bar)
-                rec.t0 = now()
-                for i, (p, o) in enumerate(work):
-                    rec.submitted(i, now())
-                    add(f"r{i}", p, o)
-                left = len(work)
-                while left:
-                    r = manager.get_result(timeout=120)
-                    if r is None:
-                        raise RuntimeError("hf continuous batching: no result within 120 s")
-                    if not _hf_finished(r) or not r.request_id.startswith("r"):
-                        continue
-                    i = int(r.request_id[1:])
-                    left -= 1
-                    toks = len(r.generated_tokens)
-                    ts = getattr(r, "timestamps", None)
-                    if ts:
-                        for k, t in enumerate(ts):
-                            rec.piece(i, t, 1)
-                        rec.out_tokens[i] = toks
-                    else:
-                        rec.piece(i, now(), toks)
-                    err = getattr(r, "error", None)
-                    rec.finish[i] = "length" if err is None else f"error: {err}"
-                    rec.flush_bar()
-                rec.t1 = now()
-        finally:
+    # No inference_mode here: transformers 5.17 runs its generation thread outside it, and static
+    # tensors made under it in this thread then fail their in-place reset there.
+    if hasattr(manager, "warmup") and args.device == "cuda":
+        manager.warmup()
+    manager.start()
+    try:
+        def add(rid, ids, n):
             try:
-                manager.stop(block=True, timeout=30)
+                return manager.add_request(input_ids=ids, request_id=rid, max_new_tokens=n,
+                                           record_timestamps=True)
             except TypeError:
-                manager.stop(block=True)
-            destroy = getattr(hf, "destroy_cached_continuous_batching_manager", None)
-            if destroy:
-                destroy()
+                return manager.add_request(input_ids=ids, request_id=rid, max_new_tokens=n)
+
+        # warm-up
+        if args.warmup:
+            for i, (p, o) in enumerate(_warm_work(work, args.warmup)):
+                add(f"w{i}", p, o)
+            got = 0
+            while got < min(args.warmup, len(work)):
+                r = _hf_next(manager, 60)
+                got += _hf_finished(r)
+        with common.progress(sum(o for _, o in work), "hf-cb", "tok", args.no_progress) as bar:
+            rec = Recorder(work, bar)
+            rec.t0 = now()
+            for i, (p, o) in enumerate(work):
+                rec.submitted(i, now())
+                add(f"r{i}", p, o)
+            left = len(work)
+            while left:
+                r = _hf_next(manager, 120)
+                if not _hf_finished(r) or not r.request_id.startswith("r"):
+                    continue
+                i = int(r.request_id[1:])
+                left -= 1
+                toks = len(r.generated_tokens)
+                ts = getattr(r, "timestamps", None)
+                if ts:
+                    for k, t in enumerate(ts):
+                        rec.piece(i, t, 1)
+                    rec.out_tokens[i] = toks
+                else:
+                    rec.piece(i, now(), toks)
+                err = getattr(r, "error", None)
+                rec.finish[i] = "length" if err is None else f"error: {err}"
+                rec.flush_bar()
+            rec.t1 = now()
+    finally:
+        try:
+            manager.stop(block=True, timeout=30)
+        except TypeError:
+            manager.stop(block=True)
+        destroy = getattr(hf, "destroy_cached_continuous_batching_manager", None)
+        if destroy:
+            destroy()
     return rec.summary("hf-cb", attn=getattr(hf.config, "_attn_implementation", None),
                        note="TTFT/ITL from transformers' per-token timestamps (record_timestamps)")
 

@@ -3,6 +3,7 @@
 # Usage on the lent H200 (after the wheel install prefix): PART=1 bash scripts/gpu/final.sh
 #   PART=1  the nano-vllm workload: every engine mode and the HF transformers peer
 #   PART=2  lifecycle (20 open/close cycles), GPU tests, roofline, speculative, SIGTERM
+#   PART=3  the HF continuous-batching peer alone, then the engine modes in 2 interleaved rounds
 export PYTHONUNBUFFERED=1
 E=$((SECONDS + ${BUDGET:-560}))
 step() {  # step NAME CAP CMD...
@@ -18,6 +19,11 @@ git rev-parse HEAD 2>/dev/null || true
 if [[ ${PART:-1} == 1 ]]; then
   step throughput 560 python3 -m bench.throughput --device cuda --no-progress --repeat 1 \
     --modes bare,inproc,ipc,hf-generate,hf-cb --out "$OUT/throughput.json"
+elif [[ $PART == 3 ]]; then
+  step throughput_hf_cb 330 python3 -m bench.throughput --device cuda --no-progress --repeat 1 \
+    --modes hf-cb --out "$OUT/throughput_hf_cb.json"
+  step throughput_engine 220 python3 -m bench.throughput --device cuda --no-progress --repeat 2 --interleave \
+    --modes bare,inproc,ipc --out "$OUT/throughput_engine.json"
 else
   step lifecycle 150 python3 -m bench.lifecycle --device cuda --no-progress --cycles 20 --out "$OUT/lifecycle.json"
   step gpu_tests 100 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu tests/test_speculative.py
