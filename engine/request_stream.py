@@ -3,11 +3,9 @@ iterator, fed by the engine loop through a sink that does not keep the stream al
 
 from __future__ import annotations
 
-from collections import deque
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Union
 
-import anyio
-
+from .mailbox import Mailbox
 from .params import RequestOutput
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -17,37 +15,6 @@ if TYPE_CHECKING:  # pragma: no cover
 Sink = Callable[[Union[RequestOutput, BaseException]], None]
 
 
-class _Mailbox:
-    """One request's undelivered outputs.
-
-    NOTE: hand-written instead of an anyio memory object stream, which yields to the event loop
-    on every receive even when an item is already waiting; with hundreds of concurrent streams
-    those extra loop turns were a visible share of in-process throughput. ``get`` waits (a
-    cancellation point) only when the mailbox is empty.
-    """
-
-    __slots__ = ("items", "waiter", "closed")
-
-    def __init__(self) -> None:
-        self.items: deque = deque()
-        self.waiter: Optional[anyio.Event] = None
-        self.closed = False
-
-    def put(self, item) -> None:
-        if self.closed:
-            return  # the consumer went away; the engine already aborts the request
-        self.items.append(item)
-        waiter, self.waiter = self.waiter, None
-        if waiter is not None:
-            waiter.set()
-
-    async def get(self):
-        while not self.items:
-            self.waiter = anyio.Event()
-            await self.waiter.wait()
-        return self.items.popleft()
-
-
 class RequestStream:
     """Async iterator of one request's outputs. Leaving it early (``break``, ``aclose()``, or
     dropping it) aborts the request and frees its blocks."""
@@ -55,7 +22,7 @@ class RequestStream:
     def __init__(self, engine: "AsyncEngine", request_id: str):
         self.request_id = request_id
         self._engine = engine
-        self._box = _Mailbox()
+        self._box = Mailbox()
         self._done = False
 
     def sink(self) -> Sink:
@@ -79,8 +46,7 @@ class RequestStream:
 
     def _close(self) -> None:
         self._done = True
-        self._box.closed = True
-        self._box.items.clear()
+        self._box.close()
 
     async def aclose(self) -> None:
         self.cancel()

@@ -48,6 +48,7 @@ import msgspec
 
 from engine.errors import (BadRequestError, EngineDeadError, EngineDrainingError,
                            EngineShutdownError)
+from engine.mailbox import Mailbox
 from engine.params import RequestOutput, SamplingParams
 from engine.tokenizer import render_chat_template
 from states import InvalidTransitionError, State
@@ -74,7 +75,7 @@ from .messages import (
     Welcome,
     message_to_error,
 )
-from .streams import RemoteStream, _asyncio_loop, _Channel, _set_event, _set_future, _thread_caller
+from .streams import RemoteStream, _thread_caller
 from .transport import connect as open_stream
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -123,7 +124,7 @@ class EngineClient:
         self._max_frame = self._codec.max_frame
         self._check_generate = msgspec.msgpack.Decoder(Generate)
         self._buf = bytearray(leftover)
-        self._streams: dict[str, Optional[_Channel]] = {}  # None: aborted, terminal piece pending
+        self._streams: dict[str, Optional[Mailbox]] = {}  # None: aborted, terminal piece pending
         self._calls: dict[int, _Call] = {}
         self._outbox: list[bytes] = []
         self._wake = anyio.Event()
@@ -132,8 +133,6 @@ class EngineClient:
         self._rids = itertools.count(1)
         self._loop_thread = threading.get_ident()
         self._call_soon_threadsafe = _thread_caller()
-        self._loop = _asyncio_loop()
-        self._wake_waiter = _set_future if self._loop is not None else _set_event
         self._failed = False        # the engine reported FAILED
         self._lost = False          # the connection ended; deciding how (see _lose)
         self._closed = False        # finished: every pending call has its error
@@ -263,7 +262,7 @@ class EngineClient:
         if rid in streams:
             raise BadRequestError(f"request_id {rid!r} is already in flight")
         frame = self._encode_generate(rid, prompt, params)
-        ch = _Channel()
+        ch = Mailbox()
         streams[rid] = ch
         self._outbox.append(frame)
         self._wake.set()
@@ -348,7 +347,7 @@ class EngineClient:
             raise BadRequestError(f"invalid request: {exc}") from None
         return frame
 
-    def _abandon(self, rid: str, ch: _Channel) -> None:
+    def _abandon(self, rid: str, ch: Mailbox) -> None:
         """The iterator of ``rid`` went away: abort the request (callable from any thread)."""
         if threading.get_ident() != self._loop_thread:
             try:
@@ -460,7 +459,6 @@ class EngineClient:
         t = type(msg)
         if t is Outputs:
             streams = self._streams
-            wake = self._wake_waiter
             for out in msg.outputs:
                 rid = out.request_id
                 if rid not in streams:
@@ -470,11 +468,7 @@ class EngineClient:
                     del streams[rid]
                 if ch is None:
                     continue  # aborted by us: nobody reads it
-                ch.items.append(out)
-                waiter = ch.waiter
-                if waiter is not None:
-                    ch.waiter = None
-                    wake(waiter)
+                ch.put(out)
         elif t is Error:
             self._on_error(msg)
         elif t is StateChanged:
@@ -501,11 +495,7 @@ class EngineClient:
         if rid is not None and rid in self._streams:
             ch = self._streams.pop(rid)
             if ch is not None:
-                ch.error = message_to_error(msg)
-                waiter = ch.waiter
-                if waiter is not None:
-                    ch.waiter = None
-                    self._wake_waiter(waiter)
+                ch.fail(message_to_error(msg))
             return
         if msg.fatal:
             self._fatal = message_to_error(msg)
@@ -545,11 +535,7 @@ class EngineClient:
         streams, self._streams = self._streams, {}
         for ch in streams.values():
             if ch is not None:
-                ch.error = self._closed_error()
-                waiter = ch.waiter
-                if waiter is not None:
-                    ch.waiter = None
-                    self._wake_waiter(waiter)
+                ch.fail(self._closed_error())
         calls, self._calls = self._calls, {}
         for call in calls.values():
             if self._end == "shutdown" and call.kind in ("drain", "shutdown"):

@@ -1,28 +1,15 @@
-"""Client-side request streams: one request's queue of pieces (filled by the client's reader
-task) and the async iterator over it, plus the small loop helpers the client uses to wake it."""
+"""Client-side request streams: the async iterator over one request's mailbox (filled by the
+client's reader task), plus the helper the client uses to reach its loop from other threads."""
 
 from __future__ import annotations
 
-from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable
 
-import anyio
-
+from engine.mailbox import Mailbox
 from engine.params import RequestOutput
 
 if TYPE_CHECKING:  # pragma: no cover
     from .client import EngineClient
-
-
-class _Channel:
-    """One request's queue of pieces, shared by the reader (producer) and its iterator."""
-
-    __slots__ = ("items", "waiter", "error")
-
-    def __init__(self) -> None:
-        self.items: deque = deque()
-        self.waiter: Any = None  # an asyncio Future (asyncio) or an anyio.Event (other loops)
-        self.error: Optional[BaseException] = None
 
 
 class RemoteStream:
@@ -33,7 +20,7 @@ class RemoteStream:
 
     __slots__ = ("request_id", "_client", "_ch", "_done", "__weakref__")
 
-    def __init__(self, client: "EngineClient", request_id: str, channel: _Channel) -> None:
+    def __init__(self, client: "EngineClient", request_id: str, channel: Mailbox) -> None:
         self.request_id = request_id
         self._client = client
         self._ch = channel
@@ -56,13 +43,7 @@ class RemoteStream:
                 self._done = True
                 err, ch.error = ch.error, None
                 raise err
-            loop = self._client._loop
-            if loop is not None:  # asyncio: a bare future is the cheapest way to sleep
-                waiter = ch.waiter = loop.create_future()
-                await waiter
-            else:  # pragma: no cover - other backends
-                waiter = ch.waiter = anyio.Event()
-                await waiter.wait()
+            await ch.wait()
 
     @property
     def finished(self) -> bool:
@@ -98,21 +79,3 @@ def _thread_caller() -> Callable[[Callable[[], None]], None]:
         return trio.lowlevel.current_trio_token().run_sync_soon
     except Exception:  # pragma: no cover
         return lambda fn: None
-
-
-def _asyncio_loop() -> Any:
-    import asyncio
-
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:  # pragma: no cover - another backend
-        return None
-
-
-def _set_future(fut: Any) -> None:
-    if not fut.done():  # a cancelled waiter is done
-        fut.set_result(None)
-
-
-def _set_event(event: anyio.Event) -> None:  # pragma: no cover - other backends
-    event.set()
