@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("transitions").setLevel(logging.WARNING)
     from .errors import EngineError
+    from .malloc import tune_malloc
+
+    tune_malloc()  # this is the process's entry point: process-wide settings belong here
 
     try:
         if a.cmd == "generate":
