@@ -60,11 +60,6 @@ def finish_common_args(args: argparse.Namespace, name: str) -> argparse.Namespac
         # One intra-op thread: on small shared CPU boxes, OpenMP workers spin against the event
         # loop thread and other processes and make step times erratic (10x and worse, measured).
         args.threads = 1
-    # The engine process (``enginecore serve``) tunes malloc at its entry point; the benchmark
-    # process does the same, so the bare and in-process modes run under the same allocator.
-    from engine.malloc import tune_malloc
-
-    args.malloc_tuned = tune_malloc()
     if args.threads:
         torch.set_num_threads(args.threads)
         # the same for child processes (the IPC mode's engine process reads these at start)

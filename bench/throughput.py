@@ -555,7 +555,6 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "prompt_tokens": sum(len(p) for p, _ in work),
                      "output_tokens": sum(o for _, o in work)},
         "engine_config": msgspec.to_builtins(_engine_cfg(args)),
-        "malloc_tuned": args.malloc_tuned,
         "modes": [],
     }
     w = result["workload"]

@@ -38,8 +38,8 @@ def test_user_settings_win(extra):
 
 
 def test_only_entry_points_call_it():
-    """Process-wide settings are the entry point's business: the CLI and the benchmarks."""
+    """Process-wide settings are the entry point's business: the enginecore CLI."""
     callers = sorted(str(p.relative_to(ROOT)) for pkg in ("engine", "ipc", "states", "bench")
                      for p in (ROOT / pkg).rglob("*.py")
                      if "tune_malloc(" in p.read_text() and p.name != "malloc.py")
-    assert callers == ["bench/common.py", "engine/cli.py"]
+    assert callers == ["engine/cli.py"]
