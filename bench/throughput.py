@@ -8,7 +8,10 @@ uniform in [min, max] (cuda default [100, 1024] for both, as nano-vllm; cpu defa
 [32, 256], outputs [32, 128] on ``random:tiny-llama``), random token-id prompts, ignore_eos,
 temperature 0.6, ``random.seed(0)``. Every request is submitted at t=0.
 
-Modes, all on the same workload, one after another in the same process:
+Modes, all on the same workload, one after another; each run of a mode in a fresh process of its
+own (``--no-isolate``: all in this process), so no mode inherits another's allocator state (glibc
+arenas, the CUDA caching allocator) — measured on CPU, an in-process run after a bare one in the
+same process took up to 10x the page faults:
 
 * ``bare``   — ``ModelRunner`` + ``EngineCore.step()`` in a plain loop: the engine's own batches
                without the async loop (the ceiling for the layers above).
@@ -522,6 +525,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: the engine's)")
     ap.add_argument("--hf-batch", type=int, default=64, help="hf-generate static batch size")
     ap.add_argument("--uvloop", action="store_true", help="run the async modes on uvloop")
+    ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
+                    help="run each mode (each round) in a fresh process (default: on)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = common.finish_common_args(ap.parse_args(argv), "throughput")
     defaults = CUDA_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
     for k, v in defaults.items():
@@ -558,10 +564,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         "modes": [],
     }
     w = result["workload"]
-    print(f"throughput: {args.model} {args.dtype} on {args.device}; {args.num_requests} requests, "
+    print("" if args.child else f"throughput: {args.model} {args.dtype} on {args.device}; {args.num_requests} requests, "
           f"input {args.min_input}-{args.max_input}, output {args.min_output}-{args.max_output} "
           f"({w['prompt_tokens']} prompt + {w['output_tokens']} output tokens), T={args.temperature}",
-          flush=True)
+          end="" if args.child else "\n", flush=True)
 
     hf = None
     runners = {"bare": run_bare, "inproc": run_inproc, "ipc": run_ipc}
@@ -575,9 +581,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     for m, r in schedule:
         t = time.perf_counter()
         try:
-            if m in runners:
-                if rounds > 1:
-                    print(f"[round {r + 1}/{rounds}] {m}", file=sys.stderr, flush=True)
+            if rounds > 1:
+                print(f"[round {r + 1}/{rounds}] {m}", file=sys.stderr, flush=True)
+            if args.isolate and not args.child:
+                row = _run_isolated(argv if argv is not None else sys.argv[1:], m,
+                                    per_call.repeat if m in runners else 1)
+            elif m in runners:
                 row = runners[m](per_call, work)
             else:
                 if hf is None:
@@ -587,7 +596,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             traceback.print_exc()
             row = {"mode": m, "error": repr(exc)}
         row["mode_seconds"] = time.perf_counter() - t
-        row["memory_after"] = common.memory_snapshot(args.device)
+        if "memory_after" not in row:  # (an isolated run measured its own)
+            row["memory_after"] = common.memory_snapshot(args.device)
         if row.get("skipped"):
             print(f"[{m}] skipped: {row['skipped']}", file=sys.stderr, flush=True)
         if m in collected:
@@ -598,6 +608,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         common.write_json(args.out, result)
     del hf
     gc.collect()
+    if args.child:
+        return 0
 
     rows = [r for r in result["modes"] if "output_tok_s" in r]
     print()
@@ -621,6 +633,28 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("CPU targets: inproc/bare >= 0.90; ipc/inproc >= 0.97 at 256 concurrent streams")
     print(f"wrote {args.out}")
     return 0
+
+
+def _run_isolated(argv: list[str], mode: str, repeat: int) -> dict:
+    """One mode's run(s) in a fresh ``python -m bench.throughput`` process; its result row."""
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="enginecore-bench-") as tmp:
+        out = f"{tmp}/row.json"
+        # argparse keeps the last value of a repeated option: these override the caller's
+        cmd = [sys.executable, "-m", "bench.throughput", *argv, "--modes", mode, "--repeat",
+               str(repeat), "--no-interleave", "--child", "--out", out]
+        rc = subprocess.run(cmd).returncode
+        try:
+            with open(out) as f:
+                rows = json.load(f)["modes"]
+        except (OSError, ValueError, KeyError):
+            rows = []
+    if not rows:
+        return {"mode": mode, "error": f"benchmark process exited {rc} without a result"}
+    return rows[0]
 
 
 def _merge_rounds(rows: list[dict]) -> dict:

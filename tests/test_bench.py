@@ -1,0 +1,38 @@
+"""The benchmarks still run and write what bench/RESULTS.md reports (tiny workloads, CPU)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(name: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", f"bench.{name}", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_throughput_every_engine_mode_in_its_own_process(tmp_path):
+    out = tmp_path / "t.json"
+    p = _bench("throughput", "--device", "cpu", "--no-progress", "--num-requests", "6",
+               "--min-input", "8", "--max-input", "24", "--min-output", "4", "--max-output", "12",
+               "--repeat", "1", "--warmup", "1", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in res["modes"]}
+    assert set(rows) == {"bare", "inproc", "ipc"}
+    expected = res["workload"]["output_tokens"]
+    for mode, row in rows.items():
+        assert "error" not in row, (mode, row)
+        assert row["output_tokens"] == expected and row["requests"] == 6
+        assert row["output_tok_s"] > 0 and row["ttft_p50_ms"] is not None and row["itl_p99_ms"] is not None
+    assert set(res["ratios"]) >= {"inproc/bare", "ipc/inproc"}
+    assert "nano-vllm workload" in p.stdout and "ratios" in p.stdout
+
+
+def test_codec_msgspec_against_pickle(tmp_path):
+    out = tmp_path / "c.json"
+    p = _bench("codec", "--sizes", "1", "8", "--min-time", "0.01", "--repeat", "1", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert out.exists() and "pickle" in p.stdout
