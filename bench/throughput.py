@@ -390,7 +390,6 @@ def run_hf_generate(args, work, hf) -> dict[str, Any]:
                             min_new_tokens=new, do_sample=T > 0, temperature=T if T > 0 else None,
                             top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
                 common.sync(device)
-                t = now()
                 generated += new * len(chunk)
                 for r, (_, o) in enumerate(chunk):
                     rec.out_tokens[b0 + r] = o

@@ -4,6 +4,7 @@
 #   PART=1  the nano-vllm workload: every engine mode and the HF transformers peer
 #   PART=2  lifecycle (20 open/close cycles), GPU tests, roofline, speculative, SIGTERM
 #   PART=3  the HF continuous-batching peer alone, then the engine modes in 2 interleaved rounds
+#   PART=4  the engine modes alone, 2 interleaved rounds
 export PYTHONUNBUFFERED=1
 E=$((SECONDS + ${BUDGET:-560}))
 step() {  # step NAME CAP CMD...
@@ -23,6 +24,9 @@ elif [[ $PART == 3 ]]; then
   step throughput_hf_cb 330 python3 -m bench.throughput --device cuda --no-progress --repeat 1 \
     --modes hf-cb --out "$OUT/throughput_hf_cb.json"
   step throughput_engine 220 python3 -m bench.throughput --device cuda --no-progress --repeat 2 --interleave \
+    --modes bare,inproc,ipc --out "$OUT/throughput_engine.json"
+elif [[ $PART == 4 ]]; then
+  step throughput_engine 560 python3 -m bench.throughput --device cuda --no-progress --repeat 2 --interleave \
     --modes bare,inproc,ipc --out "$OUT/throughput_engine.json"
 else
   step lifecycle 150 python3 -m bench.lifecycle --device cuda --no-progress --cycles 20 --out "$OUT/lifecycle.json"
