@@ -45,82 +45,16 @@ import traceback
 from typing import Any, Callable, Optional
 
 import msgspec
-import torch
 
 from . import common
-from .common import now, percentile
+from .common import now
+from .recorder import Recorder, warm_work
 
 CPU_DEFAULTS = dict(num_requests=256, min_input=32, max_input=256, min_output=32, max_output=128)
 CUDA_DEFAULTS = dict(num_requests=256, min_input=100, max_input=1024, min_output=100, max_output=1024)
 ENGINE_MODES = ("bare", "inproc", "ipc")
 HF_MODES = ("hf-generate", "hf-cb")
 
-
-# -- recording -------------------------------------------------------------------------------------
-class Recorder:
-    """Arrival times of every streamed piece; turns them into throughput and latency figures."""
-
-    def __init__(self, work: list[tuple[list[int], int]], bar=None):
-        n = len(work)
-        self.prompt_tokens = sum(len(p) for p, _ in work)
-        self.expected_output = sum(o for _, o in work)
-        self.submit: list[Optional[float]] = [None] * n
-        self.first: list[Optional[float]] = [None] * n
-        self.last: list[Optional[float]] = [None] * n
-        self.out_tokens = [0] * n
-        self.finish: list[Optional[str]] = [None] * n
-        self.itl: list[float] = []
-        self.t0 = self.t1 = 0.0
-        self.bar = bar
-        self.pending_bar = 0
-
-    def submitted(self, i: int, t: float) -> None:
-        self.submit[i] = t
-
-    def piece(self, i: int, t: float, k: int, finish: Optional[str] = None) -> None:
-        if k:
-            if self.first[i] is None:
-                self.first[i] = t
-                if k > 1:
-                    self.itl.extend([0.0] * (k - 1))
-            else:
-                gap = (t - self.last[i]) / k
-                self.itl.extend([gap] * k)
-            self.last[i] = t
-            self.out_tokens[i] += k
-            self.pending_bar += k
-        if finish is not None:
-            self.finish[i] = finish
-
-    def flush_bar(self) -> None:
-        if self.bar is not None and self.pending_bar:
-            self.bar.update(self.pending_bar)
-            self.pending_bar = 0
-
-    def summary(self, mode: str, **extra) -> dict[str, Any]:
-        wall = self.t1 - self.t0
-        out = sum(self.out_tokens)
-        ttft = [f - s for f, s in zip(self.first, self.submit) if f is not None and s is not None]
-        bad = {}
-        for r in self.finish:
-            if r != "length":
-                bad[str(r)] = bad.get(str(r), 0) + 1
-        res = {
-            "mode": mode, "requests": len(self.finish), "prompt_tokens": self.prompt_tokens,
-            "output_tokens": out, "expected_output_tokens": self.expected_output, "wall_s": wall,
-            "output_tok_s": out / wall if wall > 0 else None,
-            "total_tok_s": (out + self.prompt_tokens) / wall if wall > 0 else None,
-            "ttft_p50_ms": _ms(percentile(ttft, 50)), "ttft_p99_ms": _ms(percentile(ttft, 99)),
-            "itl_p50_ms": _ms(percentile(self.itl, 50)), "itl_p99_ms": _ms(percentile(self.itl, 99)),
-            "itl_mean_ms": _ms(sum(self.itl) / len(self.itl)) if self.itl else None,
-            "not_finished_by_length": bad or None,
-        }
-        res.update(extra)
-        return res
-
-
-def _ms(x: Optional[float]) -> Optional[float]:
-    return None if x is None else x * 1e3
 
 
 def _params(max_tokens: int, temperature: float):
@@ -150,10 +84,6 @@ def _best(runs: list[dict], **extra) -> dict[str, Any]:
     return best
 
 
-def _warm_work(work, n):
-    return [(p, min(o, 8)) for p, o in work[:n]]
-
-
 # -- mode: bare EngineCore.step() loop --------------------------------------------------------------
 def run_bare(args, work) -> dict[str, Any]:
     from engine.core import EngineCore
@@ -167,7 +97,7 @@ def run_bare(args, work) -> dict[str, Any]:
         load_s = now() - t_load
         if args.warmup:
             core = EngineCore(runner)
-            for i, (p, o) in enumerate(_warm_work(work, args.warmup)):
+            for i, (p, o) in enumerate(warm_work(work, args.warmup)):
                 core.add_request(f"w{i}", p, _params(o, args.temperature))
             while core.has_work():
                 core.step()
@@ -251,7 +181,7 @@ def run_inproc(args, work) -> dict[str, Any]:
         async with AsyncEngine.open(_engine_cfg(args)) as eng:
             load_s = now() - t_load
             if args.warmup:
-                await _warm(eng.generate, _warm_work(work, args.warmup), args.temperature)
+                await _warm(eng.generate, warm_work(work, args.warmup), args.temperature)
             runs = []
             for r in range(args.repeat):
                 s0 = eng.statistics()
@@ -299,7 +229,7 @@ def run_ipc(args, work) -> dict[str, Any]:
         async with cls.spawn(_engine_cfg(args)) as client:
             load_s = now() - t_load
             if args.warmup:
-                await _warm(client.generate, _warm_work(work, args.warmup), args.temperature)
+                await _warm(client.generate, warm_work(work, args.warmup), args.temperature)
             runs = []
             for r in range(args.repeat):
                 with common.progress(sum(o for _, o in work), _desc("ipc", r, args), "tok",
@@ -325,169 +255,6 @@ def _backend_options(args) -> dict:
         except ImportError:
             pass
     return {}
-
-
-# -- modes: Hugging Face transformers on the same weights -------------------------------------------
-def build_hf_model(args):
-    """The peer: a transformers model built from the preset's config, holding exactly the
-    engine's synthetic weights (same seed, same fill), on the benchmark device and dtype."""
-    import transformers
-
-    from engine.loader import build_model, resolve_source
-
-    device, dtype = torch.device(args.device), common.torch_dtype(args.dtype)
-    cfg, tensors, _ = resolve_source(args.model)
-    ours = build_model(cfg, tensors, device, dtype, args.seed, args.model)
-    d = dict(cfg.to_hf_dict())
-    model_type = d.pop("model_type")
-    d.pop("torch_dtype", None)
-    hf_cfg = transformers.AutoConfig.for_model(model_type, **d)
-    hf_cfg._attn_implementation = "sdpa"
-    with torch.device(device):
-        try:
-            hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
-        except TypeError:
-            hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=dtype)
-    hf = hf.to(device=device, dtype=dtype).eval()
-    missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
-    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
-    if missing or unexpected:
-        raise RuntimeError(f"HF weight mismatch: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    if cfg.tie_word_embeddings:
-        hf.tie_weights()
-    del ours
-    gc.collect()
-    return hf
-
-
-def run_hf_generate(args, work, hf) -> dict[str, Any]:
-    device = torch.device(args.device)
-    T = args.temperature
-    B = args.hf_batch
-    with torch.inference_mode():
-        # warm-up: one small batch
-        p0 = work[0][0]
-        hf.generate(torch.tensor([p0], device=device), attention_mask=torch.ones(1, len(p0), dtype=torch.long, device=device),
-                    max_new_tokens=4, min_new_tokens=4, do_sample=T > 0, temperature=T if T > 0 else None,
-                    top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
-        common.sync(device)
-        generated = 0
-        with common.progress(sum(o for _, o in work), "hf-generate", "tok", args.no_progress) as bar:
-            rec = Recorder(work, bar)
-            rec.t0 = now()
-            for b0 in range(0, len(work), B):
-                chunk = work[b0:b0 + B]
-                width = max(len(p) for p, _ in chunk)
-                new = max(o for _, o in chunk)
-                ids = torch.zeros((len(chunk), width), dtype=torch.long)
-                mask = torch.zeros((len(chunk), width), dtype=torch.long)
-                for r, (p, _) in enumerate(chunk):
-                    ids[r, width - len(p):] = torch.tensor(p)
-                    mask[r, width - len(p):] = 1
-                for r in range(len(chunk)):
-                    rec.submitted(b0 + r, rec.t0)
-                hf.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
-                            min_new_tokens=new, do_sample=T > 0, temperature=T if T > 0 else None,
-                            top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
-                common.sync(device)
-                generated += new * len(chunk)
-                for r, (_, o) in enumerate(chunk):
-                    rec.out_tokens[b0 + r] = o
-                    rec.finish[b0 + r] = "length"
-                bar.update(sum(o for _, o in chunk))
-            rec.t1 = now()
-    res = rec.summary("hf-generate", batch=B, generated_tokens_incl_padding_waste=generated,
-                      note="static batches; requested tokens counted; no streaming (no TTFT/ITL)")
-    return res
-
-
-def _hf_finished(r) -> bool:
-    fn = getattr(r, "is_finished", None)
-    if fn is not None:
-        return bool(fn())
-    return str(getattr(r, "status", "")).upper().endswith(("FINISHED", "FAILED"))
-
-
-def _hf_next(manager, limit: float):
-    """The next result of transformers' manager; fails at once if its generation thread died."""
-    t_end = now() + limit
-    while now() < t_end:
-        r = manager.get_result(timeout=0.5)
-        if r is not None:
-            return r
-        alive = getattr(manager, "is_running", None)
-        if alive is not None and not alive():
-            raise RuntimeError("hf continuous batching: its generation thread stopped (see its log above)")
-    raise RuntimeError(f"hf continuous batching: no result within {limit:.0f} s")
-
-
-def run_hf_cb(args, work, hf) -> dict[str, Any]:
-    import transformers
-
-    if not hasattr(hf, "init_continuous_batching"):
-        return {"mode": "hf-cb", "skipped": f"transformers {transformers.__version__} has no continuous batching"}
-    T = args.temperature
-    gen_cfg = transformers.GenerationConfig(
-        max_new_tokens=max(o for _, o in work), do_sample=T > 0, temperature=T if T > 0 else 1.0,
-        top_k=0, top_p=1.0, eos_token_id=-1, pad_token_id=0)
-    rec = None
-    manager = hf.init_continuous_batching(generation_config=gen_cfg)
-    # No inference_mode here: transformers 5.17 runs its generation thread outside it, and static
-    # tensors made under it in this thread then fail their in-place reset there.
-    if hasattr(manager, "warmup") and args.device == "cuda":
-        manager.warmup()
-    manager.start()
-    try:
-        def add(rid, ids, n):
-            try:
-                return manager.add_request(input_ids=ids, request_id=rid, max_new_tokens=n,
-                                           record_timestamps=True)
-            except TypeError:
-                return manager.add_request(input_ids=ids, request_id=rid, max_new_tokens=n)
-
-        # warm-up
-        if args.warmup:
-            for i, (p, o) in enumerate(_warm_work(work, args.warmup)):
-                add(f"w{i}", p, o)
-            got = 0
-            while got < min(args.warmup, len(work)):
-                r = _hf_next(manager, 60)
-                got += _hf_finished(r)
-        with common.progress(sum(o for _, o in work), "hf-cb", "tok", args.no_progress) as bar:
-            rec = Recorder(work, bar)
-            rec.t0 = now()
-            for i, (p, o) in enumerate(work):
-                rec.submitted(i, now())
-                add(f"r{i}", p, o)
-            left = len(work)
-            while left:
-                r = _hf_next(manager, 120)
-                if not _hf_finished(r) or not r.request_id.startswith("r"):
-                    continue
-                i = int(r.request_id[1:])
-                left -= 1
-                toks = len(r.generated_tokens)
-                ts = getattr(r, "timestamps", None)
-                if ts:
-                    for k, t in enumerate(ts):
-                        rec.piece(i, t, 1)
-                    rec.out_tokens[i] = toks
-                else:
-                    rec.piece(i, now(), toks)
-                err = getattr(r, "error", None)
-                rec.finish[i] = "length" if err is None else f"error: {err}"
-                rec.flush_bar()
-            rec.t1 = now()
-    finally:
-        try:
-            manager.stop(block=True, timeout=30)
-        except TypeError:
-            manager.stop(block=True)
-        destroy = getattr(hf, "destroy_cached_continuous_batching_manager", None)
-        if destroy:
-            destroy()
-    return rec.summary("hf-cb", attn=getattr(hf.config, "_attn_implementation", None),
-                       note="TTFT/ITL from transformers' per-token timestamps (record_timestamps)")
 
 
 # -- main --------------------------------------------------------------------------------------------
@@ -588,6 +355,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             elif m in runners:
                 row = runners[m](per_call, work)
             else:
+                from .throughput_hf import build_hf_model, run_hf_cb, run_hf_generate
+
                 if hf is None:
                     hf = build_hf_model(args)
                 row = (run_hf_generate if m == "hf-generate" else run_hf_cb)(args, work, hf)

@@ -36,3 +36,23 @@ def test_codec_msgspec_against_pickle(tmp_path):
     p = _bench("codec", "--sizes", "1", "8", "--min-time", "0.01", "--repeat", "1", "--out", str(out))
     assert p.returncode == 0, p.stderr[-3000:]
     assert out.exists() and "pickle" in p.stdout
+
+
+def test_throughput_hf_peers_on_the_same_weights(tmp_path):
+    """Both transformers peers run (here on cpu) and deliver exactly the requested tokens."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf.json"
+    p = _bench("throughput", "--device", "cpu", "--no-progress", "--num-requests", "5",
+               "--min-input", "8", "--max-input", "24", "--min-output", "4", "--max-output", "12",
+               "--repeat", "1", "--warmup", "1", "--modes", "hf-generate,hf-cb", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in res["modes"]}
+    for mode in ("hf-generate", "hf-cb"):
+        row = rows[mode]
+        if "skipped" in row:  # a transformers without continuous batching
+            continue
+        assert "error" not in row, (mode, row)
+        assert row["output_tokens"] == res["workload"]["output_tokens"] and row["output_tok_s"] > 0
