@@ -3,8 +3,8 @@
 
 NOTE: written by hand because no library does it: one ``mallopt(M_TOP_PAD)`` call through ctypes.
 Why: each step allocates and frees large temporaries (logits, a prefill chunk's activations) on
-the step thread's malloc arena. With glibc's defaults a fresh process keeps handing the arena's
-free top back to the kernel and faulting it in again: measured on the 2-core CPU machine
+the step thread's malloc arena. With glibc's defaults a fresh process, by all signs, keeps
+trimming the arena's free top and faulting it back in: measured on the 2-core CPU machine
 (bench.throughput, IPC mode, random:tiny-llama), the engine process's step thread took 160k-250k
 minor page faults per run against 8.5k for the same steps in the long-lived benchmark process,
 and its steps took 5-15% longer. A 64 MiB top pad (kept when trimming) brought it to 6.7k
