@@ -1,7 +1,7 @@
 """``serve_ipc``: serve an :class:`engine.AsyncEngine` to many clients over the wire protocol.
 
 One task per connection reads and dispatches frames; one sender task per connection owns the
-stream's write side. Outputs reach a connection through a sink that the engine calls on the
+stream's write side (both in ipc/connection.py). Outputs reach a connection through a sink that the engine calls on the
 event-loop thread, all of one step's outputs in one go (``AsyncEngine._dispatch``), so the
 sender -- which only runs after that -- finds the whole step in its outbox and writes it as one
 ``Outputs`` frame (several pending frames go out in one ``send``).
@@ -23,19 +23,17 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections import deque
 from typing import Any, Optional
 
 import anyio
-import msgspec
 from anyio.abc import ByteStream, TaskStatus
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from engine.errors import BadRequestError
-from engine.params import RequestOutput
 from states import State
 
-from .errors import ConnectionClosed, FrameTooLargeError, ProtocolError
+from .connection import STREAM_ERRORS, Connection
+from .errors import ConnectionClosed, ProtocolError
 from .framing import FrameCodec, read_frame
 from .messages import (
     DEFAULT_MAX_FRAME,
@@ -45,7 +43,6 @@ from .messages import (
     PROTOCOL_VERSION,
     Abort,
     Ack,
-    ClientMessage,
     Drain,
     Error,
     ErrorKind,
@@ -53,7 +50,6 @@ from .messages import (
     Health,
     HealthRequest,
     Hello,
-    Outputs,
     Shutdown,
     StateChanged,
     Welcome,
@@ -70,151 +66,6 @@ from .transport import (
 
 log = logging.getLogger("enginecore.ipc")
 
-_replace = msgspec.structs.replace
-_STREAM_ERRORS = (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream, OSError,
-                  ConnectionClosed)
-
-
-class _Connection:
-    """One client: its outbox, its in-flight requests and its sender."""
-
-    def __init__(self, server: "IPCServer", stream: ByteStream, cid: int) -> None:
-        self.server = server
-        self.stream = stream
-        self.id = cid
-        self.name = ""
-        self.codec = FrameCodec(ClientMessage, max_frame=server.max_frame)
-        self.outbox: deque = deque()
-        self.inflight: dict[str, str] = {}  # client request id -> engine request id
-        self.accepting = True   # False after a fatal error: nothing more is queued
-        self.closing = False    # flush, wait for pending calls, then close
-        self.fatal = False      # flush what is queued now, then close
-        self.pending_calls = 0  # drain/shutdown calls still running
-        self.overflow = False
-        self._wake = anyio.Event()
-        self._seq = itertools.count()
-        self.scope: Optional[anyio.CancelScope] = None
-        self.buffered = BufferedByteReceiveStream(stream)
-
-    # ------------------------------------------------------------------ queueing (sync)
-
-    def push(self, item: Any) -> None:
-        """Queue a message or a RequestOutput for the sender (never blocks)."""
-        if not self.accepting:
-            return
-        self.outbox.append(item)
-        if len(self.outbox) > self.server.max_outbox and not self.overflow:
-            self.overflow = True
-            log.warning("ipc client %d: outbox over %d items (not reading?); closing",
-                        self.id, self.server.max_outbox)
-            self.accepting = False
-            if self.scope is not None:
-                self.scope.cancel()
-        self._wake.set()
-
-    def fail(self, exc: BaseException, **kw: Any) -> None:
-        """Queue a fatal Error for ``exc``, then close after flushing."""
-        self.push(error_to_message(exc, fatal=True, **kw))
-        self.accepting = False
-        self.fatal = True
-        self._wake.set()
-
-    def close(self) -> None:
-        """Graceful close: flush everything, including replies of running calls."""
-        self.closing = True
-        self._wake.set()
-
-    def make_sink(self, rid: str, erid: str):
-        inflight = self.inflight
-        push = self.push
-
-        def sink(item) -> None:
-            if inflight.get(rid) != erid:
-                return  # already ended for the client (e.g. its output could not be framed)
-            if isinstance(item, RequestOutput):
-                if item.finished:
-                    inflight.pop(rid, None)
-                push(_replace(item, request_id=rid))
-            else:  # an exception: the request is over (e.g. EngineDeadError)
-                inflight.pop(rid, None)
-                push(error_to_message(item, request_id=rid, fatal=False))
-
-        return sink
-
-    # ------------------------------------------------------------------ sending
-
-    def _encode(self, items: list) -> bytes:
-        """Frames for ``items``: runs of consecutive outputs become one Outputs frame each."""
-        msgs: list = []
-        run: list = []
-        for item in items:
-            if type(item) is RequestOutput:
-                run.append(item)
-                continue
-            if run:
-                msgs.append(Outputs(outputs=run))
-                run = []
-            msgs.append(item)
-        if run:
-            msgs.append(Outputs(outputs=run))
-        try:
-            return self.codec.encode_many(msgs)
-        except FrameTooLargeError:
-            return b"".join(self._encode_one(m) for m in msgs)
-
-    def _encode_one(self, msg: Any) -> bytes:
-        try:
-            return self.codec.encode(msg)
-        except FrameTooLargeError as exc:
-            if isinstance(msg, Outputs) and len(msg.outputs) > 1:
-                half = len(msg.outputs) // 2
-                return (self._encode_one(Outputs(outputs=msg.outputs[:half]))
-                        + self._encode_one(Outputs(outputs=msg.outputs[half:])))
-            if isinstance(msg, Outputs):  # one output alone exceeds the frame limit
-                out = msg.outputs[0]
-                log.error("ipc client %d: output of %r exceeds max_frame", self.id, out.request_id)
-                erid = self.inflight.pop(out.request_id, None)
-                if erid is not None:
-                    self.server.engine_abort(erid, "output exceeds the frame limit")
-                return self.codec.encode(error_to_message(exc, request_id=out.request_id, fatal=False))
-            raise
-
-    async def sender(self) -> None:
-        stream, timeout = self.stream, self.server.send_timeout
-        while True:
-            if not self.outbox:
-                if self.fatal or (self.closing and self.pending_calls == 0):
-                    return
-                self._wake = anyio.Event()
-                await self._wake.wait()
-                continue
-            items = list(self.outbox)
-            self.outbox.clear()
-            data = self._encode(items)
-            with anyio.fail_after(timeout):
-                await stream.send(data)
-
-    # ------------------------------------------------------------------ reading
-
-    async def reader(self) -> None:
-        buffered = self.buffered
-        max_frame = self.server.max_frame
-        while self.accepting and not self.closing:
-            try:
-                body = await read_frame(buffered, max_frame)
-                msg = self.codec.decode(body)
-            except ConnectionClosed:
-                raise
-            except ProtocolError as exc:  # incl. FrameTooLargeError
-                log.info("ipc client %d: %s; closing", self.id, exc)
-                self.fail(exc)
-                return
-            try:
-                await self.server.dispatch(self, msg)
-            except Exception as exc:  # a bug of ours: report it, keep the connection
-                log.exception("ipc client %d: error handling %s", self.id, type(msg).__name__)
-                self.push(error_to_message(exc, call_id=getattr(msg, "call_id", None),
-                                           request_id=getattr(msg, "request_id", None), fatal=False))
 
 
 class IPCServer:
@@ -244,7 +95,7 @@ class IPCServer:
         self.max_outbox = max_outbox
         self.max_inflight = max_inflight
         self.close_grace = close_grace
-        self.connections: dict[int, _Connection] = {}
+        self.connections: dict[int, Connection] = {}
         self.bound_address: Optional[str] = None
         self._ids = itertools.count(1)
         self._active = False
@@ -322,7 +173,7 @@ class IPCServer:
 
     async def _handle(self, stream: ByteStream) -> None:
         cid = next(self._ids)
-        conn = _Connection(self, stream, cid)
+        conn = Connection(self, stream, cid)
         try:
             if await self._handshake(conn):
                 self.connections[cid] = conn
@@ -341,7 +192,7 @@ class IPCServer:
                         pass
                 await stream.aclose()
 
-    async def _handshake(self, conn: _Connection) -> bool:
+    async def _handshake(self, conn: Connection) -> bool:
         buffered = BufferedByteReceiveStream(conn.stream)
         try:
             with anyio.fail_after(self.handshake_timeout):
@@ -376,7 +227,7 @@ class IPCServer:
         try:
             with anyio.fail_after(self.send_timeout):
                 await conn.stream.send(conn.codec.encode(welcome))
-        except (TimeoutError, *_STREAM_ERRORS):
+        except (TimeoutError, *STREAM_ERRORS):
             return False
         # Bytes the client pipelined right after its Hello are in ``buffered``: keep reading
         # through the same buffer.
@@ -415,14 +266,14 @@ class IPCServer:
             self._info = info  # loaded: it will not change any more
         return info
 
-    async def _reject(self, conn: _Connection, err: Error) -> None:
+    async def _reject(self, conn: Connection, err: Error) -> None:
         with anyio.move_on_after(min(self.send_timeout, 5.0)):
             try:
                 await conn.stream.send(conn.codec.encode(err))
-            except _STREAM_ERRORS:
+            except STREAM_ERRORS:
                 pass
 
-    async def _run(self, conn: _Connection) -> None:
+    async def _run(self, conn: Connection) -> None:
         async with anyio.create_task_group() as tg:
             conn.scope = tg.cancel_scope
 
@@ -431,14 +282,14 @@ class IPCServer:
                     await conn.sender()
                 except TimeoutError:
                     log.warning("ipc client %d: not reading for %.0fs; closing", conn.id, self.send_timeout)
-                except _STREAM_ERRORS:
+                except STREAM_ERRORS:
                     pass
                 tg.cancel_scope.cancel()
 
             async def read_all() -> None:
                 try:
                     await conn.reader()
-                except _STREAM_ERRORS:
+                except STREAM_ERRORS:
                     tg.cancel_scope.cancel()  # the peer is gone: nobody to flush to
 
             tg.start_soon(send_all)
@@ -446,7 +297,7 @@ class IPCServer:
 
     # ------------------------------------------------------------------ requests
 
-    async def dispatch(self, conn: _Connection, msg: Any) -> None:
+    async def dispatch(self, conn: Connection, msg: Any) -> None:
         t = type(msg)
         if t is Generate:
             self._generate(conn, msg)
@@ -465,7 +316,7 @@ class IPCServer:
         else:  # a second Hello
             conn.fail(ProtocolError(f"unexpected {t.__name__} after the handshake"))
 
-    def _generate(self, conn: _Connection, msg: Generate) -> None:
+    def _generate(self, conn: Connection, msg: Generate) -> None:
         rid = msg.request_id
         if rid in conn.inflight:
             conn.push(error_to_message(BadRequestError(f"request_id {rid!r} is already in flight"),
@@ -511,7 +362,7 @@ class IPCServer:
                       kv_usage=min(1.0, max(0.0, kv)) if math.isfinite(kv) else 0.0,
                       call_id=call_id)
 
-    def _call(self, conn: _Connection, call_id: Optional[int], fn, *args: Any) -> None:
+    def _call(self, conn: Connection, call_id: Optional[int], fn, *args: Any) -> None:
         """Run a long engine call (drain/shutdown) without blocking the connection's reader."""
         assert self._tg is not None
         conn.pending_calls += 1
