@@ -26,7 +26,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from typing import Any, Optional
+from functools import partial
+from typing import Any, Callable, Optional
 
 import msgspec
 import torch
@@ -38,19 +39,25 @@ CPU_GRID = dict(batches=[1, 4, 16], contexts=[128, 512])
 CUDA_GRID = dict(batches=[1, 16, 64, 128, 256], contexts=[256, 1024, 4096])
 
 
+def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> list[float]:
+    """Seconds of each of ``iters`` timed calls of ``fn``, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    common.sync(device)
+    times = []
+    for _ in range(iters):
+        with DeviceTimer(device) as t:
+            fn()
+        times.append(t.seconds)
+    return times
+
+
 def measure_bandwidth(device: torch.device, nbytes: int, iters: int) -> dict[str, Any]:
     """(read + write) bytes per second of a ``dst.copy_(src)`` of ``nbytes``; best and median."""
     n = nbytes // 4
     src = torch.empty(n, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    common.sync(device)
-    times = []
-    for _ in range(iters):
-        with DeviceTimer(device) as t:
-            dst.copy_(src)
-        times.append(t.seconds)
+    times = time_calls(partial(dst.copy_, src), device, 3, iters)
     moved = 2 * n * 4
     del src, dst
     return {"copy_bytes": n * 4, "iters": iters, "best_s": min(times), "median_s": statistics.median(times),
@@ -61,14 +68,7 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, n: int, iters: int)
     """FLOP/s of an ``n x n @ n x n`` matmul in ``dtype`` (best of ``iters``)."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    for _ in range(2):
-        a @ b
-    common.sync(device)
-    times = []
-    for _ in range(iters):
-        with DeviceTimer(device) as t:
-            a @ b
-        times.append(t.seconds)
+    times = time_calls(partial(torch.matmul, a, b), device, 2, iters)
     del a, b
     return {"n": n, "dtype": str(dtype), "best_s": min(times), "flop_per_s": 2 * n**3 / min(times)}
 
@@ -116,18 +116,6 @@ def decode_batch(runner, batch: int, context: int, first_block: int = 0):
         req.status = Status.RUNNING
         out.append((req, 1))
     return out
-
-
-def time_steps(runner, batch, device, warmup: int, iters: int) -> list[float]:
-    for _ in range(warmup):
-        runner.execute(batch)
-    common.sync(device)
-    times = []
-    for _ in range(iters):
-        with DeviceTimer(device) as t:
-            runner.execute(batch)
-        times.append(t.seconds)
-    return times
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -188,7 +176,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         with common.progress(len(points), "roofline", "pt", args.no_progress) as bar:
             for b, c in points:
                 batch = decode_batch(runner, b, c)
-                times = time_steps(runner, batch, device, args.warmup, iters)
+                times = time_calls(partial(runner.execute, batch), device, args.warmup, iters)
                 step = statistics.median(times)
                 need = wbytes + b * c * kv_tok + b * kv_tok  # KV read: c tokens incl. the new one
                 mem_floor = need / bw["bytes_per_s"]
