@@ -28,7 +28,7 @@ from bench.common import add_common_args, engine_config, finish_common_args, pri
 def _start(cfg, tmp: Path, drain_timeout: float):
     sock = tmp / "e.sock"
     log = open(tmp / "serve.log", "wb")
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--listen", f"unix://{sock}",
+    cmd = [sys.executable, "-m", "entrypoints.cli", "serve", "--listen", f"unix://{sock}",
            "--drain-timeout", str(drain_timeout), "--config-json", msgspec.json.encode(cfg).decode()]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300

@@ -1,6 +1,6 @@
 """Start a private engine process and connect to it: ``EngineClient.spawn(config)``.
 
-The child is ``python -m engine.cli serve --config-json <config> --listen <address>
+The child is ``python -m entrypoints.cli serve --config-json <config> --listen <address>
 --parent-pid <us> --ready-fd <pipe>``:
 
 * The address defaults to a Unix socket in a fresh temporary directory of mode 0700 (only we
@@ -69,7 +69,7 @@ def _private_dir() -> str:
 
 def _engine_env(env: Optional[dict]) -> dict:
     """The child's environment: ours (or ``env``), with this checkout's root on PYTHONPATH so
-    ``-m engine.cli`` runs the very code we run."""
+    ``-m entrypoints.cli`` runs the very code we run."""
     out = dict(os.environ if env is None else env)
     root = str(Path(__file__).resolve().parent.parent)
     paths = [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -114,7 +114,7 @@ class EngineProcess:
             address = f"unix://{tmpdir}/engine.sock"
         ready_r, ready_w = os.pipe()
         out_r, out_w = os.pipe()
-        argv = [python or sys.executable, "-m", "engine.cli", "serve", "--listen", address,
+        argv = [python or sys.executable, "-m", "entrypoints.cli", "serve", "--listen", address,
                 "--ready-fd", str(ready_w), "--parent-pid", str(os.getpid()),
                 "--drain-timeout", repr(float(drain_timeout))]
         if config is not None:

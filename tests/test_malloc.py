@@ -1,4 +1,4 @@
-"""engine.malloc.tune_malloc: applied only at entry points, and only when the user set nothing."""
+"""entrypoints.malloc.tune_malloc: applied only at entry points, and only when the user set nothing."""
 
 import os
 import platform
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.malloc import tune_malloc
+from entrypoints.malloc import tune_malloc
 
 ROOT = Path(__file__).resolve().parents[1]
 glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
@@ -19,7 +19,7 @@ def _in_fresh_process(env_extra: dict) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     env.pop("ENGINECORE_MALLOC_TUNING", None)
     env.update(env_extra)
-    code = "from engine.malloc import tune_malloc; print(tune_malloc())"
+    code = "from entrypoints.malloc import tune_malloc; print(tune_malloc())"
     return subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
                           text=True, check=True, timeout=60).stdout.strip()
 
@@ -39,7 +39,7 @@ def test_user_settings_win(extra):
 
 def test_only_entry_points_call_it():
     """Process-wide settings are the entry point's business: the enginecore CLI."""
-    callers = sorted(str(p.relative_to(ROOT)) for pkg in ("engine", "ipc", "states", "bench")
+    callers = sorted(str(p.relative_to(ROOT)) for pkg in ("engine", "ipc", "states", "bench", "entrypoints")
                      for p in (ROOT / pkg).rglob("*.py")
                      if "tune_malloc(" in p.read_text() and p.name != "malloc.py")
-    assert callers == ["engine/cli.py"]
+    assert callers == ["entrypoints/cli.py"]

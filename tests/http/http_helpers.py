@@ -20,8 +20,8 @@ import httpx
 import openai
 
 from engine import AsyncEngine, EngineConfig
-from engine.http.app import create_app
-from engine.http.frontend import make_server, watch_engine
+from entrypoints.http.app import create_app
+from entrypoints.http.frontend import make_server, watch_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = EngineConfig(model="random:tiny-llama", device="cpu", num_kv_blocks=512,
@@ -131,7 +131,7 @@ class ServeProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.tmpdir = tempfile.mkdtemp(prefix="ec-http-")  # the IPC socket: gone even after SIGKILL
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        argv = [sys.executable, "-m", "engine.cli", "serve", "--model", model, "--device", "cpu",
+        argv = [sys.executable, "-m", "entrypoints.cli", "serve", "--model", model, "--device", "cpu",
                 "--listen", f"unix://{self.tmpdir}/engine.sock",
                 "--http", f"127.0.0.1:{self.port}", "--api-servers", str(api_servers),
                 "--drain-timeout", str(drain_timeout), "--parent-pid", str(os.getpid()),

@@ -262,12 +262,12 @@ def test_sync_client_and_cli_generate(engine):
         while (h := c.health()).running and time.monotonic() < deadline:
             time.sleep(0.02)
         assert h.running == 0 and h.ready
-    cli = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--connect",
+    cli = subprocess.run([sys.executable, "-m", "entrypoints.cli", "generate", "--connect",
                           engine.bound_address, "--token", TOKEN, "--max-tokens", "8", "hello"],
                          env=ENV, capture_output=True, timeout=120)
     assert cli.returncode == 0, cli.stderr.decode()
     assert cli.stdout.decode() == "hello" + total.text + "\n"
-    bad = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--connect",
+    bad = subprocess.run([sys.executable, "-m", "entrypoints.cli", "generate", "--connect",
                           engine.bound_address, "--token", "wrong", "hi"],
                          env=ENV, capture_output=True, timeout=120)
     assert bad.returncode == 2 and b"token" in bad.stderr

@@ -16,14 +16,14 @@ from engine.config import EngineConfig
 
 
 class ServeProcess:
-    """``python -m engine.cli serve`` with stderr captured to a file we can poll."""
+    """``python -m entrypoints.cli serve`` with stderr captured to a file we can poll."""
 
     def __init__(self, tmp: Path, config: Optional[EngineConfig] = None, *, args: tuple = (),
                  drain_timeout: float = 30.0, model: Optional[str] = None):
         self.sock = tmp / "engine.sock"
         self.address = f"unix://{self.sock}"
         self.log_path = tmp / "serve.log"
-        cmd = [sys.executable, "-m", "engine.cli", *(("-v",) if os.environ.get("SERVE_VERBOSE") else ()), "serve", "--listen", self.address,
+        cmd = [sys.executable, "-m", "entrypoints.cli", *(("-v",) if os.environ.get("SERVE_VERBOSE") else ()), "serve", "--listen", self.address,
                "--drain-timeout", str(drain_timeout), *args]
         if config is not None:
             cmd += ["--config-json", msgspec.json.encode(config).decode()]

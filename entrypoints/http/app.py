@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from states import State
 
-from ..errors import (BadRequestError, EngineDeadError, EngineDrainingError, EngineError,
+from engine.errors import (BadRequestError, EngineDeadError, EngineDrainingError, EngineError,
                       EngineShutdownError)
 from . import protocol as P
 from .metrics import Metrics, RequestTracker

@@ -7,7 +7,7 @@ Exit codes (also in the README):
   128+N  signal N arrived during startup: loading stopped, what was allocated was released
 
 With ``--http HOST:PORT [--api-servers N]`` the HTTP socket is bound before loading (2 if that
-fails), N frontend processes (engine/http/frontend.py) start once the engine serves, and this
+fails), N frontend processes (entrypoints/http/frontend.py) start once the engine serves, and this
 process exits after them; a frontend that fails while the engine serves stops the engine
 (drain) and makes the exit code 1.
 """
@@ -23,9 +23,11 @@ from typing import Optional
 
 import anyio
 
-from .async_engine import AsyncEngine
-from .errors import EngineError
+from engine.async_engine import AsyncEngine
+from engine.errors import EngineError
 from states import State
+
+from .args import config_from_args
 
 log = logging.getLogger("enginecore.serve")
 
@@ -136,8 +138,6 @@ async def run(config, *, listen: Optional[str], token: Optional[str], drain_time
 
 
 def serve_main(a) -> int:
-    from .cli import config_from_args
-
     try:
         config = config_from_args(a)
         config.validate()
@@ -156,7 +156,7 @@ def serve_main(a) -> int:
 def _serve_http(a, config) -> int:
     """``--http HOST:PORT [--api-servers N]``: the engine (IPC on a private socket unless
     ``--listen``) plus N HTTP frontend processes sharing one listening socket, bound here before
-    loading. They start once the engine serves and exit after it (engine/http/frontend.py); this
+    loading. They start once the engine serves and exit after it (entrypoints/http/frontend.py); this
     process exits after them."""
     import secrets
 

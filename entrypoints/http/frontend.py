@@ -1,11 +1,11 @@
-"""HTTP frontend processes: ``python -m engine.http.frontend`` and their supervisor.
+"""HTTP frontend processes: ``python -m entrypoints.http.frontend`` and their supervisor.
 
 ``enginecore serve --http HOST:PORT --api-servers N`` binds the HTTP socket once in the engine
 process (``SO_REUSEADDR``; before loading, so "address in use" is a startup error), and once the
 engine is SERVING starts N frontend processes (:class:`Frontends`, the ``on_serving`` hook of
-:func:`engine.serve.run`). Each inherits the listening socket (``pass_fds``) -- the kernel spreads
+:func:`entrypoints.serve.run`). Each inherits the listening socket (``pass_fds``) -- the kernel spreads
 connections over them -- connects to the engine's private IPC socket as an ``ipc.EngineClient``
-and serves the OpenAI-compatible app (:mod:`engine.http.app`) with uvicorn on that socket.
+and serves the OpenAI-compatible app (:mod:`entrypoints.http.app`) with uvicorn on that socket.
 
 The engine process owns the lifecycle; a frontend follows it:
 
@@ -68,7 +68,7 @@ def make_server(app, **kw: Any) -> Server:
 
 async def watch_engine(handle, server: Server, *, parent_pid: Optional[int] = None,
                        dead_grace: float = DEAD_GRACE, interval: float = 0.05) -> int:
-    """Follow the engine behind ``handle`` (an :class:`~engine.http.app.EngineHandle`); when it
+    """Follow the engine behind ``handle`` (an :class:`~entrypoints.http.app.EngineHandle`); when it
     has shut down or died, make ``server`` exit. Returns the frontend's exit code (0 or 3)."""
     engine = handle.engine
     while True:
@@ -120,7 +120,7 @@ async def serve_frontend(engine, sock: socket.socket, *, parent_pid: Optional[in
 async def _main(a: argparse.Namespace) -> int:
     from ipc.client import EngineClient
 
-    from ..errors import EngineError
+    from engine.errors import EngineError
 
     sock = socket.socket(fileno=a.fd)
     sock.setblocking(False)
@@ -138,7 +138,7 @@ async def _main(a: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine.http.frontend",
+    ap = argparse.ArgumentParser(prog="python -m entrypoints.http.frontend",
                                  description="One OpenAI-compatible HTTP frontend of an engine "
                                              "process (started by `enginecore serve --http`).")
     ap.add_argument("--connect", required=True, help="the engine's IPC address")
@@ -233,7 +233,7 @@ class Frontends:
         env = _frontend_env(self.token)
         try:
             for i in range(self.n):
-                argv = [sys.executable, "-m", "engine.http.frontend", "--connect", bound,
+                argv = [sys.executable, "-m", "entrypoints.http.frontend", "--connect", bound,
                         "--fd", str(fd), "--parent-pid", str(os.getpid()), "--index", str(i)]
                 if self.verbose:
                     argv.append("-v")

@@ -1,10 +1,10 @@
 """OpenAI-compatible HTTP frontends of the engine (FastAPI + uvicorn).
 
-* :mod:`engine.http.app`: the ASGI app over an engine-like object (``AsyncEngine`` in process,
+* :mod:`entrypoints.http.app`: the ASGI app over an engine-like object (``AsyncEngine`` in process,
   ``ipc.EngineClient`` in a frontend process);
-* :mod:`engine.http.frontend`: the frontend process (``enginecore serve --http``) and the engine
+* :mod:`entrypoints.http.frontend`: the frontend process (``enginecore serve --http``) and the engine
   process's supervisor of its frontends;
-* :mod:`engine.http.protocol`, :mod:`engine.http.metrics`: request/response bodies, Prometheus.
+* :mod:`entrypoints.http.protocol`, :mod:`entrypoints.http.metrics`: request/response bodies, Prometheus.
 """
 
 

@@ -12,36 +12,9 @@ import sys
 
 import anyio
 
-from .config import EngineConfig
-from .params import SamplingParams
+from engine.params import SamplingParams
 
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default",
-                   help='"default" (embedded SmolLM2-135M), a HF checkpoint dir, a .gguf, or random:<preset>')
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--kv-cache-bytes", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--speculator", choices=["none", "ngram", "draft"], default="none")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--draft-model", default=None)
-    p.add_argument("--config-json", default=None, help="a whole EngineConfig as JSON (overrides the flags)")
-
-
-def config_from_args(a: argparse.Namespace) -> EngineConfig:
-    import msgspec
-
-    if a.config_json:
-        return msgspec.json.decode(a.config_json, type=EngineConfig)
-    return EngineConfig(
-        model=a.model, device=a.device, dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
-        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-        max_model_len=a.max_model_len, speculator=a.speculator,
-        num_speculative_tokens=a.num_speculative_tokens, draft_model=a.draft_model,
-    )
+from .args import add_model_args, config_from_args
 
 
 def _sampling_from_args(a: argparse.Namespace) -> SamplingParams:
@@ -71,7 +44,7 @@ async def _generate(a: argparse.Namespace) -> int:
             print(f"enginecore: cannot connect to {a.connect}: {exc}", file=sys.stderr)
             return 2
     else:
-        from .async_engine import AsyncEngine
+        from engine.async_engine import AsyncEngine
 
         async with AsyncEngine.open(config_from_args(a)) as eng:
             prompt = a.prompt
@@ -92,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     g = sub.add_parser("generate", help="stream one completion")
     g.add_argument("prompt")
-    _add_model_args(g)
+    add_model_args(g)
     g.add_argument("--connect", default=None, help="unix:///path or tcp://host:port of a running engine")
     g.add_argument("--token", default=None)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -104,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append")
 
     s = sub.add_parser("serve", help="run an engine process (IPC, optionally HTTP frontends)")
-    _add_model_args(s)
+    add_model_args(s)
     s.add_argument("--listen", default=None, help="unix:///path (default) or tcp://127.0.0.1:PORT")
     s.add_argument("--token", default=None, help="shared secret clients must present")
     s.add_argument("--drain-timeout", type=float, default=30.0)
@@ -117,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("transitions").setLevel(logging.WARNING)
-    from .errors import EngineError
+    from engine.errors import EngineError
     from .malloc import tune_malloc
 
     tune_malloc()  # this is the process's entry point: process-wide settings belong here

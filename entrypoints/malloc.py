@@ -1,5 +1,5 @@
 """glibc malloc setting for the ``enginecore`` process. Process-wide, so only its entry point
-(engine/cli.py) calls :func:`tune_malloc`, never the library.
+(entrypoints/cli.py) calls :func:`tune_malloc`, never the library.
 
 NOTE: written by hand because no library does it: one ``mallopt(M_TOP_PAD)`` call through ctypes.
 Why: each step allocates and frees large temporaries (logits, a prefill chunk's activations) on

@@ -16,8 +16,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import BadRequestError
-from ..params import SamplingParams
+from engine.errors import BadRequestError
+from engine.params import SamplingParams
 
 
 class RequestError(BadRequestError):

@@ -1,0 +1,5 @@
+"""The process entry points, above every library layer: the ``enginecore`` CLI, ``serve`` (the
+only code that installs signal handlers), and the OpenAI-compatible HTTP frontends.
+
+Layers read top-down: ``states`` <- ``engine`` <- ``ipc`` <- ``entrypoints``.
+"""
