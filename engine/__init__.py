@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "AsyncEngine": ".async_engine",
     "EngineStats": ".async_engine",
-    "Health": ".async_engine",
+    "Health": ".interface",
+    "Engine": ".interface",
     "RequestStream": ".async_engine",
     "EngineConfig": ".config",
     "BadRequestError": ".errors",
@@ -28,7 +29,8 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from .async_engine import AsyncEngine, EngineStats, Health, RequestStream
+    from .async_engine import AsyncEngine, EngineStats, RequestStream
+    from .interface import Engine, Health
     from .config import EngineConfig
     from .errors import (BadRequestError, CheckpointError, EngineDeadError, EngineDrainingError,
                          EngineError, EngineShutdownError, InvalidTransitionError)
@@ -47,6 +49,8 @@ def __getattr__(name: str) -> Any:
         from . import config as mod
     elif module == ".errors":
         from . import errors as mod
+    elif module == ".interface":
+        from . import interface as mod
     elif module == ".params":
         from . import params as mod
     else:
@@ -61,7 +65,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutput", "RequestStream", "Health",
+    "AsyncEngine", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "RequestStream", "Health",
     "EngineStats", "ModelRunner", "EngineError", "BadRequestError", "CheckpointError",
     "EngineDeadError", "EngineDrainingError", "EngineShutdownError", "InvalidTransitionError",
 ]

@@ -21,15 +21,14 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable, NamedTuple, Optional, Union
 
 import anyio
-import msgspec
 from anyio import to_thread
 
 from states import Lifecycle, State
 
 from .config import EngineConfig
 from .core import EngineCore
-from .errors import (BadRequestError, EngineDeadError, EngineDrainingError, EngineShutdownError,
-                     InvalidTransitionError)
+from .errors import BadRequestError, EngineDeadError, EngineShutdownError
+from .interface import Health, unavailable_error
 from .params import RequestOutput, SamplingParams
 from .request_stream import RequestStream, Sink
 from .runner import ModelRunner
@@ -37,15 +36,6 @@ from .runner import ModelRunner
 log = logging.getLogger("enginecore.engine")
 
 _MAX_ID = 256
-
-
-class Health(msgspec.Struct, kw_only=True):
-    state: str
-    live: bool
-    ready: bool
-    running: int
-    waiting: int
-    kv_usage: float
 
 
 class EngineStats(NamedTuple):
@@ -228,6 +218,36 @@ class AsyncEngine:
     def tokenizer(self):
         return self.runner.tokenizer
 
+    @property
+    def model(self) -> str:
+        """The model's name as the configuration gave it."""
+        return self.config.model
+
+    @property
+    def max_model_len(self) -> int:
+        """The context limit (0 until loaded)."""
+        return self.runner.max_model_len if self.lifecycle.state is not State.INIT else 0
+
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """Why the engine failed (None unless it did)."""
+        return self._death
+
+    @property
+    def exit_code(self) -> Optional[int]:
+        """None while the engine runs; once stopped, 0 after a clean shutdown, 1 after a failure
+        (the process exit codes of ``enginecore serve``)."""
+        if not self._stopped.is_set():
+            return None
+        return 1 if self._death is not None else 0
+
+    async def apply_chat_template(self, messages: list[dict],
+                                  add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` with the model's chat template (on a worker thread: a large
+        conversation must not stall the event loop)."""
+        return await to_thread.run_sync(self.runner.tokenizer.apply_chat_template, messages,
+                                        add_generation_prompt)
+
     def on_state_change(self, listener: Callable[[State, State], None]) -> None:
         self._listeners.append(listener)
 
@@ -235,10 +255,13 @@ class AsyncEngine:
         for listener in list(self._listeners):
             listener(old, new)
 
-    def health(self) -> Health:
+    async def health(self) -> Health:
+        return self.health_nowait()
+
+    def health_nowait(self) -> Health:
         st = self.lifecycle.state
         core = self.core if st in (State.SERVING, State.DRAINING) else None
-        return Health(state=st.value, live=self.lifecycle.live, ready=st is State.SERVING,
+        return Health(state=st, live=self.lifecycle.live, ready=st is State.SERVING,
                       running=core.num_running if core else 0,
                       waiting=(core.num_waiting if core else 0) + sum(1 for m in self._inbox if m[0] == "add"),
                       kv_usage=core.kv_usage if core else 0.0)
@@ -246,7 +269,7 @@ class AsyncEngine:
     def statistics(self) -> EngineStats:
         core = self.core
         cs = core.statistics() if core else None
-        h = self.health()
+        h = self.health_nowait()
         return EngineStats(
             self.lifecycle.state, cs.steps if cs else 0, cs.prompt_tokens if cs else 0,
             cs.generation_tokens if cs else 0, cs.finished if cs else {}, cs.preemptions if cs else 0,
@@ -258,14 +281,7 @@ class AsyncEngine:
             self._raise_unavailable("generate")
 
     def _raise_unavailable(self, call: str):
-        st = self.lifecycle.state
-        if self._death is not None or st is State.FAILED:
-            raise EngineDeadError("engine is dead", self._death)
-        if st is State.DRAINING:
-            raise EngineDrainingError()
-        if st is State.SHUTDOWN:
-            raise EngineShutdownError(f"engine is shut down; {call}() is not possible")
-        raise InvalidTransitionError(st, call, ["serving"])
+        raise unavailable_error(self.lifecycle.state, call, self._death)
 
     def _closed_error(self) -> Exception:
         if self._death is not None:

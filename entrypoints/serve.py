@@ -134,7 +134,7 @@ async def run(config, *, listen: Optional[str], token: Optional[str], drain_time
             return EXIT_STARTUP
         await engine.wait_stopped()
         tg.cancel_scope.cancel()
-    return EXIT_FAILED if engine._death is not None else EXIT_OK
+    return EXIT_FAILED if engine.failure is not None else EXIT_OK
 
 
 def serve_main(a) -> int:

@@ -116,6 +116,7 @@ from engine.errors import (
     EngineError,
     EngineShutdownError,
 )
+from engine.interface import Health
 from engine.params import RequestOutput, SamplingParams
 from states import InvalidTransitionError, State
 
@@ -253,18 +254,6 @@ class Outputs(_Message, tag="Outputs"):
     """All of one connection's output pieces from one engine step."""
 
     outputs: list[RequestOutput]
-
-
-class Health(_Message, tag="Health"):
-    """A snapshot of the engine's health (answer to :class:`HealthRequest`)."""
-
-    state: State
-    live: bool
-    ready: bool
-    running: Count = 0
-    waiting: Count = 0
-    kv_usage: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
-    call_id: Optional[CallId] = None
 
 
 class Error(_Message, tag="Error"):

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 from typing import Any, Optional
 
 import anyio
+import msgspec
 from anyio.abc import ByteStream, TaskStatus
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -308,7 +308,7 @@ class IPCServer:
             if msg.call_id is not None:
                 conn.push(Ack(call_id=msg.call_id, request_id=msg.request_id))
         elif t is HealthRequest:
-            conn.push(self._health(msg.call_id))
+            conn.push(msgspec.structs.replace(await self.engine.health(), call_id=msg.call_id))
         elif t is Drain:
             self._call(conn, msg.call_id, self.engine.drain, msg.timeout)
         elif t is Shutdown:
@@ -352,15 +352,6 @@ class IPCServer:
 
         assert self._tg is not None  # pragma: no cover
         self._tg.start_soon(forward)  # pragma: no cover
-
-    def _health(self, call_id: Optional[int]) -> Health:
-        h = self.engine.health()
-        state = h.state if isinstance(h.state, State) else State(h.state)
-        kv = float(h.kv_usage)
-        return Health(state=state, live=bool(h.live), ready=bool(h.ready), running=int(h.running),
-                      waiting=int(h.waiting),
-                      kv_usage=min(1.0, max(0.0, kv)) if math.isfinite(kv) else 0.0,
-                      call_id=call_id)
 
     def _call(self, conn: Connection, call_id: Optional[int], fn, *args: Any) -> None:
         """Run a long engine call (drain/shutdown) without blocking the connection's reader."""

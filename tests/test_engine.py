@@ -86,10 +86,10 @@ async def test_drain_finishes_inflight_and_rejects_new() -> None:
             for p in prompts(16):
                 tg.start_soon(one, p)
             await anyio.sleep(0.05)
-            assert eng.health().running + eng.health().waiting == 16
+            assert eng.health_nowait().running + eng.health_nowait().waiting == 16
             tg.start_soon(eng.drain, 60)
             await anyio.sleep(0)
-            assert eng.state is State.DRAINING and not eng.health().ready and eng.health().live
+            assert eng.state is State.DRAINING and not eng.health_nowait().ready and eng.health_nowait().live
             for p in prompts(16):
                 with anyio.fail_after(0.5):  # at once, never hanging
                     with pytest.raises(EngineDrainingError) as ei:
@@ -230,4 +230,4 @@ async def test_calls_checked_against_state() -> None:
         eng.generate([1], SamplingParams())
     with pytest.raises(InvalidTransitionError):
         await eng.drain(0)
-    assert eng.health().live and not eng.health().ready
+    assert eng.health_nowait().live and not eng.health_nowait().ready

@@ -129,13 +129,13 @@ async def test_invalid_requests_get_openai_errors():
                              json={"messages": [{"role": "wizard", "content": "x"}]})
             assert r.status_code == 400 and r.json()["error"]["param"] == "messages.[0].role"
         await oc.close()
-        assert s.engine.health().running == 0
+        assert s.engine.health_nowait().running == 0
 
 
 async def wait_idle(engine, timeout: float = 20.0) -> None:
     with anyio.fail_after(timeout):
         while True:
-            h = engine.health()
+            h = engine.health_nowait()
             if h.running == 0 and h.waiting == 0:
                 return
             await anyio.sleep(0.02)
@@ -162,7 +162,7 @@ async def test_client_disconnect_aborts_the_request():
 
                 tg.start_soon(post)
                 with anyio.fail_after(20):
-                    while s.engine.health().running == 0:
+                    while s.engine.health_nowait().running == 0:
                         await anyio.sleep(0.01)
                 tg.cancel_scope.cancel()
             await wait_idle(s.engine)

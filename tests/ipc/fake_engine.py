@@ -15,21 +15,12 @@ from types import SimpleNamespace
 from typing import Callable, Optional
 
 import anyio
-import msgspec
 
 from engine.errors import (BadRequestError, EngineDeadError, EngineDrainingError,
                            EngineShutdownError)
+from engine.interface import Health
 from engine.params import RequestOutput, SamplingParams
 from states import InvalidTransitionError, Lifecycle, State
-
-
-class FakeHealth(msgspec.Struct, kw_only=True):
-    state: str
-    live: bool
-    ready: bool
-    running: int
-    waiting: int
-    kv_usage: float
 
 
 class FakeEngine:
@@ -85,10 +76,10 @@ class FakeEngine:
             req[0](RequestOutput(request_id=request_id, finished=True, finish_reason="abort",
                                  reason=reason, num_prompt_tokens=req[3], num_output_tokens=req[2]))
 
-    def health(self) -> FakeHealth:
+    async def health(self) -> Health:
         st = self.state
-        return FakeHealth(state=st.value, live=self.lifecycle.live, ready=st is State.SERVING,
-                          running=len(self.requests), waiting=0, kv_usage=len(self.requests) / 100)
+        return Health(state=st, live=self.lifecycle.live, ready=st is State.SERVING,
+                          running=len(self.requests), waiting=0, kv_usage=min(1.0, len(self.requests) / 100))
 
     async def drain(self, timeout: Optional[float] = None, reason: str = "drain timeout") -> None:
         st = self.state

@@ -1,0 +1,106 @@
+"""``Engine``: the one interface every engine satisfies -- the in-process :class:`AsyncEngine`,
+the IPC client (``ipc.EngineClient``) and the tests' fake -- so that frontends and the IPC server
+take an ``Engine`` and probe nothing.
+
+Also here, because every layer above needs them and they must not drift apart:
+
+* :class:`Health`, the one health snapshot type. It is the wire's ``Health`` message itself
+  (``ipc.messages`` puts it in its tagged union), so an engine's answer crosses the socket as is.
+* :func:`unavailable_error`, the one function that turns (state, death) into the error a caller
+  gets when the engine cannot take a call.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, AsyncIterator, Callable, Optional, Protocol, Union, runtime_checkable
+
+import msgspec
+from msgspec import Meta
+
+from states import InvalidTransitionError, State
+
+from .errors import EngineDeadError, EngineDrainingError, EngineShutdownError
+from .params import RequestOutput, SamplingParams
+
+Prompt = Union[str, list[int]]
+_Count = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+
+
+class Health(msgspec.Struct, tag_field="t", tag="Health", forbid_unknown_fields=True,
+             omit_defaults=True, kw_only=True, gc=False):
+    """A snapshot of the engine's health. ``live``: not dead (also while draining); ``ready``:
+    accepting requests (SERVING only). ``call_id`` only correlates the wire's answer."""
+
+    state: State
+    live: bool
+    ready: bool
+    running: _Count = 0
+    waiting: _Count = 0
+    kv_usage: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    call_id: Optional[_Count] = None
+
+
+def unavailable_error(state: State, call: str, death: Optional[BaseException] = None,
+                      message: Optional[str] = None) -> Exception:
+    """The error for ``call`` on an engine in ``state`` that cannot take it (``death``: why it
+    failed, if it did). Draining is retryable; shut down and dead are final."""
+    if death is not None or state is State.FAILED:
+        return EngineDeadError(message or "engine is dead", death)
+    if state is State.DRAINING:
+        return EngineDrainingError()
+    if state is State.SHUTDOWN:
+        return EngineShutdownError(f"engine is shut down; {call}() is not possible")
+    return InvalidTransitionError(state, call, ["serving"])
+
+
+@runtime_checkable
+class RequestStreamLike(Protocol):
+    """What ``generate`` returns: one request's outputs. Leaving it early aborts the request."""
+
+    request_id: str
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    async def __anext__(self) -> RequestOutput: ...
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The engine's surface, in process and over the wire.
+
+    ``generate`` submits at once and raises what it can tell at once (bad input, not serving);
+    the stream raises what the engine refuses later, at the latest on its first ``__anext__``.
+    Every accepted request gets exactly one terminal output or an error.
+    """
+
+    @property
+    def state(self) -> State: ...
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                 request_id: Optional[str] = None) -> RequestStreamLike: ...
+
+    async def abort(self, request_id: str, reason: str = "aborted by client") -> None: ...
+
+    async def health(self) -> Health: ...
+
+    async def drain(self, timeout: Optional[float] = None) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+    async def apply_chat_template(self, messages: list[dict],
+                                  add_generation_prompt: bool = True) -> str: ...
+
+    def on_state_change(self, listener: Callable[[State, State], None]) -> None: ...
+
+    async def wait_stopped(self) -> None: ...
+
+
+__all__ = ["Engine", "Health", "Prompt", "RequestStreamLike", "unavailable_error"]
