@@ -28,6 +28,17 @@ class EngineDrainingError(EngineError):
         self.retry_after = retry_after
 
 
+class EngineOverloadedError(EngineError):
+    """The engine's admission limits are reached (waiting requests or queued prompt tokens).
+    Nothing was queued; retry later or on another replica."""
+
+    retryable = True
+
+    def __init__(self, message: str = "engine is overloaded; retry later", retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class EngineShutdownError(EngineError):
     """The engine has shut down; nothing can be submitted or queried that needs the device."""
 
@@ -52,6 +63,6 @@ class CheckpointError(EngineError):
 
 
 __all__ = [
-    "EngineError", "BadRequestError", "EngineDrainingError", "EngineShutdownError",
+    "EngineError", "BadRequestError", "EngineDrainingError", "EngineOverloadedError", "EngineShutdownError",
     "EngineDeadError", "CheckpointError", "InvalidTransitionError",
 ]

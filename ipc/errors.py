@@ -6,7 +6,12 @@ also catches a broken connection. ``ipc.messages.ErrorKind`` maps each class to 
 
 from __future__ import annotations
 
-from engine.errors import EngineError
+import enum
+from typing import NamedTuple, Optional
+
+from engine.errors import (BadRequestError, EngineDeadError, EngineDrainingError, EngineError,
+                           EngineOverloadedError, EngineShutdownError)
+from states import InvalidTransitionError
 
 
 class IPCError(EngineError):
@@ -46,7 +51,76 @@ class RemoteError(IPCError):
     """An unexpected error inside the engine process (``ErrorKind.INTERNAL``)."""
 
 
+class ErrorKind(enum.IntEnum):
+    """What went wrong; travels as its integer value (see ``ipc.messages.Error``)."""
+
+    BAD_REQUEST = 1         # invalid params/prompt/request id
+    DRAINING = 2            # not accepting new requests; retry_after
+    SHUTDOWN = 3            # the engine has shut down
+    DEAD = 4                # the engine failed
+    INVALID_TRANSITION = 5  # e.g. Drain while already shut down
+    PROTOCOL = 6            # undecodable/invalid/unexpected frame
+    AUTH = 7                # missing or wrong token
+    VERSION = 8             # protocol version mismatch
+    TOO_LARGE = 9           # frame length header above max_frame
+    INTERNAL = 10           # unexpected error in the engine process
+    OVERLOADED = 11         # admission limits reached; retry_after
+
+
+class ErrorSpec(NamedTuple):
+    """How one exception class travels and is answered: its wire kind, and the HTTP status,
+    OpenAI error ``type`` and ``code`` a frontend answers it with."""
+
+    exc: type
+    kind: ErrorKind
+    http_status: int
+    openai_type: str
+    openai_code: Optional[str]
+
+    @property
+    def retryable(self) -> bool:
+        return self.kind in (ErrorKind.DRAINING, ErrorKind.OVERLOADED)
+
+
+#: The one table every mapper reads (wire <-> exception, exception -> HTTP). Order matters:
+#: subclasses before their bases; the first row of a kind is the class a client raises for it.
+ERROR_TABLE: tuple[ErrorSpec, ...] = (
+    ErrorSpec(FrameTooLargeError, ErrorKind.TOO_LARGE, 413, "invalid_request_error", "request_too_large"),
+    ErrorSpec(ProtocolError, ErrorKind.PROTOCOL, 400, "invalid_request_error", "protocol_error"),
+    ErrorSpec(AuthError, ErrorKind.AUTH, 401, "authentication_error", "invalid_api_key"),
+    ErrorSpec(VersionError, ErrorKind.VERSION, 400, "invalid_request_error", "version_mismatch"),
+    ErrorSpec(EngineOverloadedError, ErrorKind.OVERLOADED, 429, "rate_limit_error", "engine_overloaded"),
+    ErrorSpec(EngineDrainingError, ErrorKind.DRAINING, 503, "service_unavailable", "engine_draining"),
+    ErrorSpec(EngineShutdownError, ErrorKind.SHUTDOWN, 503, "service_unavailable", "engine_shutdown"),
+    ErrorSpec(EngineDeadError, ErrorKind.DEAD, 503, "service_unavailable", "engine_dead"),
+    ErrorSpec(ConnectionClosed, ErrorKind.DEAD, 503, "service_unavailable", "engine_dead"),
+    ErrorSpec(BadRequestError, ErrorKind.BAD_REQUEST, 400, "invalid_request_error", None),
+    ErrorSpec(InvalidTransitionError, ErrorKind.INVALID_TRANSITION, 409, "invalid_request_error",
+              "invalid_state"),
+    ErrorSpec(RemoteError, ErrorKind.INTERNAL, 500, "server_error", "internal_error"),
+    ErrorSpec(BaseException, ErrorKind.INTERNAL, 500, "server_error", "internal_error"),
+)
+_BY_KIND = {}
+for _spec in ERROR_TABLE:
+    _BY_KIND.setdefault(_spec.kind, _spec)
+del _spec
+
+
+def spec_of(exc: BaseException) -> ErrorSpec:
+    """The table's row for ``exc`` (its most specific class)."""
+    for spec in ERROR_TABLE:
+        if isinstance(exc, spec.exc):
+            return spec
+    raise AssertionError("unreachable: the table ends with BaseException")  # pragma: no cover
+
+
+def spec_of_kind(kind: ErrorKind) -> ErrorSpec:
+    """The table's first row of ``kind``: the class a client raises for it."""
+    return _BY_KIND[kind]
+
+
 __all__ = [
+    "ErrorKind", "ErrorSpec", "ERROR_TABLE", "spec_of", "spec_of_kind",
     "IPCError", "ProtocolError", "FrameTooLargeError", "ConnectionClosed", "AuthError",
     "VersionError", "RemoteError",
 ]

@@ -103,31 +103,17 @@ connection's unfinished requests. A client that stops reading for too long is di
 
 from __future__ import annotations
 
-import enum
 from typing import Annotated, Optional, Union
 
 import msgspec
 from msgspec import Meta
 
-from engine.errors import (
-    BadRequestError,
-    EngineDeadError,
-    EngineDrainingError,
-    EngineError,
-    EngineShutdownError,
-)
+from engine.errors import EngineDrainingError, EngineError, EngineOverloadedError
 from engine.interface import Health
 from engine.params import RequestOutput, SamplingParams
 from states import InvalidTransitionError, State
 
-from .errors import (
-    AuthError,
-    ConnectionClosed,
-    FrameTooLargeError,
-    ProtocolError,
-    RemoteError,
-    VersionError,
-)
+from .errors import ErrorKind, FrameTooLargeError, spec_of, spec_of_kind
 
 #: Bumped on any incompatible change of the messages below.
 PROTOCOL_VERSION = 1
@@ -154,21 +140,6 @@ Prompt = Union[
     Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)],
     Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKENS)],
 ]
-
-
-class ErrorKind(enum.IntEnum):
-    """What went wrong; travels as its integer value."""
-
-    BAD_REQUEST = 1         # invalid params/prompt/request id          -> BadRequestError
-    DRAINING = 2            # not accepting new requests; retry_after    -> EngineDrainingError
-    SHUTDOWN = 3            # the engine has shut down                   -> EngineShutdownError
-    DEAD = 4                # the engine failed                          -> EngineDeadError
-    INVALID_TRANSITION = 5  # e.g. Drain while already shut down         -> InvalidTransitionError
-    PROTOCOL = 6            # undecodable/invalid/unexpected frame       -> ProtocolError
-    AUTH = 7                # missing or wrong token                     -> AuthError
-    VERSION = 8             # protocol version mismatch                  -> VersionError
-    TOO_LARGE = 9           # frame length header above max_frame        -> FrameTooLargeError
-    INTERNAL = 10           # unexpected error in the engine process     -> RemoteError
 
 
 class _Message(
@@ -309,29 +280,6 @@ def _clip(text: str) -> str:
     return text if len(text) <= MAX_ERROR_MESSAGE_LEN else text[: MAX_ERROR_MESSAGE_LEN - 3] + "..."
 
 
-def _kind_of(exc: BaseException) -> ErrorKind:
-    # Order matters: subclasses before their bases.
-    if isinstance(exc, FrameTooLargeError):
-        return ErrorKind.TOO_LARGE
-    if isinstance(exc, ProtocolError):
-        return ErrorKind.PROTOCOL
-    if isinstance(exc, AuthError):
-        return ErrorKind.AUTH
-    if isinstance(exc, VersionError):
-        return ErrorKind.VERSION
-    if isinstance(exc, EngineDrainingError):
-        return ErrorKind.DRAINING
-    if isinstance(exc, EngineShutdownError):
-        return ErrorKind.SHUTDOWN
-    if isinstance(exc, (EngineDeadError, ConnectionClosed)):
-        return ErrorKind.DEAD
-    if isinstance(exc, BadRequestError):
-        return ErrorKind.BAD_REQUEST
-    if isinstance(exc, InvalidTransitionError):
-        return ErrorKind.INVALID_TRANSITION
-    return ErrorKind.INTERNAL
-
-
 def error_to_message(
     exc: BaseException,
     *,
@@ -340,7 +288,8 @@ def error_to_message(
     fatal: bool | None = None,
 ) -> Error:
     """The :class:`Error` frame for ``exc`` (``fatal`` defaults to the kind's :data:`FATAL_KINDS`)."""
-    kind = _kind_of(exc)
+    spec = spec_of(exc)
+    kind = spec.kind
     if kind is ErrorKind.INTERNAL and not isinstance(exc, (EngineError,)):
         text = f"{type(exc).__name__}: {exc}"
     else:
@@ -352,7 +301,7 @@ def error_to_message(
         call_id=call_id,
         fatal=(kind in FATAL_KINDS) if fatal is None else fatal,
     )
-    if kind is ErrorKind.DRAINING:
+    if spec.retryable:
         msg.retry_after = max(0.0, float(getattr(exc, "retry_after", 1.0)))
     elif kind is ErrorKind.INVALID_TRANSITION:
         state = getattr(exc, "state", None)
@@ -372,14 +321,10 @@ def message_to_error(msg: Error) -> Exception:
     """
     kind = msg.kind
     exc: Exception
-    if kind is ErrorKind.BAD_REQUEST:
-        exc = BadRequestError(msg.message)
-    elif kind is ErrorKind.DRAINING:
+    if kind is ErrorKind.DRAINING:
         exc = EngineDrainingError(msg.message, retry_after=1.0 if msg.retry_after is None else msg.retry_after)
-    elif kind is ErrorKind.SHUTDOWN:
-        exc = EngineShutdownError(msg.message)
-    elif kind is ErrorKind.DEAD:
-        exc = EngineDeadError(msg.message)
+    elif kind is ErrorKind.OVERLOADED:
+        exc = EngineOverloadedError(msg.message, retry_after=1.0 if msg.retry_after is None else msg.retry_after)
     elif kind is ErrorKind.INVALID_TRANSITION:
         if msg.state is not None and msg.trigger is not None:
             exc = InvalidTransitionError(msg.state, msg.trigger, msg.allowed or [])
@@ -389,16 +334,10 @@ def message_to_error(msg: Error) -> Exception:
             exc.state = msg.state  # type: ignore[assignment]
             exc.trigger = msg.trigger or ""
             exc.allowed = list(msg.allowed or [])
-    elif kind is ErrorKind.PROTOCOL:
-        exc = ProtocolError(msg.message)
     elif kind is ErrorKind.TOO_LARGE:
         exc = FrameTooLargeError(message=msg.message)
-    elif kind is ErrorKind.AUTH:
-        exc = AuthError(msg.message)
-    elif kind is ErrorKind.VERSION:
-        exc = VersionError(msg.message)
     else:
-        exc = RemoteError(msg.message)
+        exc = spec_of_kind(kind).exc(msg.message)
     exc.request_id = msg.request_id  # type: ignore[attr-defined]
     exc.call_id = msg.call_id  # type: ignore[attr-defined]
     exc.fatal = msg.fatal  # type: ignore[attr-defined]

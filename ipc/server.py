@@ -47,7 +47,6 @@ from .messages import (
     Error,
     ErrorKind,
     Generate,
-    Health,
     HealthRequest,
     Hello,
     Shutdown,

@@ -38,8 +38,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from states import State
 
-from engine.errors import (BadRequestError, EngineDeadError, EngineDrainingError, EngineError,
-                      EngineShutdownError)
+from engine.errors import BadRequestError, EngineDeadError, EngineError, EngineShutdownError
+from ipc.errors import ErrorKind, spec_of
 from . import protocol as P
 from .metrics import Metrics, RequestTracker
 
@@ -139,47 +139,35 @@ def _error(status: int, message: str, type: str, param=None, code=None, headers=
 
 
 def error_response(exc: BaseException, metrics: Optional[Metrics] = None) -> JSONResponse:
-    """The HTTP answer for an error raised before a response started."""
-    def count(reason: str) -> None:
-        if metrics is not None:
-            metrics.rejected.labels(reason).inc()
-
+    """The HTTP answer for an error raised before a response started (ipc.errors.ERROR_TABLE
+    gives each exception its status, OpenAI type and code)."""
     if isinstance(exc, P.RequestError):
-        count("bad_request")
+        if metrics is not None:
+            metrics.rejected.labels("bad_request").inc()
         return _error(exc.status, str(exc), "invalid_request_error", exc.param, exc.code)
-    if isinstance(exc, BadRequestError):
-        count("bad_request")
-        return _error(400, str(exc), "invalid_request_error")
-    if isinstance(exc, EngineDrainingError):
-        count("draining")
+    spec = spec_of(exc)
+    if metrics is not None:
+        metrics.rejected.labels(_REJECTED_REASON.get(spec.kind, "unavailable")).inc()
+    headers = None
+    if spec.retryable or spec.kind is ErrorKind.SHUTDOWN:
         retry = max(1, math.ceil(getattr(exc, "retry_after", 1.0) or 1.0))
-        return _error(503, str(exc), "service_unavailable", None, "engine_draining",
-                      headers={"Retry-After": str(retry)})
-    if isinstance(exc, EngineShutdownError):
-        count("unavailable")
-        return _error(503, str(exc), "service_unavailable", None, "engine_shutdown",
-                      headers={"Retry-After": "1"})
-    if isinstance(exc, (EngineDeadError, ConnectionError)):
-        count("unavailable")
-        return _error(503, str(exc), "service_unavailable", None, "engine_dead")
-    if isinstance(exc, EngineError):  # e.g. a RemoteError: a bug on the other side
-        count("unavailable")
-        return _error(500, str(exc), "server_error", None, "internal_error")
-    log.exception("unexpected error", exc_info=exc)
-    count("unavailable")
-    return _error(500, f"{type(exc).__name__}: {exc}", "server_error", None, "internal_error")
+        headers = {"Retry-After": str(retry)}
+    if spec.kind is ErrorKind.INTERNAL:
+        log.error("unexpected error: %r", exc)
+        text = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
+    else:
+        text = str(exc)
+    return _error(spec.http_status, text, spec.openai_type, None, spec.openai_code, headers=headers)
+
+
+_REJECTED_REASON = {ErrorKind.BAD_REQUEST: "bad_request", ErrorKind.DRAINING: "draining",
+                    ErrorKind.OVERLOADED: "overloaded"}
 
 
 def _stream_error(exc: BaseException) -> dict:
-    if isinstance(exc, EngineDrainingError):
-        code = "engine_draining"
-    elif isinstance(exc, EngineShutdownError):
-        code = "engine_shutdown"
-    elif isinstance(exc, (EngineDeadError, ConnectionError)):
-        code = "engine_dead"
-    else:
-        code = "internal_error"
-    return P.error_body(str(exc) or type(exc).__name__, "server_error", None, code)
+    spec = spec_of(exc)
+    return P.error_body(str(exc) or type(exc).__name__, "server_error", None,
+                        spec.openai_code or "internal_error")
 
 
 _TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict", "none", "function-", "literal[")

@@ -54,7 +54,7 @@ class Metrics:
                           states=list(STATES), registry=r)
         for reason in FINISH_REASONS:  # expose zeros from the start
             self.requests.labels(reason)
-        for reason in ("bad_request", "draining", "unavailable"):
+        for reason in ("bad_request", "draining", "overloaded", "unavailable"):
             self.rejected.labels(reason)
 
     def set_health(self, h) -> None:
