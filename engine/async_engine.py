@@ -26,6 +26,7 @@ from anyio import to_thread
 from states import Lifecycle, State
 
 from .config import EngineConfig
+from .admission import Admission
 from .core import EngineCore
 from .errors import BadRequestError, EngineDeadError, EngineShutdownError
 from .interface import Health, unavailable_error
@@ -35,7 +36,19 @@ from .runner import ModelRunner
 
 log = logging.getLogger("enginecore.engine")
 
-_MAX_ID = 256
+
+
+class _Add(NamedTuple):
+    """Inbox: add an accepted request (its prompt tokenized) to the core."""
+    request_id: str
+    ids: list[int]
+    params: SamplingParams
+
+
+class _Abort(NamedTuple):
+    """Inbox: abort a request."""
+    request_id: str
+    reason: str
 
 
 class EngineStats(NamedTuple):
@@ -61,7 +74,12 @@ class AsyncEngine:
         self.core: Optional[EngineCore] = None
         self._check_integrity = check_integrity
         self._sinks: dict[str, Sink] = {}
-        self._inbox: deque = deque()  # ("add", ...) / ("abort", id, reason)
+        self._inbox: deque[Union[_Add, _Abort]] = deque()
+        self.admission = Admission(self.runner, max_waiting_requests=config.max_waiting_requests,
+                                   max_queued_tokens=config.max_queued_tokens)
+        self._tg: Optional[anyio.abc.TaskGroup] = None
+        #: accepted requests whose long prompt is tokenized on a worker thread -> abort reason
+        self._tokenizing: dict[str, Optional[str]] = {}
         self._wakeup = anyio.Event()
         self._stopped = anyio.Event()
         self._limiter = anyio.CapacityLimiter(1)
@@ -105,6 +123,7 @@ class AsyncEngine:
     async def start(self, tg) -> None:
         """Load the model on a worker thread (stoppable by cancellation), then SERVING."""
         self._loop_thread = threading.get_ident()
+        self._tg = tg
         stop = threading.Event()
         done = threading.Event()
 
@@ -163,7 +182,7 @@ class AsyncEngine:
                  request_id: Optional[str] = None) -> RequestStream:
         """Submit now (errors are raised here, at once); iterate the result for outputs."""
         rid = request_id if request_id is not None else uuid.uuid4().hex
-        stream = RequestStream(self, rid)
+        stream = RequestStream(rid, self._abort_nowait)
         try:
             self.submit(prompt, params or SamplingParams(), rid, stream.sink())
         except BaseException:
@@ -172,40 +191,67 @@ class AsyncEngine:
         return stream
 
     def submit(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
-               sink: Sink) -> int:
+               sink: Sink) -> Optional[int]:
         """Lower-level ``generate``: outputs go to ``sink`` (called on the event-loop thread).
-        Returns the number of prompt tokens."""
+
+        What can be told at once is raised here (not serving, bad id/params/prompt, overloaded:
+        see :mod:`engine.admission`); then the request is accepted and ``sink`` gets exactly one
+        terminal item. Returns the number of prompt tokens, or None for a long text whose
+        tokens are counted on a worker thread (a prompt found too long there ends with a
+        ``BadRequestError`` delivered to ``sink``)."""
         self._require_accepting()
-        if not isinstance(request_id, str) or not (0 < len(request_id) <= _MAX_ID):
-            raise BadRequestError(f"request_id must be a non-empty string of at most {_MAX_ID} chars")
         if request_id in self._sinks:
             raise BadRequestError(f"request_id {request_id!r} is already in flight")
-        if not isinstance(params, SamplingParams):
-            raise BadRequestError("params must be SamplingParams")
-        params.validate()
-        ids = self._tokenize(prompt)
-        self.runner.check_prompt(len(ids), params.max_tokens)
+        core = self.core
+        waiting = len(self._sinks) - (core.num_running if core is not None else 0)
+        self.admission.check(request_id, prompt, params, waiting)
+        ids = self.admission.ids_now(prompt)
+        if ids is None:
+            self._sinks[request_id] = sink
+            self._tokenizing[request_id] = None
+            assert self._tg is not None
+            self._tg.start_soon(self._tokenize_then_add, request_id, prompt, params)
+            return None
+        self.admission.check_ids(ids, params)
         self._sinks[request_id] = sink
-        self._inbox.append(("add", request_id, ids, params))
-        self._wake()
+        self._accept(request_id, ids, params)
         return len(ids)
 
-    def _tokenize(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.runner.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocab = self.runner.model_config.vocab_size
-            if any(t < 0 or t >= vocab for t in prompt):
-                raise BadRequestError(f"prompt token ids must be in [0, {vocab})")
-            return list(prompt)
-        raise BadRequestError("prompt must be a string or a list of token ids")
+    def _accept(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        self.admission.accepted(request_id, len(ids))
+        self._inbox.append(_Add(request_id, ids, params))
+        self._wake()
+
+    async def _tokenize_then_add(self, request_id: str, text: str, params: SamplingParams) -> None:
+        try:
+            ids = await self.admission.tokenize(text)
+            if self._sinks.get(request_id) is None:
+                return  # the engine died meanwhile: the sink already has its error
+            aborted = self._tokenizing.get(request_id)
+            if aborted is not None:
+                self._dispatch([RequestOutput(request_id=request_id, finished=True,
+                                              finish_reason="abort", reason=aborted)])
+                return
+            self.admission.check_ids(ids, params)
+        except Exception as exc:
+            sink = self._sinks.pop(request_id, None)
+            if sink is not None:
+                sink(exc)
+        else:
+            self._accept(request_id, ids, params)
+        finally:
+            self._tokenizing.pop(request_id, None)
+            self._wake()
 
     async def abort(self, request_id: str, reason: str = "aborted by client") -> None:
         self._abort_nowait(request_id, reason)
 
     def _abort_nowait(self, request_id: str, reason: str) -> None:
+        if request_id in self._tokenizing:
+            self._tokenizing[request_id] = reason  # not in the core yet: ended when tokenized
+            return
         if request_id in self._sinks and self.lifecycle.state in (State.SERVING, State.DRAINING):
-            self._inbox.append(("abort", request_id, reason))
+            self._inbox.append(_Abort(request_id, reason))
             if threading.get_ident() == self._loop_thread:
                 self._wake()
 
@@ -263,7 +309,7 @@ class AsyncEngine:
         core = self.core if st in (State.SERVING, State.DRAINING) else None
         return Health(state=st, live=self.lifecycle.live, ready=st is State.SERVING,
                       running=core.num_running if core else 0,
-                      waiting=(core.num_waiting if core else 0) + sum(1 for m in self._inbox if m[0] == "add"),
+                      waiting=max(0, len(self._sinks) - (core.num_running if core else 0)),
                       kv_usage=core.kv_usage if core else 0.0)
 
     def statistics(self) -> EngineStats:
@@ -301,7 +347,7 @@ class AsyncEngine:
                 if self.lifecycle.state is State.DRAINING:
                     if time.monotonic() >= self._drain_deadline:
                         self._dispatch(core.abort_all(self._drain_reason))
-                    if not core.has_work():
+                    if not core.has_work() and not self._tokenizing:
                         break
                 if not core.has_work():
                     await self._wakeup.wait()
@@ -325,12 +371,16 @@ class AsyncEngine:
     def _apply_inbox(self, core: EngineCore) -> None:
         while self._inbox:
             item = self._inbox.popleft()
-            if item[0] == "add":
-                _, rid, ids, params = item
-                core.add_request(rid, ids, params)
+            if type(item) is _Add:
+                try:
+                    core.add_request(item.request_id, item.ids, item.params)
+                except Exception as exc:  # this request's own input: it ends, the engine serves on
+                    log.warning("request %s refused at admission: %s", item.request_id, exc)
+                    self._dispatch([RequestOutput(
+                        request_id=item.request_id, finished=True, finish_reason="error",
+                        reason=str(exc), num_prompt_tokens=len(item.ids))])
             else:
-                _, rid, reason = item
-                out = core.abort(rid, reason)
+                out = core.abort(item.request_id, item.reason)
                 if out is not None:
                     self._dispatch([out])
 
@@ -342,6 +392,7 @@ class AsyncEngine:
                 continue
             if out.finished:
                 del sinks[out.request_id]
+                self.admission.finished(out.request_id)
             sink(out)
 
     async def _release(self) -> None:

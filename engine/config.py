@@ -27,6 +27,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ngram_min: int = 1
     ngram_max: int = 4
     draft_model: Optional[str] = None
+    # Engine-wide admission limits (beyond them: EngineOverloadedError, retryable): requests
+    # accepted but not yet running, and prompt tokens held by unfinished requests.
+    max_waiting_requests: int = 4096
+    max_queued_tokens: int = 4 * 1024 * 1024
     cuda_graphs: bool = True  # capture decode-only steps as CUDA graphs (CUDA + Triton only)
     # Test hook: raise inside the model forward on this (1-based) step. Never set in production.
     fault_at_step: Optional[int] = None
@@ -50,6 +54,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise BadRequestError("block_size must be a power of two")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise BadRequestError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_waiting_requests < 1 or self.max_queued_tokens < 1:
+            raise BadRequestError("max_waiting_requests and max_queued_tokens must be >= 1")
         if self.speculator == "draft" and not self.draft_model:
             raise BadRequestError("speculator 'draft' needs draft_model")
         if not (1 <= self.ngram_min <= self.ngram_max <= 16):

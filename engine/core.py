@@ -11,6 +11,7 @@ import time
 from typing import NamedTuple, Optional, Sequence
 
 from .detokenizer import IncrementalDetokenizer
+from .errors import BadRequestError
 from .kv_cache import BlockAllocator, blocks_needed
 from .params import RequestOutput, SamplingParams
 from .request import Request
@@ -49,9 +50,18 @@ class EngineCore:
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     params: SamplingParams) -> Request:
-        """Validated input only (the async engine checks ids, params and length first)."""
+        """Validated input only (the async engine checks ids, params and length first).
+
+        The request's per-request state is prepared here, once (``ModelRunner.admit``): if that
+        fails, nothing is added and the error is raised for this request alone."""
         req = Request(request_id, list(prompt_token_ids), params)
-        req.detok = IncrementalDetokenizer(self.tokenizer, req.token_ids, params.stop)
+        try:
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.token_ids, params.stop)
+            self.runner.admit(req)
+        except Exception as exc:
+            self.runner.forget(request_id)
+            raise BadRequestError(f"request {request_id!r} cannot be prepared: "
+                                  f"{type(exc).__name__}: {exc}") from exc
         self.requests[request_id] = req
         self.scheduler.add(req)
         self._prompt_tokens += req.num_prompt_tokens
@@ -124,7 +134,7 @@ class EngineCore:
                 req.logprobs.append(logprobs[i])
             n_out = req.num_output_tokens
             if n_out >= p.min_tokens and ((tok in self._eos and not p.ignore_eos)
-                                          or tok in p.stop_token_ids):
+                                          or tok in req.stop_ids):
                 finish = "stop"
             elif n_out >= p.max_tokens:
                 finish = "length"

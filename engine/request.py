@@ -20,7 +20,7 @@ class Request:
         "request_id", "params", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_ids", "status", "arrival", "finish_reason", "reason", "detok", "spec_token_ids",
         "num_preemptions", "first_token_time", "logprobs",
-        "spec_proposed", "spec_accepted",
+        "spec_proposed", "spec_accepted", "stop_ids", "sampling_row",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
@@ -41,6 +41,10 @@ class Request:
         self.logprobs: list[float] = []
         self.spec_proposed = 0
         self.spec_accepted = 0
+        self.stop_ids = frozenset(params.stop_token_ids)
+        # (temperature, top_k, top_p) as the sampler's tensors take them; set by the runner
+        # when the request is admitted (ModelRunner.admit)
+        self.sampling_row: tuple[float, int, float] = (0.0, 0, 1.0)
 
     @property
     def num_tokens(self) -> int:

@@ -3,13 +3,10 @@ iterator, fed by the engine loop through a sink that does not keep the stream al
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Union
+from typing import Callable, Union
 
 from .mailbox import Mailbox
 from .params import RequestOutput
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .async_engine import AsyncEngine
 
 #: Where the engine loop delivers a request's outputs (or the error that ends it).
 Sink = Callable[[Union[RequestOutput, BaseException]], None]
@@ -19,9 +16,11 @@ class RequestStream:
     """Async iterator of one request's outputs. Leaving it early (``break``, ``aclose()``, or
     dropping it) aborts the request and frees its blocks."""
 
-    def __init__(self, engine: "AsyncEngine", request_id: str):
+    def __init__(self, request_id: str, abort: Callable[[str, str], None]):
+        """``abort(request_id, reason)``: how to abort the request if it is left early (the
+        engine's non-blocking abort)."""
         self.request_id = request_id
-        self._engine = engine
+        self._abort = abort
         self._box = Mailbox()
         self._done = False
 
@@ -54,7 +53,7 @@ class RequestStream:
     def cancel(self) -> None:
         if not self._done:
             self._close()
-            self._engine._abort_nowait(self.request_id, "client stopped reading")
+            self._abort(self.request_id, "client stopped reading")
 
     def __del__(self) -> None:
         try:

@@ -177,6 +177,17 @@ class ModelRunner:
         if need > self.num_blocks:
             raise BadRequestError(f"prompt needs {need} KV blocks; the cache has {self.num_blocks}")
 
+    def admit(self, req: Request) -> None:
+        """Prepare ``req``'s per-request host state once, when it enters the engine: its row of
+        sampling parameters (top_k clamped to the vocabulary, so every value fits the sampler's
+        tensors) and its seeded generator. Whatever fails here fails this request alone; the
+        step then only packs values that were prepared here."""
+        p = req.params
+        vocab = self.model_config.vocab_size
+        req.sampling_row = (float(p.temperature), min(int(p.top_k), vocab), float(p.top_p))
+        if p.seed is not None and p.temperature > 0:
+            self._owner["model_state"].generator(req.request_id, int(p.seed))
+
     def forget(self, request_id: str) -> None:
         """A request is gone: drop its per-request device state."""
         self._owner["model_state"].forget(request_id)
@@ -221,21 +232,17 @@ class ModelRunner:
         return self._sample(batch, sample_rows, owners, logits, state)
 
     def sampling_batch(self, batch, owners: list[int], state: ModelState) -> SamplingBatch:
-        params = [batch[i][0].params for i in owners]
-        gens = []
-        for i in owners:
-            req = batch[i][0]
-            seed = req.params.seed
-            gens.append(None if seed is None or req.params.temperature == 0
-                        else state.generator(req.request_id, seed))
+        reqs = [batch[i][0] for i in owners]
+        gens = state.generators
         dev = self.device
+        rows = [r.sampling_row for r in reqs]
         return SamplingBatch(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-            generators=gens,
-            all_greedy=all(p.temperature == 0 for p in params),
-            need_logprobs=any(p.logprobs for p in params),
+            temperature=torch.tensor([r[0] for r in rows], dtype=torch.float32, device=dev),
+            top_k=torch.tensor([r[1] for r in rows], dtype=torch.long, device=dev),
+            top_p=torch.tensor([r[2] for r in rows], dtype=torch.float32, device=dev),
+            generators=[gens.get(r.request_id) for r in reqs],
+            all_greedy=all(r[0] == 0 for r in rows),
+            need_logprobs=any(r.params.logprobs for r in reqs),
         )
 
     def _sample(self, batch, sample_rows, owners, logits, state) -> StepResult:

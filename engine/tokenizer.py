@@ -30,6 +30,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.add_bos = add_bos
         self.special_tokens = dict(special_tokens or {})
+        self._max_token_chars: Optional[int] = None
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
@@ -64,9 +65,26 @@ class Tokenizer:
                    special_tokens={"<s>": 256, "</s>": 257})
 
     # -- use ---------------------------------------------------------------------------------
+    @property
+    def max_token_chars(self) -> int:
+        """An upper bound of the characters one token stands for (the longest vocabulary entry:
+        byte-level entries spell each byte as one character, so bytes >= characters)."""
+        n = self._max_token_chars
+        if n is None:
+            if self._backend is None:
+                n = 1
+            else:
+                n = max((len(t) for t in self._backend.get_vocab(with_added_tokens=True)), default=1)
+            self._max_token_chars = n
+        return n
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._backend is None:
             ids = list(text.encode("utf-8"))
+        elif len(text) > 2048:
+            # NOTE: tokenizers' single ``encode`` holds the GIL for the whole text (a 760k-char
+            # prompt stalled the event loop ~1 s on a worker thread); its batch path releases it.
+            ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         else:
             ids = self._backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
