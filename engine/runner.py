@@ -84,6 +84,7 @@ class ModelRunner:
     def _load(self, should_stop) -> None:
         cfg, tensors, tok = resolve_source(self.config.model)
         self.model_config, self.tokenizer = cfg, tok
+        tok.max_token_chars  # computed once here, on the loading thread (admission reads it)
         self.max_model_len = min(self.config.max_model_len or _MAX_CONTEXT_DEFAULT,
                                  cfg.max_position_embeddings)
         if should_stop():
