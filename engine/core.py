@@ -15,7 +15,8 @@ from .errors import BadRequestError
 from .kv_cache import BlockAllocator, blocks_needed
 from .params import RequestOutput, SamplingParams
 from .request import Request
-from .runner import ModelRunner, StepResult
+from .runner import ModelRunner
+from .sampler import StepResult
 from .scheduler import Scheduler
 
 

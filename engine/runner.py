@@ -17,12 +17,13 @@ import torch
 from . import cuda_graphs
 from .config import EngineConfig
 from .errors import BadRequestError
+from .device_stack import device_stack
 from .kv_cache import KVCache
 from .loader import LoadStopped, create_model, fill_model, resolve_source
 from .model_state import ModelState
 from .owner import DeviceOwner, reachable_tensors
 from .request import Request
-from .sampler import SamplingBatch, sample
+from .sampler import SamplingBatch, StepResult, build_sampling_batch, sample
 from .step_inputs import packed_forward
 
 log = logging.getLogger("enginecore.runner")
@@ -32,16 +33,6 @@ _MAX_CONTEXT_DEFAULT = 8192
 
 class InjectedFault(RuntimeError):
     """Raised by the ``fault_at_step`` test hook."""
-
-
-class StepResult:
-    """Per scheduled entry: the new tokens (empty while a prefill is still chunking)."""
-
-    __slots__ = ("tokens", "logprobs")
-
-    def __init__(self, tokens: list[list[int]], logprobs: Optional[list[list[float]]]):
-        self.tokens = tokens
-        self.logprobs = logprobs
 
 
 class ModelRunner:
@@ -101,33 +92,26 @@ class ModelRunner:
         graphs = cuda_graphs.usable(self.device, self.config.cuda_graphs, cfg.head_dim,
                                     self.block_size)
         usable_blocks = self._num_kv_blocks(cfg)
-        # with CUDA graphs, one extra block (the last) is the scratch block padded rows write to
-        kv = KVCache(num_layers=cfg.num_layers, num_blocks=usable_blocks + int(graphs),
-                     block_size=self.block_size, num_kv_heads=cfg.num_kv_heads,
-                     head_dim=cfg.head_dim, dtype=self.dtype, device=self.device)
-        self._owner.adopt("kv_cache", kv)
         self.num_blocks = usable_blocks
-        if should_stop():
-            return
-        max_blocks = -(-self.max_model_len // self.block_size) + 1
         # with a speculator a decode carries up to k draft rows, each a decode row
         rows_per_seq = 1 + (self.config.num_speculative_tokens
                             if self.config.speculator != "none" else 0)
-        self._owner.adopt("model_state", ModelState(
-            max_tokens=self.config.max_num_batched_tokens + self.config.max_num_seqs * 17,
-            max_seqs=self.config.max_num_seqs * rows_per_seq, max_blocks_per_seq=max_blocks,
-            device=self.device))
-        if graphs:  # after model_state, so that it is released first
-            self._owner.adopt("cuda_graphs", cuda_graphs.CudaGraphs(
-                max_num_seqs=self.config.max_num_seqs * rows_per_seq, scratch_block=usable_blocks,
-                block_size=self.block_size, device=self.device))
+        for name, part in device_stack(
+                cfg, num_blocks=usable_blocks, block_size=self.block_size, dtype=self.dtype,
+                device=self.device, use_graphs=graphs, max_model_len=self.max_model_len,
+                max_tokens=self.config.max_num_batched_tokens + self.config.max_num_seqs * 17,
+                max_rows=self.config.max_num_seqs * rows_per_seq):
+            self._owner.adopt(name, part)
+            del part
+            if should_stop():
+                return
         if self.config.speculator != "none" and not should_stop():
             from .speculative import build_speculator
 
             self.speculator = build_speculator(self.config, self)
         log.info("loaded %s on %s/%s: %d KV blocks of %d tokens (%.1f MiB); CUDA graphs %s",
                  self.config.model, self.device, self.dtype, self.num_blocks, self.block_size,
-                 kv.nbytes / 2**20, "on" if graphs else "off")
+                 self._owner["kv_cache"].nbytes / 2**20, "on" if graphs else "off")
 
     def _num_kv_blocks(self, cfg) -> int:
         if self.config.num_kv_blocks:
@@ -228,26 +212,12 @@ class ModelRunner:
         else:
             logits = model.logits(hidden[torch.tensor(flat, device=self.device)])
         owners = [i for i, rows in enumerate(sample_rows) for _ in rows]
+        sb = build_sampling_batch([batch[i][0] for i in owners], state.generators, self.device)
         if self.speculator is not None:
-            return self.speculator.verify(batch, sample_rows, owners, logits, state)
-        return self._sample(batch, sample_rows, owners, logits, state)
+            return self.speculator.verify(batch, sample_rows, logits, sb)
+        return self._sample(batch, owners, logits, sb)
 
-    def sampling_batch(self, batch, owners: list[int], state: ModelState) -> SamplingBatch:
-        reqs = [batch[i][0] for i in owners]
-        gens = state.generators
-        dev = self.device
-        rows = [r.sampling_row for r in reqs]
-        return SamplingBatch(
-            temperature=torch.tensor([r[0] for r in rows], dtype=torch.float32, device=dev),
-            top_k=torch.tensor([r[1] for r in rows], dtype=torch.long, device=dev),
-            top_p=torch.tensor([r[2] for r in rows], dtype=torch.float32, device=dev),
-            generators=[gens.get(r.request_id) for r in reqs],
-            all_greedy=all(r[0] == 0 for r in rows),
-            need_logprobs=any(r.params.logprobs for r in reqs),
-        )
-
-    def _sample(self, batch, sample_rows, owners, logits, state) -> StepResult:
-        sb = self.sampling_batch(batch, owners, state)
+    def _sample(self, batch, owners, logits, sb: SamplingBatch) -> StepResult:
         tokens, logprobs = sample(logits, sb)
         tok_list = tokens.tolist()
         lp_list = logprobs.tolist() if logprobs is not None else None

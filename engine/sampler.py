@@ -8,9 +8,20 @@ not depend on which other requests share the batch.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
+
+
+class StepResult:
+    """Per scheduled entry of a step: the new tokens (empty while a prefill is still chunking)
+    and, when asked for, their logprobs."""
+
+    __slots__ = ("tokens", "logprobs")
+
+    def __init__(self, tokens: list[list[int]], logprobs: Optional[list[list[float]]]):
+        self.tokens = tokens
+        self.logprobs = logprobs
 
 
 @dataclasses.dataclass
@@ -21,6 +32,20 @@ class SamplingBatch:
     generators: list[Optional[torch.Generator]]  # per row; None = the shared default stream
     all_greedy: bool
     need_logprobs: bool
+
+
+def build_sampling_batch(reqs: Sequence, generators: dict, device: torch.device) -> SamplingBatch:
+    """The batch for one row per request of ``reqs`` (each ``Request.sampling_row`` was prepared
+    at admission; ``generators``: request id -> its seeded generator)."""
+    rows = [r.sampling_row for r in reqs]
+    return SamplingBatch(
+        temperature=torch.tensor([r[0] for r in rows], dtype=torch.float32, device=device),
+        top_k=torch.tensor([r[1] for r in rows], dtype=torch.long, device=device),
+        top_p=torch.tensor([r[2] for r in rows], dtype=torch.float32, device=device),
+        generators=[generators.get(r.request_id) for r in reqs],
+        all_greedy=all(r[0] == 0 for r in rows),
+        need_logprobs=any(r.params.logprobs for r in reqs),
+    )
 
 
 def apply_penalty_free_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

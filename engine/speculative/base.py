@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..request import Request
-from ..sampler import SamplingBatch, apply_penalty_free_filters
+from ..sampler import SamplingBatch, StepResult, apply_penalty_free_filters
 
 _TINY = 1e-12
 
@@ -256,11 +256,7 @@ class Speculator:
         return None
 
     # -- verifying ---------------------------------------------------------------------------
-    def verify(self, batch, sample_rows, owners, logits, state):
-        from ..runner import StepResult
-
-        runner = self.runner
-        sb = runner.sampling_batch(batch, owners, state)
+    def verify(self, batch, sample_rows, logits, sb: SamplingBatch) -> StepResult:
         # ``sample_rows`` index the packed batch; ``logits`` holds just those rows, in order
         rows: list[list[int]] = []
         c = 0

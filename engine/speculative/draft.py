@@ -27,6 +27,7 @@ import torch
 
 from .. import cuda_graphs
 from ..errors import BadRequestError
+from ..device_stack import device_stack
 from ..kv_cache import BlockAllocator, KVCache, blocks_needed
 from ..loader import build_model, resolve_source
 from ..model_state import ModelState
@@ -36,6 +37,9 @@ from ..step_inputs import packed_forward
 from .base import Speculator, race
 
 log = logging.getLogger("enginecore.speculative")
+
+
+_PARTS = {"kv_cache": "kv", "model_state": "state", "cuda_graphs": "graphs"}
 
 
 class DraftResources:
@@ -118,20 +122,15 @@ class DraftSpeculator(Speculator):
         model = build_model(dcfg, tensors, runner.device, runner.dtype, seed, source)
         graphs = cuda_graphs.usable(runner.device, config.cuda_graphs, dcfg.head_dim,
                                     self.block_size)
-        # with CUDA graphs, one extra block (the last) is the scratch block padded rows write to
-        kv = KVCache(num_layers=dcfg.num_layers, num_blocks=self.num_blocks + int(graphs),
-                     block_size=self.block_size, num_kv_heads=dcfg.num_kv_heads,
-                     head_dim=dcfg.head_dim, dtype=runner.dtype, device=runner.device)
         max_rows = config.max_num_seqs * self.max_chunk
-        state = ModelState(max_tokens=config.max_num_batched_tokens + max_rows,
-                           max_seqs=max_rows,
-                           max_blocks_per_seq=-(-runner.max_model_len // self.block_size) + 1,
-                           device=runner.device)
-        res = runner.adopt("speculator", DraftResources(model, kv, state, None))
-        del model, kv, state
-        if graphs:
-            res.graphs = cuda_graphs.CudaGraphs(max_num_seqs=max_rows, scratch_block=self.num_blocks,
-                                                block_size=self.block_size, device=runner.device)
+        res = runner.adopt("speculator", DraftResources(model, None, None, None))
+        del model
+        for name, part in device_stack(
+                dcfg, num_blocks=self.num_blocks, block_size=self.block_size, dtype=runner.dtype,
+                device=runner.device, use_graphs=graphs, max_model_len=runner.max_model_len,
+                max_tokens=config.max_num_batched_tokens + max_rows, max_rows=max_rows):
+            setattr(res, _PARTS[name], part)
+            del part
         self.allocator = BlockAllocator(self.num_blocks)
         self._seqs: dict[str, _Seq] = {}
         log.info("draft model %s: %.1f MiB (weights + %d KV blocks)", source,
