@@ -198,35 +198,16 @@ def run_inproc(args, work) -> dict[str, Any]:
     return result
 
 
-def _ipc_client_class():
-    """``ipc.EngineClient`` or None (with the reason) while it does not exist yet."""
-    try:
-        import ipc
-
-        cls = getattr(ipc, "EngineClient", None)
-        if cls is None:
-            try:
-                from ipc.client import EngineClient as cls  # type: ignore[no-redef]
-            except ImportError:
-                cls = None
-        if cls is None or not hasattr(cls, "spawn"):
-            return None, "ipc.EngineClient (with .spawn) does not exist yet"
-        return cls, None
-    except Exception as exc:  # noqa: BLE001 - a half-written module must not stop the benchmark
-        return None, f"importing ipc failed: {exc!r}"
-
-
 def run_ipc(args, work) -> dict[str, Any]:
     import anyio
 
-    cls, why = _ipc_client_class()
-    if cls is None:
-        return {"mode": "ipc", "skipped": why}
+    from ipc.client import EngineClient
+
     result: dict[str, Any] = {}
 
     async def main() -> None:
         t_load = now()
-        async with cls.spawn(_engine_cfg(args)) as client:
+        async with EngineClient.spawn(_engine_cfg(args)) as client:
             load_s = now() - t_load
             if args.warmup:
                 await _warm(client.generate, warm_work(work, args.warmup), args.temperature)
