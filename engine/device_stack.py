@@ -11,25 +11,26 @@ import torch
 from . import cuda_graphs
 from .kv_cache import KVCache
 from .model_state import ModelState
+from .owner import Resource
 
 Part = Union[KVCache, ModelState, "cuda_graphs.CudaGraphs"]
 
 
 def device_stack(model_config, *, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, use_graphs: bool, max_tokens: int, max_rows: int,
-                 max_model_len: int) -> Iterator[tuple[str, Part]]:
-    """Yield ``("kv_cache", KVCache)``, ``("model_state", ModelState)`` and, with
-    ``use_graphs``, ``("cuda_graphs", CudaGraphs)``, in creation order, each as soon as it
+                 max_model_len: int) -> Iterator[tuple[Resource, Part]]:
+    """Yield ``(Resource.KV_CACHE, KVCache)``, ``(Resource.MODEL_STATE, ModelState)`` and, with
+    ``use_graphs``, ``(Resource.CUDA_GRAPHS, CudaGraphs)``, in creation order, each as soon as it
     exists: the caller adopts each before the next is allocated, so a failure part way
     releases what was made. ``max_rows``: rows (sequences) one step may carry."""
     # with CUDA graphs, one extra block (the last) is the scratch block padded rows write to
-    yield "kv_cache", KVCache(num_layers=model_config.num_layers,
+    yield Resource.KV_CACHE, KVCache(num_layers=model_config.num_layers,
                               num_blocks=num_blocks + int(use_graphs), block_size=block_size,
                               num_kv_heads=model_config.num_kv_heads,
                               head_dim=model_config.head_dim, dtype=dtype, device=device)
-    yield "model_state", ModelState(max_tokens=max_tokens, max_seqs=max_rows,
+    yield Resource.MODEL_STATE, ModelState(max_tokens=max_tokens, max_seqs=max_rows,
                                     max_blocks_per_seq=-(-max_model_len // block_size) + 1,
                                     device=device)
     if use_graphs:  # after model_state, so that it is released first
-        yield "cuda_graphs", cuda_graphs.CudaGraphs(max_num_seqs=max_rows, scratch_block=num_blocks,
+        yield Resource.CUDA_GRAPHS, cuda_graphs.CudaGraphs(max_num_seqs=max_rows, scratch_block=num_blocks,
                                                     block_size=block_size, device=device)

@@ -11,6 +11,7 @@ release tests assert it is empty for a runner after ``shutdown()``.
 
 from __future__ import annotations
 
+import enum
 import gc
 import logging
 from typing import Any, Callable, Iterator
@@ -43,6 +44,16 @@ def empty_in_place(obj: Any) -> None:
         obj.close()
 
 
+class Resource(str, enum.Enum):
+    """The names of a runner's device resources, in creation order."""
+
+    WEIGHTS = "weights"
+    KV_CACHE = "kv_cache"
+    MODEL_STATE = "model_state"
+    CUDA_GRAPHS = "cuda_graphs"
+    SPECULATOR = "speculator"
+
+
 class DeviceOwner:
     """Ordered registry of named device resources.
 
@@ -56,7 +67,8 @@ class DeviceOwner:
         self._resources: dict[str, Any] = {}
         self.closed = False
 
-    def adopt(self, name: str, resource: Any) -> Any:
+    def adopt(self, name: Resource, resource: Any) -> Any:
+        name = Resource(name)  # a typo'd name fails here, not at release
         if self.closed:
             raise RuntimeError(f"owner is closed; cannot adopt {name!r}")
         if name in self._resources:

@@ -22,6 +22,7 @@ from .kv_cache import KVCache
 from .loader import LoadStopped, create_model, fill_model, resolve_source
 from .model_state import ModelState
 from .owner import DeviceOwner, reachable_tensors
+from .owner import Resource as R
 from .request import Request
 from .sampler import SamplingBatch, StepResult, build_sampling_batch, sample
 from .step_inputs import packed_forward
@@ -81,7 +82,7 @@ class ModelRunner:
         if should_stop():
             return
         # Adopt first, fill second: a failed or stopped fill is released like everything else.
-        model = self._owner.adopt("weights", create_model(cfg, self.device, self.dtype))
+        model = self._owner.adopt(R.WEIGHTS, create_model(cfg, self.device, self.dtype))
         try:
             fill_model(model, tensors, self.config.seed, self.config.model, should_stop)
         except LoadStopped:
@@ -111,7 +112,7 @@ class ModelRunner:
             self.speculator = build_speculator(self.config, self)
         log.info("loaded %s on %s/%s: %d KV blocks of %d tokens (%.1f MiB); CUDA graphs %s",
                  self.config.model, self.device, self.dtype, self.num_blocks, self.block_size,
-                 self._owner["kv_cache"].nbytes / 2**20, "on" if graphs else "off")
+                 self._owner[R.KV_CACHE].nbytes / 2**20, "on" if graphs else "off")
 
     def _num_kv_blocks(self, cfg) -> int:
         if self.config.num_kv_blocks:
@@ -129,7 +130,7 @@ class ModelRunner:
 
     @property
     def loaded(self) -> bool:
-        return "model_state" in self._owner
+        return R.MODEL_STATE in self._owner
 
     @property
     def released(self) -> bool:
@@ -171,11 +172,11 @@ class ModelRunner:
         vocab = self.model_config.vocab_size
         req.sampling_row = (float(p.temperature), min(int(p.top_k), vocab), float(p.top_p))
         if p.seed is not None and p.temperature > 0:
-            self._owner["model_state"].generator(req.request_id, int(p.seed))
+            self._owner[R.MODEL_STATE].generator(req.request_id, int(p.seed))
 
     def forget(self, request_id: str) -> None:
         """A request is gone: drop its per-request device state."""
-        self._owner["model_state"].forget(request_id)
+        self._owner[R.MODEL_STATE].forget(request_id)
         if self.speculator is not None:
             self.speculator.forget(request_id)
 
@@ -187,9 +188,9 @@ class ModelRunner:
         self.steps += 1
         if self.config.fault_at_step is not None and self.steps == self.config.fault_at_step:
             raise InjectedFault(f"injected fault at step {self.steps}")
-        state: ModelState = self._owner["model_state"]
-        model = self._owner["weights"]
-        kv: KVCache = self._owner["kv_cache"]
+        state: ModelState = self._owner[R.MODEL_STATE]
+        model = self._owner[R.WEIGHTS]
+        kv: KVCache = self._owner[R.KV_CACHE]
         seqs = []
         sample_rows: list[list[int]] = []  # per entry: rows whose logits are sampled
         row = 0
@@ -202,7 +203,7 @@ class ModelRunner:
             seqs.append((toks, start, req.block_ids, start > 0 and (len(toks) == 1 or bool(spec))))
             sample_rows.append(list(range(row + n - 1, row + len(toks))) if ends else [])
             row += len(toks)
-        hidden = packed_forward(model, kv.tensor, state, self._owner.get("cuda_graphs"),
+        hidden = packed_forward(model, kv.tensor, state, self._owner.get(R.CUDA_GRAPHS),
                                 self.device, self.block_size, seqs)
         flat = [r for rows in sample_rows for r in rows]
         if not flat:

@@ -109,6 +109,7 @@ import msgspec
 from msgspec import Meta
 
 from engine.errors import EngineDrainingError, EngineError, EngineOverloadedError
+from engine.admission import MAX_REQUEST_ID_LEN as _ENGINE_MAX_REQUEST_ID_LEN
 from engine.interface import Health
 from engine.params import RequestOutput, SamplingParams
 from states import InvalidTransitionError, State
@@ -122,7 +123,7 @@ DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 #: Largest frame the engine accepts before the handshake is done.
 HANDSHAKE_MAX_FRAME = 64 * 1024
 
-MAX_REQUEST_ID_LEN = 256
+MAX_REQUEST_ID_LEN = _ENGINE_MAX_REQUEST_ID_LEN  # the engine's own bound
 MAX_PROMPT_CHARS = 4 * 1024 * 1024
 MAX_PROMPT_TOKENS = 1024 * 1024
 MAX_TOKEN_LEN = 1024

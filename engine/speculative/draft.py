@@ -31,7 +31,7 @@ from ..device_stack import device_stack
 from ..kv_cache import BlockAllocator, KVCache, blocks_needed
 from ..loader import build_model, resolve_source
 from ..model_state import ModelState
-from ..owner import empty_in_place
+from ..owner import Resource, empty_in_place
 from ..sampler import SamplingBatch, apply_penalty_free_filters
 from ..step_inputs import packed_forward
 from .base import Speculator, race
@@ -39,7 +39,7 @@ from .base import Speculator, race
 log = logging.getLogger("enginecore.speculative")
 
 
-_PARTS = {"kv_cache": "kv", "model_state": "state", "cuda_graphs": "graphs"}
+_PARTS = {Resource.KV_CACHE: "kv", Resource.MODEL_STATE: "state", Resource.CUDA_GRAPHS: "graphs"}
 
 
 class DraftResources:
@@ -123,7 +123,7 @@ class DraftSpeculator(Speculator):
         graphs = cuda_graphs.usable(runner.device, config.cuda_graphs, dcfg.head_dim,
                                     self.block_size)
         max_rows = config.max_num_seqs * self.max_chunk
-        res = runner.adopt("speculator", DraftResources(model, None, None, None))
+        res = runner.adopt(Resource.SPECULATOR, DraftResources(model, None, None, None))
         del model
         for name, part in device_stack(
                 dcfg, num_blocks=self.num_blocks, block_size=self.block_size, dtype=runner.dtype,
@@ -138,7 +138,7 @@ class DraftSpeculator(Speculator):
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def _res(self) -> DraftResources:
-        return self.runner.resource("speculator")
+        return self.runner.resource(Resource.SPECULATOR)
 
     def _drop(self, request_id: str) -> None:
         st = self._seqs.pop(request_id, None)
