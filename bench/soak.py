@@ -1,0 +1,371 @@
+"""Soak: a mixed load of well-behaved clients with misbehaving ones alongside, for N minutes.
+
+    python -m bench.soak --minutes 10 --good-clients 64 --out soak.json
+
+Starts ``enginecore serve --http`` (the default model on CPU unless told otherwise) and runs
+three phases: *before* (good clients only), *attack* (good clients plus every attacker) and
+*after* (good clients only again). Good clients send short completions (streamed and not) and
+retry what the server refuses with a retryable status (429/503 + Retry-After). Attackers, each
+bounded in rate and count, send: hostile numbers (top_k 2**63, seeds, huge stop lists),
+prompts of millions of characters, oversized bodies, unparseable JSON, slowloris connections
+that never finish their headers, clients that vanish mid-stream, and on the engine's IPC socket:
+bare connections that never say Hello, garbage frames and wrong tokens.
+
+Reported per phase: good requests served / refused (retryable) / failed / lost (no answer at
+all), the engine's health, and the RSS and open fds of the engine and frontend processes.
+Everything targets 127.0.0.1 and a private Unix socket only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ["default"]  # the served model's id, read from /v1/models at start
+PROMPTS = ["The capital of France is", "Name three colours:", "Once upon a time",
+           "def fibonacci(n):", "The quick brown fox"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except OSError:
+                pass
+    return out
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _fds(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.phase = "before"
+        self.counts: dict[str, dict[str, int]] = {}
+        self.samples: list[dict] = []
+
+    def add(self, key: str, n: int = 1) -> None:
+        c = self.counts.setdefault(self.phase, {})
+        c[key] = c.get(key, 0) + n
+
+
+async def good_client(base: str, stats: Stats, stop: anyio.Event, k: int, timeout: float) -> None:
+    rnd = random.Random(k)
+    async with httpx.AsyncClient(base_url=base, timeout=timeout) as c:
+        while not stop.is_set():
+            body = {"model": MODEL[0], "prompt": rnd.choice(PROMPTS), "temperature": 0,
+                    "max_tokens": rnd.randint(4, 16), "stream": rnd.random() < 0.5}
+            try:
+                if body["stream"]:
+                    finished = False
+                    async with c.stream("POST", "/v1/completions", json=body) as r:
+                        if r.status_code == 200:
+                            async for line in r.aiter_lines():
+                                if line.startswith("data: {") and '"finish_reason":"' in line.replace(" ", ""):
+                                    finished = True
+                        status = r.status_code
+                        retry = r.headers.get("retry-after")
+                    ok = status == 200 and finished
+                else:
+                    r = await c.post("/v1/completions", json=body)
+                    status, retry = r.status_code, r.headers.get("retry-after")
+                    ok = status == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+            except (httpx.TimeoutException, httpx.TransportError):
+                stats.add("lost")
+                await anyio.sleep(0.5)
+                continue
+            if ok:
+                stats.add("served")
+            elif status in (429, 503) and retry:
+                stats.add("refused_retryable")
+                await anyio.sleep(min(2.0, float(retry)))
+            else:
+                stats.add(f"failed_{status}")
+
+
+async def _post_raw(base: str, body: bytes, timeout: float = 30) -> int:
+    async with httpx.AsyncClient(base_url=base, timeout=timeout) as c:
+        r = await c.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+        return r.status_code
+
+
+async def attack_http(base: str, stats: Stats, stop: anyio.Event, rate: float) -> None:
+    """Hostile bodies, one every 1/rate seconds, cycling through the kinds."""
+    kinds = [
+        ("huge_top_k", lambda: json.dumps({"model": MODEL[0], "prompt": "x", "max_tokens": 2,
+                                           "top_k": 2**63}).encode()),
+        ("huge_seed", lambda: json.dumps({"model": MODEL[0], "prompt": "x", "seed": 2**64 - 1}).encode()),
+        ("bool_max_tokens", lambda: b'{"model":"%s","prompt":"x","max_tokens":true}' % MODEL[0].encode()),
+        ("huge_stop_ids", lambda: json.dumps({"model": MODEL[0], "prompt": "x", "max_tokens": 2,
+                                              "stop_token_ids": list(range(200_000))}).encode()),
+        ("huge_stop", lambda: json.dumps({"model": MODEL[0], "prompt": "x",
+                                          "stop": ["y" * 100_000] * 16}).encode()),
+        ("giant_prompt", lambda: json.dumps({"model": MODEL[0], "prompt": "z " * 2_000_000,
+                                             "max_tokens": 2}).encode()),
+        ("bad_json", lambda: b'{"model": MODEL[0], "prompt": '),
+        ("oversized_body", lambda: b'{"prompt": "' + b"a" * (64 * 2**20) + b'"}'),
+    ]
+    i = 0
+    while not stop.is_set():
+        name, make = kinds[i % len(kinds)]
+        i += 1
+        try:
+            status = await _post_raw(base, make())
+            stats.add(f"attack_{name}_{status}")
+        except (httpx.TimeoutException, httpx.TransportError) as exc:
+            stats.add(f"attack_{name}_{type(exc).__name__}")
+        await anyio.sleep(1.0 / rate)
+
+
+async def attack_vanishing(base: str, stats: Stats, stop: anyio.Event) -> None:
+    """Clients that start a long stream and disconnect after the first chunk."""
+    while not stop.is_set():
+        try:
+            async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+                async with c.stream("POST", "/v1/completions", json={
+                        "model": MODEL[0], "prompt": "Tell a long story", "max_tokens": 200,
+                        "stream": True, "ignore_eos": True}) as r:
+                    async for _ in r.aiter_lines():
+                        break
+            stats.add("attack_vanished")
+        except (httpx.TimeoutException, httpx.TransportError):
+            stats.add("attack_vanished_error")
+        await anyio.sleep(0.5)
+
+
+async def attack_slowloris(port: int, stats: Stats, stop: anyio.Event, n: int) -> None:
+    """``n`` connections that send a request head one byte every few seconds."""
+    socks: list = []
+    try:
+        while not stop.is_set():
+            while len(socks) < n and not stop.is_set():
+                try:
+                    s = await anyio.connect_tcp("127.0.0.1", port)
+                    await s.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+                    socks.append(s)
+                except OSError:
+                    stats.add("attack_slowloris_connect_error")
+                    break
+            alive = []
+            for s in socks:
+                try:
+                    await s.send(b"X")
+                    alive.append(s)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                    stats.add("attack_slowloris_closed_by_server")
+                    await s.aclose()
+            socks = alive
+            await anyio.sleep(3)
+    finally:
+        for s in socks:
+            await s.aclose()
+
+
+async def attack_ipc(path: str, stats: Stats, stop: anyio.Event, n_bare: int) -> None:
+    """Bare connections that never say Hello, garbage frames, and wrong tokens."""
+    bare: list = []
+    try:
+        while not stop.is_set():
+            while len(bare) < n_bare:
+                try:
+                    bare.append(await anyio.connect_unix(path))
+                except OSError:
+                    stats.add("attack_ipc_connect_error")
+                    break
+            for payload in (struct.pack(">I", 2**31) + b"x", struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1",
+                            _hello_with_token("wrong")):
+                try:
+                    s = await anyio.connect_unix(path)
+                    await s.send(payload)
+                    with anyio.move_on_after(2):
+                        await s.receive()
+                    await s.aclose()
+                    stats.add("attack_ipc_frame")
+                except (OSError, anyio.EndOfStream, anyio.BrokenResourceError):
+                    stats.add("attack_ipc_frame_closed")
+            # bare connections are recycled: the engine closes them at its handshake timeout
+            kept = []
+            for s in bare:
+                try:
+                    await s.send(b"")
+                    kept.append(s)
+                except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    await s.aclose()
+            bare = kept
+            await anyio.sleep(1)
+    finally:
+        for s in bare:
+            await s.aclose()
+
+
+def _hello_with_token(token: str) -> bytes:
+    import msgspec
+
+    body = msgspec.msgpack.encode({"t": "Hello", "protocol_version": 1, "token": token})
+    return struct.pack(">I", len(body)) + body
+
+
+async def sampler(base: str, pids: list[int], stats: Stats, stop: anyio.Event, every: float) -> None:
+    async with httpx.AsyncClient(base_url=base, timeout=5) as c:
+        while not stop.is_set():
+            try:
+                health = (await c.get("/health")).status_code
+            except (httpx.TimeoutException, httpx.TransportError):
+                health = 0
+            stats.samples.append({"t": time.monotonic(), "phase": stats.phase, "health": health,
+                                  "rss_mb": {p: round(_rss_mb(p), 1) for p in pids},
+                                  "fds": {p: _fds(p) for p in pids}})
+            if health != 200:
+                stats.add(f"health_{health}")
+            with anyio.move_on_after(every):
+                await stop.wait()
+
+
+def _phase_summary(stats: Stats, phase: str, pids: list[int]) -> dict:
+    rows = [s for s in stats.samples if s["phase"] == phase]
+    out = {"counts": stats.counts.get(phase, {})}
+    if rows:
+        out["rss_mb_last"] = {str(p): rows[-1]["rss_mb"][p] for p in pids}
+        out["rss_mb_max"] = {str(p): max(r["rss_mb"][p] for r in rows) for p in pids}
+        out["fds_last"] = {str(p): rows[-1]["fds"][p] for p in pids}
+        out["fds_max"] = {str(p): max(r["fds"][p] for r in rows) for p in pids}
+    return out
+
+
+async def run(args) -> dict:
+    port = _free_port()
+    tmp = tempfile.mkdtemp(prefix="ec-soak-")
+    sock = f"{tmp}/engine.sock"
+    base = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "entrypoints.cli", "serve", "--model", args.model, "--device", "cpu",
+            "--listen", f"unix://{sock}", "--http", f"127.0.0.1:{port}",
+            "--api-servers", str(args.api_servers), "--parent-pid", str(os.getpid()), *args.serve_arg]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+    stats = Stats()
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=5) as c:
+            with anyio.fail_after(180):
+                while True:
+                    assert proc.poll() is None, f"serve exited with {proc.returncode}"
+                    try:
+                        if (await c.get("/ready")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    await anyio.sleep(0.2)
+            MODEL[0] = (await c.get("/v1/models")).json()["data"][0]["id"]
+        pids = [proc.pid] + _children(proc.pid)
+        phases = [("before", args.calm_s, False), ("attack", args.minutes * 60, True),
+                  ("after", args.calm_s, False)]
+        async with anyio.create_task_group() as tg:
+            stop_all = anyio.Event()
+            for k in range(args.good_clients):
+                tg.start_soon(good_client, base, stats, stop_all, k, args.request_timeout)
+            tg.start_soon(sampler, base, pids, stats, stop_all, args.sample_s)
+            for name, secs, attack in phases:
+                stats.phase = name
+                print(f"soak: phase {name} for {secs:.0f} s", flush=True)
+                stop_attack = anyio.Event()
+                if attack:
+                    async with anyio.create_task_group() as atg:
+                        atg.start_soon(attack_http, base, stats, stop_attack, args.attack_rate)
+                        atg.start_soon(attack_vanishing, base, stats, stop_attack)
+                        atg.start_soon(attack_slowloris, port, stats, stop_attack, args.slowloris)
+                        atg.start_soon(attack_ipc, sock, stats, stop_attack, args.ipc_bare)
+                        await anyio.sleep(secs)
+                        stop_attack.set()
+                        atg.cancel_scope.deadline = anyio.current_time() + 60
+                else:
+                    await anyio.sleep(secs)
+            stop_all.set()
+        result = {"phases": {p: _phase_summary(stats, p, pids) for p, _, _ in phases},
+                  "pids": {"engine": proc.pid, "frontends": pids[1:]},
+                  "engine_alive": proc.poll() is None, "args": vars(args)}
+        proc.send_signal(signal.SIGTERM)
+        result["exit_code"] = proc.wait(60)
+        return result
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _print(result: dict) -> None:
+    print(f"\nsoak: engine exit code {result.get('exit_code')}; pids {result['pids']}")
+    for name, ph in result["phases"].items():
+        counts = ph["counts"]
+        good = {k: v for k, v in counts.items() if not k.startswith("attack_")}
+        print(f"  {name:7s} good: {good}")
+        if name == "attack":
+            print(f"          attacks: { {k: v for k, v in counts.items() if k.startswith('attack_')} }")
+        print(f"          rss MB last {ph.get('rss_mb_last')}  max {ph.get('rss_mb_max')}")
+        print(f"          fds last {ph.get('fds_last')}  max {ph.get('fds_max')}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--minutes", type=float, default=10.0, help="length of the attack phase")
+    ap.add_argument("--calm-s", type=float, default=30.0, help="length of the before/after phases")
+    ap.add_argument("--good-clients", type=int, default=64)
+    ap.add_argument("--api-servers", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--attack-rate", type=float, default=2.0, help="hostile HTTP bodies per second")
+    ap.add_argument("--slowloris", type=int, default=300)
+    ap.add_argument("--ipc-bare", type=int, default=300)
+    ap.add_argument("--request-timeout", type=float, default=120.0)
+    ap.add_argument("--sample-s", type=float, default=5.0)
+    ap.add_argument("--serve-arg", action="append", default=[], help="extra serve flag (repeatable)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    result = anyio.run(run, args)
+    _print(result)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    lost = sum(ph["counts"].get("lost", 0) for ph in result["phases"].values())
+    return 0 if result["engine_alive"] and lost == 0 and result["exit_code"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
