@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--drain-timeout", type=float, default=30.0)
     s.add_argument("--http", default=None, help="HOST:PORT for the OpenAI-compatible frontends")
     s.add_argument("--api-servers", type=int, default=1)
+    from .http.limits import add_http_limit_args
+
+    add_http_limit_args(s)  # --max-body-bytes, --header-timeout, ...: see entrypoints/http/limits.py
     s.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     s.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
 

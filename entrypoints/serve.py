@@ -161,9 +161,15 @@ def _serve_http(a, config) -> int:
     import secrets
 
     from .http.frontend import Frontends, bind_http
+    from .http.limits import limits_from_args
 
     if a.api_servers < 1:
         print("enginecore: bad configuration: --api-servers must be >= 1", file=sys.stderr)
+        return EXIT_STARTUP
+    try:
+        limits = limits_from_args(a)
+    except ValueError as exc:
+        print(f"enginecore: bad configuration: {exc}", file=sys.stderr)
         return EXIT_STARTUP
     try:
         sock = bind_http(a.http)
@@ -172,7 +178,7 @@ def _serve_http(a, config) -> int:
         return EXIT_STARTUP
     token = a.token or secrets.token_urlsafe(24)  # the IPC socket is private to the frontends
     frontends = Frontends(sock, a.api_servers, token, drain_timeout=a.drain_timeout,
-                          verbose=logging.getLogger().isEnabledFor(logging.INFO))
+                          verbose=logging.getLogger().isEnabledFor(logging.INFO), limits=limits)
     try:
         code = anyio.run(lambda: run(config, listen=a.listen, token=token,
                                      drain_timeout=a.drain_timeout, parent_pid=a.parent_pid,

@@ -34,79 +34,75 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import anyio
-import uvicorn
 
 from states import State
+
+from .limits import HttpLimits, add_http_limit_args, limits_from_args
+
+if TYPE_CHECKING:  # the engine process imports this module without uvicorn and FastAPI
+    from .server import Server
 
 log = logging.getLogger("enginecore.http")
 
 #: How long a frontend answers 503 after the engine died, before it exits 1.
 DEAD_GRACE = 1.0
-#: How long uvicorn may take to finish open responses once the engine is gone or shut down.
-GRACEFUL_TIMEOUT = 10.0
 TOKEN_ENV = "ENGINECORE_TOKEN"
 EXIT_OK, EXIT_CRASH, EXIT_STARTUP, EXIT_ENGINE_DIED = 0, 1, 2, 3
 
 
-class Server(uvicorn.Server):
-    """uvicorn without its signal handlers: the engine process decides when we stop."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-
-def make_server(app, **kw: Any) -> Server:
-    options = dict(log_config=None, access_log=False, lifespan="off",
-                   timeout_graceful_shutdown=GRACEFUL_TIMEOUT, log_level="warning")
-    options.update(kw)
-    return Server(uvicorn.Config(app, **options))
-
-
-async def watch_engine(handle, server: Server, *, parent_pid: Optional[int] = None,
-                       dead_grace: float = DEAD_GRACE, interval: float = 0.05) -> int:
-    """Follow the engine behind ``handle`` (an :class:`~entrypoints.http.app.EngineHandle`); when it
-    has shut down or died, make ``server`` exit. Returns the frontend's exit code (0 or 3)."""
-    engine = handle.engine
-    while True:
-        reason = None
-        if parent_pid is not None and os.getppid() != parent_pid:
+async def watch_engine(fe, server: Server, *, parent_pid: Optional[int] = None,
+                       dead_grace: float = DEAD_GRACE) -> int:
+    """Follow the engine of ``fe`` (an :class:`~entrypoints.http.context.Frontend`); once it has
+    stopped (shut down, died, or the connection to it ended) or ``parent_pid`` is no longer our
+    parent, make ``server`` exit. Returns the frontend's exit code (0 or 3)."""
+    engine = fe.engine
+    reason = None
+    async with anyio.create_task_group() as tg:
+        async def watch_parent() -> None:
+            nonlocal reason
+            while os.getppid() == parent_pid:
+                await anyio.sleep(0.1)
             reason = f"the engine process {parent_pid} exited"
+            tg.cancel_scope.cancel()
+
+        if parent_pid is not None:
+            tg.start_soon(watch_parent)
+        await engine.wait_stopped()
+        tg.cancel_scope.cancel()
+    if reason is None:
+        if fe.failed or engine.state is State.FAILED:
+            reason = "the engine failed"
+        elif engine.state is not State.SHUTDOWN:
+            reason = "lost the engine"
         else:
-            state = handle.state
-            closed = getattr(engine, "closed", None)  # an EngineClient: the connection ended
-            if state is State.SHUTDOWN and (closed is None or closed) and not handle.failed:
-                log.info("frontend %d: the engine shut down; exiting", os.getpid())
-                server.should_exit = True
-                return EXIT_OK
-            if state is State.FAILED or handle.failed or closed:
-                reason = "the engine failed" if handle.failed else "lost the engine"
-        if reason is not None:
-            break
-        await anyio.sleep(interval)
+            log.info("frontend %d: the engine shut down; exiting", os.getpid())
+            server.should_exit = True
+            return EXIT_OK
     log.error("frontend %d: %s; /health is 503, exiting in %.1fs", os.getpid(), reason, dead_grace)
-    handle.dead = reason
+    fe.dead = reason
     await anyio.sleep(dead_grace)
     server.should_exit = True
     return EXIT_ENGINE_DIED
 
 
-async def serve_frontend(engine, sock: socket.socket, *, parent_pid: Optional[int] = None,
-                         dead_grace: float = DEAD_GRACE, **server_options: Any) -> int:
-    """Serve ``engine`` (AsyncEngine or EngineClient) over HTTP on ``sock`` until the engine has
-    shut down (returns 0) or died (returns 3)."""
+async def serve_frontend(engine, sock: socket.socket, *, limits: HttpLimits = HttpLimits(),
+                         parent_pid: Optional[int] = None, dead_grace: float = DEAD_GRACE,
+                         **server_options: Any) -> int:
+    """Serve ``engine`` (an ``engine.interface.Engine``) over HTTP on ``sock`` until the engine
+    has shut down (returns 0) or died (returns 3)."""
     from .app import create_app
+    from .server import make_server
 
-    app = create_app(engine)
-    server = make_server(app, **server_options)
+    app = create_app(engine, limits=limits)
+    server = make_server(app, limits, **server_options)
     code = EXIT_OK
     async with anyio.create_task_group() as tg:
         async def watch() -> None:
             nonlocal code
-            code = await watch_engine(app.state.frontend.handle, server, parent_pid=parent_pid,
+            code = await watch_engine(app.state.frontend, server, parent_pid=parent_pid,
                                       dead_grace=dead_grace)
 
         tg.start_soon(watch)
@@ -115,6 +111,57 @@ async def serve_frontend(engine, sock: socket.socket, *, parent_pid: Optional[in
     if not server.started:
         return EXIT_STARTUP
     return code
+
+
+class _ClientAsEngine:
+    """TEMPORARY -- delete at the merge of the IPC branch, where ``ipc.EngineClient`` satisfies
+    ``engine.interface.Engine`` itself; then pass the client to :func:`serve_frontend` as is.
+
+    On this branch the client's ``apply_chat_template`` is sync (here: rendered on a worker
+    thread) and it has no ``on_state_change`` / ``wait_stopped`` (here: the client's state and
+    ``closed`` followed every 50 ms). Everything else is the client's own."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self._listeners: list[Callable[[State, State], None]] = []
+
+    state = property(lambda self: self.client.state)
+    model = property(lambda self: self.client.model)
+    max_model_len = property(lambda self: self.client.max_model_len)
+
+    def generate(self, prompt, params=None, request_id=None):
+        return self.client.generate(prompt, params, request_id)
+
+    async def abort(self, request_id: str, reason: str = "aborted by client") -> None:
+        await self.client.abort(request_id, reason)
+
+    async def health(self):
+        return await self.client.health()
+
+    async def drain(self, timeout: Optional[float] = None) -> None:
+        await self.client.drain(timeout)
+
+    async def shutdown(self) -> None:
+        await self.client.shutdown()
+
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return await anyio.to_thread.run_sync(self.client.apply_chat_template, messages,
+                                              add_generation_prompt)
+
+    def on_state_change(self, listener: Callable[[State, State], None]) -> None:
+        self._listeners.append(listener)
+
+    async def wait_stopped(self) -> None:
+        seen = self.client.state
+        while True:
+            state = self.client.state
+            if state is not seen:
+                for listener in list(self._listeners):
+                    listener(seen, state)
+                seen = state
+            if self.client.closed:
+                return
+            await anyio.sleep(0.05)
 
 
 async def _main(a: argparse.Namespace) -> int:
@@ -134,7 +181,8 @@ async def _main(a: argparse.Namespace) -> int:
             print(f"enginecore frontend {a.index}: cannot connect to {a.connect}: {exc}",
                   file=sys.stderr)
             return EXIT_STARTUP
-        return await serve_frontend(client, sock, parent_pid=a.parent_pid)
+        return await serve_frontend(_ClientAsEngine(client), sock, limits=a.limits,
+                                    parent_pid=a.parent_pid)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -147,12 +195,20 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="exit (3) when this process is no longer our parent")
     ap.add_argument("--index", type=int, default=0)
     ap.add_argument("-v", "--verbose", action="store_true")
+    add_http_limit_args(ap)
     a = ap.parse_args(argv)
+    try:
+        a.limits = limits_from_args(a)
+    except ValueError as exc:
+        ap.error(str(exc))
     # The engine process drives the lifecycle (see the module docstring).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from .server import raise_fd_limit
+
+    raise_fd_limit()  # process-wide: the entry point's to set (the connection cap follows it)
     if a.parent_pid is not None and os.getppid() != a.parent_pid:
         return EXIT_ENGINE_DIED
     return anyio.run(_main, a)
@@ -212,8 +268,10 @@ class Frontends:
     STRAGGLER_TIMEOUT = 30.0
 
     def __init__(self, sock: socket.socket, n: int, token: Optional[str],
-                 drain_timeout: float = 30.0, verbose: bool = False) -> None:
+                 drain_timeout: float = 30.0, verbose: bool = False,
+                 limits: HttpLimits = HttpLimits()) -> None:
         self.sock = sock
+        self.limits = limits
         self.n = n
         self.token = token
         self.drain_timeout = drain_timeout
@@ -234,7 +292,8 @@ class Frontends:
         try:
             for i in range(self.n):
                 argv = [sys.executable, "-m", "entrypoints.http.frontend", "--connect", bound,
-                        "--fd", str(fd), "--parent-pid", str(os.getpid()), "--index", str(i)]
+                        "--fd", str(fd), "--parent-pid", str(os.getpid()), "--index", str(i),
+                        *self.limits.to_argv()]
                 if self.verbose:
                     argv.append("-v")
                 self.procs.append(await anyio.open_process(

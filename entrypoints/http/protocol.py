@@ -6,15 +6,24 @@ are refused with a 400 naming the parameter, rather than silently ignored. Unkno
 ignored (clients send new parameters before servers know them). Non-OpenAI extensions, as in
 vLLM (pass them with the ``openai`` client's ``extra_body``): ``top_k``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``.
+
+Types are strict and every number and list is bounded here, before anything reaches the engine
+(which checks again): integers are JSON integers (``true`` is not 1, ``5.0`` is not 5), numbers
+accept integers but not booleans or strings, booleans are ``true``/``false`` only; a value out of
+its range is a 400 naming the parameter. The bounds are :data:`MAX_INT` (2**31 - 1) for counts and
+token ids, ``[0, 2**63)`` for ``seed``, :data:`MAX_STOP` stop strings of at most
+:data:`MAX_STOP_CHARS` characters, :data:`MAX_STOP_TOKEN_IDS` stop ids, :data:`MAX_MESSAGES` chat
+messages of at most :data:`MAX_PARTS` content parts. Prompt sizes in characters are checked by the
+frontend against its ``max_prompt_chars`` (``limits.py``).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from engine.errors import BadRequestError
 from engine.params import SamplingParams
@@ -36,35 +45,66 @@ def error_body(message: str, type: str = "invalid_request_error", param: Optiona
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+MAX_INT = 2**31 - 1
+MAX_STOP = 16
+MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
+MAX_MESSAGES = 4096
+MAX_PARTS = 256
+MAX_NAME_CHARS = 256
+
+
+def _int(ge: int = 0, le: int = MAX_INT):
+    return Annotated[int, Field(strict=True, ge=ge, le=le)]
+
+
+def _num(ge: float, le: float, gt: Optional[float] = None):
+    if gt is not None:
+        return Annotated[float, Field(strict=True, gt=gt, le=le, allow_inf_nan=False)]
+    return Annotated[float, Field(strict=True, ge=ge, le=le, allow_inf_nan=False)]
+
+
+def _str(max_length: int, min_length: int = 0):
+    return Annotated[str, Field(strict=True, min_length=min_length, max_length=max_length)]
+
+
+TokenId = _int()
+Name = _str(MAX_NAME_CHARS)
+StopString = _str(MAX_STOP_CHARS, min_length=1)
+#: Anything a client may send where we only look at whether it is there (tools, functions).
+Opaque = Any
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class _SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    seed: Optional[int] = None
-    stop: Union[str, list[str], None] = None
-    n: Optional[int] = 1
-    stream: Optional[bool] = False
+    model: Optional[Name] = None
+    max_tokens: Optional[_int(ge=1)] = None
+    temperature: Optional[_num(0.0, 2.0)] = None
+    top_p: Optional[_num(0.0, 1.0, gt=0.0)] = None
+    seed: Optional[_int(ge=0, le=2**63 - 1)] = None
+    stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP)], None] = None
+    n: Optional[_int(ge=1, le=128)] = 1
+    stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
-    user: Optional[str] = None
-    # extensions (vLLM-style)
-    top_k: Optional[int] = None
-    min_tokens: Optional[int] = None
-    ignore_eos: Optional[bool] = None
-    stop_token_ids: Optional[list[int]] = None
+    presence_penalty: Optional[_num(-2.0, 2.0)] = None
+    frequency_penalty: Optional[_num(-2.0, 2.0)] = None
+    logit_bias: Optional[Annotated[dict[_str(32), _num(-100.0, 100.0)], Field(max_length=300)]] = None
+    user: Optional[_str(1024)] = None
+    # extensions (vLLM-style); top_k -1 or 0: disabled
+    top_k: Optional[_int(ge=-1)] = None
+    min_tokens: Optional[_int()] = None
+    ignore_eos: Optional[StrictBool] = None
+    stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]] = None
 
     def check_common(self) -> None:
         if self.n is not None and self.n != 1:
@@ -78,26 +118,15 @@ class _SamplingFields(_Body):
             raise RequestError("stream_options is only allowed with stream=true", param="stream_options")
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's SamplingParams (OpenAI defaults: temperature 1, top_p 1)."""
-        if self.temperature is not None and not (0.0 <= self.temperature <= 2.0):
-            raise RequestError("temperature must be between 0 and 2", param="temperature")
-        if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
-            raise RequestError("top_p must be in (0, 1]", param="top_p")
-        if max_tokens < 1:
-            raise RequestError("max_tokens must be at least 1", param="max_tokens")
+        """The engine's SamplingParams (OpenAI defaults: temperature 1, top_p 1); every value
+        is already in range (the schema)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in stop):
-            raise RequestError("stop strings must be non-empty", param="stop")
-        if len(stop) > 16:
-            raise RequestError("at most 16 stop strings are supported", param="stop")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise RequestError("seed must be in [0, 2**63)", param="seed")
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if self.temperature is None else float(self.temperature),
                 top_p=1.0 if self.top_p is None else float(self.top_p),
-                top_k=self.top_k or 0, seed=self.seed, stop=stop,
+                top_k=max(0, self.top_k or 0), seed=self.seed, stop=stop,
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
                 min_tokens=min(self.min_tokens or 0, max_tokens),
             ).validate()
@@ -109,12 +138,16 @@ class _SamplingFields(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+_Ids = Annotated[list[TokenId], Field(max_length=1 << 20)]
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    echo: Optional[bool] = False
-    suffix: Optional[str] = None
-    logprobs: Optional[int] = None
-    best_of: Optional[int] = None
+    prompt: Union[StrictStr, _Ids, Annotated[list[StrictStr], Field(max_length=128)],
+                  Annotated[list[_Ids], Field(max_length=128)]]
+    echo: Optional[StrictBool] = False
+    suffix: Optional[StrictStr] = None
+    logprobs: Optional[_int(le=20)] = None
+    best_of: Optional[_int(ge=1, le=128)] = None
 
     def check(self) -> Union[str, list[int]]:
         """Validate what the engine cannot do; return the one prompt."""
@@ -139,14 +172,22 @@ class CompletionRequest(_SamplingFields):
 
 
 class ContentPart(_Body):
-    type: str
-    text: Optional[str] = None
+    type: _str(64)
+    text: Optional[StrictStr] = None
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[ContentPart], None] = None
-    name: Optional[str] = None
+    content: Union[StrictStr, Annotated[list[ContentPart], Field(max_length=MAX_PARTS)], None] = None
+    name: Optional[Name] = None
+
+    def chars(self) -> int:
+        """The characters of the content (what the chat template will render)."""
+        if self.content is None:
+            return 0
+        if isinstance(self.content, str):
+            return len(self.content)
+        return sum(len(p.text or "") for p in self.content)
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -163,17 +204,17 @@ class ChatMessage(_Body):
 
 
 class ResponseFormat(_Body):
-    type: str = "text"
+    type: _str(64) = "text"
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = None
-    logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
-    functions: Optional[list[Any]] = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: Optional[_int(ge=1)] = None
+    logprobs: Optional[StrictBool] = False
+    top_logprobs: Optional[_int(le=20)] = None
+    tools: Optional[Annotated[list[Opaque], Field(max_length=128)]] = None
+    tool_choice: Optional[Opaque] = None
+    functions: Optional[Annotated[list[Opaque], Field(max_length=128)]] = None
     response_format: Optional[ResponseFormat] = None
 
     def check(self) -> list[dict]:

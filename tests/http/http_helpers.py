@@ -21,7 +21,9 @@ import openai
 
 from engine import AsyncEngine, EngineConfig
 from entrypoints.http.app import create_app
-from entrypoints.http.frontend import make_server, watch_engine
+from entrypoints.http.frontend import _ClientAsEngine, watch_engine
+from entrypoints.http.limits import HttpLimits
+from entrypoints.http.server import make_server
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = EngineConfig(model="random:tiny-llama", device="cpu", num_kv_blocks=512,
@@ -52,34 +54,55 @@ class Served:
 
 
 @asynccontextmanager
-async def served(config: EngineConfig = TINY, engine=None) -> AsyncIterator[Served]:
+async def served(config: EngineConfig = TINY, engine=None, *, limits: HttpLimits = HttpLimits(),
+                 via: str = "engine") -> AsyncIterator[Served]:
     """An engine (opened here unless given) and the app on uvicorn, on 127.0.0.1:<free port>.
+    ``via="client"``: the app serves an ``ipc.EngineClient`` connected to the engine over an
+    in-process IPC server (as a frontend process does), not the engine itself.
     On exit the engine is drained (if still serving) and the server has stopped."""
     async with AsyncEngine.open(config) if engine is None else _given(engine) as eng:
-        sock = listening_socket()
-        app = create_app(eng)
-        server = make_server(app, timeout_graceful_shutdown=5)
-        port = sock.getsockname()[1]
-        stopped = anyio.Event()
-        async with anyio.create_task_group() as tg:
-            async def run_server() -> None:
-                try:
-                    await server.serve([sock])
-                finally:
-                    stopped.set()
+        async with _engine_for_app(eng, via) as served_engine:
+            sock = listening_socket()
+            app = create_app(served_engine, limits=limits)
+            server = make_server(app, limits, timeout_graceful_shutdown=5)
+            port = sock.getsockname()[1]
+            stopped = anyio.Event()
+            async with anyio.create_task_group() as tg:
+                async def run_server() -> None:
+                    try:
+                        await server.serve([sock])
+                    finally:
+                        stopped.set()
 
-            tg.start_soon(watch_engine, app.state.frontend.handle, server)
-            tg.start_soon(run_server)
-            while not server.started:
-                await anyio.sleep(0.01)
-            try:
-                yield Served(eng, app, f"http://127.0.0.1:{port}")
-            finally:
-                server.should_exit = True
-                with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-                    await stopped.wait()
-                tg.cancel_scope.cancel()
-        sock.close()
+                tg.start_soon(watch_engine, app.state.frontend, server)
+                tg.start_soon(run_server)
+                while not server.started:
+                    await anyio.sleep(0.01)
+                try:
+                    yield Served(eng, app, f"http://127.0.0.1:{port}")
+                finally:
+                    server.should_exit = True
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                        await stopped.wait()
+                    tg.cancel_scope.cancel()
+            sock.close()
+
+
+@asynccontextmanager
+async def _engine_for_app(eng, via: str):
+    if via == "engine":
+        yield eng
+        return
+    assert via == "client", via
+    from ipc.client import EngineClient
+    from ipc.server import serve_ipc
+
+    with tempfile.TemporaryDirectory(prefix="ec-http-ipc-") as tmp:
+        async with anyio.create_task_group() as tg:
+            address = await tg.start(serve_ipc, eng, f"unix://{tmp}/engine.sock")
+            async with EngineClient.connect(address, client_name="http-test") as client:
+                yield _ClientAsEngine(client)  # TEMPORARY adapter: see entrypoints/http/frontend.py
+            tg.cancel_scope.cancel()
 
 
 @asynccontextmanager

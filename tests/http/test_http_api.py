@@ -251,7 +251,7 @@ async def test_drain_in_process():
         assert results == ["abort"] * 4
         await oc.close()
         with anyio.fail_after(10):  # the engine is SHUTDOWN: the server stops by itself
-            while not s.app.state.frontend.handle.state.value == "shutdown":
+            while not s.frontend.state.value == "shutdown":
                 await anyio.sleep(0.01)
 
 
@@ -276,5 +276,5 @@ async def test_engine_failure_mid_stream():
         await oc.close()
         assert s.frontend.metrics.requests.labels("error")._value.get() == 1
         with anyio.fail_after(10):
-            while s.frontend.handle.dead is None:
+            while s.frontend.dead is None:
                 await anyio.sleep(0.01)

@@ -1,0 +1,120 @@
+"""``Frontend``: what the routes of one app share -- the :class:`~engine.interface.Engine` they
+serve (taken as it is: an ``AsyncEngine`` in process, an ``ipc.EngineClient`` in a frontend
+process), this process's limits and metrics, and the one flag the engine cannot tell itself:
+that the frontend has given up on it (``dead``).
+
+Health (``/health``) answers from the engine's state as last pushed to us
+(``Engine.on_state_change``) and a probe bounded by :data:`HEALTH_PROBE_TIMEOUT`. A probe that is
+slow -- the event loop was busy, the engine process is mid-step -- is not death: the answer then
+comes from the last known state. Dead means the connection is lost (``dead`` set) or the engine
+is FAILED.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import anyio
+
+from states import LIVE_STATES, State
+
+from engine.errors import EngineDeadError, EngineError
+from engine.interface import Engine, Health, RequestStreamLike
+from engine.params import SamplingParams
+from . import protocol as P
+from .limits import HttpLimits
+from .metrics import Metrics
+
+log = logging.getLogger("enginecore.http")
+
+HEALTH_PROBE_TIMEOUT = 1.0
+
+
+class Frontend:
+    def __init__(self, engine: Engine, limits: HttpLimits = HttpLimits(),
+                 model_name: Optional[str] = None) -> None:
+        self.engine = engine
+        self.limits = limits
+        self.model: str = model_name or engine.model
+        self.metrics = Metrics()
+        self.created = P.now()
+        #: Set by the frontend process when its connection to the engine is gone for good.
+        self.dead: Optional[str] = None
+        #: True once the engine was seen FAILED (it moves on to SHUTDOWN after its release).
+        self.failed = engine.state is State.FAILED
+        engine.on_state_change(self._on_state_change)
+
+    def _on_state_change(self, old: State, new: State) -> None:
+        if new is State.FAILED:
+            self.failed = True
+
+    # -- what the routes read -----------------------------------------------------------------
+    @property
+    def state(self) -> State:
+        return State.FAILED if self.dead is not None else self.engine.state
+
+    @property
+    def max_model_len(self) -> Optional[int]:
+        return self.engine.max_model_len or None
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.limits.prompt_chars(self.max_model_len)
+
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model:
+            raise P.RequestError(f"The model `{model}` does not exist; this server serves "
+                                 f"`{self.model}`.", param="model", code="model_not_found",
+                                 status=404)
+
+    def check_prompt_chars(self, n: int, param: str) -> None:
+        limit = self.max_prompt_chars
+        if n > limit:
+            raise P.RequestError(f"the prompt has {n} characters; at most {limit} are accepted "
+                                 f"(context limit {self.max_model_len} tokens)", param=param,
+                                 code="prompt_too_long")
+
+    def default_max_tokens(self, chat: bool) -> int:
+        # Completions: OpenAI's default of 16. Chat: until the context is full (the engine stops
+        # a request at the context limit with finish_reason "length").
+        return (self.max_model_len or 4096) if chat else 16
+
+    # -- calls ----------------------------------------------------------------------------------
+    def generate(self, prompt, params: SamplingParams, request_id: str) -> RequestStreamLike:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        return self.engine.generate(prompt, params, request_id=request_id)
+
+    async def chat_prompt(self, messages: list[dict]) -> str:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        try:
+            return await self.engine.apply_chat_template(messages, add_generation_prompt=True)
+        except EngineError:
+            raise
+        except Exception as exc:  # a template that fails on these messages
+            raise P.RequestError(f"chat template failed: {exc}", param="messages") from None
+
+    async def health(self) -> tuple[int, dict, Optional[Health]]:
+        """(HTTP status, body, the engine's Health if the probe answered in time)."""
+        if self.dead is not None:
+            return 503, {"status": "dead", "detail": self.dead}, None
+        h: Optional[Health] = None
+        try:
+            with anyio.move_on_after(HEALTH_PROBE_TIMEOUT):
+                h = await self.engine.health()
+        except Exception as exc:  # the engine refused the probe: trust its state, below
+            log.debug("health probe failed: %r", exc)
+        state = self.engine.state if h is None else h.state
+        if self.failed:  # FAILED, then SHUTDOWN once released: dead all the same
+            state = State.FAILED
+        live = state in LIVE_STATES if h is None else bool(h.live)
+        body = {"status": "ok" if live else ("dead" if state is State.FAILED else "unavailable"),
+                "state": state.value}
+        if h is None:
+            body["probe"] = "timeout"
+        return (200 if live else 503), body, h
+
+
+__all__ = ["Frontend", "HEALTH_PROBE_TIMEOUT"]

@@ -1,0 +1,134 @@
+"""Pure ASGI middleware that refuses before the app does any work (see ``limits.py``).
+
+* :class:`InFlightGuard` (outermost): at most ``limit`` generation requests open at once; the
+  next one gets 429 + ``Retry-After`` before its body is read.
+* :class:`BodyGuard`: reads the whole body itself, bounded in size (``Content-Length`` checked
+  first, then the bytes counted as they arrive: 413, and the connection is closed so the rest is
+  never read), in time (408) and, over all requests of the process, in memory buffered at once
+  (503 + ``Retry-After``). The app then gets the body as one message, and the client's
+  disconnect afterwards as usual.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import anyio
+
+from .errors import send_error
+
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+#: Bodies buffered at once by one process, all requests together, in units of max_body_bytes.
+BUFFER_BUDGET_BODIES = 32
+
+Reject = Optional[Callable[[str], None]]
+
+
+class InFlightGuard:
+    def __init__(self, app, limit: int, on_reject: Reject = None) -> None:
+        self.app = app
+        self.limit = limit
+        self.on_reject = on_reject
+        self.in_flight = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            return await self.app(scope, receive, send)
+        if self.in_flight >= self.limit:
+            if self.on_reject is not None:
+                self.on_reject("overloaded")
+            return await send_error(send, 429, f"too many requests in flight on this server "
+                                    f"(limit {self.limit}); retry later", "rate_limit_error",
+                                    headers=((b"retry-after", b"1"),))
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
+def _content_length(scope) -> tuple[bool, Optional[int]]:
+    """(valid, length or None) from the request's headers."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            if not value.isdigit() or len(value) > 18:
+                return False, None
+            return True, int(value)
+    return True, None
+
+
+class BodyGuard:
+    def __init__(self, app, max_body_bytes: int, body_timeout: float,
+                 on_reject: Reject = None) -> None:
+        self.app = app
+        self.max = max_body_bytes
+        self.timeout = body_timeout
+        self.on_reject = on_reject
+        self.budget = BUFFER_BUDGET_BODIES * max_body_bytes
+        self.buffered = 0  # body bytes held by requests of this process right now
+
+    def _reject(self, reason: str) -> None:
+        if self.on_reject is not None:
+            self.on_reject(reason)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        valid, length = _content_length(scope)
+        if not valid:
+            self._reject("bad_request")
+            return await send_error(send, 400, "invalid Content-Length header", close=True)
+        if length is not None and length > self.max:
+            self._reject("too_large")
+            return await send_error(send, 413, self._too_large(), close=True)
+        held = 0
+        try:
+            chunks: list[bytes] = []
+            with anyio.move_on_after(self.timeout) as deadline:
+                while True:
+                    msg = await receive()
+                    if msg["type"] != "http.request":
+                        return  # the client went away: nobody to answer
+                    data = msg.get("body", b"")
+                    if held + len(data) > self.max:
+                        self._reject("too_large")
+                        return await send_error(send, 413, self._too_large(), close=True)
+                    if self.buffered + len(data) > self.budget:
+                        self._reject("overloaded")
+                        return await send_error(
+                            send, 503, "this server is buffering too many request bodies; "
+                            "retry later", "service_unavailable", "server_busy",
+                            headers=((b"retry-after", b"1"),), close=True)
+                    if data:
+                        chunks.append(data)
+                        held += len(data)
+                        self.buffered += len(data)
+                    if not msg.get("more_body", False):
+                        break
+            if deadline.cancelled_caught:
+                self._reject("bad_request")
+                return await send_error(send, 408, f"the request body was not received within "
+                                        f"{self.timeout:g} s", close=True)
+            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()
+            await self.app(scope, _replay(body, receive), send)
+        finally:
+            self.buffered -= held
+
+    def _too_large(self) -> str:
+        return f"request body too large: the limit is {self.max} bytes"
+
+
+def _replay(body: bytes, receive) -> Callable[[], Any]:
+    """A ``receive`` that gives ``body`` once, then the connection's own messages."""
+    pending = [body]
+
+    async def replay():
+        if pending:
+            return {"type": "http.request", "body": pending.pop(), "more_body": False}
+        return await receive()
+
+    return replay
+
+
+__all__ = ["InFlightGuard", "BodyGuard", "GENERATION_PATHS"]
