@@ -22,6 +22,7 @@ _EXPORTS = {
     "EngineDrainingError": ".errors",
     "EngineError": ".errors",
     "EngineShutdownError": ".errors",
+    "EngineSleepingError": ".errors",
     "InvalidTransitionError": ".errors",
     "RequestOutput": ".params",
     "SamplingParams": ".params",
@@ -33,7 +34,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .interface import Engine, Health
     from .config import EngineConfig
     from .errors import (BadRequestError, CheckpointError, EngineDeadError, EngineDrainingError,
-                         EngineError, EngineShutdownError, InvalidTransitionError)
+                         EngineError, EngineShutdownError, EngineSleepingError,
+                         InvalidTransitionError)
     from .params import RequestOutput, SamplingParams
     from .runner import ModelRunner
 
@@ -67,5 +69,6 @@ def __dir__() -> list[str]:
 __all__ = [
     "AsyncEngine", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "RequestStream", "Health",
     "EngineStats", "ModelRunner", "EngineError", "BadRequestError", "CheckpointError",
-    "EngineDeadError", "EngineDrainingError", "EngineShutdownError", "InvalidTransitionError",
+    "EngineDeadError", "EngineDrainingError", "EngineShutdownError", "EngineSleepingError",
+    "InvalidTransitionError",
 ]

@@ -33,6 +33,7 @@ from .interface import Health, unavailable_error
 from .params import RequestOutput, SamplingParams
 from .request_stream import RequestStream, Sink
 from .runner import ModelRunner
+from .sleep import SleepAPI, SleepController
 
 log = logging.getLogger("enginecore.engine")
 
@@ -51,6 +52,10 @@ class _Abort(NamedTuple):
     reason: str
 
 
+#: States in which the loop steps requests (SLEEPING: those finishing before the device is freed).
+_STEPPING = (State.SERVING, State.SLEEPING, State.DRAINING)
+
+
 class EngineStats(NamedTuple):
     state: State
     steps: int
@@ -66,7 +71,7 @@ class EngineStats(NamedTuple):
     uptime_s: float
 
 
-class AsyncEngine:
+class AsyncEngine(SleepAPI):
     def __init__(self, config: EngineConfig, *, check_integrity: bool = False):
         self.config = config.validate()
         self.lifecycle = Lifecycle()
@@ -90,6 +95,7 @@ class AsyncEngine:
         self._loop_thread = threading.get_ident()
         self._listeners: list[Callable[[State, State], None]] = []
         self.lifecycle.on_change(self._notify)
+        self._sleep = SleepController(self)
 
     # -- opening and closing ------------------------------------------------------------------
     @classmethod
@@ -150,7 +156,7 @@ class AsyncEngine:
         tg.start_soon(self._loop)
 
     async def _close_quietly(self) -> None:
-        if self.lifecycle.state in (State.SERVING, State.DRAINING):
+        if self.lifecycle.state in (State.SERVING, State.SLEEPING, State.DRAINING):
             await self.drain(0)
         await self._stopped.wait()
 
@@ -160,6 +166,8 @@ class AsyncEngine:
         state = self.lifecycle.state
         if state is State.SERVING:
             self.lifecycle.trigger("drain")
+        elif state is State.SLEEPING:  # what is left is released from SLEEPING (engine/sleep.py)
+            self._sleep.shutdown(timeout, reason)
         elif state is not State.DRAINING:
             self._raise_unavailable("drain")
         deadline = time.monotonic() + (math.inf if timeout is None else max(0.0, timeout))
@@ -250,7 +258,7 @@ class AsyncEngine:
         if request_id in self._tokenizing:
             self._tokenizing[request_id] = reason  # not in the core yet: ended when tokenized
             return
-        if request_id in self._sinks and self.lifecycle.state in (State.SERVING, State.DRAINING):
+        if request_id in self._sinks and self.lifecycle.state in _STEPPING:
             self._inbox.append(_Abort(request_id, reason))
             if threading.get_ident() == self._loop_thread:
                 self._wake()
@@ -306,7 +314,7 @@ class AsyncEngine:
 
     def health_nowait(self) -> Health:
         st = self.lifecycle.state
-        core = self.core if st in (State.SERVING, State.DRAINING) else None
+        core = self.core if st in _STEPPING else None
         return Health(state=st, live=self.lifecycle.live, ready=st is State.SERVING,
                       running=core.num_running if core else 0,
                       waiting=max(0, len(self._sinks) - (core.num_running if core else 0)),
@@ -349,6 +357,8 @@ class AsyncEngine:
                         self._dispatch(core.abort_all(self._drain_reason))
                     if not core.has_work() and not self._tokenizing:
                         break
+                elif self.lifecycle.state is State.SLEEPING and await self._sleep.tick(core):
+                    break  # shut down while asleep
                 if not core.has_work():
                     await self._wakeup.wait()
                     self._wakeup = anyio.Event()

@@ -81,6 +81,14 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def reset_kv(self) -> None:
+        """The KV cache's contents are stale (new weights, or a cache rebuilt after a sleep):
+        nothing cached may be reused. Only with no request in the engine, so it frees nothing
+        in use. NOTE: prefix caching invalidates its cached blocks here."""
+        if self.requests or self.scheduler.has_work():
+            raise RuntimeError(f"reset_kv with {len(self.requests)} request(s) in the engine")
+        self.allocator.check_integrity()
+
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self.runner.speculator is not None:

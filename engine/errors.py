@@ -39,6 +39,18 @@ class EngineOverloadedError(EngineError):
         self.retry_after = retry_after
 
 
+class EngineSleepingError(EngineError):
+    """The engine is asleep (sleep mode: its device memory is freed) and accepts no new
+    requests until it is woken. Retry later or on another replica."""
+
+    retryable = True
+
+    def __init__(self, message: str = "engine is sleeping; not accepting new requests",
+                 retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class EngineShutdownError(EngineError):
     """The engine has shut down; nothing can be submitted or queried that needs the device."""
 
@@ -63,6 +75,7 @@ class CheckpointError(EngineError):
 
 
 __all__ = [
-    "EngineError", "BadRequestError", "EngineDrainingError", "EngineOverloadedError", "EngineShutdownError",
+    "EngineError", "BadRequestError", "EngineDrainingError", "EngineOverloadedError", "EngineSleepingError",
+    "EngineShutdownError",
     "EngineDeadError", "CheckpointError", "InvalidTransitionError",
 ]

@@ -74,6 +74,11 @@ class DeviceOwner:
         if name in self._resources:
             raise KeyError(f"resource {name!r} is already owned")
         self._resources[name] = resource
+        # NOTE: kept in Resource order, the creation order of a load: a resource adopted again
+        # after a sleep (KV cache, model state, graphs) takes its place again, so close() still
+        # releases in reverse creation order.
+        order = list(Resource)
+        self._resources = dict(sorted(self._resources.items(), key=lambda kv: order.index(kv[0])))
         return resource
 
     def __getitem__(self, name: str) -> Any:
@@ -98,6 +103,42 @@ class DeviceOwner:
         empty_in_place(resource)
         log.debug("released %s", name)
 
+    def offload(self, name: str, pin: bool) -> int:
+        """Sleep level 1: move resource ``name`` to host memory (page-locked if ``pin``) and keep
+        it owned. A module's tensors get host storage in place (``engine.weights``); another
+        resource does it itself (``offload(pin)``: e.g. the draft's, which releases its cache
+        and buffers and offloads its model). Returns the bytes now in host memory."""
+        from .weights import offload_module
+
+        resource = self._resources[name]
+        moved = offload_module(resource, pin) if isinstance(resource, nn.Module) else resource.offload(pin)
+        log.debug("offloaded %s (%d bytes)", name, moved)
+        return moved
+
+    def restore(self, name: str) -> int:
+        """The way back from :meth:`offload`: copy resource ``name`` to the owner's device."""
+        from .weights import restore_module
+
+        resource = self._resources[name]
+        if isinstance(resource, nn.Module):
+            return restore_module(resource, self.device)
+        return resource.restore(self.device)
+
+    def empty_device_cache(self) -> None:
+        """Collect, then hand the caching allocator's free segments (and cuBLAS's workspaces,
+        and the cached page-locked host blocks) back: after a release, memory_reserved shows
+        only what is still owned."""
+        gc.collect()
+        if self.device.type == "cuda" and torch.cuda.is_available():
+            torch.cuda.synchronize(self.device)
+            # NOTE: cuBLAS keeps per-handle workspaces (32 MiB on Hopper) in the caching
+            # allocator; they pin a whole segment unless cleared. Measured on the H200.
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                clear()
+            torch.cuda.empty_cache()
+            empty_host_cache()
+
     def close(self, on_release: Callable[[str], None] | None = None) -> list[str]:
         """Synchronize the device, release everything in reverse order of creation, collect.
 
@@ -112,16 +153,17 @@ class DeviceOwner:
             if on_release is not None:
                 on_release(name)
         self.closed = True
-        gc.collect()
-        if self.device.type == "cuda" and torch.cuda.is_available():
-            torch.cuda.synchronize(self.device)
-            # NOTE: cuBLAS keeps per-handle workspaces (32 MiB on Hopper) in the caching
-            # allocator; they pin a whole segment unless cleared. Measured on the H200.
-            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-            if clear is not None:
-                clear()
-            torch.cuda.empty_cache()
+        self.empty_device_cache()
         return order
+
+
+def empty_host_cache() -> None:
+    """Give the cached page-locked host blocks back (torch keeps freed pinned memory cached)."""
+    fn = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)  # torch >= 2.13
+    if fn is None:
+        fn = getattr(torch._C, "_host_emptyCache", None)  # older releases
+    if fn is not None:
+        fn()
 
 
 def _children(obj: Any) -> Iterator[tuple[str, Any]]:

@@ -23,6 +23,7 @@ from .loader import LoadStopped, create_model, fill_model, resolve_source
 from .model_state import ModelState
 from .owner import DeviceOwner, reachable_tensors
 from .owner import Resource as R
+from .weights import NamedTensors, check_architecture, copy_into, validated, weight_spec
 from .request import Request
 from .sampler import SamplingBatch, StepResult, build_sampling_batch, sample
 from .step_inputs import packed_forward
@@ -49,6 +50,10 @@ class ModelRunner:
         self.max_model_len = 0
         self.steps = 0
         self.speculator = None  # host-side proposer; its device tensors live in the owner
+        self.asleep: tuple[str, ...] = ()  # sleep mode: the parts freed ("weights", "kv_cache")
+        self.sleep_level = 0
+        #: where the weights came from (reloaded from it after sleep level 2); None: tensors
+        self.weights_source: Optional[str] = config.model
 
     # -- the seed bug, made impossible ------------------------------------------------------
     def __setattr__(self, name: str, value) -> None:
@@ -90,29 +95,37 @@ class ModelRunner:
         del model
         if should_stop():
             return
-        graphs = cuda_graphs.usable(self.device, self.config.cuda_graphs, cfg.head_dim,
-                                    self.block_size)
-        usable_blocks = self._num_kv_blocks(cfg)
-        self.num_blocks = usable_blocks
-        # with a speculator a decode carries up to k draft rows, each a decode row
-        rows_per_seq = 1 + (self.config.num_speculative_tokens
-                            if self.config.speculator != "none" else 0)
-        for name, part in device_stack(
-                cfg, num_blocks=usable_blocks, block_size=self.block_size, dtype=self.dtype,
-                device=self.device, use_graphs=graphs, max_model_len=self.max_model_len,
-                max_tokens=self.config.max_num_batched_tokens + self.config.max_num_seqs * 17,
-                max_rows=self.config.max_num_seqs * rows_per_seq):
-            self._owner.adopt(name, part)
-            del part
-            if should_stop():
-                return
+        self.num_blocks = self._num_kv_blocks(cfg)
+        if not self._build_stack(should_stop):
+            return
         if self.config.speculator != "none" and not should_stop():
             from .speculative import build_speculator
 
             self.speculator = build_speculator(self.config, self)
         log.info("loaded %s on %s/%s: %d KV blocks of %d tokens (%.1f MiB); CUDA graphs %s",
                  self.config.model, self.device, self.dtype, self.num_blocks, self.block_size,
-                 self._owner[R.KV_CACHE].nbytes / 2**20, "on" if graphs else "off")
+                 self._owner[R.KV_CACHE].nbytes / 2**20,
+                 "on" if R.CUDA_GRAPHS in self._owner else "off")
+
+    def _build_stack(self, should_stop=lambda: False) -> bool:
+        """KV cache, model state and (CUDA) graphs, each adopted as it is made; False if
+        stopped part way. At load, and again when a sleep is woken."""
+        cfg = self.model_config
+        graphs = cuda_graphs.usable(self.device, self.config.cuda_graphs, cfg.head_dim,
+                                    self.block_size)
+        # with a speculator a decode carries up to k draft rows, each a decode row
+        rows_per_seq = 1 + (self.config.num_speculative_tokens
+                            if self.config.speculator != "none" else 0)
+        for name, part in device_stack(
+                cfg, num_blocks=self.num_blocks, block_size=self.block_size, dtype=self.dtype,
+                device=self.device, use_graphs=graphs, max_model_len=self.max_model_len,
+                max_tokens=self.config.max_num_batched_tokens + self.config.max_num_seqs * 17,
+                max_rows=self.config.max_num_seqs * rows_per_seq):
+            self._owner.adopt(name, part)
+            del part
+            if should_stop():
+                return False
+        return True
 
     def _num_kv_blocks(self, cfg) -> int:
         if self.config.num_kv_blocks:
@@ -150,6 +163,101 @@ class ModelRunner:
         order = self._owner.close()
         log.info("released %s", ", ".join(order) or "nothing")
         return order
+
+    # -- sleep mode (engine/sleep.py drives it) ----------------------------------------------
+    def sleep(self, level: int) -> int:
+        """Free the device, with no request in flight: the speculator, CUDA graphs, model state
+        and KV cache are released through the owner (reverse creation order); the weights are
+        offloaded to host memory (level 1; page-locked on CUDA) or released too (level 2).
+        Returns the bytes kept in host memory."""
+        if level not in (1, 2):
+            raise BadRequestError(f"sleep level must be 1 or 2, not {level!r}")
+        pin, own, held = self.device.type == "cuda", self._owner, 0
+        if pin:
+            torch.cuda.synchronize(self.device)
+        if R.SPECULATOR in own:
+            if level == 1:
+                held += own.offload(R.SPECULATOR, pin)
+            else:
+                own.release(R.SPECULATOR)
+        for name in (R.CUDA_GRAPHS, R.MODEL_STATE, R.KV_CACHE):
+            if name in own:
+                own.release(name)
+        if R.WEIGHTS in own:
+            if level == 1:
+                held += own.offload(R.WEIGHTS, pin)
+            else:
+                own.release(R.WEIGHTS)
+        own.empty_device_cache()
+        self.asleep, self.sleep_level = ("weights", "kv_cache"), level
+        log.info("asleep at level %d: %.1f MiB kept in host memory", level, held / 2**20)
+        return held
+
+    def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        """Bring back the parts ``tags`` name: the weights (copied back, or reloaded from
+        ``weights_source`` after level 2), the KV cache with model state and graphs (graphs
+        are captured again on first use). The speculator comes back with the last part. A wake
+        that fails releases what it brought back (asleep again) before it raises."""
+        try:
+            if "weights" in tags and "weights" in self.asleep:
+                if R.WEIGHTS in self._owner:
+                    self._owner.restore(R.WEIGHTS)
+                else:
+                    self._reload_weights()
+                self.asleep = tuple(t for t in self.asleep if t != "weights")
+            if "kv_cache" in tags and "kv_cache" in self.asleep:
+                self._build_stack()
+                self.asleep = tuple(t for t in self.asleep if t != "kv_cache")
+            if not self.asleep and self.speculator is not None:
+                if R.SPECULATOR in self._owner:
+                    self._owner.restore(R.SPECULATOR)
+                self.speculator.wake()
+        except BaseException as exc:
+            self.sleep(1 if self.weights_source is None else max(1, self.sleep_level))
+            traceback.clear_frames(exc.__traceback__)
+            raise
+        if not self.asleep:
+            self.sleep_level = 0
+
+    def _reload_weights(self) -> None:
+        if self.weights_source is None:
+            raise BadRequestError(
+                "the weights were discarded (sleep level 2) and came from "
+                "update_weights_from_tensors: load them again with update_weights* first")
+        cfg, tensors, _tok = resolve_source(self.weights_source)
+        check_architecture(self.model_config, cfg, self.weights_source)
+        model = self._owner.adopt(R.WEIGHTS, create_model(self.model_config, self.device, self.dtype))
+        fill_model(model, tensors, self.config.seed, self.weights_source)
+
+    def update_weights(self, source: str) -> None:
+        """Load checkpoint ``source`` (same architecture) into the weights' storage, on the
+        device or offloaded; every tensor is checked (names, shapes, floating dtypes) before
+        the first copy, so a refused checkpoint leaves the old weights as they were. After a
+        level-2 sleep the weights are allocated on the device for it."""
+        if source.startswith("random:"):
+            raise BadRequestError(f"{source!r}: random presets carry no weights to load")
+        cfg, tensors, _tok = resolve_source(source)
+        check_architecture(self.model_config, cfg, source)
+        spec = weight_spec(self.model_config, self.dtype)
+        self._write_weights(validated(spec, tensors(), self.model_config, source, exact_dtype=False))
+        self.weights_source = source
+
+    def update_weights_from_tensors(self, named: NamedTensors) -> None:
+        """As :meth:`update_weights`, from ``(name, tensor)`` pairs of exactly the weights'
+        shapes and dtype (any device); a later level-2 sleep cannot reload them."""
+        spec = weight_spec(self.model_config, self.dtype)
+        self._write_weights(validated(spec, named, self.model_config, "tensors", exact_dtype=True))
+        self.weights_source = None
+
+    def _write_weights(self, tensors) -> None:
+        if not self.loaded and not self.asleep:
+            raise BadRequestError("update_weights needs a loaded model")
+        model = self._owner.get(R.WEIGHTS)
+        if model is None:  # discarded by a level-2 sleep: these are the weights now
+            model = self._owner.adopt(R.WEIGHTS, create_model(self.model_config, self.device, self.dtype))
+            self.asleep = tuple(t for t in self.asleep if t != "weights")
+        copy_into(model, tensors)
+        log.info("weights updated (%d tensors)", len(tensors))
 
     # -- one step ----------------------------------------------------------------------------
     def check_prompt(self, n: int, max_tokens: int) -> None:

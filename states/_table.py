@@ -9,13 +9,14 @@ class State(str, enum.Enum):
     INIT = "init"
     LOADED = "loaded"
     SERVING = "serving"
+    SLEEPING = "sleeping"
     DRAINING = "draining"
     SHUTDOWN = "shutdown"
     FAILED = "failed"
 
 
 #: States in which the engine is alive (a failure can still happen there).
-LIVE_STATES = (State.INIT, State.LOADED, State.SERVING, State.DRAINING)
+LIVE_STATES = (State.INIT, State.LOADED, State.SERVING, State.SLEEPING, State.DRAINING)
 
 #: The whole lifecycle. NOTE: no "*" sources and no auto transitions, so there are no self-loops
 #: (shutdown -> shutdown would hide a double release).
@@ -23,6 +24,12 @@ TRANSITIONS: list[dict] = [
     {"trigger": "load", "source": State.INIT, "dest": State.LOADED},
     {"trigger": "serve", "source": State.LOADED, "dest": State.SERVING},
     {"trigger": "drain", "source": State.SERVING, "dest": State.DRAINING},
+    # Sleep mode: admission stops at once; the device memory is freed once in-flight requests
+    # ended (aborted, or finished with mode="wait"); wake brings it back.
+    {"trigger": "sleep", "source": State.SERVING, "dest": State.SLEEPING},
+    {"trigger": "wake", "source": State.SLEEPING, "dest": State.SERVING},
+    # A shutdown while asleep releases what is left (level 1: the offloaded weights).
+    {"trigger": "shutdown", "source": State.SLEEPING, "dest": State.SHUTDOWN},
     {"trigger": "shutdown", "source": State.DRAINING, "dest": State.SHUTDOWN},
     # A start that is cancelled before serving releases straight away.
     {"trigger": "shutdown", "source": State.LOADED, "dest": State.SHUTDOWN},

@@ -224,6 +224,10 @@ class Speculator:
             raise RuntimeError("the runner of this speculator is gone")
         return r
 
+    def wake(self) -> None:
+        """After a sleep of the runner: rebuild what the proposer keeps on the device (nothing
+        here; the draft model's speculator overrides it)."""
+
     # -- proposing ---------------------------------------------------------------------------
     def limit(self, req: Request) -> int:
         """How many draft tokens ``req`` may take this step (0: not decoding, or no room)."""

@@ -32,6 +32,7 @@ from ..kv_cache import BlockAllocator, KVCache, blocks_needed
 from ..loader import build_model, resolve_source
 from ..model_state import ModelState
 from ..owner import Resource, empty_in_place
+from ..weights import offload_module, restore_module
 from ..sampler import SamplingBatch, apply_penalty_free_filters
 from ..step_inputs import packed_forward
 from .base import Speculator, race
@@ -58,6 +59,20 @@ class DraftResources:
     def nbytes(self) -> int:
         w = 0 if self.model is None else sum(p.numel() * p.element_size() for p in self.model.parameters())
         return w + (self.kv.nbytes if self.kv is not None else 0)
+
+    def offload(self, pin: bool) -> int:
+        """Sleep level 1 (``DeviceOwner.offload``): the cache, buffers and graphs released, the
+        model moved to host memory in place. Returns the bytes now in host memory."""
+        self.pending_clear()
+        model, self.model = self.model, None
+        self.close()  # everything but the model
+        self.model = model
+        return offload_module(model, pin)
+
+    def restore(self, device) -> int:
+        """``DeviceOwner.restore``: the model back on ``device``; the speculator rebuilds the
+        rest (:meth:`DraftSpeculator.wake`)."""
+        return restore_module(self.model, device)
 
     def close(self) -> None:
         self.pending_clear()
@@ -119,22 +134,43 @@ class DraftSpeculator(Speculator):
         self.budget = config.max_num_batched_tokens
         self.device = runner.device
         self.max_chunk = self.k + 1  # catch-up chunks up to this long run as decode rows
+        self._source, self._seed, self._dcfg = source, seed, dcfg
         model = build_model(dcfg, tensors, runner.device, runner.dtype, seed, source)
-        graphs = cuda_graphs.usable(runner.device, config.cuda_graphs, dcfg.head_dim,
-                                    self.block_size)
-        max_rows = config.max_num_seqs * self.max_chunk
         res = runner.adopt(Resource.SPECULATOR, DraftResources(model, None, None, None))
         del model
+        self._build_stack(res)
+        log.info("draft model %s: %.1f MiB (weights + %d KV blocks)", source,
+                 res.nbytes / 2**20, self.num_blocks)
+
+    def _build_stack(self, res: DraftResources) -> None:
+        """The draft's KV cache, buffers and graphs into ``res``; fresh host bookkeeping."""
+        runner, config = self.runner, self.runner.config
+        graphs = cuda_graphs.usable(runner.device, config.cuda_graphs, self._dcfg.head_dim,
+                                    self.block_size)
+        max_rows = config.max_num_seqs * self.max_chunk
         for name, part in device_stack(
-                dcfg, num_blocks=self.num_blocks, block_size=self.block_size, dtype=runner.dtype,
-                device=runner.device, use_graphs=graphs, max_model_len=runner.max_model_len,
+                self._dcfg, num_blocks=self.num_blocks, block_size=self.block_size,
+                dtype=runner.dtype, device=runner.device, use_graphs=graphs,
+                max_model_len=runner.max_model_len,
                 max_tokens=config.max_num_batched_tokens + max_rows, max_rows=max_rows):
             setattr(res, _PARTS[name], part)
             del part
         self.allocator = BlockAllocator(self.num_blocks)
         self._seqs: dict[str, _Seq] = {}
-        log.info("draft model %s: %.1f MiB (weights + %d KV blocks)", source,
-                 res.nbytes / 2**20, self.num_blocks)
+
+    def wake(self) -> None:
+        """After a sleep: the model is back (the runner restored it at level 1) or is rebuilt
+        from its source (level 2: the resource was released); then the cache, buffers, graphs."""
+        runner = self.runner
+        try:
+            res = self._res()
+        except KeyError:  # released at level 2
+            _cfg, tensors, _tok = resolve_source(self._source)
+            model = build_model(self._dcfg, tensors, runner.device, runner.dtype, self._seed,
+                                self._source)
+            res = runner.adopt(Resource.SPECULATOR, DraftResources(model, None, None, None))
+            del model
+        self._build_stack(res)
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def _res(self) -> DraftResources:
