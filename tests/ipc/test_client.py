@@ -108,7 +108,7 @@ async def test_errors_surface_eagerly_or_on_first_next():
             c.generate({"not": "a prompt"})  # type: ignore[arg-type]
         with pytest.raises(BadRequestError, match="request_id"):
             c.generate([1], request_id="")
-        with pytest.raises(BadRequestError, match="invalid request"):
+        with pytest.raises(BadRequestError, match="stop must be"):
             c.generate([1], SamplingParams(stop="not a list"))  # type: ignore[arg-type]
         # Refused by the engine: raised by the first __anext__.
         s = c.generate("", SamplingParams(max_tokens=2))
