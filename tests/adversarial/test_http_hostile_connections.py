@@ -269,3 +269,30 @@ async def test_flood_filter_lets_one_line_per_interval_through():
     finally:
         logger.removeHandler(handler)
         logger.removeFilter(flood)
+
+
+@pytest.mark.slow
+async def test_serve_passes_the_limits_to_its_frontend_processes():
+    """``enginecore serve --http ... --max-body-bytes --header-timeout``: the frontend process
+    (over its EngineClient) enforces them."""
+    from http_helpers import ServeProcess
+
+    sp = ServeProcess(extra=("--max-body-bytes", "4096", "--header-timeout", "1"))
+    try:
+        await sp.wait_ready(1)
+        async with sp.http() as c:
+            r = await c.post("/v1/completions", json={"prompt": "x" * 5000})
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+            r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "top_k": 2**63})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
+            r = await c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            assert r.status_code == 200, r.text  # the chat template, rendered off the loop
+        with socket.create_connection(("127.0.0.1", sp.port)) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\n")
+            t0 = time.monotonic()
+            sock.settimeout(5)
+            assert await anyio.to_thread.run_sync(sock.recv, 10) == b""
+            assert time.monotonic() - t0 < 3.0
+    finally:
+        sp.cleanup()
