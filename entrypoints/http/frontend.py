@@ -5,7 +5,9 @@ process (``SO_REUSEADDR``; before loading, so "address in use" is a startup erro
 engine is SERVING starts N frontend processes (:class:`Frontends`, the ``on_serving`` hook of
 :func:`entrypoints.serve.run`). Each inherits the listening socket (``pass_fds``) -- the kernel spreads
 connections over them -- connects to the engine's private IPC socket as an ``ipc.EngineClient``
-and serves the OpenAI-compatible app (:mod:`entrypoints.http.app`) with uvicorn on that socket.
+and serves the OpenAI-compatible app (:mod:`entrypoints.http.app`) with uvicorn on that socket
+(hardened: :mod:`entrypoints.http.server`), under the HTTP limits given on the engine's command
+line (:mod:`entrypoints.http.limits`; the supervisor passes them on as the same flags).
 
 The engine process owns the lifecycle; a frontend follows it:
 

@@ -3,10 +3,14 @@
 * :class:`InFlightGuard` (outermost): at most ``limit`` generation requests open at once; the
   next one gets 429 + ``Retry-After`` before its body is read.
 * :class:`BodyGuard`: reads the whole body itself, bounded in size (``Content-Length`` checked
-  first, then the bytes counted as they arrive: 413, and the connection is closed so the rest is
-  never read), in time (408) and, over all requests of the process, in memory buffered at once
+  first, then the bytes counted as they arrive: 413), in time (408) and, over all requests of the process, in memory buffered at once
   (503 + ``Retry-After``). The app then gets the body as one message, and the client's
   disconnect afterwards as usual.
+
+NOTE: a 413 does not close the connection at once: closing with the client's bytes unread makes
+the kernel send a reset, and the client loses the answer (a lingering close, as nginx does).
+uvicorn discards the rest of the body without buffering it; the connection's head timer
+(``server.py``), re-armed when the response completes, closes it if the client keeps sending.
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ class BodyGuard:
             return await send_error(send, 400, "invalid Content-Length header", close=True)
         if length is not None and length > self.max:
             self._reject("too_large")
-            return await send_error(send, 413, self._too_large(), close=True)
+            return await send_error(send, 413, self._too_large())
         held = 0
         try:
             chunks: list[bytes] = []
@@ -92,13 +96,13 @@ class BodyGuard:
                     data = msg.get("body", b"")
                     if held + len(data) > self.max:
                         self._reject("too_large")
-                        return await send_error(send, 413, self._too_large(), close=True)
+                        return await send_error(send, 413, self._too_large())
                     if self.buffered + len(data) > self.budget:
                         self._reject("overloaded")
                         return await send_error(
                             send, 503, "this server is buffering too many request bodies; "
                             "retry later", "service_unavailable", "server_busy",
-                            headers=((b"retry-after", b"1"),), close=True)
+                            headers=((b"retry-after", b"1"),))
                     if data:
                         chunks.append(data)
                         held += len(data)

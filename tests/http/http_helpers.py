@@ -39,10 +39,12 @@ def listening_socket() -> socket.socket:
 
 
 class Served:
-    def __init__(self, engine, app, base_url: str) -> None:
+    def __init__(self, engine, app, base_url: str, server=None) -> None:
         self.engine = engine
         self.app = app
         self.base_url = base_url
+        self.port = int(base_url.rsplit(":", 1)[1])
+        self.server = server
         self.frontend = app.state.frontend
 
     def openai(self, **kw) -> openai.AsyncOpenAI:
@@ -79,7 +81,7 @@ async def served(config: EngineConfig = TINY, engine=None, *, limits: HttpLimits
                 while not server.started:
                     await anyio.sleep(0.01)
                 try:
-                    yield Served(eng, app, f"http://127.0.0.1:{port}")
+                    yield Served(eng, app, f"http://127.0.0.1:{port}", server)
                 finally:
                     server.should_exit = True
                     with anyio.CancelScope(shield=True), anyio.move_on_after(10):

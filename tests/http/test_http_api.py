@@ -85,8 +85,9 @@ async def test_default_model_matches_the_engine():
         await oc.close()
 
 
-async def test_invalid_requests_get_openai_errors():
-    async with served() as s:
+@pytest.mark.parametrize("via", ["engine", "client"])
+async def test_invalid_requests_get_openai_errors(via):
+    async with served(via=via) as s:
         oc = s.openai()
         models = await oc.models.list()
         assert [m.id for m in models.data] == [TINY_NAME]
@@ -141,8 +142,9 @@ async def wait_idle(engine, timeout: float = 20.0) -> None:
             await anyio.sleep(0.02)
 
 
-async def test_client_disconnect_aborts_the_request():
-    async with served() as s:
+@pytest.mark.parametrize("via", ["engine", "client"])
+async def test_client_disconnect_aborts_the_request(via):
+    async with served(via=via) as s:
         body = {"model": TINY_NAME, "prompt": "hello", "max_tokens": 1800, "ignore_eos": True}
         async with s.http() as c:
             # streaming: leave after a few chunks
@@ -217,10 +219,11 @@ async def test_metrics_after_a_few_requests():
         assert states["serving"] == 1 and sum(states.values()) == 1
 
 
-async def test_drain_in_process():
+@pytest.mark.parametrize("via", ["engine", "client"])
+async def test_drain_in_process(via):
     """While the engine drains: /ready 503, /health 200, new requests 503 + Retry-After; open
     streams end (here with "abort" at the drain deadline); then the server stops by itself."""
-    async with served() as s:
+    async with served(via=via) as s:
         oc = s.openai()
         body = dict(model=TINY_NAME, prompt="hello", max_tokens=1800, stream=True,
                     extra_body={"ignore_eos": True})
@@ -255,11 +258,12 @@ async def test_drain_in_process():
                 await anyio.sleep(0.01)
 
 
-async def test_engine_failure_mid_stream():
+@pytest.mark.parametrize("via", ["engine", "client"])
+async def test_engine_failure_mid_stream(via):
     """The engine fails: the open stream ends with an error event, new requests and /health get
     503, and the server stops by itself (a frontend process then exits 3)."""
     config = msgspec.structs.replace(TINY, fault_at_step=6)
-    async with served(config) as s:
+    async with served(config, via=via) as s:
         oc = s.openai()
         stream = await oc.completions.create(model=TINY_NAME, prompt="hi", max_tokens=100,
                                              stream=True, extra_body={"ignore_eos": True})
