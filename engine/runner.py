@@ -17,6 +17,7 @@ import torch
 from . import cuda_graphs
 from .config import EngineConfig
 from .errors import BadRequestError
+from .block_manager import BlockManager
 from .kv_cache import KVCache
 from .loader import LoadStopped, create_model, fill_model, resolve_source
 from .model_state import ModelState
@@ -101,9 +102,11 @@ class ModelRunner:
                                     self.block_size)
         usable_blocks = self._num_kv_blocks(cfg)
         # with CUDA graphs, one extra block (the last) is the scratch block padded rows write to
+        blocks = BlockManager(usable_blocks, self.block_size,
+                              enable_caching=self.config.enable_prefix_caching)
         kv = KVCache(num_layers=cfg.num_layers, num_blocks=usable_blocks + int(graphs),
                      block_size=self.block_size, num_kv_heads=cfg.num_kv_heads,
-                     head_dim=cfg.head_dim, dtype=self.dtype, device=self.device)
+                     head_dim=cfg.head_dim, dtype=self.dtype, device=self.device, blocks=blocks)
         self._owner.adopt("kv_cache", kv)
         self.num_blocks = usable_blocks
         if should_stop():
@@ -124,9 +127,10 @@ class ModelRunner:
             from .speculative import build_speculator
 
             self.speculator = build_speculator(self.config, self)
-        log.info("loaded %s on %s/%s: %d KV blocks of %d tokens (%.1f MiB); CUDA graphs %s",
-                 self.config.model, self.device, self.dtype, self.num_blocks, self.block_size,
-                 kv.nbytes / 2**20, "on" if graphs else "off")
+        log.info("loaded %s on %s/%s: %d KV blocks of %d tokens (%.1f MiB); CUDA graphs %s; "
+                 "prefix caching %s", self.config.model, self.device, self.dtype, self.num_blocks,
+                 self.block_size, kv.nbytes / 2**20, "on" if graphs else "off",
+                 "on" if self.config.enable_prefix_caching else "off")
 
     def _num_kv_blocks(self, cfg) -> int:
         if self.config.num_kv_blocks:
@@ -149,6 +153,11 @@ class ModelRunner:
     @property
     def released(self) -> bool:
         return self._owner.closed
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """The KV cache's blocks and prefix cache (host bookkeeping of the owned KV tensor)."""
+        return self._owner["kv_cache"].blocks
 
     def adopt(self, name: str, resource):
         """For components (the speculator) that allocate device memory for this runner."""
