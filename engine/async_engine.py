@@ -65,6 +65,8 @@ class EngineStats(NamedTuple):
     preemptions: int
     spec_proposed: int
     spec_accepted: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens whose K/V came from the cache
     running: int
     waiting: int
     kv_usage: float
@@ -327,7 +329,8 @@ class AsyncEngine(SleepAPI):
         return EngineStats(
             self.lifecycle.state, cs.steps if cs else 0, cs.prompt_tokens if cs else 0,
             cs.generation_tokens if cs else 0, cs.finished if cs else {}, cs.preemptions if cs else 0,
-            cs.spec_proposed if cs else 0, cs.spec_accepted if cs else 0, h.running, h.waiting,
+            cs.spec_proposed if cs else 0, cs.spec_accepted if cs else 0,
+            cs.prefix_cache_queries if cs else 0, cs.prefix_cache_hits if cs else 0, h.running, h.waiting,
             h.kv_usage, time.monotonic() - self._started)
 
     def _require_accepting(self) -> None:

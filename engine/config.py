@@ -22,6 +22,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: Optional[int] = None  # default: the model's context, capped at 8192
+    enable_prefix_caching: bool = True  # reuse the K/V of full blocks of earlier prompts
     speculator: Literal["none", "ngram", "draft"] = "none"
     num_speculative_tokens: int = 4
     ngram_min: int = 1

@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional, Sequence
 
 from .detokenizer import IncrementalDetokenizer
 from .errors import BadRequestError
-from .kv_cache import BlockAllocator, blocks_needed
+from .kv_cache import blocks_needed
 from .params import RequestOutput, SamplingParams
 from .request import Request
 from .runner import ModelRunner
@@ -28,6 +28,8 @@ class CoreStats(NamedTuple):
     preemptions: int
     spec_proposed: int
     spec_accepted: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens whose K/V came from the cache
 
 
 class EngineCore:
@@ -35,9 +37,8 @@ class EngineCore:
         self.runner = runner
         self.tokenizer = runner.tokenizer
         cfg = runner.config
-        self.allocator = BlockAllocator(runner.num_blocks)
-        self.scheduler = Scheduler(self.allocator, runner.block_size, cfg.max_num_seqs,
-                                   cfg.max_num_batched_tokens)
+        self.blocks = runner.block_manager
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.check_integrity = check_integrity
         self._eos = runner.tokenizer.eos_token_ids | set(runner.model_config.eos_token_ids)
@@ -87,7 +88,8 @@ class EngineCore:
         in use. NOTE: prefix caching invalidates its cached blocks here."""
         if self.requests or self.scheduler.has_work():
             raise RuntimeError(f"reset_kv with {len(self.requests)} request(s) in the engine")
-        self.allocator.check_integrity()
+        self.blocks.reset_prefix_cache()
+        self.blocks.check_integrity([])
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -105,25 +107,20 @@ class EngineCore:
 
     def _update(self, batch, result: StepResult) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        bs = self.runner.block_size
         for k, (req, n) in enumerate(batch):
             new = result.tokens[k]
             proposed = len(req.spec_token_ids) if new else 0
             req.spec_token_ids = []
             if not new:
-                req.num_computed_tokens += n
+                self.scheduler.advance(req, req.num_computed_tokens + n)
                 continue
-            req.num_computed_tokens += n + len(new) - 1  # accepted drafts are in the cache too
+            # accepted drafts are in the cache too; blocks only rejected ones used go back
+            self.scheduler.advance(req, req.num_computed_tokens + n + len(new) - 1)
             if proposed:
                 req.spec_proposed += proposed
                 req.spec_accepted += len(new) - 1
                 self._spec_proposed += proposed
                 self._spec_accepted += len(new) - 1
-            # roll back blocks that only rejected draft tokens used
-            keep = blocks_needed(req.num_computed_tokens + 1, bs)
-            if len(req.block_ids) > keep:
-                self.allocator.free(req.block_ids[keep:])
-                del req.block_ids[keep:]
             out = self._append(req, new, result.logprobs[k] if result.logprobs else None)
             outputs.append(out)
         return outputs
@@ -149,7 +146,7 @@ class EngineCore:
                 finish = "length"
             elif req.num_tokens >= self.runner.max_model_len:
                 finish, reason = "length", "context limit"
-            elif blocks_needed(req.num_tokens + 1, self.runner.block_size) > self.allocator.num_blocks:
+            elif blocks_needed(req.num_tokens + 1, self.runner.block_size) > self.blocks.num_blocks:
                 finish, reason = "length", "KV cache capacity"
             # token by token, so a stop string ends the output where it would without
             # speculation (accepted drafts after it are dropped)
@@ -194,8 +191,10 @@ class EngineCore:
 
     @property
     def kv_usage(self) -> float:
-        return self.allocator.usage
+        return self.blocks.usage
 
     def statistics(self) -> CoreStats:
+        cache = self.blocks.statistics()
         return CoreStats(self._steps, self._prompt_tokens, self._gen_tokens, dict(self._finished),
-                         self.scheduler.num_preemptions, self._spec_proposed, self._spec_accepted)
+                         self.scheduler.num_preemptions, self._spec_proposed, self._spec_accepted,
+                         cache.queries, cache.hits)

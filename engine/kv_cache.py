@@ -1,5 +1,10 @@
 """Paged KV cache: the block allocator (host bookkeeping) and the cache tensor (device memory).
 
+The target model's cache carries its :class:`~engine.block_manager.BlockManager` (reference
+counts and the prefix cache) as ``blocks``: host bookkeeping that lives and dies with the
+tensor, so ``close()`` drops every cached entry with the memory it described. (The draft
+speculator's cache uses a plain :class:`BlockAllocator` of its own.)
+
 Layout of the one cache tensor: ``[num_layers, 2 (k, v), num_blocks, block_size, kv_heads,
 head_dim]``. A token's *slot* is ``block_id * block_size + offset``. Layers receive a per-call
 view (``cache[layer]``); no view is ever stored anywhere, so releasing the base frees it all.
@@ -63,9 +68,10 @@ class KVCache:
     """The device tensor behind the paged KV cache. Owned (and released) by ``DeviceOwner``."""
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device):
+                 head_dim: int, dtype: torch.dtype, device: torch.device, blocks=None):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.blocks = blocks  # the BlockManager of the target's cache (host only), or None
         self.tensor: torch.Tensor | None = torch.zeros(
             (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
             dtype=dtype, device=device,
@@ -81,6 +87,8 @@ class KVCache:
         return self.tensor[i]
 
     def close(self) -> None:
+        if self.blocks is not None:
+            self.blocks.close()
         if self.tensor is not None:
             self.tensor.set_()
         self.tensor = None

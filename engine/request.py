@@ -21,6 +21,7 @@ class Request:
         "block_ids", "status", "arrival", "finish_reason", "reason", "detok", "spec_token_ids",
         "num_preemptions", "first_token_time", "logprobs",
         "spec_proposed", "spec_accepted", "stop_ids", "sampling_row",
+        "num_sealed_blocks", "block_hashes", "hash_root", "cache_epoch",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
@@ -29,7 +30,11 @@ class Request:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
-        self.block_ids: list[int] = []
+        self.block_ids: list[int] = []  # written only by the BlockManager
+        self.num_sealed_blocks = 0  # leading block_ids that are full, computed and read-only
+        self.block_hashes: list[bytes] = []  # chained hashes of full token blocks (memo)
+        self.hash_root: Optional[bytes] = None  # the root block_hashes were computed from
+        self.cache_epoch = -1  # the prefix cache's epoch when the blocks were taken
         self.status = Status.WAITING
         self.arrival = time.monotonic()
         self.finish_reason: Optional[str] = None

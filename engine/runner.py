@@ -17,6 +17,7 @@ import torch
 from . import cuda_graphs
 from .config import EngineConfig
 from .errors import BadRequestError
+from .block_manager import BlockManager
 from .device_stack import device_stack
 from .kv_cache import KVCache
 from .loader import LoadStopped, create_model, fill_model, resolve_source
@@ -46,6 +47,7 @@ class ModelRunner:
         self.model_config = None
         self.tokenizer = None
         self.num_blocks = 0
+        self._blocks: Optional[BlockManager] = None
         self.block_size = config.block_size
         self.max_model_len = 0
         self.steps = 0
@@ -96,6 +98,10 @@ class ModelRunner:
         if should_stop():
             return
         self.num_blocks = self._num_kv_blocks(cfg)
+        # host bookkeeping of the KV blocks and the prefix cache: made once, kept across sleeps
+        # (a rebuilt cache is invalidated through EngineCore.reset_kv), closed at shutdown
+        self._blocks = BlockManager(self.num_blocks, self.block_size,
+                                    enable_caching=self.config.enable_prefix_caching)
         if not self._build_stack(should_stop):
             return
         if self.config.speculator != "none" and not should_stop():
@@ -149,6 +155,11 @@ class ModelRunner:
     def released(self) -> bool:
         return self._owner.closed
 
+    @property
+    def block_manager(self) -> BlockManager:
+        """The KV cache's blocks and prefix cache (host bookkeeping of the owned KV tensor)."""
+        return self._blocks
+
     def adopt(self, name: str, resource):
         """For components (the speculator) that allocate device memory for this runner."""
         return self._owner.adopt(name, resource)
@@ -161,6 +172,8 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator = None
         order = self._owner.close()
+        if self._blocks is not None:
+            self._blocks.close()  # the prefix cache goes with the KV cache
         log.info("released %s", ", ".join(order) or "nothing")
         return order
 

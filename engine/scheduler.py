@@ -3,26 +3,27 @@
 There are no prefill/decode phases: each step brings every scheduled request's
 ``num_computed_tokens`` closer to its ``num_tokens``. Running requests go first (oldest first),
 then waiting ones in arrival order (FCFS). When KV blocks run out, the newest running request is
-preempted: its blocks are freed and it returns to the front of the waiting queue to be
-recomputed later — it is never failed.
+preempted: its blocks are freed (their full blocks stay in the prefix cache, so its resume may
+hit them) and it returns to the front of the waiting queue to be recomputed later — it is never
+failed. A waiting request is admitted with the longest cached prefix of its tokens already
+computed. Only the scheduler (through its :class:`BlockManager`) changes ``block_ids``.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from .kv_cache import BlockAllocator, blocks_needed
+from .block_manager import BlockManager
+from .kv_cache import blocks_needed
 from .request import Request, Status
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, lookahead: int = 0):
-        self.allocator = allocator
-        self.block_size = block_size
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.block_size = blocks.block_size
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
-        self.lookahead = lookahead  # extra slots per decode for speculative tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -38,16 +39,16 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
-        self._free(req)
+        self.blocks.free(req)
         req.status = Status.FINISHED
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _free(self, req: Request) -> None:
-        if req.block_ids:
-            self.allocator.free(req.block_ids)
-            req.block_ids = []
+    def advance(self, req: Request, num_computed: int) -> None:
+        """After a step: ``req`` has ``num_computed`` tokens in its cache. Blocks only rejected
+        draft tokens used go back; newly full blocks are sealed into the prefix cache."""
+        self.blocks.advance(req, num_computed)
 
     # -- one step -------------------------------------------------------------------------------
     def schedule(self) -> list[tuple[Request, int]]:
@@ -71,11 +72,13 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = blocks_needed(req.num_computed_tokens + n, self.block_size) - len(req.block_ids)
-            if not self.allocator.can_allocate(need):
+            hit = self.blocks.lookup(req)
+            start = len(hit) * self.block_size
+            n = min(req.num_tokens - start, budget)
+            need = blocks_needed(start + n, self.block_size) - len(hit)
+            if not self.blocks.can_admit(hit, need):
                 break
-            req.block_ids += self.allocator.allocate(need)
+            self.blocks.admit(req, hit, need)
             self.waiting.popleft()
             req.status = Status.RUNNING
             req.spec_token_ids = []
@@ -88,7 +91,7 @@ class Scheduler:
         """Make sure ``req`` has blocks for ``n`` more tokens, preempting the newest running
         requests that are not yet scheduled this step. False if ``req`` itself was preempted."""
         need = blocks_needed(req.num_computed_tokens + n, self.block_size) - len(req.block_ids)
-        while not self.allocator.can_allocate(need):
+        while not self.blocks.can_allocate(need):
             victim = self.running[-1]
             if id(victim) in scheduled:  # never undo work already in this step's batch
                 return False
@@ -96,12 +99,12 @@ class Scheduler:
             if victim is req:
                 return False
         if need > 0:
-            req.block_ids += self.allocator.allocate(need)
+            self.blocks.grow(req, need)
         return True
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self._free(req)
+        self.blocks.free(req)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.num_preemptions += 1
@@ -111,11 +114,8 @@ class Scheduler:
 
     # -- bookkeeping -------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Blocks are exactly those held by running requests, plus the free list."""
-        self.allocator.check_integrity()
-        held = [b for r in self.running for b in r.block_ids]
-        held += [b for r in self.waiting for b in r.block_ids]
-        assert len(held) == len(set(held)), "a KV block is held by two requests"
-        assert len(held) == self.allocator.num_blocks - self.allocator.num_free, "leaked KV blocks"
-        for r in self.running:
-            assert len(r.block_ids) * self.block_size >= r.num_computed_tokens, f"{r} lacks blocks"
+        """Waiting requests hold nothing; the block manager's counts, lists and index agree with
+        the running requests' blocks."""
+        for r in self.waiting:
+            assert not r.block_ids and r.num_computed_tokens == 0, f"waiting {r} holds blocks"
+        self.blocks.check_integrity(self.running)

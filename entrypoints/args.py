@@ -18,6 +18,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse the KV cache of earlier prompts' full blocks")
     p.add_argument("--speculator", choices=["none", "ngram", "draft"], default="none")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--draft-model", default=None)
@@ -30,6 +32,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=a.model, device=a.device, dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-        max_model_len=a.max_model_len, speculator=a.speculator,
+        max_model_len=a.max_model_len, enable_prefix_caching=a.enable_prefix_caching,
+        speculator=a.speculator,
         num_speculative_tokens=a.num_speculative_tokens, draft_model=a.draft_model,
     )

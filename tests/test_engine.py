@@ -50,7 +50,7 @@ async def test_64_concurrent_equal_sequential_and_blocks_free() -> None:
         seq = [await collect(eng, p, params) for p in ps[:8]]
         core = eng.core
         assert core.statistics().steps > 30  # really batched over many steps
-        assert core.allocator.num_free == core.allocator.num_blocks
+        assert core.blocks.num_free == core.blocks.num_blocks
         core.scheduler.check_integrity()
     for (t, _, last), (t2, _, _) in zip(conc[:8], seq):
         assert t == t2
@@ -141,14 +141,14 @@ async def test_abort_and_break_free_blocks_within_one_step() -> None:
             while "a" in core.requests or eng._inbox:
                 await anyio.sleep(0.001)
         assert core.statistics().steps <= steps + 1
-        assert core.allocator.num_free == core.allocator.num_blocks
+        assert core.blocks.num_free == core.blocks.num_blocks
 
         other = eng.generate(prompts(2)[1], params, request_id="b")
         await other.__anext__()
         await eng.abort("b", "user said so")
         outs = [o async for o in other]
         assert outs[-1].finish_reason == "abort" and outs[-1].reason == "user said so"
-        assert core.allocator.num_free == core.allocator.num_blocks
+        assert core.blocks.num_free == core.blocks.num_blocks
 
 
 async def test_failure_in_forward_kills_cleanly() -> None:

@@ -1,0 +1,247 @@
+"""``BlockManager``: the target model's KV blocks, with reference counts and the prefix cache.
+
+Every block is in exactly one of three places: held (reference count > 0, by one or more
+requests), *empty* (free, content meaningless) or *evictable* (free, but its content is a full
+block of some prompt prefix, findable by hash). A request's ``block_ids`` are split at
+``num_sealed_blocks``: the sealed blocks in front are full, computed and read-only (only they may
+be shared or be in the hash index); the ones after are private (reference count 1) and the only
+ones the request writes. So a block shared by two requests is never written, and a block
+referenced by anyone is never handed out.
+
+The prefix cache: a full computed block is registered under a hash chained over (parent hash,
+its token ids); the chain's root is derived from ``weights_version`` and a reset epoch, so after
+``reset_prefix_cache()`` (a weight update) no earlier hash can ever match again. A new request
+takes the longest registered chain of its full blocks — at most ``(num_tokens - 1) //
+block_size`` of them, so its last token is always computed and gives logits. Freed blocks keep
+their content and are evicted least recently used when ``allocate`` finds no empty block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Iterable, NamedTuple
+
+from .block_hash import chain_hashes, root_hash
+from .request import Request
+
+
+class CacheStats(NamedTuple):
+    queries: int  # prompt tokens looked up (first admission of each request)
+    hits: int  # of those, tokens served from the cache
+    evictions: int  # cached blocks reused for other content
+    cached_blocks: int  # blocks in the hash index now
+
+
+class BlockManager:
+    """Paired query/act methods: ``lookup``/``can_admit``/``admit``, ``can_allocate``/``grow``,
+    ``advance`` (seal newly computed blocks, give back rolled-back ones), ``free``."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
+                 weights_version: int = 0):
+        if num_blocks < 1:
+            raise ValueError("need at least one KV block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.weights_version = weights_version
+        self.epoch = 0  # bumped by every reset; part of the hash root
+        self._root = root_hash(weights_version, self.epoch, block_size)
+        self._ref = [0] * num_blocks
+        self._hash: list[bytes | None] = [None] * num_blocks  # registered hash of a block
+        self._index: dict[bytes, int] = {}  # hash -> block
+        self._empty: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self._queries = self._hits = self._evictions = 0
+        self.closed = False
+
+    # -- capacity ------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that ``allocate`` may hand out (empty, or cached and unreferenced)."""
+        return len(self._empty) + len(self._evictable)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` private blocks: empty ones first, then the least recently used cached ones."""
+        if n > self.num_free:
+            raise RuntimeError(f"KV cache out of blocks: want {n}, have {self.num_free}")
+        out = []
+        for _ in range(n):
+            if self._empty:
+                b = self._empty.popleft()
+            else:
+                b, _ = self._evictable.popitem(last=False)
+                self._unregister(b)
+                self._evictions += 1
+            self._ref[b] = 1
+            out.append(b)
+        return out
+
+    def grow(self, req: Request, n: int) -> None:
+        """``n`` more private blocks at the end of ``req``'s blocks."""
+        req.block_ids += self.allocate(n)
+
+    # -- admission (a request with nothing computed) ---------------------------------------------
+    def lookup(self, req: Request) -> list[int]:
+        """The cached blocks of ``req``'s longest cached prefix (leaves nothing changed)."""
+        if not self.enable_caching or self.closed:
+            return []
+        limit = (req.num_tokens - 1) // self.block_size
+        hashes = self._hashes(req, limit)
+        hit: list[int] = []
+        for h in hashes[:limit]:
+            b = self._index.get(h)
+            if b is None:
+                break
+            hit.append(b)
+        return hit
+
+    def can_admit(self, hit: list[int], n_new: int) -> bool:
+        """Room for ``n_new`` new blocks once the ``hit`` blocks are taken off the free lists."""
+        return n_new <= self.num_free - sum(1 for b in hit if self._ref[b] == 0)
+
+    def admit(self, req: Request, hit: list[int], n_new: int) -> None:
+        """Give ``req`` (holding nothing) the ``hit`` blocks, shared and sealed, plus ``n_new``
+        private ones; its computed tokens start after the hit."""
+        assert not req.block_ids and req.num_computed_tokens == 0, f"{req} is not fresh"
+        for b in hit:
+            if self._ref[b] == 0:
+                del self._evictable[b]
+            self._ref[b] += 1
+        req.block_ids = list(hit) + self.allocate(n_new)
+        req.num_sealed_blocks = len(hit)
+        req.num_computed_tokens = len(hit) * self.block_size
+        req.cache_epoch = self.epoch
+        if req.num_preemptions == 0:  # a resume re-reads its own prefix: not a prompt query
+            self._queries += req.num_prompt_tokens
+            self._hits += min(req.num_computed_tokens, req.num_prompt_tokens)
+
+    # -- progress ------------------------------------------------------------------------------
+    def advance(self, req: Request, num_computed: int) -> None:
+        """``req`` now has ``num_computed`` tokens' K/V in its blocks: give back blocks past
+        ``num_computed + 1`` tokens (rejected draft tokens used them) and seal (register) the
+        full blocks of known tokens."""
+        assert num_computed >= req.num_computed_tokens, "computed tokens never go back"
+        req.num_computed_tokens = num_computed
+        keep = -(-(num_computed + 1) // self.block_size)
+        if len(req.block_ids) > keep:
+            tail = req.block_ids[keep:]
+            del req.block_ids[keep:]
+            self._release(tail)
+        self._seal(req)
+
+    def free(self, req: Request) -> None:
+        """``req`` leaves (finished, aborted, preempted): seal what it computed, then drop its
+        references; its last blocks become the first to be evicted."""
+        self._seal(req)
+        blocks, req.block_ids = req.block_ids, []
+        req.num_sealed_blocks = 0
+        self._release(reversed(blocks))
+
+    def _release(self, blocks: Iterable[int]) -> None:
+        for b in blocks:
+            if self._ref[b] <= 0:
+                raise RuntimeError(f"double free of KV block {b}")
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                if self._hash[b] is None:
+                    self._empty.append(b)
+                else:
+                    self._evictable[b] = None
+
+    def _seal(self, req: Request) -> None:
+        full = min(req.num_computed_tokens, req.num_tokens, len(req.block_ids) * self.block_size)
+        full //= self.block_size
+        if full <= req.num_sealed_blocks:
+            return
+        # NOTE: a request admitted before a reset may hold K/V of the old weights: it seals
+        # (stops writing) but never registers.
+        if self.enable_caching and req.cache_epoch == self.epoch and not self.closed:
+            hashes = self._hashes(req, full)
+            for i in range(req.num_sealed_blocks, full):
+                b, h = req.block_ids[i], hashes[i]
+                if h not in self._index and self._hash[b] is None:
+                    self._index[h] = b
+                    self._hash[b] = h
+        req.num_sealed_blocks = full
+
+    def _hashes(self, req: Request, n: int) -> list[bytes]:
+        """The chained hashes of ``req``'s first ``n`` full blocks (memoized on the request)."""
+        if req.hash_root != self._root:
+            req.hash_root, req.block_hashes = self._root, []
+        hs = req.block_hashes
+        if len(hs) < n:
+            bs = self.block_size
+            parent = hs[-1] if hs else self._root
+            hs += chain_hashes(parent, req.token_ids[len(hs) * bs:n * bs], bs)
+        return hs
+
+    def _unregister(self, b: int) -> None:
+        h = self._hash[b]
+        if h is not None:
+            self._hash[b] = None
+            if self._index.get(h) == b:
+                del self._index[h]
+
+    # -- invalidation and shutdown -----------------------------------------------------------
+    def reset_prefix_cache(self, weights_version: int | None = None) -> None:
+        """Drop every cached entry (a weight update calls this); blocks held by running
+        requests stay theirs, unregistered. With ``weights_version``, it becomes the new one."""
+        if weights_version is not None:
+            self.weights_version = weights_version
+        self.epoch += 1
+        self._root = root_hash(self.weights_version, self.epoch, self.block_size)
+        for b in list(self._index.values()):
+            self._hash[b] = None
+        self._index.clear()
+        self._empty.extend(self._evictable)
+        self._evictable.clear()
+
+    invalidate = reset_prefix_cache
+
+    def close(self) -> None:
+        """The KV cache is released: forget every block and entry (host bookkeeping only)."""
+        self.reset_prefix_cache()
+        self.closed = True
+
+    def statistics(self) -> CacheStats:
+        return CacheStats(self._queries, self._hits, self._evictions, len(self._index))
+
+    # -- integrity ---------------------------------------------------------------------------
+    def check_integrity(self, requests: Iterable[Request]) -> None:
+        """Reference counts equal the holders; every block is held, empty or evictable, exactly
+        once; the index and the blocks' hashes agree; shared blocks are sealed, private ones
+        unregistered; sealed blocks are computed and carry the hash of their tokens."""
+        holders = [0] * self.num_blocks
+        bs = self.block_size
+        for r in requests:
+            assert len(set(r.block_ids)) == len(r.block_ids), f"{r} holds a block twice"
+            assert r.num_sealed_blocks * bs <= r.num_computed_tokens, f"{r} sealed uncomputed"
+            assert len(r.block_ids) * bs >= r.num_computed_tokens, f"{r} lacks blocks"
+            for b in r.block_ids:
+                holders[b] += 1
+        for r in requests:
+            for i, b in enumerate(r.block_ids):
+                if i >= r.num_sealed_blocks:
+                    assert holders[b] == 1 and self._hash[b] is None, \
+                        f"{r}: private block {b} is shared or cached"
+                elif self._hash[b] is not None and r.cache_epoch == self.epoch:
+                    assert r.hash_root == self._root and r.block_hashes[i] == self._hash[b], \
+                        f"{r}: block {b} is cached under other tokens"
+        assert holders == self._ref, "reference counts differ from the holders"
+        empty, evictable = set(self._empty), set(self._evictable)
+        assert len(empty) == len(self._empty), "a block is empty twice"
+        assert not (empty & evictable), "a block is both empty and evictable"
+        free = {b for b in range(self.num_blocks) if self._ref[b] == 0}
+        assert empty | evictable == free, "a free block is missing from the free lists, or a held one is on them"
+        assert all(self._hash[b] is None for b in empty), "an empty block is still registered"
+        assert all(self._hash[b] is not None for b in evictable), "an evictable block has no hash"
+        assert len(self._index) == sum(h is not None for h in self._hash), "index and hashes differ"
+        for h, b in self._index.items():
+            assert self._hash[b] == h, f"index entry of block {b} is stale"
