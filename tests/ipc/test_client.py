@@ -337,3 +337,47 @@ async def test_import_ipc_does_not_import_torch():
             "assert 'torch' in sys.modules\n")
     with anyio.fail_after(120):
         await anyio.run_process([sys.executable, "-c", code])  # raises on a failed assert
+
+
+async def test_engine_admission_limit_reaches_the_client_typed_and_retryable():
+    from engine.errors import EngineOverloadedError
+
+    class Full(FakeEngine):
+        def submit(self, prompt, params, request_id, sink):
+            if len(self.requests) >= 2:
+                raise EngineOverloadedError("too many waiting requests (max 2)", retry_after=0.75)
+            return super().submit(prompt, params, request_id, sink)
+
+    async with serving(Full()) as (eng, server, addr), EngineClient.connect(addr) as c:
+        running = [c.generate([1], SamplingParams(max_tokens=100_000)) for _ in range(2)]
+        for s in running:
+            await s.__anext__()
+        with pytest.raises(EngineOverloadedError, match="max 2") as info:
+            await collect(c.generate([1]))
+        assert info.value.retry_after == 0.75 and info.value.retryable
+        assert c.state is State.SERVING and not c.closed  # the connection is fine
+        for s in running:
+            await s.aclose()
+
+
+async def test_client_is_an_engine_and_reports_state_changes():
+    from engine.interface import Engine
+
+    async with serving() as (eng, server, addr), EngineClient.connect(addr) as c:
+        assert isinstance(c, Engine) and isinstance(eng, Engine)
+        seen = []
+        c.on_state_change(lambda old, new: seen.append((old, new)))
+        assert c.model == "fake:counter" and c.tokenizer_info().chat_template is None
+        await c.drain(5)
+        with anyio.fail_after(3):
+            await c.wait_stopped()
+        assert seen == [(State.SERVING, State.DRAINING), (State.DRAINING, State.SHUTDOWN)]
+
+
+async def test_abort_reason_travels_to_the_engine():
+    async with serving() as (eng, server, addr), EngineClient.connect(addr) as c:
+        s = c.generate([1], SamplingParams(max_tokens=100_000), request_id="r")
+        await s.__anext__()
+        await c.abort("r", reason="user pressed stop")
+        outs = await collect(s)
+        assert outs[-1].finish_reason == "abort" and outs[-1].reason == "user pressed stop"
