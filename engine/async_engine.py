@@ -29,7 +29,7 @@ from .config import EngineConfig
 from .admission import Admission
 from .core import EngineCore
 from .errors import BadRequestError, EngineDeadError, EngineShutdownError
-from .interface import Health, unavailable_error
+from .interface import Health, TokenizerInfo, unavailable_error
 from .params import RequestOutput, SamplingParams
 from .request_stream import RequestStream, Sink
 from .runner import ModelRunner
@@ -303,6 +303,14 @@ class AsyncEngine(SleepAPI):
         conversation must not stall the event loop)."""
         return await to_thread.run_sync(self.runner.tokenizer.apply_chat_template, messages,
                                         add_generation_prompt)
+
+    def tokenizer_info(self) -> TokenizerInfo:
+        """The tokenizer's description (all unknown until the model is loaded)."""
+        tok = self.runner.tokenizer
+        if tok is None or self.runner.model_config is None:
+            return TokenizerInfo()
+        return TokenizerInfo(tok.chat_template, tok.bos_token, tok.eos_token,
+                             self.runner.model_config.vocab_size)
 
     def on_state_change(self, listener: Callable[[State, State], None]) -> None:
         self._listeners.append(listener)

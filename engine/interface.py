@@ -12,7 +12,8 @@ Also here, because every layer above needs them and they must not drift apart:
 
 from __future__ import annotations
 
-from typing import Annotated, AsyncIterator, Callable, Optional, Protocol, Union, runtime_checkable
+from typing import (Annotated, AsyncIterator, Callable, NamedTuple, Optional, Protocol, Union,
+                    runtime_checkable)
 
 import msgspec
 from msgspec import Meta
@@ -38,6 +39,17 @@ class Health(msgspec.Struct, tag_field="t", tag="Health", forbid_unknown_fields=
     waiting: _Count = 0
     kv_usage: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     call_id: Optional[_Count] = None
+
+
+class TokenizerInfo(NamedTuple):
+    """What a client needs to build prompts itself (absent = unknown): the Jinja chat template
+    and the texts of the BOS / (lowest) EOS tokens, as ``engine.tokenizer.render_chat_template``
+    takes them, and the vocabulary size (prompt token ids must be below it; 0 = unknown)."""
+
+    chat_template: Optional[str] = None
+    bos_token: Optional[str] = None
+    eos_token: Optional[str] = None
+    vocab_size: int = 0
 
 
 def unavailable_error(state: State, call: str, death: Optional[BaseException] = None,
@@ -100,9 +112,13 @@ class Engine(Protocol):
     async def apply_chat_template(self, messages: list[dict],
                                   add_generation_prompt: bool = True) -> str: ...
 
+    def tokenizer_info(self) -> TokenizerInfo:
+        """The tokenizer's description (all unknown until the model is loaded)."""
+        ...
+
     def on_state_change(self, listener: Callable[[State, State], None]) -> None: ...
 
     async def wait_stopped(self) -> None: ...
 
 
-__all__ = ["Engine", "Health", "Prompt", "RequestStreamLike", "unavailable_error"]
+__all__ = ["Engine", "Health", "Prompt", "RequestStreamLike", "TokenizerInfo", "unavailable_error"]

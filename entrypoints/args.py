@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+from typing import Mapping, Optional
 
 import msgspec
 
 from engine.config import EngineConfig
+from ipc.auth import TOKEN_ENV, read_token_file
+
+log = logging.getLogger("enginecore")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -36,3 +42,32 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         speculator=a.speculator,
         num_speculative_tokens=a.num_speculative_tokens, draft_model=a.draft_model,
     )
+
+
+def add_token_args(p: argparse.ArgumentParser) -> None:
+    """The shared secret: ``--token-file`` or ``$ENGINECORE_TOKEN`` (``--token`` still works,
+    but argv is visible to every local user)."""
+    p.add_argument("--token-file", default=None,
+                   help=f"file holding the shared secret (mode 0600); or set ${TOKEN_ENV}")
+    p.add_argument("--token", default=None,
+                   help=f"the shared secret on the command line (visible to other users: prefer "
+                        f"--token-file or ${TOKEN_ENV})")
+
+
+def add_listen_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-connections", type=int, default=256,
+                   help="IPC connections at once, handshaken or not (more are refused)")
+
+
+def token_from_args(a: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The token from ``--token-file``, else ``$ENGINECORE_TOKEN``, else ``--token`` (with a
+    warning); None if none is given. Raises ``OSError``/``ValueError`` for a bad token file."""
+    if a.token_file:
+        return read_token_file(a.token_file)
+    if environ.get(TOKEN_ENV, "").strip():
+        return environ[TOKEN_ENV].strip()
+    if a.token:
+        log.warning("--token is visible to every local user (ps, /proc/PID/cmdline); "
+                    "use --token-file or $%s", TOKEN_ENV)
+        return a.token
+    return None

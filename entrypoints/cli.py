@@ -14,7 +14,7 @@ import anyio
 
 from engine.params import SamplingParams
 
-from .args import add_model_args, config_from_args
+from .args import add_listen_args, add_model_args, add_token_args, config_from_args, token_from_args
 
 
 def _sampling_from_args(a: argparse.Namespace) -> SamplingParams:
@@ -29,11 +29,12 @@ async def _generate(a: argparse.Namespace) -> int:
 
         connected = False
         try:
-            async with EngineClient.connect(a.connect, token=a.token, client_name="enginecore-cli") as eng:
+            token = token_from_args(a)
+            async with EngineClient.connect(a.connect, token=token, client_name="enginecore-cli") as eng:
                 connected = True
                 prompt = a.prompt
                 if a.chat:  # rendered here, with the template the engine sent in its handshake
-                    prompt = eng.apply_chat_template([{"role": "user", "content": a.prompt}])
+                    prompt = await eng.apply_chat_template([{"role": "user", "content": a.prompt}])
                 sys.stdout.write(a.prompt if not a.chat else "")
                 async for out in eng.generate(prompt, params):
                     sys.stdout.write(out.text)
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("prompt")
     add_model_args(g)
     g.add_argument("--connect", default=None, help="unix:///path or tcp://host:port of a running engine")
-    g.add_argument("--token", default=None)
+    add_token_args(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="run an engine process (IPC, optionally HTTP frontends)")
     add_model_args(s)
     s.add_argument("--listen", default=None, help="unix:///path (default) or tcp://127.0.0.1:PORT")
-    s.add_argument("--token", default=None, help="shared secret clients must present")
+    add_token_args(s)
+    add_listen_args(s)
     s.add_argument("--drain-timeout", type=float, default=30.0)
     s.add_argument("--http", default=None, help="HOST:PORT for the OpenAI-compatible frontends")
     s.add_argument("--api-servers", type=int, default=1)

@@ -3,7 +3,8 @@
 Exit codes (also in the README):
   0    clean shutdown: drained (or aborted at the drain deadline / second signal), released
   1    the engine failed (an exception in a step, a lost device); clients got EngineDeadError
-  2    startup error (bad model path, bad config, address in use)
+  2    startup error (bad model path, bad config, bad/in-use listen address -- checked before
+       the model loads)
   128+N  signal N arrived during startup: loading stopped, what was allocated was released
 
 With ``--http HOST:PORT [--api-servers N]`` the HTTP socket is bound before loading (2 if that
@@ -19,6 +20,7 @@ import os
 import signal
 import sys
 import tempfile
+from functools import partial
 from typing import Optional
 
 import anyio
@@ -27,7 +29,7 @@ from engine.async_engine import AsyncEngine
 from engine.errors import EngineError
 from states import State
 
-from .args import config_from_args
+from .args import config_from_args, token_from_args
 
 log = logging.getLogger("enginecore.serve")
 
@@ -86,7 +88,9 @@ async def _watch_parent(stopper: _Stopper, parent_pid: int) -> None:
 
 async def run(config, *, listen: Optional[str], token: Optional[str], drain_timeout: float,
               parent_pid: Optional[int] = None, ready_fd: Optional[int] = None,
-              on_serving=None) -> int:
+              on_serving=None, max_connections: int = 256) -> int:
+    from ipc.transport import ListenError, close_listener, preflight_listen
+
     engine = AsyncEngine(config)
     address = listen or default_address()
     async with anyio.create_task_group() as tg:
@@ -96,24 +100,36 @@ async def run(config, *, listen: Optional[str], token: Optional[str], drain_time
         await stopper.ready.wait()  # handlers are in place before loading starts
         if parent_pid:
             tg.start_soon(_watch_parent, stopper, parent_pid)
+        try:  # the address is checked and bound before the (slow) model load
+            listener = await preflight_listen(address, token)
+        except ListenError as exc:
+            print(f"enginecore: cannot listen on {address}: {exc}", file=sys.stderr)
+            tg.cancel_scope.cancel()
+            return EXIT_STARTUP
         log.warning("loading %s (pid %d)", config.model, os.getpid())
         try:
             with stopper.startup:
                 await engine.start(tg)
         except EngineError as exc:
             print(f"enginecore: startup failed: {exc}", file=sys.stderr)
+            with anyio.CancelScope(shield=True):
+                await close_listener(listener, address)
             tg.cancel_scope.cancel()
             return EXIT_STARTUP
         if stopper.signal_in_startup is not None:
             print(f"enginecore: stopped by signal {stopper.signal_in_startup} during startup",
                   file=sys.stderr)
+            with anyio.CancelScope(shield=True):
+                await close_listener(listener, address)
             tg.cancel_scope.cancel()
             return 128 + stopper.signal_in_startup
         from ipc.server import serve_ipc
 
         try:
             async with anyio.create_task_group() as server:
-                bound = await server.start(serve_ipc, engine, address, token)
+                bound = await server.start(partial(serve_ipc, listener=listener,
+                                                   max_connections=max_connections),
+                                           engine, address, token)
                 log.warning("serving %s on %s", config.model, bound)
                 if ready_fd is not None:
                     os.write(ready_fd, f"READY {bound}\n".encode())
@@ -141,13 +157,17 @@ def serve_main(a) -> int:
     try:
         config = config_from_args(a)
         config.validate()
-    except (EngineError, ValueError) as exc:
+        a.token = token_from_args(a)  # --token-file, $ENGINECORE_TOKEN or --token
+        if a.max_connections < 1:
+            raise ValueError("--max-connections must be >= 1")
+    except (EngineError, ValueError, OSError) as exc:
         print(f"enginecore: bad configuration: {exc}", file=sys.stderr)
         return EXIT_STARTUP
+    os.environ.pop("ENGINECORE_TOKEN", None)  # read; children get it only when meant to
     if not getattr(a, "http", None):
         code = anyio.run(lambda: run(config, listen=a.listen, token=a.token,
                                      drain_timeout=a.drain_timeout, parent_pid=a.parent_pid,
-                                     ready_fd=a.ready_fd))
+                                     ready_fd=a.ready_fd, max_connections=a.max_connections))
         log.warning("event loop closed; exiting %d", code)
         return code
     return _serve_http(a, config)
@@ -182,7 +202,8 @@ def _serve_http(a, config) -> int:
     try:
         code = anyio.run(lambda: run(config, listen=a.listen, token=token,
                                      drain_timeout=a.drain_timeout, parent_pid=a.parent_pid,
-                                     ready_fd=a.ready_fd, on_serving=frontends))
+                                     ready_fd=a.ready_fd, on_serving=frontends,
+                                     max_connections=a.max_connections))
     finally:
         sock.close()  # if the engine never got to serving
     if code == EXIT_OK and frontends.failed:

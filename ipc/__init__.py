@@ -9,7 +9,7 @@ from .errors import (
     RemoteError,
     VersionError,
 )
-from .framing import FrameCodec, read_frame, write_frame
+from .framing import FrameCodec, FrameReader, FrameWriter
 from .messages import (
     DEFAULT_MAX_FRAME,
     PROTOCOL_VERSION,
@@ -17,15 +17,16 @@ from .messages import (
     error_to_message,
     message_to_error,
 )
-from .transport import connect, open_listener, parse_address, remove_socket
-from .client import EngineClient, RemoteStream
+from .transport import connect, open_listener, parse_address, preflight_listen, remove_socket
+from .client import ConnState, EngineClient
+from .streams import RemoteStream
 from .spawn import EngineProcess, EngineStartupError
 from .sync_client import SyncEngineClient
 
 __all__ = [
     "IPCError", "ProtocolError", "FrameTooLargeError", "ConnectionClosed", "AuthError",
-    "VersionError", "RemoteError", "FrameCodec", "read_frame", "write_frame", "PROTOCOL_VERSION",
+    "VersionError", "RemoteError", "FrameCodec", "FrameReader", "FrameWriter", "PROTOCOL_VERSION",
     "DEFAULT_MAX_FRAME", "ErrorKind", "error_to_message", "message_to_error", "connect",
-    "open_listener", "parse_address", "remove_socket", "EngineClient", "RemoteStream",
+    "open_listener", "parse_address", "preflight_listen", "remove_socket", "EngineClient", "ConnState", "RemoteStream",
     "SyncEngineClient", "EngineProcess", "EngineStartupError",
 ]

@@ -1,27 +1,27 @@
 """One client connection of the IPC server: its outbox of messages and outputs, the sink the
-engine delivers a request's outputs through, the sender task that frames and writes them, and
-the reader task that decodes the client's frames and hands them to the server."""
+engine delivers a request's outputs through, the sender that frames and writes them, and the
+reader that decodes the client's frames and hands them to a dispatch function.
+
+It knows nothing of the server: what it needs comes in as parameters (limits, the reader, a
+callback that aborts an engine request, the dispatch function).
+"""
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
-from collections import deque
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import anyio
 import msgspec
 from anyio.abc import ByteStream
-from anyio.streams.buffered import BufferedByteReceiveStream
 
 from engine.params import RequestOutput
 
 from .errors import ConnectionClosed, FrameTooLargeError, ProtocolError
-from .framing import FrameCodec, read_frame
-from .messages import ClientMessage, Outputs, error_to_message
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .server import IPCServer
+from .framing import FrameCodec, FrameReader, FrameWriter
+from .messages import Outputs, error_to_message
 
 log = logging.getLogger("enginecore.ipc")
 
@@ -31,56 +31,83 @@ STREAM_ERRORS = (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.End
                  ConnectionClosed)
 
 
-class Connection:
-    """One client: its outbox, its in-flight requests and its sender."""
+class LinkState(enum.Enum):
+    """Where a connection is; every change goes through :meth:`Connection._set`."""
 
-    def __init__(self, server: "IPCServer", stream: ByteStream, cid: int) -> None:
-        self.server = server
+    OPEN = "open"        # reading and sending
+    CLOSING = "closing"  # the engine stopped: flush everything (incl. replies of running calls), close
+    FAILING = "failing"  # a fatal Error is queued: flush what is queued, close; nothing more is queued
+    CLOSED = "closed"    # cut or gone (outbox overflow, peer gone): nothing is queued or sent
+
+
+class Connection:
+    """One client: its outbox, its in-flight requests, its sender and reader.
+
+    ``abort_request(engine_rid, reason)`` aborts an engine request from synchronous code (used
+    when one of its outputs cannot be framed).
+    """
+
+    def __init__(self, stream: ByteStream, cid: int, codec: FrameCodec, reader: FrameReader, *,
+                 peer: str = "", send_timeout: float = 30.0, max_outbox: int = 1 << 16,
+                 abort_request: Callable[[str, str], None]) -> None:
         self.stream = stream
         self.id = cid
+        self.peer = peer
         self.name = ""
-        self.codec = FrameCodec(ClientMessage, max_frame=server.max_frame)
-        self.outbox: deque = deque()
+        self.codec = codec
+        self.reader = reader
+        self.writer = FrameWriter(stream, self._encode, send_timeout=send_timeout)
+        self.max_outbox = max_outbox
+        self.abort_request = abort_request
+        self.state = LinkState.OPEN
         self.inflight: dict[str, str] = {}  # client request id -> engine request id
-        self.accepting = True   # False after a fatal error: nothing more is queued
-        self.closing = False    # flush, wait for pending calls, then close
-        self.fatal = False      # flush what is queued now, then close
-        self.pending_calls = 0  # drain/shutdown calls still running
-        self.overflow = False
-        self._wake = anyio.Event()
-        self._seq = itertools.count()
+        self.pending_calls = 0  # drain/shutdown calls still running (their replies are awaited)
+        self.seq = itertools.count()
         self.scope: Optional[anyio.CancelScope] = None
-        self.buffered = BufferedByteReceiveStream(stream)
+
+    def _set(self, state: LinkState) -> None:
+        self.state = state
+        if state is LinkState.CLOSED:
+            self.writer.items.clear()
+            if self.scope is not None:
+                self.scope.cancel()
+        self.writer.wake()
 
     # ------------------------------------------------------------------ queueing (sync)
 
     def push(self, item: Any) -> None:
         """Queue a message or a RequestOutput for the sender (never blocks)."""
-        if not self.accepting:
+        if self.state is LinkState.FAILING or self.state is LinkState.CLOSED:
             return
-        self.outbox.append(item)
-        if len(self.outbox) > self.server.max_outbox and not self.overflow:
-            self.overflow = True
-            log.warning("ipc client %d: outbox over %d items (not reading?); closing",
-                        self.id, self.server.max_outbox)
-            self.accepting = False
-            if self.scope is not None:
-                self.scope.cancel()
-        self._wake.set()
+        self.writer.put(item)
+        if len(self.writer.items) > self.max_outbox:
+            log.warning("ipc client %d (%s): outbox over %d items (not reading?); closing",
+                        self.id, self.peer, self.max_outbox)
+            self._set(LinkState.CLOSED)
 
     def fail(self, exc: BaseException, **kw: Any) -> None:
         """Queue a fatal Error for ``exc``, then close after flushing."""
         self.push(error_to_message(exc, fatal=True, **kw))
-        self.accepting = False
-        self.fatal = True
-        self._wake.set()
+        if self.state is not LinkState.CLOSED:
+            self._set(LinkState.FAILING)
 
     def close(self) -> None:
         """Graceful close: flush everything, including replies of running calls."""
-        self.closing = True
-        self._wake.set()
+        if self.state is LinkState.OPEN:
+            self._set(LinkState.CLOSING)
 
-    def make_sink(self, rid: str, erid: str):
+    def gone(self) -> None:
+        """The connection is over: nothing more is queued."""
+        self._set(LinkState.CLOSED)
+
+    def call_started(self) -> None:
+        self.pending_calls += 1
+
+    def call_done(self) -> None:
+        self.pending_calls -= 1
+        self.writer.wake()
+
+    def make_sink(self, rid: str, erid: str) -> Callable[[Any], None]:
         inflight = self.inflight
         push = self.push
 
@@ -131,43 +158,38 @@ class Connection:
                 log.error("ipc client %d: output of %r exceeds max_frame", self.id, out.request_id)
                 erid = self.inflight.pop(out.request_id, None)
                 if erid is not None:
-                    self.server.engine_abort(erid, "output exceeds the frame limit")
+                    self.abort_request(erid, "output exceeds the frame limit")
                 return self.codec.encode(error_to_message(exc, request_id=out.request_id, fatal=False))
             raise
 
+    def _sent_all(self) -> bool:
+        st = self.state
+        return (st is LinkState.FAILING or st is LinkState.CLOSED
+                or (st is LinkState.CLOSING and self.pending_calls == 0))
+
     async def sender(self) -> None:
-        stream, timeout = self.stream, self.server.send_timeout
-        while True:
-            if not self.outbox:
-                if self.fatal or (self.closing and self.pending_calls == 0):
-                    return
-                self._wake = anyio.Event()
-                await self._wake.wait()
-                continue
-            items = list(self.outbox)
-            self.outbox.clear()
-            data = self._encode(items)
-            with anyio.fail_after(timeout):
-                await stream.send(data)
+        """Send until the connection is done (``TimeoutError``: the peer stopped reading)."""
+        await self.writer.run(self._sent_all)
 
     # ------------------------------------------------------------------ reading
 
-    async def reader(self) -> None:
-        buffered = self.buffered
-        max_frame = self.server.max_frame
-        while self.accepting and not self.closing:
+    async def reader_loop(self, dispatch: Callable[["Connection", Any], Awaitable[None]]) -> None:
+        """Read and ``dispatch`` the client's messages while the connection is open; a bad frame
+        fails the connection; a stream that ends raises :class:`ConnectionClosed`."""
+        read = self.reader.read
+        while self.state is LinkState.OPEN:
             try:
-                body = await read_frame(buffered, max_frame)
-                msg = self.codec.decode(body)
-            except ConnectionClosed:
-                raise
+                msg = await read()
             except ProtocolError as exc:  # incl. FrameTooLargeError
-                log.info("ipc client %d: %s; closing", self.id, exc)
+                log.info("ipc client %d (%s): %s; closing", self.id, self.peer, exc)
                 self.fail(exc)
                 return
             try:
-                await self.server.dispatch(self, msg)
+                await dispatch(self, msg)
             except Exception as exc:  # a bug of ours: report it, keep the connection
                 log.exception("ipc client %d: error handling %s", self.id, type(msg).__name__)
                 self.push(error_to_message(exc, call_id=getattr(msg, "call_id", None),
                                            request_id=getattr(msg, "request_id", None), fatal=False))
+
+
+__all__ = ["Connection", "LinkState", "STREAM_ERRORS"]

@@ -175,10 +175,11 @@ class Generate(_Message, tag="Generate"):
 
 
 class Abort(_Message, tag="Abort"):
-    """End a request early (idempotent)."""
+    """End a request early (idempotent); ``reason`` ends up in its last piece's ``reason``."""
 
     request_id: RequestId
     call_id: Optional[CallId] = None
+    reason: Optional[Annotated[str, Meta(max_length=MAX_NAME_LEN)]] = None
 
 
 class HealthRequest(_Message, tag="HealthRequest"):

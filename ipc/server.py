@@ -1,115 +1,126 @@
-"""``serve_ipc``: serve an :class:`engine.AsyncEngine` to many clients over the wire protocol.
+"""``serve_ipc``: serve an engine to many clients over the wire protocol.
 
-One task per connection reads and dispatches frames; one sender task per connection owns the
-stream's write side (both in ipc/connection.py). Outputs reach a connection through a sink that the engine calls on the
-event-loop thread, all of one step's outputs in one go (``AsyncEngine._dispatch``), so the
-sender -- which only runs after that -- finds the whole step in its outbox and writes it as one
+One task per connection reads and dispatches frames; one sender per connection owns the
+stream's write side (both in ipc/connection.py). Outputs reach a connection through a sink the
+engine calls on the event-loop thread, all of one step's outputs in one go, so the sender --
+which only runs after that -- finds the whole step in its outbox and writes it as one
 ``Outputs`` frame (several pending frames go out in one ``send``).
 
 Isolation: a malformed, oversize or unexpected frame, a failed handshake, a peer that stops
 reading (``send_timeout``) or lets its outbox grow past ``max_outbox`` closes only that
 connection. Closing a connection, for whatever reason, aborts its unfinished requests.
 
+Hostile peers: at most ``max_connections`` connections at once, handshaken or not (beyond it a
+new one gets a fatal ``Error(OVERLOADED)`` and is closed at once); a failed ``accept`` (out of
+file descriptors, ...) backs off and retries, logged as summaries (ipc/accept.py); failed
+authentications are throttled per peer and in all, logged with the peer (ipc/auth.py).
+
 Request ids are the client's, scoped to its connection: the engine sees ``c<conn>-<n>`` and the
 outputs are renamed back, so clients can neither collide with nor abort each other's requests.
 
-``serve_ipc`` returns when the engine has stopped (SHUTDOWN, after a drain, shutdown or
-failure -- also one a client asked for), after each connection's pending replies are flushed;
-or when cancelled. It never installs signal handlers and never shuts the engine down itself.
+``serve_ipc`` returns when the engine has stopped (after a drain, shutdown or failure -- also one
+a client asked for), after each connection's pending replies are flushed; or when cancelled. It
+never installs signal handlers and never shuts the engine down itself.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 import anyio
 import msgspec
-from anyio.abc import ByteStream, TaskStatus
-from anyio.streams.buffered import BufferedByteReceiveStream
+from anyio.abc import ByteStream, Listener, TaskStatus
 
 from engine.errors import BadRequestError
+from engine.interface import Engine, Prompt
+from engine.params import SamplingParams
 from states import State
 
+from .accept import SummaryLog, accept_forever
+from .auth import AuthThrottle
 from .connection import STREAM_ERRORS, Connection
 from .errors import ConnectionClosed, ProtocolError
-from .framing import FrameCodec, read_frame
-from .messages import (
-    DEFAULT_MAX_FRAME,
-    HANDSHAKE_MAX_FRAME,
-    MAX_CHAT_TEMPLATE_LEN,
-    MAX_NAME_LEN,
-    PROTOCOL_VERSION,
-    Abort,
-    Ack,
-    Drain,
-    Error,
-    ErrorKind,
-    Generate,
-    HealthRequest,
-    Hello,
-    Shutdown,
-    StateChanged,
-    Welcome,
-    error_to_message,
-)
-from .transport import (
-    check_token,
-    listener_address,
-    open_listener,
-    parse_address,
-    remove_socket,
-    socket_inode,
-)
+from .framing import FrameCodec, FrameReader
+from .handshake import hello_error
+from .messages import (DEFAULT_MAX_FRAME, HANDSHAKE_MAX_FRAME, MAX_CHAT_TEMPLATE_LEN, MAX_NAME_LEN,
+                       PROTOCOL_VERSION, Abort, Ack, ClientMessage, Drain, Error, ErrorKind,
+                       Generate, HealthRequest, Shutdown, StateChanged, Welcome, error_to_message)
+from .transport import (check_token, listener_address, open_listener, parse_address, peer_of,
+                        remove_socket, socket_inode)
 
 log = logging.getLogger("enginecore.ipc")
 
 
+@runtime_checkable
+class ServedEngine(Engine, Protocol):
+    """An :class:`~engine.interface.Engine` with the server's fast path: ``submit`` delivers a
+    request's outputs (or the exception that ends it) to ``sink`` on the event-loop thread,
+    all of one step's outputs in one go; returns the number of prompt tokens."""
+
+    def submit(self, prompt: Prompt, params: SamplingParams, request_id: str,
+               sink: Callable[[Any], None]) -> int: ...
+
 
 class IPCServer:
-    """Serves one engine on one address. Use :func:`serve_ipc` unless you need the object."""
+    """Serves one engine on one address. Use :func:`serve_ipc` unless you need the object.
+
+    ``listener``: one already bound (``transport.preflight_listen``) for ``address``."""
 
     def __init__(
         self,
-        engine: Any,
+        engine: ServedEngine,
         address: str,
         token: Optional[str] = None,
         max_frame: int = DEFAULT_MAX_FRAME,
         *,
+        listener: Optional[Listener[ByteStream]] = None,
         handshake_timeout: float = 10.0,
         send_timeout: float = 30.0,
         max_outbox: int = 1 << 16,
         max_inflight: int = 1 << 14,
+        max_connections: int = 256,
         close_grace: float = 5.0,
+        auth_throttle: Optional[AuthThrottle] = None,
+        log_interval: float = 10.0,
     ) -> None:
         parse_address(address)  # fail early on a bad address
         FrameCodec(max_frame=max_frame)  # and on a bad limit
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.engine = engine
         self.address = address
-        self.token = token
+        self.token = token or None
         self.max_frame = max_frame
         self.handshake_timeout = handshake_timeout
         self.send_timeout = send_timeout
         self.max_outbox = max_outbox
         self.max_inflight = max_inflight
+        self.max_connections = max_connections
         self.close_grace = close_grace
-        self.connections: dict[int, Connection] = {}
+        self.auth = auth_throttle or AuthThrottle()
+        self.connections: dict[int, Connection] = {}  # handshaken
+        self.live = 0  # accepted and not closed yet, handshaken or not
         self.bound_address: Optional[str] = None
+        self.accept_log = SummaryLog(log, "ipc: accept failed", interval=log_interval)
+        self.refusal_log = SummaryLog(log, "ipc: refused a connection", interval=log_interval)
+        self.auth_log = SummaryLog(log, "ipc: failed authentication", interval=log_interval)
+        self._listener = listener
         self._ids = itertools.count(1)
         self._active = False
         self._tg: Optional[anyio.abc.TaskGroup] = None
-        self._stopped = anyio.Event()
-        self._info: Optional[dict] = None  # Welcome's model description, once known
+        self._all_closed = anyio.Event()
+        self._info: Optional[dict] = None  # Welcome's model description, once loaded
 
     # ------------------------------------------------------------------ lifetime
 
     async def serve(self, *, task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
-        listener = await open_listener(self.address, self.token)
+        listener = self._listener or await open_listener(self.address, self.token)
         inode = socket_inode(self.address)
         self.bound_address = listener_address(listener, self.address)
         self._active = True
-        self._register_state_listener()
+        self.engine.on_state_change(self._on_state_change)
         try:
             async with listener, anyio.create_task_group() as tg:
                 self._tg = tg
@@ -117,71 +128,82 @@ class IPCServer:
 
                 async def accept() -> None:
                     with accept_scope:
-                        await listener.serve(self._handle, task_group=tg)
+                        await accept_forever(listener, self._on_accept, self.accept_log)
 
                 tg.start_soon(accept)
                 log.info("ipc: serving on %s", self.bound_address)
                 task_status.started(self.bound_address)
-                await self._wait_engine_stopped()
+                await self.engine.wait_stopped()
                 log.info("ipc: engine stopped (%s); closing %d connection(s)",
-                         self._engine_state(), len(self.connections))
+                         self.engine.state, len(self.connections))
                 accept_scope.cancel()
+                self._all_closed = anyio.Event()
                 for conn in list(self.connections.values()):
                     conn.close()
-                with anyio.move_on_after(self.close_grace):
-                    while self.connections:
-                        await anyio.sleep(0.01)
+                if self.connections:
+                    with anyio.move_on_after(self.close_grace):
+                        await self._all_closed.wait()
                 tg.cancel_scope.cancel()
         finally:
             self._active = False
             remove_socket(self.address, inode=inode)
-            self._stopped.set()
 
-    async def _wait_engine_stopped(self) -> None:
-        wait = getattr(self.engine, "wait_stopped", None)
-        if wait is not None:
-            await wait()
-            return
-        while self._engine_state() is not State.SHUTDOWN:  # pragma: no cover - other engines
-            await anyio.sleep(0.05)
-
-    def _engine_state(self) -> State:
-        return self.engine.state
-
-    def _register_state_listener(self) -> None:
-        register = getattr(self.engine, "on_state_change", None)
-        if register is None:  # pragma: no cover - other engines
-            return
-        connections = self.connections
-
-        def on_change(old: State, new: State) -> None:
-            if not self._active:
-                return  # the engine has no way to unregister; a stopped server ignores it
-            msg = StateChanged(state=new, previous=old)
-            for conn in list(connections.values()):
-                conn.push(msg)
-
-        register(on_change)
+    def _on_state_change(self, old: State, new: State) -> None:
+        if not self._active:
+            return  # the engine has no way to unregister; a stopped server ignores it
+        msg = StateChanged(state=new, previous=old)
+        for conn in list(self.connections.values()):
+            conn.push(msg)
 
     def engine_abort(self, engine_rid: str, reason: str) -> None:
         """Abort from synchronous code (in the server's task group)."""
         if self._tg is not None and self._active:
             self._tg.start_soon(self.engine.abort, engine_rid, reason)
 
+    # ------------------------------------------------------------------ accepting
+
+    def _on_accept(self, stream: ByteStream) -> None:
+        assert self._tg is not None
+        if self.live >= self.max_connections:
+            self._tg.start_soon(self._refuse, stream)
+            return
+        self.live += 1
+        self._tg.start_soon(self._handle, stream)
+
+    async def _refuse(self, stream: ByteStream) -> None:
+        _, peer = peer_of(stream)
+        self.refusal_log.note("max_connections", f"too many connections (max "
+                              f"{self.max_connections}); refused {peer}")
+        err = Error(kind=ErrorKind.OVERLOADED, fatal=True, retry_after=1.0,
+                    message=f"too many connections (max {self.max_connections})")
+        with anyio.move_on_after(0.5):
+            try:
+                await stream.send(FrameCodec().encode(err))
+            except STREAM_ERRORS:
+                pass
+        await anyio.aclose_forcefully(stream)
+
     # ------------------------------------------------------------------ one connection
 
     async def _handle(self, stream: ByteStream) -> None:
         cid = next(self._ids)
-        conn = Connection(self, stream, cid)
+        key, peer = peer_of(stream)
+        codec = FrameCodec(ClientMessage, max_frame=self.max_frame)
+        conn = Connection(stream, cid, codec, FrameReader(stream, codec, max_frame=HANDSHAKE_MAX_FRAME),
+                          peer=peer, send_timeout=self.send_timeout, max_outbox=self.max_outbox,
+                          abort_request=self.engine_abort)
         try:
-            if await self._handshake(conn):
+            if await self._handshake(conn, key):
                 self.connections[cid] = conn
                 await self._run(conn)
         except Exception:  # never let one connection take the server down
-            log.exception("ipc client %d: unexpected error", cid)
+            log.exception("ipc client %d (%s): unexpected error", cid, peer)
         finally:
+            self.live -= 1
             self.connections.pop(cid, None)
-            conn.accepting = False
+            if not self.connections:
+                self._all_closed.set()
+            conn.gone()
             with anyio.CancelScope(shield=True):
                 erids, conn.inflight = list(conn.inflight.values()), {}
                 for erid in erids:
@@ -191,86 +213,78 @@ class IPCServer:
                         pass
                 await stream.aclose()
 
-    async def _handshake(self, conn: Connection) -> bool:
-        buffered = BufferedByteReceiveStream(conn.stream)
+    async def _handshake(self, conn: Connection, key: str) -> bool:
         try:
             with anyio.fail_after(self.handshake_timeout):
-                body = await read_frame(buffered, HANDSHAKE_MAX_FRAME)
-            msg = conn.codec.decode(body)
+                msg = await conn.reader.read()
         except TimeoutError:
-            await self._reject(conn, Error(kind=ErrorKind.PROTOCOL, message="handshake timeout", fatal=True))
-            return False
+            return await self._reject(conn, Error(kind=ErrorKind.PROTOCOL, message="handshake timeout",
+                                                  fatal=True))
         except ConnectionClosed:
             return False
         except ProtocolError as exc:
-            await self._reject(conn, error_to_message(exc, fatal=True))
-            return False
-        if not isinstance(msg, Hello):
-            await self._reject(conn, Error(kind=ErrorKind.PROTOCOL, fatal=True,
-                                           message=f"expected Hello, got {type(msg).__name__}"))
-            return False
-        if msg.protocol_version != PROTOCOL_VERSION:
-            await self._reject(conn, Error(
-                kind=ErrorKind.VERSION, fatal=True,
-                message=f"protocol version {msg.protocol_version} not supported; "
-                        f"this engine speaks {PROTOCOL_VERSION}"))
-            return False
-        if not check_token(self.token, msg.token):
-            log.warning("ipc client %d: bad token", conn.id)
-            await self._reject(conn, Error(kind=ErrorKind.AUTH, fatal=True,
-                                           message="missing or wrong token"))
+            return await self._reject(conn, error_to_message(exc, fatal=True))
+        err = hello_error(msg)
+        if err is not None:
+            return await self._reject(conn, err)
+        if self.token is not None and not await self._authenticate(conn, key, msg.token):
             return False
         conn.name = msg.client_name
-        welcome = Welcome(protocol_version=PROTOCOL_VERSION, state=self._engine_state(),
+        conn.reader.max_frame = self.max_frame
+        welcome = Welcome(protocol_version=PROTOCOL_VERSION, state=self.engine.state,
                           max_frame=self.max_frame, client_id=conn.id, **self._model_info())
         try:
             with anyio.fail_after(self.send_timeout):
                 await conn.stream.send(conn.codec.encode(welcome))
         except (TimeoutError, *STREAM_ERRORS):
             return False
-        # Bytes the client pipelined right after its Hello are in ``buffered``: keep reading
-        # through the same buffer.
-        conn.buffered = buffered
         return True
 
+    async def _authenticate(self, conn: Connection, key: str, token: Optional[str]) -> bool:
+        if not await self.auth.wait_turn(key):
+            self.auth_log.note(f"{key} (throttled)", f"{conn.peer}: refused, too many failed "
+                               "authentications are waiting")
+            await self._reject(conn, Error(kind=ErrorKind.AUTH, fatal=True,
+                                           retry_after=self.auth.retry_after(key),
+                                           message="too many failed authentications; try later"))
+            return False
+        if check_token(self.token, token):
+            return True
+        n = self.auth.failed(key)
+        self.auth_log.note(key, f"client {conn.id} from {conn.peer}: missing or wrong token "
+                           f"({n} failure(s) from {key} in the last {self.auth.window:.0f} s)")
+        await self._reject(conn, Error(kind=ErrorKind.AUTH, fatal=True, message="missing or wrong token"))
+        return False
+
     def _model_info(self) -> dict:
-        """Welcome's description of the model (computed once; absent parts are left out)."""
+        """Welcome's description of the model (kept once loaded; overlong parts left out)."""
         if self._info is not None:
             return self._info
         engine = self.engine
-        model = getattr(getattr(engine, "config", None), "model", "")
-        info: dict = {"model": str(model)[:MAX_NAME_LEN]}
-        tok = getattr(engine, "tokenizer", None)
-        runner = getattr(engine, "runner", None)
-        try:
-            if tok is not None:
-                template = getattr(tok, "chat_template", None)
-                if isinstance(template, str) and len(template) <= MAX_CHAT_TEMPLATE_LEN:
-                    info["chat_template"] = template
-                elif template is not None:
-                    log.warning("ipc: chat template not sent (not a string or too long)")
-                for key in ("bos_token", "eos_token"):
-                    text = getattr(tok, key, None)
-                    if isinstance(text, str) and len(text) <= MAX_NAME_LEN:
-                        info[key] = text
-            max_len = getattr(runner, "max_model_len", 0)
-            vocab = getattr(getattr(runner, "model_config", None), "vocab_size", None)
-            if vocab is None:
-                vocab = getattr(tok, "vocab_size", 0)
-            info["max_model_len"] = max(0, int(max_len or 0))
-            info["vocab_size"] = max(0, int(vocab or 0))
-        except Exception:  # never fail a handshake over a description
-            log.exception("ipc: cannot describe the model in Welcome")
-        if self._engine_state() in (State.SERVING, State.DRAINING):
+        tok = engine.tokenizer_info()
+        info: dict = {"model": str(engine.model)[:MAX_NAME_LEN],
+                      "max_model_len": max(0, int(engine.max_model_len)),
+                      "vocab_size": max(0, int(tok.vocab_size))}
+        if tok.chat_template is not None:
+            if len(tok.chat_template) <= MAX_CHAT_TEMPLATE_LEN:
+                info["chat_template"] = tok.chat_template
+            else:
+                log.warning("ipc: chat template not sent (longer than %d)", MAX_CHAT_TEMPLATE_LEN)
+        for name, text in (("bos_token", tok.bos_token), ("eos_token", tok.eos_token)):
+            if text is not None and len(text) <= MAX_NAME_LEN:
+                info[name] = text
+        if engine.state in (State.SERVING, State.DRAINING):
             self._info = info  # loaded: it will not change any more
         return info
 
-    async def _reject(self, conn: Connection, err: Error) -> None:
+    async def _reject(self, conn: Connection, err: Error) -> bool:
+        """Send a fatal handshake error (best effort); always False."""
         with anyio.move_on_after(min(self.send_timeout, 5.0)):
             try:
                 await conn.stream.send(conn.codec.encode(err))
             except STREAM_ERRORS:
                 pass
+        return False
 
     async def _run(self, conn: Connection) -> None:
         async with anyio.create_task_group() as tg:
@@ -280,14 +294,15 @@ class IPCServer:
                 try:
                     await conn.sender()
                 except TimeoutError:
-                    log.warning("ipc client %d: not reading for %.0fs; closing", conn.id, self.send_timeout)
+                    log.warning("ipc client %d (%s): not reading for %.0fs; closing", conn.id,
+                                conn.peer, self.send_timeout)
                 except STREAM_ERRORS:
                     pass
                 tg.cancel_scope.cancel()
 
             async def read_all() -> None:
                 try:
-                    await conn.reader()
+                    await conn.reader_loop(self.dispatch)
                 except STREAM_ERRORS:
                     tg.cancel_scope.cancel()  # the peer is gone: nobody to flush to
 
@@ -303,7 +318,7 @@ class IPCServer:
         elif t is Abort:
             erid = conn.inflight.get(msg.request_id)
             if erid is not None:
-                await self.engine.abort(erid, "aborted by client")
+                await self.engine.abort(erid, msg.reason or "aborted by client")
             if msg.call_id is not None:
                 conn.push(Ack(call_id=msg.call_id, request_id=msg.request_id))
         elif t is HealthRequest:
@@ -326,36 +341,18 @@ class IPCServer:
                 f"too many requests in flight on this connection (max {self.max_inflight})"),
                 request_id=rid))
             return
-        erid = f"c{conn.id}-{next(conn._seq)}"
+        erid = f"c{conn.id}-{next(conn.seq)}"
         conn.inflight[rid] = erid
         try:
-            self._submit(msg.prompt, msg.params, erid, conn.make_sink(rid, erid))
-        except Exception as exc:
+            self.engine.submit(msg.prompt, msg.params, erid, conn.make_sink(rid, erid))
+        except Exception as exc:  # refusals (draining, overloaded: retryable, with retry_after)
             conn.inflight.pop(rid, None)
             conn.push(error_to_message(exc, request_id=rid, fatal=False))
-
-    def _submit(self, prompt, params, erid: str, sink) -> None:
-        submit = getattr(self.engine, "submit", None)
-        if submit is not None:
-            submit(prompt, params, erid, sink)
-            return
-        # An engine with only ``generate``: one task per request forwards its stream.
-        stream = self.engine.generate(prompt, params, request_id=erid)  # pragma: no cover
-
-        async def forward() -> None:  # pragma: no cover
-            try:
-                async for out in stream:
-                    sink(out)
-            except Exception as exc:
-                sink(exc)
-
-        assert self._tg is not None  # pragma: no cover
-        self._tg.start_soon(forward)  # pragma: no cover
 
     def _call(self, conn: Connection, call_id: Optional[int], fn, *args: Any) -> None:
         """Run a long engine call (drain/shutdown) without blocking the connection's reader."""
         assert self._tg is not None
-        conn.pending_calls += 1
+        conn.call_started()
 
         async def run() -> None:
             try:
@@ -364,17 +361,16 @@ class IPCServer:
                 conn.push(error_to_message(exc, call_id=call_id, fatal=False))
             else:
                 if call_id is not None:
-                    conn.push(Ack(call_id=call_id, state=self._engine_state()))
+                    conn.push(Ack(call_id=call_id, state=self.engine.state))
             finally:
-                conn.pending_calls -= 1
-                conn._wake.set()
+                conn.call_done()
 
         # In the server's task group: the call outlives the connection that asked for it.
         self._tg.start_soon(run)
 
 
 async def serve_ipc(
-    engine: Any,
+    engine: ServedEngine,
     address: str,
     token: Optional[str] = None,
     max_frame: int = DEFAULT_MAX_FRAME,
@@ -385,15 +381,18 @@ async def serve_ipc(
     """Serve ``engine`` on ``address`` (``unix:///path`` or ``tcp://host:port``) until the
     engine stops or the caller cancels.
 
-    ``token``: required in every client's Hello (and mandatory for a non-loopback TCP host).
-    ``max_frame``: the largest frame accepted or sent. With ``await tg.start(serve_ipc, ...)``
-    the caller gets the concrete address (TCP port 0 resolved) once the listener is up.
-    ``options``: ``handshake_timeout`` (10 s), ``send_timeout`` (30 s: a client that stops
-    reading is dropped), ``max_outbox`` (65,536 queued items), ``max_inflight`` (16,384
-    requests per connection), ``close_grace`` (5 s to flush replies when the engine stops).
+    ``token``: required in every client's Hello, on every kind of address (and mandatory for a
+    non-loopback TCP host). ``max_frame``: the largest frame accepted or sent. With
+    ``await tg.start(serve_ipc, ...)`` the caller gets the concrete address (TCP port 0
+    resolved) once the listener is up. ``options``: see :class:`IPCServer` -- ``listener`` (one
+    bound by ``transport.preflight_listen``), ``handshake_timeout`` (10 s), ``send_timeout``
+    (30 s: a client that stops reading is dropped), ``max_outbox`` (65,536 queued items),
+    ``max_inflight`` (16,384 requests per connection), ``max_connections`` (256, handshaken or
+    not), ``close_grace`` (5 s to flush replies when the engine stops), ``auth_throttle``,
+    ``log_interval`` (10 s between summary log lines of floods).
     """
     server = IPCServer(engine, address, token, max_frame, **options)
     await server.serve(task_status=task_status)
 
 
-__all__ = ["serve_ipc", "IPCServer"]
+__all__ = ["serve_ipc", "IPCServer", "ServedEngine"]

@@ -11,7 +11,8 @@ The child is ``python -m entrypoints.cli serve --config-json <config> --listen <
 * The child's stdout and stderr go through a pipe that a thread copies to our stderr (fd 2)
   line by line, keeping the last lines for error messages.
 * ``--parent-pid``: the engine drains and exits when we die (even by SIGKILL).
-* A ``token`` travels as ``--token`` on the child's command line, which other local users can
+* A ``token`` travels in the child's environment (``ENGINECORE_TOKEN``; ``/proc/<pid>/environ``
+  is readable by the same user only), never on its command line, which every local user can
   read (``ps``); the default private socket needs none.
 * On exit of the context: ``Shutdown`` (running requests are aborted), wait for the process to
   exit (killed after ``shutdown_timeout``), reap it; ``client.exit_code`` tells how it ended.
@@ -42,6 +43,8 @@ import msgspec
 from engine.errors import EngineError
 from states import InvalidTransitionError
 
+from .auth import TOKEN_ENV
+
 log = logging.getLogger("enginecore.ipc.spawn")
 
 _MAX_UNIX_PATH = 107
@@ -67,10 +70,14 @@ def _private_dir() -> str:
     return d
 
 
-def _engine_env(env: Optional[dict]) -> dict:
+def _engine_env(env: Optional[dict], token: Optional[str]) -> dict:
     """The child's environment: ours (or ``env``), with this checkout's root on PYTHONPATH so
-    ``-m entrypoints.cli`` runs the very code we run."""
+    ``-m entrypoints.cli`` runs the very code we run, and the token (or none) in TOKEN_ENV."""
     out = dict(os.environ if env is None else env)
+    if token:
+        out[TOKEN_ENV] = token
+    elif env is None:
+        out.pop(TOKEN_ENV, None)  # ours is not meant for a child we start without a token
     root = str(Path(__file__).resolve().parent.parent)
     paths = [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p]
     if root not in paths:
@@ -119,12 +126,10 @@ class EngineProcess:
                 "--drain-timeout", repr(float(drain_timeout))]
         if config is not None:
             argv += ["--config-json", msgspec.json.encode(config).decode()]
-        if token:
-            argv += ["--token", token]
         argv += list(args)
         try:
             popen = subprocess.Popen(argv, pass_fds=(ready_w,), stdin=subprocess.DEVNULL,
-                                     stdout=out_w, stderr=out_w, env=_engine_env(env),
+                                     stdout=out_w, stderr=out_w, env=_engine_env(env, token),
                                      close_fds=True)
         except BaseException:
             for fd in (ready_r, out_r):

@@ -1,28 +1,32 @@
 """Client-side request streams: the async iterator over one request's mailbox (filled by the
-client's reader task), plus the helper the client uses to reach its loop from other threads."""
+client's reader task), plus the helper the client uses to reach its loop from other threads.
+
+A stream knows nothing of the client: it gets the one thing it needs, a callback that aborts its
+request (``abandon(request_id, mailbox)``), so the dependency runs one way (client -> streams).
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from engine.mailbox import Mailbox
 from engine.params import RequestOutput
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .client import EngineClient
+#: ``abandon(request_id, mailbox)``: the iterator went away; abort the request (any thread).
+Abandon = Callable[[str, Mailbox], None]
 
 
 class RemoteStream:
-    """Async iterator of one request's outputs (like :class:`engine.async_engine.RequestStream`).
+    """Async iterator of one request's outputs (like :class:`engine.request_stream.RequestStream`).
 
     Errors the engine reports for the request are raised by ``__anext__``. Leaving it early
     (``break`` and dropping it, ``aclose()``, ``cancel()``) aborts the request."""
 
-    __slots__ = ("request_id", "_client", "_ch", "_done", "__weakref__")
+    __slots__ = ("request_id", "_abandon", "_ch", "_done", "__weakref__")
 
-    def __init__(self, client: "EngineClient", request_id: str, channel: Mailbox) -> None:
+    def __init__(self, request_id: str, channel: Mailbox, abandon: Abandon) -> None:
         self.request_id = request_id
-        self._client = client
+        self._abandon = abandon
         self._ch = channel
         self._done = False
 
@@ -56,7 +60,7 @@ class RemoteStream:
         """Abort the request (if still running) and stop iterating."""
         if not self._done:
             self._done = True
-            self._client._abandon(self.request_id, self._ch)
+            self._abandon(self.request_id, self._ch)
 
     def __del__(self) -> None:
         try:
@@ -65,7 +69,7 @@ class RemoteStream:
             pass
 
 
-def _thread_caller() -> Callable[[Callable[[], None]], None]:
+def thread_caller() -> Callable[[Callable[[], None]], None]:
     """A way to run a callable on the current event loop from another thread, without blocking."""
     import asyncio
 

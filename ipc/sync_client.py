@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from engine.interface import Health, Prompt
 from engine.params import RequestOutput, SamplingParams
 from states import State
 
-from .client import EngineClient, Prompt, RemoteStream
-from .messages import Health
+from .client import EngineClient
+from .streams import RemoteStream
 
 if TYPE_CHECKING:  # pragma: no cover
     from engine.config import EngineConfig
@@ -126,8 +127,8 @@ class SyncEngineClient:
         num_prompt_tokens, num_output_tokens)."""
         return self._portal.call(self.client.complete, prompt, params, request_id)
 
-    def abort(self, request_id: str) -> None:
-        self._portal.call(self.client.abort, request_id)
+    def abort(self, request_id: str, reason: str = "aborted by client") -> None:
+        self._portal.call(self.client.abort, request_id, reason)
 
     # ------------------------------------------------------------------ the engine
 
@@ -141,7 +142,7 @@ class SyncEngineClient:
         self._portal.call(self.client.shutdown)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self.client.apply_chat_template(messages, add_generation_prompt)
+        return self._portal.call(self.client.apply_chat_template, messages, add_generation_prompt)
 
     @property
     def state(self) -> State:

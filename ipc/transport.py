@@ -3,9 +3,14 @@
 * Unix sockets are created with mode 0600 (only the owner may connect). A socket file left over
   by a dead engine is removed first -- but only if nothing answers on it; a live one, or a path
   that is not a socket, is an error.
-* TCP listens on 127.0.0.1 unless a host is given; a non-loopback host needs a token (the
-  handshake then authenticates clients, compared in constant time by :func:`check_token`).
-  There is no TLS: put a non-loopback listener behind a trusted network or a tunnel.
+* TCP listens on 127.0.0.1 unless a host is given; a non-loopback host needs a token. With a
+  token configured, every client must present it -- on loopback TCP and Unix sockets too
+  (compared in constant time by :func:`check_token`). Without one, a loopback TCP listener lets
+  every local user in: :func:`preflight_listen` warns. There is no TLS: put a non-loopback
+  listener behind a trusted network or a tunnel.
+* :func:`preflight_listen` checks and binds the address before anything expensive happens
+  (``enginecore serve`` calls it before loading the model) and turns every failure into one
+  :class:`ListenError` with a clear message.
 """
 
 from __future__ import annotations
@@ -13,14 +18,19 @@ from __future__ import annotations
 import errno
 import hmac
 import ipaddress
+import logging
 import os
+import socket
 import stat
+import struct
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
 
 import anyio
 from anyio.abc import ByteStream, Listener, SocketAttribute
+
+log = logging.getLogger("enginecore.ipc")
 
 DEFAULT_TCP_HOST = "127.0.0.1"
 UNIX_SOCKET_MODE = 0o600
@@ -144,6 +154,63 @@ async def open_listener(address: str | Address, token: str | None = None) -> Lis
     return await anyio.create_tcp_listener(local_host=addr.host, local_port=addr.port)
 
 
+class ListenError(Exception):
+    """The address cannot be listened on; the message says why, for an operator."""
+
+
+_LISTEN_ERRNO_HINTS = {
+    errno.EADDRINUSE: "address in use (another process listens there)",
+    errno.EACCES: "permission denied",
+    errno.EADDRNOTAVAIL: "not an address of this host",
+    errno.ENOENT: "the socket's directory does not exist",
+    errno.EEXIST: "the path exists and is not a socket",
+}
+
+
+async def preflight_listen(address: str | Address, token: str | None) -> Listener[ByteStream]:
+    """Check ``address`` and bind it; the listener, or :class:`ListenError` saying why not: a
+    bad address, a non-loopback host without a token, an address or socket path in use, no
+    permission, an unknown host."""
+    try:
+        addr = parse_address(address)
+    except ValueError as exc:
+        raise ListenError(f"bad address: {exc}") from None
+    if addr.kind == "tcp" and not addr.is_loopback and not token:
+        raise ListenError(f"refusing to listen on non-loopback {addr} without a token "
+                          "(set ENGINECORE_TOKEN or --token-file, or use 127.0.0.1 / a unix socket)")
+    if addr.kind == "tcp" and not token:
+        log.warning("ipc: %s has no token: every local user can connect (and drain or shut the "
+                    "engine down); set ENGINECORE_TOKEN or --token-file, or use a unix socket", addr)
+    try:
+        return await open_listener(addr, token)
+    except socket.gaierror as exc:
+        raise ListenError(f"{addr}: cannot resolve host {addr.host!r} ({exc.strerror})") from None
+    except OSError as exc:
+        hint = _LISTEN_ERRNO_HINTS.get(exc.errno or 0, exc.strerror or str(exc))
+        detail = f" ({exc.strerror})" if exc.strerror and exc.strerror.lower() not in hint.lower() else ""
+        raise ListenError(f"{addr}: {hint}{detail}") from None
+    except ValueError as exc:
+        raise ListenError(str(exc)) from None
+
+
+def peer_of(stream: ByteStream) -> tuple[str, str]:
+    """(key, text) for the peer of an accepted stream: TCP by host ("10.0.0.7" / "10.0.0.7:5123"),
+    a Unix socket by its user ("uid=1000" / "uid=1000 pid=4242", from SO_PEERCRED)."""
+    try:
+        remote = stream.extra(SocketAttribute.remote_address)
+    except Exception:  # not a socket stream (tests)
+        return "?", "?"
+    if isinstance(remote, tuple) and remote:
+        return str(remote[0]), f"{remote[0]}:{remote[1]}" if len(remote) > 1 else str(remote[0])
+    try:
+        raw = stream.extra(SocketAttribute.raw_socket)
+        pid, uid, _ = struct.unpack("3i", raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                         struct.calcsize("3i")))
+    except Exception:  # not a Unix socket, or no SO_PEERCRED here
+        return "unix", "unix"
+    return f"uid={uid}", f"unix uid={uid} pid={pid}"
+
+
 def listener_address(listener: Listener[ByteStream], address: str | Address) -> str:
     """The concrete address clients should use (resolves TCP port 0 to the bound port)."""
     addr = parse_address(address)
@@ -164,6 +231,13 @@ async def connect(address: str | Address) -> ByteStream:
     if addr.port == 0:
         raise ValueError(f"{addr}: cannot connect to port 0")
     return await anyio.connect_tcp(addr.host, addr.port)
+
+
+async def close_listener(listener: Listener[ByteStream], address: str | Address) -> None:
+    """Close a listener from :func:`preflight_listen` that will not serve (and remove its socket)."""
+    inode = socket_inode(address)
+    await listener.aclose()
+    remove_socket(address, inode=inode)
 
 
 def remove_socket(address: str | Address, *, inode: int | None = None) -> bool:
@@ -200,5 +274,5 @@ def socket_inode(address: str | Address) -> int | None:
 __all__ = [
     "Address", "parse_address", "is_loopback_host", "check_token", "open_listener",
     "listener_address", "connect", "remove_socket", "socket_inode", "DEFAULT_TCP_HOST",
-    "UNIX_SOCKET_MODE",
+    "UNIX_SOCKET_MODE", "ListenError", "preflight_listen", "peer_of", "close_listener",
 ]

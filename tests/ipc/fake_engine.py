@@ -1,6 +1,5 @@
-"""A fast, deterministic stand-in for ``engine.AsyncEngine`` with the same API surface the IPC
-server uses (``submit`` with a sink, ``abort``, ``state``, ``health``, ``drain``, ``shutdown``,
-``on_state_change``, ``wait_stopped``, ``config.model``).
+"""A fast, deterministic stand-in for ``engine.AsyncEngine``: an ``engine.interface.Engine``
+plus the IPC server's ``submit`` with a sink (``ipc.server.ServedEngine``).
 
 Each step produces one token per running request and hands all of the step's outputs to their
 sinks in one synchronous loop, like ``AsyncEngine._dispatch``. Token ``k`` of a request is
@@ -18,17 +17,20 @@ import anyio
 
 from engine.errors import (BadRequestError, EngineDeadError, EngineDrainingError,
                            EngineShutdownError)
-from engine.interface import Health
+from engine.interface import Health, RequestStreamLike, TokenizerInfo
 from engine.params import RequestOutput, SamplingParams
 from states import InvalidTransitionError, Lifecycle, State
 
 
 class FakeEngine:
-    def __init__(self, step_interval: float = 0.002, text_size: int = 0) -> None:
+    def __init__(self, step_interval: float = 0.002, text_size: int = 0, *, tokenizer=None,
+                 max_model_len: int = 0) -> None:
         self.lifecycle = Lifecycle()
         self.lifecycle.trigger("load")
         self.lifecycle.trigger("serve")
         self.config = SimpleNamespace(model="fake:counter")
+        self.tokenizer = tokenizer  # an engine.tokenizer.Tokenizer, or None (no template)
+        self.max_model_len = max_model_len
         self.step_interval = step_interval
         self.text_size = text_size
         self.requests: dict[str, list] = {}  # rid -> [sink, params, n_out, n_prompt]
@@ -47,6 +49,32 @@ class FakeEngine:
     @property
     def state(self) -> State:
         return self.lifecycle.state
+
+    @property
+    def model(self) -> str:
+        return self.config.model
+
+    def tokenizer_info(self) -> TokenizerInfo:
+        tok = self.tokenizer
+        if tok is None:
+            return TokenizerInfo()
+        return TokenizerInfo(tok.chat_template, tok.bos_token, tok.eos_token, tok.vocab_size)
+
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        from engine.tokenizer import render_chat_template
+
+        info = self.tokenizer_info()
+        return render_chat_template(info.chat_template, messages, info.bos_token, info.eos_token,
+                                    add_generation_prompt)
+
+    def generate(self, prompt, params: Optional[SamplingParams] = None,
+                 request_id: Optional[str] = None) -> RequestStreamLike:
+        from engine.request_stream import RequestStream
+
+        rid = request_id or f"fake-{len(self.submitted)}"
+        stream = RequestStream(self, rid)
+        self.submit(prompt, params or SamplingParams(), rid, stream.sink())
+        return stream
 
     def on_state_change(self, listener) -> None:
         self._listeners.append(listener)
@@ -70,6 +98,9 @@ class FakeEngine:
         return n_prompt
 
     async def abort(self, request_id: str, reason: str = "aborted by client") -> None:
+        self._abort_nowait(request_id, reason)
+
+    def _abort_nowait(self, request_id: str, reason: str) -> None:  # RequestStream calls it
         self.aborted.append((request_id, reason))
         req = self.requests.pop(request_id, None)
         if req is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 from contextlib import asynccontextmanager
-from types import SimpleNamespace
 
 import anyio
 import pytest
@@ -143,7 +142,7 @@ async def test_leaving_a_stream_aborts_it():
         await wait_for(lambda: len(eng.aborted) == 2)
         assert not eng.requests
         # The id is free again once the engine has finished it.
-        await wait_for(lambda: "r" not in c._streams)
+        await wait_for(lambda: "r" not in c._requests)
         assert len(await collect(c.generate([1], SamplingParams(max_tokens=3), request_id="r"))) == 3
 
 
@@ -155,7 +154,7 @@ async def test_reusing_an_id_while_its_abort_is_pending():
         with pytest.raises(BadRequestError, match="already in flight"):
             c.generate([1], request_id="x")  # like the in-process engine until the abort lands
         eng.paused = False
-        await wait_for(lambda: "x" not in c._streams)
+        await wait_for(lambda: "x" not in c._requests)
         outs = await collect(c.generate([1], SamplingParams(max_tokens=2), request_id="x"))
         assert [o.token_ids for o in outs] == [[1], [2]]  # none of the aborted request's pieces
 
@@ -289,22 +288,20 @@ async def test_welcome_describes_the_model_and_chat_template_renders_client_side
                 "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
     tok = Tokenizer.bytes(300)
     tok.chat_template = template
-    eng = FakeEngine()
-    eng.tokenizer = tok
-    eng.runner = SimpleNamespace(max_model_len=1234, model_config=SimpleNamespace(vocab_size=300))
+    eng = FakeEngine(tokenizer=tok, max_model_len=1234)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     async with serving(eng) as (eng, server, addr), EngineClient.connect(addr) as c:
         w = c.welcome
         assert (w.chat_template, w.bos_token, w.eos_token) == (template, "<s>", "</s>")
         assert c.max_model_len == 1234 and c.vocab_size == 300
         for gen in (True, False):
-            assert c.apply_chat_template(messages, gen) == tok.apply_chat_template(messages, gen)
-        assert c.apply_chat_template(messages).startswith("<s><|system|>be brief</s>")
+            assert await c.apply_chat_template(messages, gen) == tok.apply_chat_template(messages, gen)
+        assert (await c.apply_chat_template(messages)).startswith("<s><|system|>be brief</s>")
         with pytest.raises(BadRequestError, match="token ids"):
             c.generate([300])  # checked against the vocabulary from the handshake
     async with serving() as (eng, server, addr), EngineClient.connect(addr) as c:
         assert c.welcome.chat_template is None and c.vocab_size == 0
-        assert c.apply_chat_template(messages) == "system: be brief\nuser: hi\nassistant: "
+        assert await c.apply_chat_template(messages) == "system: be brief\nuser: hi\nassistant: "
 
 
 async def test_outer_cancellation_closes_the_client_quietly():
@@ -340,3 +337,47 @@ async def test_import_ipc_does_not_import_torch():
             "assert 'torch' in sys.modules\n")
     with anyio.fail_after(120):
         await anyio.run_process([sys.executable, "-c", code])  # raises on a failed assert
+
+
+async def test_engine_admission_limit_reaches_the_client_typed_and_retryable():
+    from engine.errors import EngineOverloadedError
+
+    class Full(FakeEngine):
+        def submit(self, prompt, params, request_id, sink):
+            if len(self.requests) >= 2:
+                raise EngineOverloadedError("too many waiting requests (max 2)", retry_after=0.75)
+            return super().submit(prompt, params, request_id, sink)
+
+    async with serving(Full()) as (eng, server, addr), EngineClient.connect(addr) as c:
+        running = [c.generate([1], SamplingParams(max_tokens=100_000)) for _ in range(2)]
+        for s in running:
+            await s.__anext__()
+        with pytest.raises(EngineOverloadedError, match="max 2") as info:
+            await collect(c.generate([1]))
+        assert info.value.retry_after == 0.75 and info.value.retryable
+        assert c.state is State.SERVING and not c.closed  # the connection is fine
+        for s in running:
+            await s.aclose()
+
+
+async def test_client_is_an_engine_and_reports_state_changes():
+    from engine.interface import Engine
+
+    async with serving() as (eng, server, addr), EngineClient.connect(addr) as c:
+        assert isinstance(c, Engine) and isinstance(eng, Engine)
+        seen = []
+        c.on_state_change(lambda old, new: seen.append((old, new)))
+        assert c.model == "fake:counter" and c.tokenizer_info().chat_template is None
+        await c.drain(5)
+        with anyio.fail_after(3):
+            await c.wait_stopped()
+        assert seen == [(State.SERVING, State.DRAINING), (State.DRAINING, State.SHUTDOWN)]
+
+
+async def test_abort_reason_travels_to_the_engine():
+    async with serving() as (eng, server, addr), EngineClient.connect(addr) as c:
+        s = c.generate([1], SamplingParams(max_tokens=100_000), request_id="r")
+        await s.__anext__()
+        await c.abort("r", reason="user pressed stop")
+        outs = await collect(s)
+        assert outs[-1].finish_reason == "abort" and outs[-1].reason == "user pressed stop"

@@ -18,7 +18,7 @@ import pytest
 from engine.params import SamplingParams
 from ipc.client import EngineClient
 from ipc.errors import AuthError, ConnectionClosed
-from ipc.framing import FrameCodec, read_frame
+from ipc.framing import FrameCodec, FrameReader
 from ipc.messages import PROTOCOL_VERSION, EngineMessage, Error, ErrorKind, Hello
 from ipc.spawn import EngineProcess
 from ipc.sync_client import SyncEngineClient
@@ -197,17 +197,14 @@ def _raw_handshake(address: str, first: bytes) -> list:
 
     async def go() -> list:
         stream = await connect(address)
-        codec = FrameCodec(EngineMessage)
-        from anyio.streams.buffered import BufferedByteReceiveStream
-
-        buf = BufferedByteReceiveStream(stream)
+        reader = FrameReader(stream, FrameCodec(EngineMessage))
         msgs = []
         async with stream:
             await stream.send(first)
             with anyio.fail_after(10):
                 while True:
                     try:
-                        msgs.append(codec.decode(await read_frame(buf)))
+                        msgs.append(await reader.read())
                     except ConnectionClosed:
                         return msgs
 

@@ -1,8 +1,9 @@
 """Framing: round trips over streams, limits checked before reading, and fuzzing.
 
 The fuzz tests check that nothing a peer can send makes ``decode`` raise anything but
-``ProtocolError``, or ``read_frame`` anything but ``ProtocolError``/``ConnectionClosed``, and that
-neither hangs.
+``ProtocolError``, or the stream reader anything but ``ProtocolError``/``ConnectionClosed``, and
+that nothing hangs -- through both ways of reading, ``FrameReader.read`` (the server and the
+handshake) and ``FrameReader.run`` (the client's hot path), which must agree frame for frame.
 """
 
 from __future__ import annotations
@@ -16,12 +17,11 @@ import anyio.lowlevel
 from anyio.abc import ByteReceiveStream
 import msgspec
 import pytest
-from anyio.streams.buffered import BufferedByteReceiveStream
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ipc.errors import ConnectionClosed, FrameTooLargeError, ProtocolError
-from ipc.framing import FrameCodec, read_frame, write_frame
+from ipc.framing import FrameCodec, FrameReader, FrameWriter
 from ipc.messages import ALL_MESSAGES, DEFAULT_MAX_FRAME, ClientMessage, Generate, Outputs
 from ipc_samples import messages, sample_messages
 from engine.params import RequestOutput
@@ -59,8 +59,14 @@ class ChunkStream(ByteReceiveStream):
         self._chunks.clear()
 
 
-def _stream_of(chunks: list[bytes], *, close: bool = True) -> BufferedByteReceiveStream:
-    return BufferedByteReceiveStream(ChunkStream(chunks, close=close))
+def _stream_of(chunks: list[bytes], *, close: bool = True) -> ChunkStream:
+    return ChunkStream(chunks, close=close)
+
+
+async def read_frame(stream, max_frame: int = DEFAULT_MAX_FRAME, incoming=None):
+    """One message through a fresh :class:`FrameReader` (the server's and handshake's path)."""
+    codec = FrameCodec() if incoming is None else FrameCodec(incoming)
+    return await FrameReader(stream, codec, max_frame=max_frame).read()
 
 
 def _chunks(data: bytes, cuts: list[int]) -> list[bytes]:
@@ -70,12 +76,24 @@ def _chunks(data: bytes, cuts: list[int]) -> list[bytes]:
 
 async def _read_all(stream, codec: FrameCodec, max_frame: int = DEFAULT_MAX_FRAME) -> list:
     out = []
+    reader = FrameReader(stream, codec, max_frame=max_frame)
     with anyio.fail_after(5):
         while True:
             try:
-                out.append(codec.decode(await read_frame(stream, max_frame)))
+                out.append(await reader.read())
             except ConnectionClosed:
                 return out
+
+
+async def _run_all(stream, codec: FrameCodec, max_frame: int = DEFAULT_MAX_FRAME) -> tuple[list, BaseException]:
+    """Every message through :meth:`FrameReader.run` (the client's path), and how it ended."""
+    out: list = []
+    with anyio.fail_after(5):
+        try:
+            await FrameReader(stream, codec, max_frame=max_frame).run(out.append)
+        except (ConnectionClosed, ProtocolError) as exc:
+            return out, exc
+    raise AssertionError("run() returned normally")
 
 
 # ------------------------------------------------------------------------------ round trips
@@ -87,8 +105,9 @@ async def test_all_samples_round_trip_over_a_stream():
     data = b"".join(FRAMES)
     # Byte by byte, in one piece, and in uneven pieces.
     for chunks in ([data[i:i + 1] for i in range(len(data))], [data], _chunks(data, [3, 7, 100, 501])):
-        stream = _stream_of(chunks)
-        assert await _read_all(stream, codec) == SAMPLES
+        assert await _read_all(_stream_of(chunks), codec) == SAMPLES
+        msgs, end = await _run_all(_stream_of(chunks), codec)
+        assert msgs == SAMPLES and isinstance(end, ConnectionClosed)
 
 
 @pytest.mark.asyncio
@@ -100,7 +119,7 @@ async def test_encode_many_equals_concatenated_frames():
 
 
 @pytest.mark.asyncio
-async def test_write_frame_and_read_over_a_unix_socket(tmp_path):
+async def test_frame_writer_and_reader_over_a_unix_socket(tmp_path):
     from ipc.transport import connect, open_listener
 
     address = f"unix://{tmp_path}/s.sock"
@@ -110,12 +129,14 @@ async def test_write_frame_and_read_over_a_unix_socket(tmp_path):
         async def serve_one():
             conn = await listener.accept()
             async with conn:
-                received.extend(await _read_all(BufferedByteReceiveStream(conn), FrameCodec()))
+                received.extend(await _read_all(conn, FrameCodec()))
 
         tg.start_soon(serve_one)
         async with await connect(address) as client:
+            writer = FrameWriter(client, codec.encode_many, send_timeout=5)
             for msg in SAMPLES:
-                await write_frame(client, codec, msg)
+                writer.put(msg)
+            await writer.run(lambda: True)
         # the client closed: the server sees EOF after the last frame
     assert received == SAMPLES
 
@@ -125,8 +146,9 @@ async def test_write_frame_and_read_over_a_unix_socket(tmp_path):
 @pytest.mark.asyncio
 async def test_random_messages_round_trip_in_random_chunks(msgs, cuts):
     codec = FrameCodec()
-    stream = _stream_of(_chunks(codec.encode_many(msgs), cuts))
-    assert await _read_all(stream, codec) == msgs
+    data = codec.encode_many(msgs)
+    assert await _read_all(_stream_of(_chunks(data, cuts)), codec) == msgs
+    assert (await _run_all(_stream_of(_chunks(data, cuts)), codec))[0] == msgs
 
 
 def test_reused_buffer_does_not_leak_between_messages():
@@ -182,7 +204,7 @@ async def test_huge_header_rejected_at_default_limit():
 async def test_frame_exactly_at_the_limit_is_accepted():
     body = msgspec.msgpack.encode({"t": "Generate", "request_id": "a", "prompt": "x" * 100})
     stream = _stream_of([struct.pack(">I", len(body)) + body])
-    assert await read_frame(stream, max_frame=len(body)) == body
+    assert await read_frame(stream, max_frame=len(body)) == Generate(request_id="a", prompt="x" * 100)
 
 
 @pytest.mark.asyncio
@@ -202,10 +224,36 @@ async def test_eof_is_connection_closed(data):
 
 @pytest.mark.asyncio
 async def test_closed_stream_is_connection_closed():
-    stream = _stream_of([])
-    await stream.aclose()
+    class Closed(ChunkStream):
+        async def receive(self, max_bytes: int = 65536) -> bytes:
+            raise anyio.ClosedResourceError
+
     with pytest.raises(ConnectionClosed):
-        await read_frame(stream)
+        await read_frame(Closed([]))
+
+
+@pytest.mark.asyncio
+async def test_run_rejects_an_oversize_header_without_waiting_for_its_body():
+    # The client's path: valid frames first are dispatched, then the bad header raises at once.
+    ok = FRAMES[0]
+    stream = _stream_of([ok + struct.pack(">I", 1025)], close=False)
+    msgs: list = []
+    with anyio.fail_after(1), pytest.raises(FrameTooLargeError):
+        await FrameReader(stream, FrameCodec(), max_frame=1024).run(msgs.append)
+    assert msgs == SAMPLES[:1]
+
+
+@pytest.mark.asyncio
+async def test_run_decodes_every_buffered_frame_before_receiving_again():
+    stream = _stream_of([b"".join(FRAMES)], close=False)
+    msgs: list = []
+
+    def dispatch(msg):
+        msgs.append((msg, stream.received))
+
+    with anyio.move_on_after(0.2):
+        await FrameReader(stream, FrameCodec()).run(dispatch)
+    assert [m for m, _ in msgs] == SAMPLES and all(r == len(b"".join(FRAMES)) for _, r in msgs)
 
 
 # ------------------------------------------------------------------------------ hostile bodies
@@ -291,27 +339,30 @@ def test_fuzz_mutated_frames_decode_only_raises_protocol_error(seed):
             assert isinstance(msg, ALL_MESSAGES)
 
 
-async def _drain_fuzzed_stream(stream: BufferedByteReceiveStream, max_frame: int) -> None:
-    codec = FrameCodec()
+async def _drain_fuzzed_stream(chunks: list[bytes], max_frame: int) -> None:
+    """The same bytes through the server's path (``read``) and the client's (``run``): only
+    ConnectionClosed/ProtocolError, never a hang, and both see the same messages and end."""
+    reader = FrameReader(_stream_of(chunks), FrameCodec(), max_frame=max_frame)
+    seen: list = []
     while True:
         try:
-            body = await read_frame(stream, max_frame)
-        except (ConnectionClosed, ProtocolError):  # ProtocolError incl. FrameTooLargeError
-            return
-        assert 0 < len(body) <= max_frame
-        try:
-            msg = codec.decode(body)
-        except ProtocolError:
-            return  # the engine drops the connection here
+            msg = await reader.read()
+        except (ConnectionClosed, ProtocolError) as exc:  # ProtocolError incl. FrameTooLargeError
+            end = exc
+            break
         assert isinstance(msg, ALL_MESSAGES)
+        seen.append(msg)
+    msgs, run_end = await _run_all(_stream_of(chunks), FrameCodec(), max_frame)
+    enc = msgspec.msgpack.encode  # not ==: a fuzzed float may be NaN
+    assert [enc(m) for m in msgs] == [enc(m) for m in seen] and type(run_end) is type(end)
 
 
 @FUZZ
 @given(_seeds)
 @pytest.mark.asyncio
 async def test_fuzz_read_frame_over_a_stream(seed):
-    """Sequences of mutated frames plus random tails, split into random chunks, through
-    read_frame + decode: only ConnectionClosed/ProtocolError, and the reader always finishes."""
+    """Sequences of mutated frames plus random tails, split into random chunks, through both
+    reading paths: only ConnectionClosed/ProtocolError, and the reader always finishes."""
     rng = random.Random(seed)
     with anyio.fail_after(5):
         for _ in range(VARIANTS):
@@ -320,7 +371,7 @@ async def test_fuzz_read_frame_over_a_stream(seed):
                 data += rng.randbytes(rng.randint(1, 64))
             cuts = [rng.randrange(len(data) + 1) for _ in range(rng.randint(0, 5))]
             max_frame = rng.choice((DEFAULT_MAX_FRAME, 64, 512))
-            await _drain_fuzzed_stream(_stream_of(_chunks(data, cuts)), max_frame)
+            await _drain_fuzzed_stream(_chunks(data, cuts), max_frame)
 
 
 @FUZZ
@@ -328,7 +379,7 @@ async def test_fuzz_read_frame_over_a_stream(seed):
 @pytest.mark.asyncio
 async def test_fuzz_random_bytes_over_a_stream(data, cuts):
     with anyio.fail_after(5):
-        await _drain_fuzzed_stream(_stream_of(_chunks(data, cuts)), 128)
+        await _drain_fuzzed_stream(_chunks(data, cuts), 128)
 
 
 def test_large_outputs_batch_round_trip():

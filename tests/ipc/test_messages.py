@@ -75,9 +75,9 @@ def test_round_trip_random_messages(msg):
 
 
 def test_wire_form_is_a_plain_map():
-    body = FrameCodec().encode_body(Hello(protocol_version=1, client_name="cli"))
+    body = FrameCodec().encode(Hello(protocol_version=1, client_name="cli"))[4:]
     assert msgspec.msgpack.decode(body) == {"t": "Hello", "protocol_version": 1, "client_name": "cli"}
-    body = FrameCodec().encode_body(Error(kind=ErrorKind.AUTH, message="x", fatal=True))
+    body = FrameCodec().encode(Error(kind=ErrorKind.AUTH, message="x", fatal=True))[4:]
     assert msgspec.msgpack.decode(body) == {"t": "Error", "kind": 7, "message": "x", "fatal": True}
 
 

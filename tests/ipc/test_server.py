@@ -11,12 +11,11 @@ from contextlib import asynccontextmanager
 import anyio
 import pytest
 import pytest_asyncio
-from anyio.streams.buffered import BufferedByteReceiveStream
 
 from engine.params import RequestOutput, SamplingParams
 from fake_engine import FakeEngine
 from ipc.errors import ConnectionClosed
-from ipc.framing import FrameCodec, read_frame
+from ipc.framing import FrameCodec, FrameReader
 from ipc.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -54,8 +53,8 @@ class RawClient:
 
     def __init__(self, stream) -> None:
         self.stream = stream
-        self.buf = BufferedByteReceiveStream(stream)
         self.codec = FrameCodec(EngineMessage)
+        self.reader = FrameReader(stream, self.codec)
         self.unread: list = []
 
     @classmethod
@@ -76,7 +75,7 @@ class RawClient:
         if self.unread:
             return self.unread.pop(0)
         with anyio.fail_after(timeout):
-            return self.codec.decode(await read_frame(self.buf))
+            return await self.reader.read()
 
     async def recv_until_closed(self, timeout: float = 5.0) -> list:
         out = []
