@@ -34,10 +34,9 @@ from .limits import INLINE_PARSE_BYTES, HttpLimits
 from .serving import Kind, serve_request
 
 Body = TypeVar("Body", bound=P._Body)
-_parse_limiter = anyio.CapacityLimiter(2)
 
 
-async def parse_body(request: Request, model: type[Body]) -> Body:
+async def parse_body(request: Request, model: type[Body], fe: Frontend) -> Body:
     """The request's JSON body as ``model`` (``RequestError`` if it is not one). The guard has
     bounded its size; a large one is parsed on a worker thread."""
     raw = await request.body()
@@ -45,7 +44,7 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
         if len(raw) <= INLINE_PARSE_BYTES:
             return model.model_validate_json(raw)
         return await anyio.to_thread.run_sync(model.model_validate_json, raw,
-                                              limiter=_parse_limiter)
+                                              limiter=fe.parse_limiter)
     except ValidationError as exc:
         raise validation_error(exc) from None
 
@@ -78,7 +77,7 @@ def create_app(engine: Engine, *, model_name: Optional[str] = None,
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
         try:
-            body = await parse_body(request, P.CompletionRequest)
+            body = await parse_body(request, P.CompletionRequest, fe)
             fe.check_model(body.model)
             prompt = body.check()
             if isinstance(prompt, str):
@@ -94,7 +93,7 @@ def create_app(engine: Engine, *, model_name: Optional[str] = None,
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
         try:
-            body = await parse_body(request, P.ChatCompletionRequest)
+            body = await parse_body(request, P.ChatCompletionRequest, fe)
             fe.check_model(body.model)
             fe.check_prompt_chars(sum(m.chars() for m in body.messages), "messages")
             messages = body.check()

@@ -29,6 +29,8 @@ from .metrics import Metrics
 log = logging.getLogger("enginecore.http")
 
 HEALTH_PROBE_TIMEOUT = 1.0
+#: Worker threads parsing large request bodies at once.
+PARSE_THREADS = 2
 
 
 class Frontend:
@@ -44,6 +46,7 @@ class Frontend:
         #: True once the engine was seen FAILED (it moves on to SHUTDOWN after its release).
         self.failed = engine.state is State.FAILED
         engine.on_state_change(self._on_state_change)
+        self._parse_limiter: Optional[anyio.CapacityLimiter] = None
 
     def _on_state_change(self, old: State, new: State) -> None:
         if new is State.FAILED:
@@ -53,6 +56,13 @@ class Frontend:
     @property
     def state(self) -> State:
         return State.FAILED if self.dead is not None else self.engine.state
+
+    @property
+    def parse_limiter(self) -> anyio.CapacityLimiter:
+        """Made on first use: a limiter belongs to the event loop the app runs in."""
+        if self._parse_limiter is None:
+            self._parse_limiter = anyio.CapacityLimiter(PARSE_THREADS)
+        return self._parse_limiter
 
     @property
     def max_model_len(self) -> Optional[int]:
