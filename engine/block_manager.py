@@ -64,6 +64,13 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
 
+    def ref_count(self, b: int) -> int:
+        return self._ref[b]
+
+    def is_cached(self, b: int) -> bool:
+        """``b`` is in the hash index (its content may be served to a new request)."""
+        return self._hash[b] is not None
+
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free
 
@@ -118,7 +125,7 @@ class BlockManager:
         req.num_sealed_blocks = len(hit)
         req.num_computed_tokens = len(hit) * self.block_size
         req.cache_epoch = self.epoch
-        if req.num_preemptions == 0:  # a resume re-reads its own prefix: not a prompt query
+        if self.enable_caching and req.num_preemptions == 0:  # a resume re-reads its own prefix: not a prompt query
             self._queries += req.num_prompt_tokens
             self._hits += min(req.num_computed_tokens, req.num_prompt_tokens)
 
