@@ -9,6 +9,7 @@ plain attribute (see ``__setattr__``), so a new device attribute cannot be forgo
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 from typing import Optional, Sequence
 
@@ -54,6 +55,7 @@ class ModelRunner:
         self.speculator = None  # host-side proposer; its device tensors live in the owner
         self.asleep: tuple[str, ...] = ()  # sleep mode: the parts freed ("weights", "kv_cache")
         self.sleep_level = 0
+        self.sleep_timings: dict[str, float] = {}  # seconds by part, of the last sleep or wake
         #: where the weights came from (reloaded from it after sleep level 2); None: tensors
         self.weights_source: Optional[str] = config.model
 
@@ -188,6 +190,7 @@ class ModelRunner:
         pin, own, held = self.device.type == "cuda", self._owner, 0
         if pin:
             torch.cuda.synchronize(self.device)
+        t = [time.perf_counter()]
         if R.SPECULATOR in own:
             if level == 1:
                 held += own.offload(R.SPECULATOR, pin)
@@ -196,12 +199,17 @@ class ModelRunner:
         for name in (R.CUDA_GRAPHS, R.MODEL_STATE, R.KV_CACHE):
             if name in own:
                 own.release(name)
+        t.append(time.perf_counter())
         if R.WEIGHTS in own:
             if level == 1:
                 held += own.offload(R.WEIGHTS, pin)
             else:
                 own.release(R.WEIGHTS)
+        t.append(time.perf_counter())
         own.empty_device_cache()
+        t.append(time.perf_counter())
+        self.sleep_timings = {"release_s": t[1] - t[0], "offload_s": t[2] - t[1],
+                              "empty_cache_s": t[3] - t[2]}
         self.asleep, self.sleep_level = ("weights", "kv_cache"), level
         log.info("asleep at level %d: %.1f MiB kept in host memory", level, held / 2**20)
         return held
@@ -211,6 +219,7 @@ class ModelRunner:
         ``weights_source`` after level 2), the KV cache with model state and graphs (graphs
         are captured again on first use). The speculator comes back with the last part. A wake
         that fails releases what it brought back (asleep again) before it raises."""
+        t0, self.sleep_timings = time.perf_counter(), {}
         try:
             if "weights" in tags and "weights" in self.asleep:
                 if R.WEIGHTS in self._owner:
@@ -218,19 +227,29 @@ class ModelRunner:
                 else:
                     self._reload_weights()
                 self.asleep = tuple(t for t in self.asleep if t != "weights")
+                t0 = self._lap("weights_s", t0)
             if "kv_cache" in tags and "kv_cache" in self.asleep:
                 self._build_stack()
                 self.asleep = tuple(t for t in self.asleep if t != "kv_cache")
+                t0 = self._lap("kv_cache_s", t0)
             if not self.asleep and self.speculator is not None:
                 if R.SPECULATOR in self._owner:
                     self._owner.restore(R.SPECULATOR)
                 self.speculator.wake()
+                self._lap("speculator_s", t0)
         except BaseException as exc:
             self.sleep(1 if self.weights_source is None else max(1, self.sleep_level))
             traceback.clear_frames(exc.__traceback__)
             raise
         if not self.asleep:
             self.sleep_level = 0
+
+    def _lap(self, part: str, t0: float) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.sleep_timings = {**self.sleep_timings, part: now - t0}
+        return now
 
     def _reload_weights(self) -> None:
         if self.weights_source is None:

@@ -56,3 +56,20 @@ def test_throughput_hf_peers_on_the_same_weights(tmp_path):
             continue
         assert "error" not in row, (mode, row)
         assert row["output_tokens"] == res["workload"]["output_tokens"] and row["output_tok_s"] > 0
+
+
+def test_sleep_bench_levels_cycles_and_identical_outputs(tmp_path):
+    out = tmp_path / "s.json"
+    p = _bench("sleep", "--device", "cpu", "--no-progress", "--cycles", "3", "--batch", "2",
+               "--prompt-len", "8", "--max-tokens", "6", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    (model,) = res["models"]
+    assert model["model"] == "random:tiny-llama" and set(model["levels"]) == {"1", "2"}
+    for level, row in model["levels"].items():
+        assert row["outputs_identical"] and row["sleep_s"] > 0 and row["wake_s"] > 0, (level, row)
+        assert {"release_s", "offload_s", "empty_cache_s"} <= set(row["sleep_parts"])
+        assert "weights_s" in row["wake_parts"] and "kv_cache_s" in row["wake_parts"]
+    assert model["levels"]["1"]["host_bytes_kept"] > 0 == model["levels"]["2"]["host_bytes_kept"]
+    assert model["cycles"]["n"] == 3 and model["outputs_identical_after_cycles"]
+    assert "level 1: sleep" in p.stdout and "3 cycles" in p.stdout
