@@ -40,7 +40,6 @@ from .errors import BadRequestError, EngineDeadError, EngineShutdownError
 from .weights import NamedTensors
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .async_engine import AsyncEngine
     from .core import EngineCore
 
 TAGS = ("weights", "kv_cache")
@@ -114,7 +113,7 @@ class SleepController:
     """The engine's sleep state machine beside the lifecycle; the engine loop calls
     :meth:`tick` while SLEEPING, the API methods queue calls for it."""
 
-    def __init__(self, engine: "AsyncEngine") -> None:
+    def __init__(self, engine: Any) -> None:  # the AsyncEngine it serves (no import: no circle)
         self._engine = engine
         self.level = 0
         self.asleep = False  # the device memory is freed
