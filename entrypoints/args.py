@@ -55,7 +55,7 @@ def add_token_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_listen_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-connections", type=int, default=256,
+    p.add_argument("--max-ipc-connections", type=int, default=256,
                    help="IPC connections at once, handshaken or not (more are refused)")
 
 

@@ -158,8 +158,8 @@ def serve_main(a) -> int:
         config = config_from_args(a)
         config.validate()
         a.token = token_from_args(a)  # --token-file, $ENGINECORE_TOKEN or --token
-        if a.max_connections < 1:
-            raise ValueError("--max-connections must be >= 1")
+        if a.max_ipc_connections < 1:
+            raise ValueError("--max-ipc-connections must be >= 1")
     except (EngineError, ValueError, OSError) as exc:
         print(f"enginecore: bad configuration: {exc}", file=sys.stderr)
         return EXIT_STARTUP
@@ -167,7 +167,7 @@ def serve_main(a) -> int:
     if not getattr(a, "http", None):
         code = anyio.run(lambda: run(config, listen=a.listen, token=a.token,
                                      drain_timeout=a.drain_timeout, parent_pid=a.parent_pid,
-                                     ready_fd=a.ready_fd, max_connections=a.max_connections))
+                                     ready_fd=a.ready_fd, max_connections=a.max_ipc_connections))
         log.warning("event loop closed; exiting %d", code)
         return code
     return _serve_http(a, config)
@@ -203,7 +203,7 @@ def _serve_http(a, config) -> int:
         code = anyio.run(lambda: run(config, listen=a.listen, token=token,
                                      drain_timeout=a.drain_timeout, parent_pid=a.parent_pid,
                                      ready_fd=a.ready_fd, on_serving=frontends,
-                                     max_connections=a.max_connections))
+                                     max_connections=a.max_ipc_connections))
     finally:
         sock.close()  # if the engine never got to serving
     if code == EXIT_OK and frontends.failed:

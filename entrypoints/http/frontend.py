@@ -36,7 +36,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import anyio
 
@@ -115,57 +115,6 @@ async def serve_frontend(engine, sock: socket.socket, *, limits: HttpLimits = Ht
     return code
 
 
-class _ClientAsEngine:
-    """TEMPORARY -- delete at the merge of the IPC branch, where ``ipc.EngineClient`` satisfies
-    ``engine.interface.Engine`` itself; then pass the client to :func:`serve_frontend` as is.
-
-    On this branch the client's ``apply_chat_template`` is sync (here: rendered on a worker
-    thread) and it has no ``on_state_change`` / ``wait_stopped`` (here: the client's state and
-    ``closed`` followed every 50 ms). Everything else is the client's own."""
-
-    def __init__(self, client) -> None:
-        self.client = client
-        self._listeners: list[Callable[[State, State], None]] = []
-
-    state = property(lambda self: self.client.state)
-    model = property(lambda self: self.client.model)
-    max_model_len = property(lambda self: self.client.max_model_len)
-
-    def generate(self, prompt, params=None, request_id=None):
-        return self.client.generate(prompt, params, request_id)
-
-    async def abort(self, request_id: str, reason: str = "aborted by client") -> None:
-        await self.client.abort(request_id, reason)
-
-    async def health(self):
-        return await self.client.health()
-
-    async def drain(self, timeout: Optional[float] = None) -> None:
-        await self.client.drain(timeout)
-
-    async def shutdown(self) -> None:
-        await self.client.shutdown()
-
-    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return await anyio.to_thread.run_sync(self.client.apply_chat_template, messages,
-                                              add_generation_prompt)
-
-    def on_state_change(self, listener: Callable[[State, State], None]) -> None:
-        self._listeners.append(listener)
-
-    async def wait_stopped(self) -> None:
-        seen = self.client.state
-        while True:
-            state = self.client.state
-            if state is not seen:
-                for listener in list(self._listeners):
-                    listener(seen, state)
-                seen = state
-            if self.client.closed:
-                return
-            await anyio.sleep(0.05)
-
-
 async def _main(a: argparse.Namespace) -> int:
     from ipc.client import EngineClient
 
@@ -183,7 +132,7 @@ async def _main(a: argparse.Namespace) -> int:
             print(f"enginecore frontend {a.index}: cannot connect to {a.connect}: {exc}",
                   file=sys.stderr)
             return EXIT_STARTUP
-        return await serve_frontend(_ClientAsEngine(client), sock, limits=a.limits,
+        return await serve_frontend(client, sock, limits=a.limits,
                                     parent_pid=a.parent_pid)
 
 

@@ -13,7 +13,7 @@ import tempfile
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator
 
 import anyio
 import httpx
@@ -21,7 +21,7 @@ import openai
 
 from engine import AsyncEngine, EngineConfig
 from entrypoints.http.app import create_app
-from entrypoints.http.frontend import _ClientAsEngine, watch_engine
+from entrypoints.http.frontend import watch_engine
 from entrypoints.http.limits import HttpLimits
 from entrypoints.http.server import make_server
 
@@ -103,7 +103,7 @@ async def _engine_for_app(eng, via: str):
         async with anyio.create_task_group() as tg:
             address = await tg.start(serve_ipc, eng, f"unix://{tmp}/engine.sock")
             async with EngineClient.connect(address, client_name="http-test") as client:
-                yield _ClientAsEngine(client)  # TEMPORARY adapter: see entrypoints/http/frontend.py
+                yield client
             tg.cancel_scope.cancel()
 
 
