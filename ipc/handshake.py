@@ -4,12 +4,17 @@ the connection then keeps using (bytes pipelined after the first frame stay in i
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
+
+from engine.interface import Engine
 
 from .errors import ConnectionClosed, ProtocolError
 from .framing import MAX_HEADER_VALUE, STREAM_ENDED, FrameCodec, FrameReader
-from .messages import (DEFAULT_MAX_FRAME, MAX_NAME_LEN, PROTOCOL_VERSION, EngineMessage, Error,
-                       ErrorKind, Hello, Welcome, message_to_error)
+from .messages import (DEFAULT_MAX_FRAME, MAX_CHAT_TEMPLATE_LEN, MAX_NAME_LEN, PROTOCOL_VERSION,
+                       EngineMessage, Error, ErrorKind, Hello, Welcome, message_to_error)
+
+log = logging.getLogger("enginecore.ipc")
 
 
 async def client_handshake(stream: Any, token: Optional[str], client_name: str
@@ -55,4 +60,22 @@ def hello_error(msg: Any) -> Optional[Error]:
     return None
 
 
-__all__ = ["client_handshake", "hello_error"]
+def describe_model(engine: Engine) -> dict:
+    """Welcome's fields that describe the model, from ``engine.model``, ``max_model_len`` and
+    ``tokenizer_info()`` (parts too long for the wire are left out)."""
+    tok = engine.tokenizer_info()
+    info: dict = {"model": str(engine.model)[:MAX_NAME_LEN],
+                  "max_model_len": max(0, int(engine.max_model_len)),
+                  "vocab_size": max(0, int(tok.vocab_size))}
+    if tok.chat_template is not None:
+        if len(tok.chat_template) <= MAX_CHAT_TEMPLATE_LEN:
+            info["chat_template"] = tok.chat_template
+        else:
+            log.warning("ipc: chat template not sent (longer than %d)", MAX_CHAT_TEMPLATE_LEN)
+    for name, text in (("bos_token", tok.bos_token), ("eos_token", tok.eos_token)):
+        if text is not None and len(text) <= MAX_NAME_LEN:
+            info[name] = text
+    return info
+
+
+__all__ = ["client_handshake", "hello_error", "describe_model"]

@@ -6,6 +6,13 @@ Transport
 =========
 A byte stream: a Unix socket (``unix:///path``, mode 0600, the default) or TCP
 (``tcp://host:port``; 127.0.0.1 unless told otherwise; a non-loopback address requires a token).
+An engine started with a token requires it from every client, on every kind of address
+(loopback TCP and Unix sockets included).
+
+Limits: the engine keeps at most ``max_connections`` connections (256 by default), counting
+those whose handshake is not done yet. A connection beyond that gets
+``Error(kind=OVERLOADED, fatal=True, retry_after=...)`` ("too many connections (max N)") as its
+first frame, without waiting for a Hello, and is closed.
 
 Framing
 =======
@@ -47,7 +54,10 @@ Handshake
    arrive within the engine's handshake timeout (10 s).
 2. The engine answers :class:`Welcome` -- or, for a wrong version, a missing/wrong token or
    anything but a Hello, ``Error(kind=VERSION | AUTH | PROTOCOL, fatal=True)`` and closes.
-   Tokens are compared in constant time. ``Hello``, ``Welcome`` and ``Error`` keep their layout
+   Tokens are compared in constant time. Failed authentications are throttled per peer (TCP
+   host, or the Unix socket's user): after a few, the peer's next handshakes wait before their
+   token is checked (doubling, up to 10 s), and while too many wait, further ones get
+   ``Error(kind=AUTH, fatal=True, retry_after=...)`` at once without a check. ``Hello``, ``Welcome`` and ``Error`` keep their layout
    in every protocol version, so a version mismatch is always reported as ``VERSION``.
    Besides the engine's state and frame limit, ``Welcome`` describes the model (``model``,
    ``chat_template``, ``bos_token``, ``eos_token``, ``max_model_len``, ``vocab_size``), so a
@@ -68,11 +78,13 @@ Client -> engine:
   request is refused or fails, the engine sends ``Error(request_id=...)`` instead, and nothing
   else for that id (it is finished). Refusals: ``BAD_REQUEST`` (invalid params/prompt, id in
   use, too many requests in flight on the connection -- 16,384 by default), ``DRAINING``
-  (``retry_after`` seconds: try another replica / later), ``SHUTDOWN``, ``DEAD`` (also for a
+  (``retry_after`` seconds: try another replica / later), ``OVERLOADED`` (the engine's
+  admission limits are reached; nothing was queued; retry after ``retry_after``), ``SHUTDOWN``, ``DEAD`` (also for a
   running request when the engine fails), ``TOO_LARGE`` (non-fatal: one piece did not fit in a
   frame; the request was aborted).
 * :class:`Abort` ends a request early: if still running, its last piece has
-  ``finish_reason="abort"``. Aborting an unknown or finished id is not an error.
+  ``finish_reason="abort"`` and ``reason`` = the Abort's ``reason`` (default "aborted by
+  client"). Aborting an unknown or finished id is not an error.
 * :class:`HealthRequest` asks for a :class:`Health` snapshot.
 * :class:`Drain` stops admission (new Generates get ``DRAINING``; every connection gets
   ``StateChanged(draining)``), waits up to ``timeout`` seconds for running requests to finish,

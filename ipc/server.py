@@ -43,9 +43,8 @@ from .auth import AuthThrottle
 from .connection import STREAM_ERRORS, Connection
 from .errors import ConnectionClosed, ProtocolError
 from .framing import FrameCodec, FrameReader
-from .handshake import hello_error
-from .messages import (DEFAULT_MAX_FRAME, HANDSHAKE_MAX_FRAME, MAX_CHAT_TEMPLATE_LEN, MAX_NAME_LEN,
-                       PROTOCOL_VERSION, Abort, Ack, ClientMessage, Drain, Error, ErrorKind,
+from .handshake import describe_model, hello_error
+from .messages import (DEFAULT_MAX_FRAME, HANDSHAKE_MAX_FRAME, PROTOCOL_VERSION, Abort, Ack, ClientMessage, Drain, Error, ErrorKind,
                        Generate, HealthRequest, Shutdown, StateChanged, Welcome, error_to_message)
 from .transport import (check_token, listener_address, open_listener, parse_address, peer_of,
                         remove_socket, socket_inode)
@@ -257,23 +256,11 @@ class IPCServer:
         return False
 
     def _model_info(self) -> dict:
-        """Welcome's description of the model (kept once loaded; overlong parts left out)."""
+        """Welcome's description of the model (kept once loaded)."""
         if self._info is not None:
             return self._info
-        engine = self.engine
-        tok = engine.tokenizer_info()
-        info: dict = {"model": str(engine.model)[:MAX_NAME_LEN],
-                      "max_model_len": max(0, int(engine.max_model_len)),
-                      "vocab_size": max(0, int(tok.vocab_size))}
-        if tok.chat_template is not None:
-            if len(tok.chat_template) <= MAX_CHAT_TEMPLATE_LEN:
-                info["chat_template"] = tok.chat_template
-            else:
-                log.warning("ipc: chat template not sent (longer than %d)", MAX_CHAT_TEMPLATE_LEN)
-        for name, text in (("bos_token", tok.bos_token), ("eos_token", tok.eos_token)):
-            if text is not None and len(text) <= MAX_NAME_LEN:
-                info[name] = text
-        if engine.state in (State.SERVING, State.DRAINING):
+        info = describe_model(self.engine)
+        if self.engine.state in (State.SERVING, State.DRAINING):
             self._info = info  # loaded: it will not change any more
         return info
 

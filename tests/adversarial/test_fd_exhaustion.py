@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import anyio
