@@ -1,0 +1,143 @@
+"""Prefix caching end to end (issue 15): greedy outputs of the embedded model are token-identical
+with the cache on and off — shared prefixes ending mid-block, prompts cached entirely, multi-turn
+prompts that extend earlier ones, chunked prefill, preemption pressure — and the statistics,
+invalidation and shutdown behave."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from engine import AsyncEngine, EngineConfig, ModelRunner, SamplingParams
+from engine.core import EngineCore
+from entrypoints.args import add_model_args, config_from_args
+
+
+SYSTEM = ("You are a careful assistant. Answer in one short sentence, use plain words, and "
+          "never make up facts about places, people or numbers you do not know well.")
+QUESTIONS = ["What is the capital of France?", "Name a colour.", "Who wrote Hamlet?",
+             "What is water made of?"]
+FOLLOW_UP = " Tell me one more thing about it."
+PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
+# SmolLM2 in fp32: 30 layers x (k, v) x 3 KV heads x 64 x 4 bytes a token, 16 tokens a block
+BLOCK_BYTES = 30 * 2 * 3 * 64 * 4 * 16
+
+_memo: dict = {}
+
+
+async def _one(eng, prompt, out, key):
+    toks = []
+    async for o in eng.generate(prompt, PARAMS):
+        toks += o.token_ids
+    out[key] = toks
+
+
+async def _wave(eng, prompts: dict) -> dict:
+    out: dict = {}
+    async with anyio.create_task_group() as tg:
+        for key, p in prompts.items():
+            tg.start_soon(_one, eng, p, out, key)
+    return out
+
+
+async def _conversations(config: EngineConfig):
+    """Two waves: first turns (and a prompt of exactly three blocks), then second turns that
+    extend the first ones with their answers, and the first prompts again (cached entirely)."""
+    async with AsyncEngine.open(config, check_integrity=True) as eng:
+        tok = eng.tokenizer
+        system = tok.encode(SYSTEM)[:37]  # ends 5 tokens into the third block
+        first = {f"q{i}": system + tok.encode(" " + q) for i, q in enumerate(QUESTIONS)}
+        first["blocks3"] = (system + tok.encode(" " + QUESTIONS[0]))[:48]
+        out = await _wave(eng, first)
+        second = {f"turn2-{k}": p + out[k] + tok.encode(FOLLOW_UP) for k, p in first.items()}
+        second.update({f"again-{k}": p for k, p in first.items()})
+        out.update(await _wave(eng, second))
+        stats = eng.statistics()
+        blocks = eng.core.blocks
+    assert blocks.closed and blocks.statistics().cached_blocks == 0  # released with the KV cache
+    return out, stats
+
+
+async def _run(name: str, **kw):
+    if name not in _memo:
+        _memo[name] = await _conversations(EngineConfig(model="default", device="cpu", **kw))
+    return _memo[name]
+
+
+@pytest.mark.asyncio
+async def test_greedy_identical_with_caching_on_and_off():
+    off, off_stats = await _run("off", enable_prefix_caching=False)
+    on, on_stats = await _run("on", max_num_batched_tokens=64)  # chunked prefills too
+    assert on == off
+    assert off_stats.prefix_cache_queries == 0 and off_stats.prefix_cache_hits == 0
+    assert on_stats.prefix_cache_queries == on_stats.prompt_tokens
+    # the second wave alone re-reads the first wave's prompts: a large share is cached
+    assert on_stats.prefix_cache_hits > 0.4 * on_stats.prefix_cache_queries
+    assert on_stats.generation_tokens == off_stats.generation_tokens == len(on) * PARAMS.max_tokens
+
+
+@pytest.mark.asyncio
+async def test_greedy_identical_under_preemption_pressure():
+    off, _ = await _run("off", enable_prefix_caching=False)
+    got, stats = await _run("small", kv_cache_bytes=7 * BLOCK_BYTES)
+    assert stats.preemptions > 0 and stats.prefix_cache_hits > 0
+    assert got == off
+
+
+@pytest.mark.asyncio
+async def test_reset_drops_the_cache_and_keeps_outputs():
+    prompt = list(range(5, 70))
+    async with AsyncEngine.open(EngineConfig(model="random:tiny-llama", device="cpu"),
+                                check_integrity=True) as eng:
+        blocks = eng.core.blocks
+        first = await _wave(eng, {"a": prompt})
+        assert blocks.statistics().cached_blocks == 5  # 65 + 15 computed: the answer's too
+        again = await _wave(eng, {"a": prompt})
+        hits = eng.statistics().prefix_cache_hits
+        assert hits == 64  # 65 tokens: four blocks, the last token recomputed
+        blocks.reset_prefix_cache(weights_version=1)
+        assert blocks.statistics().cached_blocks == 0 and blocks.weights_version == 1
+        after = await _wave(eng, {"a": prompt})
+        assert eng.statistics().prefix_cache_hits == hits  # nothing found after the reset
+    assert first == again == after
+
+
+def _core_tokens(core, rid, prompt) -> list[int]:
+    core.add_request(rid, prompt, PARAMS)
+    toks: list[int] = []
+    while core.has_work():
+        for o in core.step():
+            toks += o.token_ids
+    return toks
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_abort_mid_prefill_caches_only_what_was_computed(caching):
+    prompt = list(range(3, 200))  # 197 tokens: 12 full blocks
+    runner = ModelRunner(EngineConfig(model="random:tiny-llama", device="cpu",
+                                      max_num_batched_tokens=40, enable_prefix_caching=caching))
+    runner.load()
+    try:
+        core = EngineCore(runner, check_integrity=True)
+        core.add_request("victim", prompt, PARAMS)
+        core.step()
+        core.step()  # 80 tokens computed: 5 full blocks
+        assert core.abort("victim", "test").finished
+        assert core.blocks.num_free == core.blocks.num_blocks
+        assert core.blocks.statistics().cached_blocks == (5 if caching else 0)
+        got = _core_tokens(core, "p", prompt)
+        assert core.statistics().prefix_cache_hits == (80 if caching else 0)
+        _memo.setdefault("abort", []).append(got)
+    finally:
+        runner.shutdown()
+    if len(_memo["abort"]) == 2:
+        assert _memo["abort"][0] == _memo["abort"][1]
+
+
+def test_cli_flag_turns_caching_off():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    assert config_from_args(p.parse_args([])).enable_prefix_caching is True
+    assert config_from_args(p.parse_args(["--no-prefix-caching"])).enable_prefix_caching is False

@@ -1,0 +1,77 @@
+"""The incremental detokenizer on its own: no broken UTF-8 in any delta, stop strings that span
+token boundaries never reach a delta, held-back text comes out at the end."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tokenizer import Tokenizer
+
+
+class WordPieces:
+    """A fake tokenizer: token i is the string ``pieces[i]``."""
+
+    def __init__(self, pieces: list[str]):
+        self.pieces = pieces
+
+    def decode(self, ids) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
+
+BYTES = Tokenizer.bytes(300)
+
+
+def feed(detok: IncrementalDetokenizer, ids) -> list[str]:
+    return [detok.add([i]) for i in ids]
+
+
+def test_a_character_split_across_byte_tokens_waits_for_its_last_byte():
+    text = "é€😀"
+    ids = list(text.encode())  # 2 + 3 + 4 bytes, one token each
+    d = IncrementalDetokenizer(BYTES, [], [])
+    deltas = feed(d, ids)
+    assert deltas == ["", "é", "", "", "€", "", "", "", "😀"]
+    assert all("\ufffd" not in x for x in deltas)
+    assert d.flush() == "" and d.text == text
+
+
+def test_prompt_tail_gives_context_but_is_never_emitted():
+    d = IncrementalDetokenizer(BYTES, list("Hello".encode()), [])
+    assert "".join(feed(d, list(" world".encode()))) + d.flush() == " world"
+
+
+def test_stop_string_across_token_boundaries_never_reaches_a_delta():
+    tok = WordPieces(["The", " ans", "wer", " is", " 4", "2", ".", " Done"])
+    d = IncrementalDetokenizer(tok, [], ["is 42"])
+    deltas = []
+    for i in range(8):
+        deltas.append(d.add([i]))
+        if d.stopped:
+            break
+    assert d.stopped and i == 5  # found on the token that completes it
+    assert "".join(deltas) == d.text == "The answer "
+    assert not any("is" in x for x in deltas)
+    assert d.flush() == "" and d.add([6]) == ""  # nothing more after a stop
+
+
+def test_text_that_may_start_a_stop_string_is_held_then_released():
+    tok = WordPieces(["ab", "c", "x", "y"])
+    d = IncrementalDetokenizer(tok, [], ["cxz"])
+    assert d.add([0]) == ""  # "ab" could still be followed by the start of the stop
+    assert d.add([1]) == "a"  # hold back len("cxz") - 1 = 2 characters
+    assert d.add([2]) == "b"
+    assert d.add([3]) == "c" and not d.stopped  # "cxy" is not the stop string
+    assert d.flush() == "xy" and d.text == "abcxy"
+
+
+@pytest.mark.parametrize("stops", [["\n\n"], ["END", "\n\n"]])
+def test_earliest_stop_wins_and_multibyte_text_before_it_is_whole(stops):
+    ids = list("naïve\n\nEND".encode())
+    d = IncrementalDetokenizer(BYTES, [], stops)
+    out = ""
+    for i in ids:
+        out += d.add([i])
+        if d.stopped:
+            break
+    assert d.stopped and out == "naïve"

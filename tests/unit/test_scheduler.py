@@ -1,0 +1,135 @@
+"""The scheduler on its own (no model, milliseconds): admission, chunked prefill, the token
+budget, preemption order, prefix hits at admission and draft-block rollback."""
+
+from __future__ import annotations
+
+from engine.block_manager import BlockManager
+from engine.params import SamplingParams
+from engine.request import Request, Status
+from engine.scheduler import Scheduler
+
+BS = 4
+
+
+def make(num_blocks=64, max_num_seqs=8, budget=64, caching=True) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, BS, enable_caching=caching), max_num_seqs, budget)
+
+
+def req(rid: str, n: int, first: int = 1) -> Request:
+    return Request(rid, list(range(first, first + n)), SamplingParams(max_tokens=100))
+
+
+def step(s: Scheduler, accepted: dict | None = None) -> list[tuple[str, int]]:
+    """One schedule plus what the core's update does: a request that reaches the end of its
+    tokens gets one new token (plus its accepted drafts)."""
+    batch = s.schedule()
+    for r, n in batch:
+        end = r.num_computed_tokens + n == r.num_tokens
+        if not end:
+            s.advance(r, r.num_computed_tokens + n)
+            continue
+        acc = (accepted or {}).get(r.request_id, 0)
+        drafts, r.spec_token_ids = r.spec_token_ids, []
+        s.advance(r, r.num_computed_tokens + n + acc)
+        r.token_ids += drafts[:acc] + [500 + r.num_tokens]
+    s.check_integrity()
+    return [(r.request_id, n) for r, n in batch]
+
+
+def test_fcfs_admission_up_to_max_num_seqs():
+    s = make(max_num_seqs=2)
+    for i in range(3):
+        s.add(req(f"r{i}", 5, first=10 * i + 1))
+    assert step(s) == [("r0", 5), ("r1", 5)]
+    assert [r.request_id for r in s.waiting] == ["r2"]
+    assert step(s) == [("r0", 1), ("r1", 1)]  # running first, still no room for r2
+
+
+def test_chunked_prefill_within_the_token_budget():
+    s = make(budget=16)
+    s.add(req("long", 40))
+    s.add(req("short", 3, first=100))
+    assert step(s) == [("long", 16)]
+    assert step(s) == [("long", 16)]
+    assert step(s) == [("long", 8), ("short", 3)]  # the rest of the budget goes to waiting
+    assert step(s) == [("long", 1), ("short", 1)]
+
+
+def test_budget_counts_draft_tokens():
+    s = make(budget=6)
+    a, b, c = req("a", 2), req("b", 2, first=50), req("c", 2, first=60)
+    for r in (a, b, c):
+        s.add(r)
+    assert step(s) == [("a", 2), ("b", 2), ("c", 2)]
+    for r in (a, b, c):
+        r.spec_token_ids = [7, 7, 7, 7]
+    # a: 1 + 4 rows of 6; b starts in the last slot, its drafts ride along (ModelState leaves
+    # room for k rows a sequence); nothing is left for c
+    assert step(s, {"a": 2, "b": 4}) == [("a", 1), ("b", 1)]
+    assert a.num_tokens == 3 + 2 + 1 and b.num_tokens == 3 + 4 + 1 and c.spec_token_ids
+    assert len(a.block_ids) == 2 and len(b.block_ids) == 2  # 6 and 8 tokens -> 2 blocks each
+
+
+def test_preemption_takes_the_newest_and_puts_it_first_in_line():
+    s = make(num_blocks=6, caching=False)  # 24 token slots
+    for i, n in enumerate([8, 7, 7]):
+        s.add(req(f"r{i}", n, first=20 * i + 1))
+    s.add(req("late", 4, first=90))
+    step(s)  # r0: 2 blocks, r1: 2, r2: 2 -> all 6 blocks; "late" waits
+    assert [r.request_id for r in s.running] == ["r0", "r1", "r2"]
+    step(s)  # r0 needs a third block: r2, the newest, is preempted
+    assert [r.request_id for r in s.running] == ["r0", "r1"]
+    assert [r.request_id for r in s.waiting] == ["r2", "late"]
+    r2 = s.waiting[0]
+    assert r2.status is Status.WAITING and r2.num_preemptions == 1 and s.num_preemptions == 1
+    assert r2.num_computed_tokens == 0 and r2.block_ids == []
+
+
+def test_a_request_that_cannot_grow_preempts_itself_last():
+    s = make(num_blocks=2, caching=False)
+    s.add(req("a", 7))
+    step(s)  # 2 blocks, 8 tokens after the sample
+    step(s)  # 9 tokens
+    step(s)  # token 9 needs a third block, nobody else to preempt: it preempts itself
+    assert s.running == [] and [r.request_id for r in s.waiting] == ["a"]
+
+
+def test_admission_starts_after_the_cached_prefix():
+    s = make(budget=64)
+    s.add(req("a", 14))
+    step(s)
+    first = s.running[0]
+    s.remove(first)
+    assert first.status is Status.FINISHED
+    s.add(req("b", 14))  # the same prompt: 3 full blocks cached, the last token recomputed
+    s.add(req("c", 10))  # the first 8 tokens of it: 2 blocks, but 9 is the cap -> 2 blocks
+    assert step(s) == [("b", 2), ("c", 2)]
+    b, c = s.running
+    assert b.num_computed_tokens == 14 and b.block_ids[:2] == c.block_ids[:2]
+    assert s.blocks.statistics().hits == 12 + 8
+
+
+def test_preempted_request_resumes_on_its_own_cached_prefix():
+    s = make(num_blocks=6)
+    s.add(req("old", 9))
+    s.add(req("new", 12, first=40))
+    step(s)  # old: 3 blocks (9 tokens), new: 3 blocks
+    step(s)  # old has 10 tokens: fits; new has 13 tokens, needs a 4th block -> preempts itself
+    new = s.waiting[0]
+    assert new.request_id == "new" and new.num_preemptions == 1
+    s.remove(s.running[0])  # old finishes: room again
+    assert step(s) == [("new", 1)]  # 12 of its 13 tokens were still cached
+    assert new.num_computed_tokens == 13
+
+
+def test_rejected_draft_blocks_are_rolled_back_by_the_scheduler():
+    s = make()
+    a = req("a", 7)
+    s.add(a)
+    step(s)  # 8 tokens, 2 blocks
+    a.spec_token_ids = [1, 2, 3, 4, 5, 6]  # 1 + 6 rows: positions 7..13 -> 4 blocks
+    batch = s.schedule()
+    assert batch == [(a, 1)] and len(a.block_ids) == 4
+    s.advance(a, 7 + 1 + 1)  # one draft accepted: 9 computed, room for 10 tokens
+    assert len(a.block_ids) == 3
+    s.check_integrity()
