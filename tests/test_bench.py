@@ -73,3 +73,21 @@ def test_sleep_bench_levels_cycles_and_identical_outputs(tmp_path):
     assert model["levels"]["1"]["host_bytes_kept"] > 0 == model["levels"]["2"]["host_bytes_kept"]
     assert model["cycles"]["n"] == 3 and model["outputs_identical_after_cycles"]
     assert "level 1: sleep" in p.stdout and "3 cycles" in p.stdout
+
+
+def test_prefix_caching_on_and_off(tmp_path):
+    """The chat workload runs with the cache on and off: same greedy answers, hits only when on."""
+    out = tmp_path / "p.json"
+    p = _bench("prefix", "--device", "cpu", "--no-progress", "--system-len", "40",
+               "--conversations", "3", "--turns", "2", "--min-user", "4", "--max-user", "12",
+               "--max-tokens", "6", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in res["modes"]}
+    assert set(rows) == {"on", "off"}
+    for row in rows.values():
+        assert row["output_tokens"] == 3 * 2 * 6 and row["ttft_p50_ms"] is not None
+    assert rows["on"]["identical"] is True
+    assert rows["on"]["hit_ratio"] > 0.3 and rows["off"]["prefix_cache_hits"] == 0
+    assert rows["on"]["computed_prompt_tokens"] < rows["off"]["computed_prompt_tokens"]
+    assert "hit ratio" in p.stdout and "ttft_p50 off/on" in p.stdout
