@@ -25,9 +25,9 @@ BLOCK_BYTES = 30 * 2 * 3 * 64 * 4 * 16
 _memo: dict = {}
 
 
-async def _one(eng, prompt, out, key):
+async def _one(eng, prompt, out, key, params=PARAMS):
     toks = []
-    async for o in eng.generate(prompt, PARAMS):
+    async for o in eng.generate(prompt, params):
         toks += o.token_ids
     out[key] = toks
 
@@ -141,3 +141,42 @@ def test_cli_flag_turns_caching_off():
     add_model_args(p)
     assert config_from_args(p.parse_args([])).enable_prefix_caching is True
     assert config_from_args(p.parse_args(["--no-prefix-caching"])).enable_prefix_caching is False
+
+
+SPEC_CASES = {
+    "ngram": dict(speculator="ngram"),
+    "ngram-small-kv": dict(speculator="ngram", num_kv_blocks=10, max_num_batched_tokens=48),
+    "draft-small-kv": dict(speculator="draft", draft_model="random:tiny-llama@seed=1",
+                           num_kv_blocks=10),
+}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("case", list(SPEC_CASES))
+async def test_speculative_decoding_over_cached_prefixes(case):
+    """Draft tokens write only private blocks, rollback gives back only those, and the cached
+    prefixes they extend give the same greedy tokens as no cache and no speculator."""
+    shared = [(3 * j) % 97 + 5 for j in range(40)]  # 2.5 blocks, repeated text for n-grams
+    prompts = {f"p{i}": shared + [(i * 7 + j) % 50 + 100 for j in range(i % 4)] + shared[:8]
+               for i in range(8)}
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    async def run(**kw):
+        async with AsyncEngine.open(EngineConfig(model="random:tiny-llama", device="cpu", **kw),
+                                    check_integrity=True) as eng:
+            outs = {}
+            for wave in (list(prompts)[:2], list(prompts)[2:]):  # the second wave can hit
+                async with anyio.create_task_group() as tg:
+                    for k in wave:
+                        tg.start_soon(_one, eng, prompts[k], outs, k, params)
+            return outs, eng.statistics()
+
+    if "spec-base" not in _memo:
+        _memo["spec-base"] = await run(enable_prefix_caching=False)
+    base, _ = _memo["spec-base"]
+    got, stats = await run(**SPEC_CASES[case])
+    assert got == base
+    assert stats.prefix_cache_hits >= 6 * 32 and stats.spec_proposed > 0
+    if "small" in case:
+        assert stats.preemptions > 0
+
