@@ -116,13 +116,15 @@ class DeviceOwner:
         return moved
 
     def restore(self, name: str) -> int:
-        """The way back from :meth:`offload`: copy resource ``name`` to the owner's device."""
+        """The way back from :meth:`offload`: copy resource ``name`` to the owner's device; the
+        page-locked host copies are given back."""
         from .weights import restore_module
 
         resource = self._resources[name]
-        if isinstance(resource, nn.Module):
-            return restore_module(resource, self.device)
-        return resource.restore(self.device)
+        moved = restore_module(resource, self.device) if isinstance(resource, nn.Module) else resource.restore(self.device)
+        if self.device.type == "cuda":
+            empty_host_cache()
+        return moved
 
     def empty_device_cache(self) -> None:
         """Collect, then hand the caching allocator's free segments (and cuBLAS's workspaces,
