@@ -10,6 +10,7 @@ import pytest
 
 from engine import AsyncEngine, EngineConfig, ModelRunner, SamplingParams
 from engine.core import EngineCore
+from engine.request import Request
 from entrypoints.args import add_model_args, config_from_args
 
 
@@ -132,6 +133,24 @@ def test_abort_mid_prefill_caches_only_what_was_computed(caching):
         runner.shutdown()
     if len(_memo["abort"]) == 2:
         assert _memo["abort"][0] == _memo["abort"][1]
+
+
+@pytest.mark.asyncio
+async def test_a_fault_drops_the_cache_with_the_kv_cache():
+    from engine import EngineDeadError
+
+    prompt = list(range(5, 60))
+    async with AsyncEngine.open(EngineConfig(model="random:tiny-llama", device="cpu",
+                                             fault_at_step=20)) as eng:
+        blocks = eng.core.blocks
+        await _wave(eng, {"a": prompt[:40]})  # 16 steps; its full blocks stay cached
+        assert blocks.statistics().cached_blocks == 3
+        with pytest.raises(EngineDeadError):
+            async for _ in eng.generate(prompt, PARAMS):
+                pass
+        await eng.wait_stopped()
+        assert eng.runner.released and blocks.closed
+        assert blocks.statistics().cached_blocks == 0 and blocks.lookup(Request("x", prompt, PARAMS)) == []
 
 
 def test_cli_flag_turns_caching_off():
