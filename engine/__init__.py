@@ -14,7 +14,7 @@ _EXPORTS = {
     "EngineStats": ".async_engine",
     "Health": ".interface",
     "Engine": ".interface",
-    "RequestStream": ".async_engine",
+    "RequestStream": ".request_stream",
     "EngineConfig": ".config",
     "BadRequestError": ".errors",
     "CheckpointError": ".errors",
@@ -30,7 +30,8 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from .async_engine import AsyncEngine, EngineStats, RequestStream
+    from .async_engine import AsyncEngine, EngineStats
+    from .request_stream import RequestStream
     from .interface import Engine, Health
     from .config import EngineConfig
     from .errors import (BadRequestError, CheckpointError, EngineDeadError, EngineDrainingError,
@@ -55,6 +56,8 @@ def __getattr__(name: str) -> Any:
         from . import interface as mod
     elif module == ".params":
         from . import params as mod
+    elif module == ".request_stream":
+        from . import request_stream as mod
     else:
         from . import runner as mod
     value = getattr(mod, name)

@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Callable, Iterable
 
-from transitions import Machine, MachineError
+from transitions import Machine
 
 from ._table import LIVE_STATES, TRANSITIONS, State, allowed_triggers
 
@@ -58,7 +58,6 @@ class Lifecycle:
         self._name = name
         self._since = time.perf_counter()
         self._listeners: list[Callable[[State, State], None]] = []
-        self.history: list[tuple[State, float]] = [(State.INIT, time.time())]
 
     @property
     def state(self) -> State:
@@ -79,17 +78,13 @@ class Lifecycle:
         before = self.state
         if not self.may(trigger):
             raise InvalidTransitionError(before, trigger, self.allowed())
-        try:
-            self._model.trigger(trigger)
-        except MachineError as exc:  # pragma: no cover - guarded by may() above
-            raise InvalidTransitionError(before, trigger, self.allowed()) from exc
+        self._model.trigger(trigger)  # may() checked the table: transitions cannot refuse it
         now = time.perf_counter()
         log.info(
             "%s: %s -> %s via %s (%.3f s in %s)",
             self._name, before.name, self.state.name, trigger, now - self._since, before.name,
         )
         self._since = now
-        self.history.append((self.state, time.time()))
         for listener in list(self._listeners):
             listener(before, self.state)
         return self.state
