@@ -14,7 +14,6 @@ import pytest
 
 from engine.errors import BadRequestError, EngineSleepingError
 from engine.params import SamplingParams
-from fake_engine import FakeEngine
 from ipc import EngineClient
 from ipc.framing import FrameCodec, FrameReader
 from ipc.messages import PROTOCOL_VERSION, EngineMessage, Error, ErrorKind, Hello, Welcome
