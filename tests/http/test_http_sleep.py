@@ -52,6 +52,9 @@ async def test_asleep_requests_get_503_retry_after_and_health_says_sleeping(via)
         assert {k: h.json()[k] for k in ("state", "live", "ready")} == {
             "state": "sleeping", "live": True, "ready": False}
         assert (await c.get("/ready")).status_code == 503
+        metrics = (await c.get("/metrics")).text
+        assert 'enginecore_requests_rejected_total{reason="sleeping"} 2.0' in metrics
+        assert 'enginecore_engine_state{enginecore_engine_state="sleeping"} 1.0' in metrics
         r = await c.post("/sleep")  # already asleep
         assert r.status_code == 409 and "SLEEPING" in r.json()["error"]["message"]
         r = await c.post("/wake_up?tags=weights")
@@ -210,10 +213,12 @@ def test_non_loopback_http_with_sleep_mode_needs_a_token() -> None:
 @pytest.mark.slow
 @pytest.mark.asyncio
 async def test_serve_enable_sleep_mode_through_a_frontend_process() -> None:
-    sp = ServeProcess(extra=("--enable-sleep-mode",))
+    sp = ServeProcess(extra=("--enable-sleep-mode", "--token", "s3cret"))
     try:
         await sp.wait_ready(1)
         async with sp.http() as c:
+            assert (await c.post("/sleep")).status_code == 401  # the server has a token
+            c.headers["Authorization"] = "Bearer s3cret"
             r = await c.post("/sleep", json={"level": 1, "mode": "wait"})
             assert r.status_code == 200 and r.json()["is_sleeping"] is True, r.text
             r = await c.post("/v1/completions", json=BODY)

@@ -122,3 +122,20 @@ async def test_shutdown_while_asleep_over_the_wire() -> None:
         await c.sleep()
         await c.shutdown()
         assert c.state is State.SHUTDOWN and eng.state is State.SHUTDOWN
+
+
+async def test_sync_client_has_the_sleep_calls() -> None:
+    from ipc.sync_client import SyncEngineClient
+
+    async with serving() as (eng, server, addr):
+        def script() -> None:
+            with SyncEngineClient.connect(addr) as c:
+                c.sleep(level=2, mode="wait")
+                assert c.is_sleeping
+                c.update_weights("/ckpt/step-3")
+                c.wake_up()
+                assert not c.is_sleeping and c.state is State.SERVING
+
+        await anyio.to_thread.run_sync(script)
+    assert eng.calls == [("sleep", 2, "wait", None), ("update_weights", "/ckpt/step-3"),
+                         ("wake_up", None)]
