@@ -69,7 +69,7 @@ class _Call:
 def check_tags(tags: Optional[Sequence[str]]) -> tuple[str, ...]:
     if tags is None:
         return TAGS
-    if isinstance(tags, str) or not all(isinstance(t, str) for t in tags):
+    if not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
         raise BadRequestError("tags must be a list of strings")
     bad = [t for t in tags if t not in TAGS]
     if bad or not tags:

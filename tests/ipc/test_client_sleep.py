@@ -80,7 +80,7 @@ async def test_client_checks_every_argument_before_sending() -> None:
                     dict(timeout="1"), dict(timeout=True)):
             with pytest.raises(BadRequestError):
                 await c.sleep(**bad)
-        for tags in ([], ["gpu"], "weights", [1]):
+        for tags in ([], ["gpu"], "weights", [1], 5, {"weights": 1}):
             with pytest.raises(BadRequestError):
                 await c.wake_up(tags)
         for path in ("", "a\0b", "x" * 4097, 5, None):
