@@ -180,11 +180,21 @@ def _serve_http(a, config) -> int:
     process exits after them."""
     import secrets
 
-    from .http.frontend import Frontends, bind_http
+    from .http.frontend import Frontends, bind_http, is_loopback_http
     from .http.limits import limits_from_args
 
     if a.api_servers < 1:
         print("enginecore: bad configuration: --api-servers must be >= 1", file=sys.stderr)
+        return EXIT_STARTUP
+    sleep_mode = bool(getattr(a, "enable_sleep_mode", False))
+    try:
+        open_admin = sleep_mode and not a.token and not is_loopback_http(a.http)
+    except ValueError:
+        open_admin = False  # a bad --http: bind_http says so below
+    if open_admin:
+        print("enginecore: bad configuration: --enable-sleep-mode on a non-loopback --http "
+              "address needs a token (--token-file or $ENGINECORE_TOKEN): the admin endpoints "
+              "require it", file=sys.stderr)
         return EXIT_STARTUP
     try:
         limits = limits_from_args(a)
@@ -198,7 +208,8 @@ def _serve_http(a, config) -> int:
         return EXIT_STARTUP
     token = a.token or secrets.token_urlsafe(24)  # the IPC socket is private to the frontends
     frontends = Frontends(sock, a.api_servers, token, drain_timeout=a.drain_timeout,
-                          verbose=logging.getLogger().isEnabledFor(logging.INFO), limits=limits)
+                          verbose=logging.getLogger().isEnabledFor(logging.INFO), limits=limits,
+                          sleep_mode=sleep_mode, admin_auth=bool(a.token))
     try:
         code = anyio.run(lambda: run(config, listen=a.listen, token=token,
                                      drain_timeout=a.drain_timeout, parent_pid=a.parent_pid,

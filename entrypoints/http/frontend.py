@@ -92,13 +92,15 @@ async def watch_engine(fe, server: Server, *, parent_pid: Optional[int] = None,
 
 async def serve_frontend(engine, sock: socket.socket, *, limits: HttpLimits = HttpLimits(),
                          parent_pid: Optional[int] = None, dead_grace: float = DEAD_GRACE,
+                         sleep_mode: bool = False, admin_token: Optional[str] = None,
                          **server_options: Any) -> int:
     """Serve ``engine`` (an ``engine.interface.Engine``) over HTTP on ``sock`` until the engine
-    has shut down (returns 0) or died (returns 3)."""
+    has shut down (returns 0) or died (returns 3). ``sleep_mode``: the admin endpoints too
+    (``admin_token``: required on them)."""
     from .app import create_app
     from .server import make_server
 
-    app = create_app(engine, limits=limits)
+    app = create_app(engine, limits=limits, sleep_mode=sleep_mode, admin_token=admin_token)
     server = make_server(app, limits, **server_options)
     code = EXIT_OK
     async with anyio.create_task_group() as tg:
@@ -132,8 +134,9 @@ async def _main(a: argparse.Namespace) -> int:
             print(f"enginecore frontend {a.index}: cannot connect to {a.connect}: {exc}",
                   file=sys.stderr)
             return EXIT_STARTUP
-        return await serve_frontend(client, sock, limits=a.limits,
-                                    parent_pid=a.parent_pid)
+        return await serve_frontend(client, sock, limits=a.limits, parent_pid=a.parent_pid,
+                                    sleep_mode=a.enable_sleep_mode,
+                                    admin_token=token if a.admin_auth else None)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -146,8 +149,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="exit (3) when this process is no longer our parent")
     ap.add_argument("--index", type=int, default=0)
     ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--enable-sleep-mode", action="store_true", help="the admin endpoints too")
+    ap.add_argument("--admin-auth", action="store_true",
+                    help=f"the admin endpoints need the token (from ${TOKEN_ENV})")
     add_http_limit_args(ap)
     a = ap.parse_args(argv)
+    if a.admin_auth and not os.environ.get(TOKEN_ENV):
+        ap.error(f"--admin-auth needs the token in ${TOKEN_ENV}")
     try:
         a.limits = limits_from_args(a)
     except ValueError as exc:
@@ -174,6 +182,17 @@ def parse_http_address(spec: str) -> tuple[str, int]:
         raise ValueError(f"--http {spec!r}: expected HOST:PORT")
     host = host.strip("[]") or "0.0.0.0"
     return host, int(port)
+
+
+def is_loopback_http(spec: str) -> bool:
+    """Whether ``--http HOST:PORT`` listens where only this machine can connect."""
+    import ipaddress
+
+    host = parse_http_address(spec)[0]
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def bind_http(spec: str, backlog: int = 2048) -> socket.socket:
@@ -220,8 +239,11 @@ class Frontends:
 
     def __init__(self, sock: socket.socket, n: int, token: Optional[str],
                  drain_timeout: float = 30.0, verbose: bool = False,
-                 limits: HttpLimits = HttpLimits()) -> None:
+                 limits: HttpLimits = HttpLimits(), sleep_mode: bool = False,
+                 admin_auth: bool = False) -> None:
         self.sock = sock
+        self.sleep_mode = sleep_mode  # the admin endpoints (--enable-sleep-mode) ...
+        self.admin_auth = admin_auth  # ... guarded by ``token``
         self.limits = limits
         self.n = n
         self.token = token
@@ -247,6 +269,8 @@ class Frontends:
                         *self.limits.to_argv()]
                 if self.verbose:
                     argv.append("-v")
+                if self.sleep_mode:
+                    argv += ["--enable-sleep-mode", *(("--admin-auth",) if self.admin_auth else ())]
                 self.procs.append(await anyio.open_process(
                     argv, stdin=subprocess.DEVNULL, stdout=None, stderr=None, pass_fds=(fd,),
                     env=env))
