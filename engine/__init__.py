@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "AsyncEngine": ".async_engine",
-    "EngineStats": ".async_engine",
+    "EngineStats": ".stats",
     "Health": ".interface",
     "Engine": ".interface",
     "RequestStream": ".async_engine",
@@ -30,7 +30,8 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from .async_engine import AsyncEngine, EngineStats, RequestStream
+    from .async_engine import AsyncEngine, RequestStream
+    from .stats import EngineStats
     from .interface import Engine, Health
     from .config import EngineConfig
     from .errors import (BadRequestError, CheckpointError, EngineDeadError, EngineDrainingError,

@@ -18,6 +18,7 @@ from .request import Request
 from .runner import ModelRunner
 from .sampler import StepResult
 from .scheduler import Scheduler
+from .stats import EngineTimings
 
 
 class CoreStats(NamedTuple):
@@ -48,6 +49,7 @@ class EngineCore:
         self._finished: dict[str, int] = {}
         self._spec_proposed = 0
         self._spec_accepted = 0
+        self.timings = EngineTimings()
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -93,14 +95,17 @@ class EngineCore:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         if self.runner.speculator is not None:
             self.runner.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        self.timings.scheduled(batch)
         result = self.runner.execute(batch)
         outputs = self._update(batch, result)
         self._steps += 1
+        self.timings.step_time.observe(time.perf_counter() - t0)
         if self.check_integrity:
             self.scheduler.check_integrity()
         return outputs

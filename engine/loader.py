@@ -1,7 +1,9 @@
 """Turn ``EngineConfig.model`` into (ModelConfig, weights on the device, Tokenizer).
 
 Sources: ``"default"`` (the embedded SmolLM2 GGUF), a Hugging Face checkpoint directory
-(config.json + safetensors, sharded or not + tokenizer.json), or ``"random:<preset>"``.
+(config.json + safetensors, sharded or not + tokenizer.json), a Hugging Face repo id found in the
+local cache (``engine/hf_hub.py``, never downloaded; ``revision`` picks the snapshot), a ``.gguf``
+file, or ``"random:<preset>"``.
 Every failure is a :class:`CheckpointError` naming the file and the problem.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 import json
 import traceback
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -25,7 +27,8 @@ from .tokenizer import Tokenizer
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def resolve_source(spec: str) -> tuple[ModelConfig, Callable[[], Iterator[tuple[str, torch.Tensor]]], Tokenizer]:
+def resolve_source(spec: str, revision: Optional[str] = None
+                   ) -> tuple[ModelConfig, Callable[[], Iterator[tuple[str, torch.Tensor]]], Tokenizer]:
     """Read the config and tokenizer now; return a generator of (name, tensor) for the weights."""
     if spec == "default":
         from .gguf_loader import default_model_path, load_gguf
@@ -38,7 +41,9 @@ def resolve_source(spec: str) -> tuple[ModelConfig, Callable[[], Iterator[tuple[
             raise CheckpointError(spec, f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
         cfg = PRESETS[name]
         return cfg, None, Tokenizer.bytes(cfg.vocab_size)  # type: ignore[return-value]
-    return _hf_dir(Path(spec))
+    from .hf_hub import resolve_model_path
+
+    return _hf_dir(resolve_model_path(spec, revision))
 
 
 def _drain_dict(weights: dict) -> Iterator[tuple[str, torch.Tensor]]:
