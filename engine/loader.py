@@ -21,6 +21,7 @@ from .model import CausalLM
 from .model_config import ModelConfig
 from .owner import empty_in_place
 from .presets import PRESETS
+from .progress import LoadProgress
 from .tokenizer import Tokenizer
 
 # Non-weights that checkpoints sometimes carry; safe to skip.
@@ -121,10 +122,12 @@ def fill_model(model: CausalLM, tensors, seed: int = 0, source: str = "",
     ``should_stop`` between tensors and raises :class:`LoadStopped`."""
     params = dict(model.named_parameters())
     device = next(iter(params.values())).device
-    if tensors is None:
-        _fill_random(params, seed, device, should_stop)
-    else:
-        _fill_from(params, tensors(), model.config, source, should_stop)
+    total = sum(p.nbytes for p in params.values())
+    with LoadProgress(f"loading weights onto {device}", len(params), total) as progress:
+        if tensors is None:
+            _fill_random(params, seed, device, should_stop, progress)
+        else:
+            _fill_from(params, tensors(), model.config, source, should_stop, progress)
 
 
 def build_model(cfg: ModelConfig, tensors, device: torch.device, dtype: torch.dtype,
@@ -142,7 +145,8 @@ def build_model(cfg: ModelConfig, tensors, device: torch.device, dtype: torch.dt
     return model
 
 
-def _fill_random(params: dict[str, torch.nn.Parameter], seed: int, device, should_stop) -> None:
+def _fill_random(params: dict[str, torch.nn.Parameter], seed: int, device, should_stop,
+                 progress: LoadProgress) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in params.items():
@@ -162,9 +166,11 @@ def _fill_random(params: dict[str, torch.nn.Parameter], seed: int, device, shoul
                     chunk = p[r:r + rows]
                     chunk.copy_(torch.randn(chunk.shape, generator=gen, device=device,
                                             dtype=torch.float32).mul_(std))
+            progress.advance(p.nbytes)
 
 
-def _fill_from(params, tensors, cfg: ModelConfig, source: str, should_stop) -> None:
+def _fill_from(params, tensors, cfg: ModelConfig, source: str, should_stop,
+               progress: LoadProgress) -> None:
     missing = set(params)
     with torch.no_grad():
         for name, t in tensors:
@@ -183,6 +189,7 @@ def _fill_from(params, tensors, cfg: ModelConfig, source: str, should_stop) -> N
                 )
             p.copy_(t)
             missing.discard(name)
+            progress.advance(p.nbytes)
     if missing:
         raise CheckpointError(source, f"missing weights: {', '.join(sorted(missing)[:5])}"
                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
