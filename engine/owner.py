@@ -141,9 +141,10 @@ class DeviceOwner:
         where = ", ".join(f"{format_bytes(n)} on {d}" for d, n in sorted(by_device.items()))
         t0 = time.perf_counter()
         empty_in_place(resource)
-        log.info("released %s: %s (%.1f ms)", name, where or f"0 B on {self.device}",
+        label = Resource(name).value
+        log.info("released %s: %s (%.1f ms)", label, where or f"0 B on {self.device}",
                  1e3 * (time.perf_counter() - t0),
-                 extra={"resource": name, "bytes": nbytes,
+                 extra={"resource": label, "bytes": nbytes,
                         "device": ",".join(sorted(by_device)) or str(self.device)})
         return nbytes
 

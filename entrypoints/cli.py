@@ -61,7 +61,7 @@ async def _generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="enginecore", description=__doc__)
     ap.add_argument("-v", "--verbose", action="store_true", help="same as --log-level debug")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -96,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     s.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
 
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     if a.verbose:
         a.log_level = "debug"
     configure(a.log_level, a.log_format)  # the entry point owns the process's logging
