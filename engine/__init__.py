@@ -14,7 +14,7 @@ _EXPORTS = {
     "EngineStats": ".stats",
     "Health": ".interface",
     "Engine": ".interface",
-    "RequestStream": ".async_engine",
+    "RequestStream": ".request_stream",
     "EngineConfig": ".config",
     "BadRequestError": ".errors",
     "CheckpointError": ".errors",
@@ -30,7 +30,8 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from .async_engine import AsyncEngine, RequestStream
+    from .async_engine import AsyncEngine
+    from .request_stream import RequestStream
     from .stats import EngineStats
     from .interface import Engine, Health
     from .config import EngineConfig
@@ -56,6 +57,8 @@ def __getattr__(name: str) -> Any:
         from . import interface as mod
     elif module == ".params":
         from . import params as mod
+    elif module == ".request_stream":
+        from . import request_stream as mod
     else:
         from . import runner as mod
     value = getattr(mod, name)

@@ -18,6 +18,7 @@ from .request import Request
 from .runner import ModelRunner
 from .sampler import StepResult
 from .scheduler import Scheduler
+from .speculative.base import SpecStats
 from .stats import EngineTimings
 
 
@@ -47,8 +48,10 @@ class EngineCore:
         self._prompt_tokens = 0
         self._gen_tokens = 0
         self._finished: dict[str, int] = {}
-        self._spec_proposed = 0
-        self._spec_accepted = 0
+        # the one speculation counter is the speculator's (verification knows it exactly); kept
+        # here so that the figures outlive the speculator, which the release drops
+        spec = runner.speculator
+        self._spec = spec.stats_ if spec is not None else SpecStats()
         self.timings = EngineTimings()
 
     # -- requests ---------------------------------------------------------------------------
@@ -114,18 +117,12 @@ class EngineCore:
         outputs: list[RequestOutput] = []
         for k, (req, n) in enumerate(batch):
             new = result.tokens[k]
-            proposed = len(req.spec_token_ids) if new else 0
             req.spec_token_ids = []
             if not new:
                 self.scheduler.advance(req, req.num_computed_tokens + n)
                 continue
             # accepted drafts are in the cache too; blocks only rejected ones used go back
             self.scheduler.advance(req, req.num_computed_tokens + n + len(new) - 1)
-            if proposed:
-                req.spec_proposed += proposed
-                req.spec_accepted += len(new) - 1
-                self._spec_proposed += proposed
-                self._spec_accepted += len(new) - 1
             out = self._append(req, new, result.logprobs[k] if result.logprobs else None)
             outputs.append(out)
         return outputs
@@ -201,5 +198,5 @@ class EngineCore:
     def statistics(self) -> CoreStats:
         cache = self.blocks.statistics()
         return CoreStats(self._steps, self._prompt_tokens, self._gen_tokens, dict(self._finished),
-                         self.scheduler.num_preemptions, self._spec_proposed, self._spec_accepted,
+                         self.scheduler.num_preemptions, self._spec.proposed, self._spec.accepted,
                          cache.queries, cache.hits)

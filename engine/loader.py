@@ -149,9 +149,9 @@ def _fill_random(params: dict[str, torch.nn.Parameter], seed: int, device, shoul
                  progress: LoadProgress) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
-        for name, p in params.items():
+        for done, (name, p) in enumerate(params.items()):
             if should_stop():
-                raise LoadStopped()
+                raise LoadStopped(f"{done} of {len(params)} weight tensors filled")
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
@@ -162,7 +162,7 @@ def _fill_random(params: dict[str, torch.nn.Parameter], seed: int, device, shoul
                 rows = max(1, (4 << 20) // max(1, p[0].numel())) if p.dim() > 1 else p.shape[0]
                 for r in range(0, p.shape[0], rows):
                     if should_stop():
-                        raise LoadStopped()
+                        raise LoadStopped(f"{done} of {len(params)} weight tensors filled")
                     chunk = p[r:r + rows]
                     chunk.copy_(torch.randn(chunk.shape, generator=gen, device=device,
                                             dtype=torch.float32).mul_(std))
@@ -175,7 +175,7 @@ def _fill_from(params, tensors, cfg: ModelConfig, source: str, should_stop,
     with torch.no_grad():
         for name, t in tensors:
             if should_stop():
-                raise LoadStopped()
+                raise LoadStopped(f"{len(params) - len(missing)} of {len(params)} weight tensors filled")
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:

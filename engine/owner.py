@@ -16,7 +16,7 @@ import gc
 import logging
 import time
 import types
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -186,7 +186,7 @@ class DeviceOwner:
             torch.cuda.empty_cache()
             empty_host_cache()
 
-    def close(self, on_release: Callable[[str], None] | None = None) -> list[str]:
+    def close(self) -> list[str]:
         """Synchronize the device, release everything in reverse order of creation, collect.
 
         Returns the names in the order released. Safe to call twice.
@@ -197,8 +197,6 @@ class DeviceOwner:
         for name in reversed(list(self._resources)):
             self.release(name)
             order.append(name)
-            if on_release is not None:
-                on_release(name)
         self.closed = True
         self.empty_device_cache()
         return order

@@ -20,7 +20,7 @@ class Request:
         "request_id", "params", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_ids", "status", "arrival", "finish_reason", "reason", "detok", "spec_token_ids",
         "num_preemptions", "first_token_time", "logprobs",
-        "spec_proposed", "spec_accepted", "stop_ids", "sampling_row",
+        "stop_ids", "sampling_row",
         "num_sealed_blocks", "block_hashes", "hash_root", "cache_epoch", "first_scheduled",
     )
 
@@ -45,8 +45,6 @@ class Request:
         self.first_token_time: Optional[float] = None
         self.first_scheduled: Optional[float] = None  # monotonic time it was first scheduled
         self.logprobs: list[float] = []
-        self.spec_proposed = 0
-        self.spec_accepted = 0
         self.stop_ids = frozenset(params.stop_token_ids)
         # (temperature, top_k, top_p) as the sampler's tensors take them; set by the runner
         # when the request is admitted (ModelRunner.admit)

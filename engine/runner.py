@@ -94,7 +94,8 @@ class ModelRunner:
         model = self._owner.adopt(R.WEIGHTS, create_model(cfg, self.device, self.dtype))
         try:
             fill_model(model, tensors, self.config.seed, self.config.model, should_stop)
-        except LoadStopped:
+        except LoadStopped as stopped:
+            log.warning("loading stopped: %s", stopped)
             return
         del model
         if should_stop():

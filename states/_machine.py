@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Callable, Iterable, Mapping, Optional
 
-from transitions import Machine, MachineError
+from transitions import Machine
 
 from ._table import LIVE_STATES, TRANSITIONS, State, allowed_triggers
 
@@ -63,7 +63,6 @@ class Lifecycle:
         self._since = time.perf_counter()
         self._listeners: list[Callable[[State, State], None]] = []
         self._in_flight: Optional[Callable[[], Mapping[str, int]]] = None
-        self.history: list[tuple[State, float]] = [(State.INIT, time.time())]
 
     @property
     def state(self) -> State:
@@ -85,10 +84,7 @@ class Lifecycle:
         if not self.may(trigger):
             raise InvalidTransitionError(before, trigger, self.allowed())
         in_flight = self._read_in_flight()  # what the state being left had in flight
-        try:
-            self._model.trigger(trigger)
-        except MachineError as exc:  # pragma: no cover - guarded by may() above
-            raise InvalidTransitionError(before, trigger, self.allowed()) from exc
+        self._model.trigger(trigger)  # may() checked the table: transitions cannot refuse it
         now = time.perf_counter()
         after = now - self._since
         flight = "; " + ", ".join(f"{v} {k}" for k, v in in_flight.items()) if in_flight else ""
@@ -97,7 +93,6 @@ class Lifecycle:
                  extra={"lifecycle": self._name, "previous": before.value, "state": self.state.value,
                         "trigger": trigger, "after_s": round(after, 6), **in_flight})
         self._since = now
-        self.history.append((self.state, time.time()))
         for listener in list(self._listeners):
             listener(before, self.state)
         return self.state
