@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "AsyncEngine": ".async_engine",
-    "EngineStats": ".async_engine",
+    "EngineStats": ".stats",
     "Health": ".interface",
     "Engine": ".interface",
     "RequestStream": ".request_stream",
@@ -30,8 +30,9 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from .async_engine import AsyncEngine, EngineStats
+    from .async_engine import AsyncEngine
     from .request_stream import RequestStream
+    from .stats import EngineStats
     from .interface import Engine, Health
     from .config import EngineConfig
     from .errors import (BadRequestError, CheckpointError, EngineDeadError, EngineDrainingError,

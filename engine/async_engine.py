@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Callable, NamedTuple, Optional
+from typing import AsyncIterator, Callable, Optional
 
 import anyio
 from anyio import to_thread
@@ -33,28 +33,12 @@ from .request_stream import Sink
 from .runner import ModelRunner
 from .sleep import SleepAPI, SleepController
 from .intake import STEPPING, InboxItem, IntakeAPI
+from .stats import EngineStats, engine_stats, health_figures
 
 log = logging.getLogger("enginecore.engine")
 
 
 
-
-
-class EngineStats(NamedTuple):
-    state: State
-    steps: int
-    prompt_tokens: int
-    generation_tokens: int
-    finished: dict
-    preemptions: int
-    spec_proposed: int
-    spec_accepted: int
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int  # of those, tokens whose K/V came from the cache
-    running: int
-    waiting: int
-    kv_usage: float
-    uptime_s: float
 
 
 class AsyncEngine(IntakeAPI, SleepAPI):
@@ -82,6 +66,7 @@ class AsyncEngine(IntakeAPI, SleepAPI):
         self._listeners: list[Callable[[State, State], None]] = []
         self.lifecycle.on_change(self._notify)
         self._sleep = SleepController(self)
+        self.lifecycle.describe_in_flight(self._in_flight)  # for the transition's log line
 
     # -- opening and closing ------------------------------------------------------------------
     @classmethod
@@ -231,21 +216,19 @@ class AsyncEngine(IntakeAPI, SleepAPI):
     def health_nowait(self) -> Health:
         st = self.lifecycle.state
         core = self.core if st in STEPPING else None
+        h = self._in_flight()
         return Health(state=st, live=self.lifecycle.live, ready=st is State.SERVING,
-                      running=core.num_running if core else 0,
-                      waiting=max(0, len(self._sinks) - (core.num_running if core else 0)),
-                      kv_usage=core.kv_usage if core else 0.0)
+                      running=h["running"], waiting=h["waiting"],
+                      kv_usage=core.kv_usage if core else 0.0, **health_figures(self.core))
+
+    def _in_flight(self) -> dict[str, int]:
+        core = self.core if self.lifecycle.state in STEPPING else None
+        running = core.num_running if core else 0
+        return {"running": running, "waiting": max(0, len(self._sinks) - running)}
 
     def statistics(self) -> EngineStats:
-        core = self.core
-        cs = core.statistics() if core else None
-        h = self.health_nowait()
-        return EngineStats(
-            self.lifecycle.state, cs.steps if cs else 0, cs.prompt_tokens if cs else 0,
-            cs.generation_tokens if cs else 0, cs.finished if cs else {}, cs.preemptions if cs else 0,
-            cs.spec_proposed if cs else 0, cs.spec_accepted if cs else 0,
-            cs.prefix_cache_queries if cs else 0, cs.prefix_cache_hits if cs else 0, h.running, h.waiting,
-            h.kv_usage, time.monotonic() - self._started)
+        return engine_stats(self.lifecycle.state, self.core, self.health_nowait(),
+                            time.monotonic() - self._started)
 
     def _require_accepting(self) -> None:
         if self.lifecycle.state is not State.SERVING:

@@ -19,6 +19,7 @@ from .runner import ModelRunner
 from .sampler import StepResult
 from .scheduler import Scheduler
 from .speculative.base import SpecStats
+from .stats import EngineTimings
 
 
 class CoreStats(NamedTuple):
@@ -51,6 +52,7 @@ class EngineCore:
         # here so that the figures outlive the speculator, which the release drops
         spec = runner.speculator
         self._spec = spec.stats_ if spec is not None else SpecStats()
+        self.timings = EngineTimings()
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -96,14 +98,17 @@ class EngineCore:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         if self.runner.speculator is not None:
             self.runner.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        self.timings.scheduled(batch)
         result = self.runner.execute(batch)
         outputs = self._update(batch, result)
         self._steps += 1
+        self.timings.step_time.observe(time.perf_counter() - t0)
         if self.check_integrity:
             self.scheduler.check_integrity()
         return outputs

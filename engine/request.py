@@ -21,7 +21,7 @@ class Request:
         "block_ids", "status", "arrival", "finish_reason", "reason", "detok", "spec_token_ids",
         "num_preemptions", "first_token_time", "logprobs",
         "stop_ids", "sampling_row",
-        "num_sealed_blocks", "block_hashes", "hash_root", "cache_epoch",
+        "num_sealed_blocks", "block_hashes", "hash_root", "cache_epoch", "first_scheduled",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
@@ -43,6 +43,7 @@ class Request:
         self.spec_token_ids: list[int] = []  # proposed draft tokens for this step
         self.num_preemptions = 0
         self.first_token_time: Optional[float] = None
+        self.first_scheduled: Optional[float] = None  # monotonic time it was first scheduled
         self.logprobs: list[float] = []
         self.stop_ids = frozenset(params.stop_token_ids)
         # (temperature, top_k, top_p) as the sampler's tensors take them; set by the runner

@@ -83,7 +83,7 @@ class ModelRunner:
             raise
 
     def _load(self, should_stop) -> None:
-        cfg, tensors, tok = resolve_source(self.config.model)
+        cfg, tensors, tok = resolve_source(self.config.model, self.config.revision)
         self.model_config, self.tokenizer = cfg, tok
         tok.max_token_chars  # computed once here, on the loading thread (admission reads it)
         self.max_model_len = min(self.config.max_model_len or _MAX_CONTEXT_DEFAULT,
@@ -257,8 +257,9 @@ class ModelRunner:
             raise BadRequestError(
                 "the weights were discarded (sleep level 2) and came from "
                 "update_weights_from_tensors: load them again with update_weights* first")
-        cfg, tensors, _tok = resolve_source(self.weights_source)
-        check_architecture(self.model_config, cfg, self.weights_source)
+        src = self.weights_source
+        cfg, tensors, _tok = resolve_source(src, self.config.revision if src == self.config.model else None)
+        check_architecture(self.model_config, cfg, src)
         model = self._owner.adopt(R.WEIGHTS, create_model(self.model_config, self.device, self.dtype))
         fill_model(model, tensors, self.config.seed, self.weights_source)
 
