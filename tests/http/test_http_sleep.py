@@ -54,7 +54,7 @@ async def test_asleep_requests_get_503_retry_after_and_health_says_sleeping(via)
         assert (await c.get("/ready")).status_code == 503
         metrics = (await c.get("/metrics")).text
         assert 'enginecore_requests_rejected_total{reason="sleeping"} 2.0' in metrics
-        assert 'enginecore_engine_state{enginecore_engine_state="sleeping"} 1.0' in metrics
+        assert 'enginecore_engine_state{state="sleeping"} 1.0' in metrics
         r = await c.post("/sleep")  # already asleep
         assert r.status_code == 409 and "SLEEPING" in r.json()["error"]["message"]
         r = await c.post("/wake_up?tags=weights")
