@@ -80,7 +80,12 @@ async def bench_model(args, model: str) -> dict[str, Any]:
     prompts = [[(31 * i + 7 * j) % 250 + 1 for j in range(args.prompt_len)] for i in range(args.batch)]
     res: dict[str, Any] = {"model": model, "memory_before": _mem(device)}
     async with AsyncEngine.open(cfg) as eng:
-        ref, _ = await _greedy(eng, prompts, args.max_tokens)  # warm-up: graphs captured
+        await _greedy(eng, prompts, args.max_tokens)  # warm-up: graphs captured
+        ref, _ = await _greedy(eng, prompts, args.max_tokens)
+        again, _ = await _greedy(eng, prompts, args.max_tokens)
+        # without a sleep: are two runs of the same requests identical here at all? (random
+        # weights give near-flat logits; any change of kernel or batch shape may flip a token)
+        res["deterministic_without_sleep"] = again == ref
         _, res["ttft_warm_s"] = await _greedy(eng, prompts[:1], 4)
         res["memory_serving"] = _mem(device)
         res["levels"] = {}
@@ -154,6 +159,7 @@ def report(res: dict[str, Any], device) -> None:
                   f"{mib(asleep['pinned'])} MiB; kept {mib(row['host_bytes_kept'])} MiB")
         print(f"  rss asleep {mib(asleep['rss'])} MiB; outputs identical after wake: "
               f"{row['outputs_identical']}")
+    print(f"two runs without a sleep identical: {res['deterministic_without_sleep']}")
     cyc = res["cycles"]
     k = _key(device)
     if cyc["n"]:
