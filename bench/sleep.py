@@ -80,8 +80,14 @@ async def bench_model(args, model: str) -> dict[str, Any]:
     prompts = [[(31 * i + 7 * j) % 250 + 1 for j in range(args.prompt_len)] for i in range(args.batch)]
     res: dict[str, Any] = {"model": model, "memory_before": _mem(device)}
     async with AsyncEngine.open(cfg) as eng:
+        # Compared runs all start from an empty prefix cache (a wake empties it): a prompt served
+        # from the cache takes another attention path, and random weights' near-flat logits
+        # flip a token on any such difference.
+        cold = eng.core.blocks.reset_prefix_cache
         await _greedy(eng, prompts, args.max_tokens)  # warm-up: graphs captured
+        cold()
         ref, _ = await _greedy(eng, prompts, args.max_tokens)
+        cold()
         again, _ = await _greedy(eng, prompts, args.max_tokens)
         # without a sleep: are two runs of the same requests identical here at all? (random
         # weights give near-flat logits; any change of kernel or batch shape may flip a token)
@@ -103,6 +109,7 @@ async def bench_model(args, model: str) -> dict[str, Any]:
             row["wake_parts"] = dict(eng.runner.sleep_timings)
             _, row["ttft_first_after_wake_s"] = await _greedy(eng, prompts[:1], 4)
             row["memory_awake"] = _mem(device)
+            cold()
             got, _ = await _greedy(eng, prompts, args.max_tokens)
             row["outputs_identical"] = got == ref
             res["levels"][level] = row
@@ -114,6 +121,7 @@ async def bench_model(args, model: str) -> dict[str, Any]:
             await eng.wake_up()
             cycles.append({"asleep": asleep, "awake": _mem(device)})
         res["cycles_s"] = now() - t
+        cold()
         got, _ = await _greedy(eng, prompts, args.max_tokens)
         res["outputs_identical_after_cycles"] = got == ref
     res["memory_after_shutdown"] = _mem(device)

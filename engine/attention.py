@@ -6,7 +6,7 @@ the next chunk of a long prompt) are batched: :func:`context_groups` packs them,
 into a few padded groups (query rows, K/V slots, mask), each one gather and one SDPA call per
 layer -- per-sequence calls cost ~20 kernel launches a sequence a layer, which made prefills after
 a prefix-cache hit host-bound (measured on the H200: ~6k tok/s against ~40k without context).
-Single-token decodes are batched: on CUDA with Triton by the paged decode kernel in
+Chunks longer than :data:`MAX_BATCHED_QUERIES` stay per sequence. Single-token decodes are batched: on CUDA with Triton by the paged decode kernel in
 :mod:`.triton_attention` (reads K/V blocks through the block table; graph safe), elsewhere with
 a padded gather of their blocks.
 """
@@ -54,6 +54,10 @@ class AttentionMetadata:
 
 #: a group's padded queries stay within this factor of its real ones (plus a little slack)
 _PAD_FACTOR, _PAD_SLACK = 2, 64
+#: chunks of at most this many queries are batched; a longer one's per-sequence calls are few
+#: against its work (batching those too made chunked long prompts slower on the H200: padding,
+#: and scores materialized for the whole group)
+MAX_BATCHED_QUERIES = 256
 
 
 def context_groups(chunks: list[tuple[int, int, int, list[int]]], block_size: int,
@@ -82,7 +86,8 @@ def context_groups(chunks: list[tuple[int, int, int, list[int]]], block_size: in
         q_rows = row0[:, None] + torch.minimum(i[None, :], n[:, None] - 1)
         p = torch.arange(c_max)
         kv_slots = table[:, p // block_size] * block_size + p % block_size
-        kv_slots = kv_slots.masked_fill_(p[None, :] >= ctx[:, None], 0)
+        # padding keys read the chunk's own first slot: computed, finite, and masked out
+        kv_slots = torch.where(p[None, :] < ctx[:, None], kv_slots, kv_slots[:, :1])
         # query i sits at position ctx - n + i and sees keys 0..that position (padding queries:
         # the last real one's, so that no row is all masked)
         qpos = torch.minimum((ctx - n)[:, None] + i[None, :], ctx[:, None] - 1)

@@ -8,7 +8,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from .attention import AttentionMetadata, PrefillSeq, context_groups
+from .attention import MAX_BATCHED_QUERIES, AttentionMetadata, PrefillSeq, context_groups
 from .kv_cache import blocks_needed
 
 # (tokens to compute, position of the first one, the sequence's KV block ids, as decode rows?)
@@ -45,7 +45,7 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
                 dec_rows.append(row0 + j)
                 dec_tables.append(blocks)
                 dec_lens.append(start + j + 1)
-        elif start > 0:  # continues earlier context: batched with the others like it
+        elif 0 < start and m <= MAX_BATCHED_QUERIES:  # short, after context: batched
             with_context.append((row0, m, start + m, blocks))
         else:
             prefills.append(PrefillSeq(row0, row0 + m, start + m, torch.tensor(
