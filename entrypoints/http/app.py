@@ -28,6 +28,7 @@ from states import State
 
 from engine.interface import Engine
 from . import protocol as P
+from ..malloc import Trimmer
 from .context import Frontend
 from .errors import error_response, install_handlers, validation_error
 from .guards import BodyGuard, InFlightGuard
@@ -73,7 +74,7 @@ def create_app(engine: Engine, *, model_name: Union[str, Sequence[str], None] = 
 
     # The last added is the outermost: the in-flight limit answers before the body is read.
     app.add_middleware(BodyGuard, max_body_bytes=limits.max_body_bytes,
-                       body_timeout=limits.body_timeout, on_reject=rejected)
+                       body_timeout=limits.body_timeout, on_reject=rejected, after_large=Trimmer())
     app.add_middleware(InFlightGuard, limit=limits.max_requests_in_flight, on_reject=rejected)
 
     @app.get("/v1/models")

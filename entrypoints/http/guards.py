@@ -61,10 +61,15 @@ def _content_length(scope) -> tuple[bool, Optional[int]]:
     return True, None
 
 
+#: a body at least this large makes the guard call ``after_large`` when its request is done
+LARGE_BODY_BYTES = 1 << 20
+
+
 class BodyGuard:
     def __init__(self, app, max_body_bytes: int, body_timeout: float,
-                 on_reject: Reject = None) -> None:
+                 on_reject: Reject = None, after_large=None) -> None:
         self.app = app
+        self.after_large = after_large  # called when a request with a large body is done
         self.max = max_body_bytes
         self.timeout = body_timeout
         self.on_reject = on_reject
@@ -118,6 +123,8 @@ class BodyGuard:
             await self.app(scope, _replay(body, receive), send)
         finally:
             self.buffered -= held
+            if held >= LARGE_BODY_BYTES and self.after_large is not None:
+                self.after_large()
 
     def _too_large(self) -> str:
         return f"request body too large: the limit is {self.max} bytes"
