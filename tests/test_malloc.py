@@ -43,3 +43,12 @@ def test_only_entry_points_call_it():
                      for p in (ROOT / pkg).rglob("*.py")
                      if "tune_malloc(" in p.read_text() and p.name != "malloc.py")
     assert callers == ["entrypoints/cli.py"]
+
+
+def test_trimmer_gives_memory_back_at_most_once_per_interval():
+    from entrypoints.malloc import Trimmer
+
+    t = Trimmer(min_interval=3600)
+    on_glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert t() is on_glibc
+    assert t() is False  # within the interval: no second trim
