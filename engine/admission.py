@@ -50,7 +50,12 @@ class Admission:
         if not isinstance(params, SamplingParams):
             raise BadRequestError("params must be SamplingParams")
         params.validate()
-        params.check_vocab(self.runner.model_config.vocab_size)
+        params.check_vocab(self.runner.model_config.vocab_size, self.runner.config.max_logprobs)
+        if self.runner.speculator is not None and (
+                params.presence_penalty or params.frequency_penalty
+                or params.repetition_penalty != 1.0):
+            raise BadRequestError("invalid sampling params: presence, frequency and repetition "
+                                  "penalties are not supported with speculative decoding")
         if isinstance(prompt, str):
             limit = self.max_prompt_chars
             if len(prompt) > limit:

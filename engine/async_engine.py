@@ -310,7 +310,7 @@ class AsyncEngine(SleepAPI):
         if tok is None or self.runner.model_config is None:
             return TokenizerInfo()
         return TokenizerInfo(tok.chat_template, tok.bos_token, tok.eos_token,
-                             self.runner.model_config.vocab_size)
+                             self.runner.model_config.vocab_size, self.config.max_logprobs)
 
     def on_state_change(self, listener: Callable[[State, State], None]) -> None:
         self._listeners.append(listener)

@@ -50,6 +50,7 @@ class TokenizerInfo(NamedTuple):
     bos_token: Optional[str] = None
     eos_token: Optional[str] = None
     vocab_size: int = 0
+    max_logprobs: int = 20  #: the most top logprobs a request may ask for per token
 
 
 def unavailable_error(state: State, call: str, death: Optional[BaseException] = None,

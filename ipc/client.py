@@ -129,7 +129,8 @@ class EngineClient(ClientChannel):
 
     def tokenizer_info(self) -> TokenizerInfo:
         w = self.welcome
-        return TokenizerInfo(w.chat_template, w.bos_token, w.eos_token, w.vocab_size)
+        return TokenizerInfo(w.chat_template, w.bos_token, w.eos_token, w.vocab_size,
+                             20 if w.max_logprobs is None else w.max_logprobs)
 
     def on_state_change(self, listener: Callable[[State, State], None]) -> None:
         """Call ``listener(old, new)`` on every state change heard from the engine (and

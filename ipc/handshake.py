@@ -66,7 +66,8 @@ def describe_model(engine: Engine) -> dict:
     tok = engine.tokenizer_info()
     info: dict = {"model": str(engine.model)[:MAX_NAME_LEN],
                   "max_model_len": max(0, int(engine.max_model_len)),
-                  "vocab_size": max(0, int(tok.vocab_size))}
+                  "vocab_size": max(0, int(tok.vocab_size)),
+                  "max_logprobs": max(0, int(tok.max_logprobs))}
     if tok.chat_template is not None:
         if len(tok.chat_template) <= MAX_CHAT_TEMPLATE_LEN:
             info["chat_template"] = tok.chat_template

@@ -233,6 +233,7 @@ class Welcome(_Message, tag="Welcome"):
     eos_token: Optional[Annotated[str, Meta(max_length=MAX_NAME_LEN)]] = None
     max_model_len: Count = 0
     vocab_size: Count = 0
+    max_logprobs: Optional[Count] = None  # appended; None: an older engine (20)
 
 
 class Outputs(_Message, tag="Outputs"):
