@@ -100,6 +100,21 @@ class Admission:
     async def tokenize(self, text: str) -> list[int]:
         return await to_thread.run_sync(self.runner.tokenizer.encode, text, limiter=self._limiter)
 
+    async def tokenize_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        """For the engine's ``tokenize`` call: bounded like a prompt."""
+        if not isinstance(text, str) or len(text) > self.max_prompt_chars:
+            raise BadRequestError(f"text must be a string of at most {self.max_prompt_chars} characters")
+        return await to_thread.run_sync(self.runner.tokenizer.encode, text, bool(add_special_tokens),
+                                        limiter=self._limiter)
+
+    async def detokenize(self, ids: list[int], each: bool) -> list[str]:
+        tok, vocab = self.runner.tokenizer, self.runner.model_config.vocab_size
+        if not isinstance(ids, list) or any(type(t) is not int or not (0 <= t < vocab) for t in ids):
+            raise BadRequestError(f"token ids must be integers in [0, {vocab})")
+        if each:
+            return [tok.token_bytes(t).decode("utf-8", errors="replace") for t in ids]
+        return [await to_thread.run_sync(tok.decode, ids, limiter=self._limiter)]
+
     # -- accounting -----------------------------------------------------------------------------
     def accepted(self, request_id: str, num_tokens: int) -> None:
         self._tokens[request_id] = num_tokens

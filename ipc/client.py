@@ -40,7 +40,8 @@ from states import State
 
 from .channel import ClientChannel, ConnState
 from .handshake import client_handshake
-from .messages import MAX_REQUEST_ID_LEN, Abort, Drain, Health, HealthRequest, Shutdown
+from .messages import (MAX_REQUEST_ID_LEN, Abort, Detokenize, Drain, Health, HealthRequest,
+                       Shutdown, Tokenize)
 from .requests import join_outputs
 from .streams import RemoteStream
 from .transport import connect as open_stream
@@ -198,6 +199,18 @@ class EngineClient(ClientChannel):
     async def shutdown(self) -> None:
         """``drain(0)``: abort everything in flight (terminal pieces are delivered), shut down."""
         await self._call("shutdown", lambda cid: Shutdown(call_id=cid))
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids, from the engine's tokenizer."""
+        msg = await self._call("tokenize", lambda cid: Tokenize(
+            call_id=cid, text=text, add_special_tokens=bool(add_special_tokens)))
+        return list(msg.ids)
+
+    async def detokenize(self, ids: list[int], each: bool = False) -> list[str]:
+        """``[the text of ids]``, or with ``each`` one string per token."""
+        msg = await self._call("detokenize", lambda cid: Detokenize(call_id=cid, ids=list(ids),
+                                                                     each=bool(each)))
+        return list(msg.texts)
 
     async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` with the model's chat template, client-side (the template came

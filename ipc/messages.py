@@ -37,11 +37,16 @@ Each message is one frame::
   an integer. ``SamplingParams`` and ``RequestOutput`` (engine/params.py) are nested maps with
   their field names as keys and no ``"t"`` key: SamplingParams {max_tokens: int = 16,
   temperature: float = 0.0 (greedy), top_k: int = 0, top_p: float = 1.0, seed: int | nil,
-  stop: [str], stop_token_ids: [int], ignore_eos: bool, logprobs: bool, min_tokens: int = 0}
-  (unknown keys rejected); RequestOutput {request_id: str, token_ids: [int] (new tokens),
-  text: str (new text), num_prompt_tokens: int, num_output_tokens: int (cumulative), finished:
-  bool, finish_reason: "stop" | "length" | "abort" | "error" | nil, reason: str | nil,
-  logprobs: [float] | nil}.
+  stop: [str], stop_token_ids: [int], ignore_eos: bool, logprobs: bool, min_tokens: int = 0,
+  top_logprobs: int = 0, prompt_logprobs: int | nil, echo: bool, presence_penalty: float = 0,
+  frequency_penalty: float = 0, repetition_penalty: float = 1, min_p: float = 0, logit_bias:
+  {int: float}, allowed_token_ids: [int]} (unknown keys rejected); RequestOutput {request_id:
+  str, token_ids: [int] (new tokens), text: str (new text), num_prompt_tokens: int,
+  num_output_tokens: int (cumulative), finished: bool, finish_reason: "stop" | "length" |
+  "abort" | "error" | nil, reason: str | nil, logprobs: [float] | nil, token_logprobs:
+  [TokenLogprob] | nil, prompt_logprobs: [TokenLogprob] | nil, prompt_text: str | nil}; a
+  TokenLogprob is an array [token_id, token (bytes), logprob | nil, rank | nil, top_ids,
+  top_logprobs, top_tokens]. Fields after min_tokens / logprobs were appended (defaults).
 * Example: ``Hello(protocol_version=1, client_name="cli")`` is the header ``00 00 00 2b``
   (43) followed by the 43-byte body ``{"t": "Hello", "protocol_version": 1, "client_name":
   "cli"}``: ``83 a1 74 a5 48 65 6c 6c 6f b0 70 72 6f 74 6f 63 6f 6c 5f 76 65 72 73 69 6f 6e 01
@@ -60,7 +65,8 @@ Handshake
    ``Error(kind=AUTH, fatal=True, retry_after=...)`` at once without a check. ``Hello``, ``Welcome`` and ``Error`` keep their layout
    in every protocol version, so a version mismatch is always reported as ``VERSION``.
    Besides the engine's state and frame limit, ``Welcome`` describes the model (``model``,
-   ``chat_template``, ``bos_token``, ``eos_token``, ``max_model_len``, ``vocab_size``), so a
+   ``chat_template``, ``bos_token``, ``eos_token``, ``max_model_len``, ``vocab_size``,
+   ``max_logprobs``), so a
    client can render chat prompts and check token ids without asking.
 
 Message flow (after the handshake)
@@ -91,6 +97,8 @@ Client -> engine:
   aborts the rest, and shuts the engine down (``StateChanged(shutdown)``). The Ack comes then,
   after which the engine closes every connection.
 * :class:`Shutdown` is ``Drain(timeout=0)``: running requests end with ``"abort"`` at once.
+* :class:`Tokenize` / :class:`Detokenize` ask the engine's tokenizer; the answer is
+  :class:`Tokens` (``ids`` / ``texts``) with their ``call_id``, or an ``Error`` with it.
 
 Correlation: ``Abort``, ``HealthRequest``, ``Drain`` and ``Shutdown`` take an optional
 ``call_id`` (client-chosen integer). With it, the engine answers with a message carrying the same
@@ -194,6 +202,20 @@ class Abort(_Message, tag="Abort"):
     reason: Optional[Annotated[str, Meta(max_length=MAX_NAME_LEN)]] = None
 
 
+class Tokenize(_Message, tag="Tokenize"):
+    """Ask for ``text``'s token ids (answered by :class:`Tokens`)."""
+    call_id: CallId
+    text: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)]
+    add_special_tokens: bool = True
+
+
+class Detokenize(_Message, tag="Detokenize"):
+    """Ask for the text of ``ids`` (``each``: one string per token)."""
+    call_id: CallId
+    ids: Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKENS)]
+    each: bool = False
+
+
 class HealthRequest(_Message, tag="HealthRequest"):
     """Ask for a :class:`Health` snapshot."""
 
@@ -268,6 +290,13 @@ class StateChanged(_Message, tag="StateChanged"):
     previous: Optional[State] = None
 
 
+class Tokens(_Message, tag="Tokens"):
+    """The answer to a Tokenize (``ids``) or a Detokenize (``texts``)."""
+    call_id: CallId
+    ids: Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKENS)] = []
+    texts: Annotated[list[str], Meta(max_length=MAX_PROMPT_TOKENS)] = []
+
+
 class Ack(_Message, tag="Ack"):
     """Completion of an Abort/Drain/Shutdown that carried a ``call_id``."""
 
@@ -276,12 +305,12 @@ class Ack(_Message, tag="Ack"):
     state: Optional[State] = None
 
 
-ClientMessage = Union[Hello, Generate, Abort, HealthRequest, Drain, Shutdown]
-EngineMessage = Union[Welcome, Outputs, Health, Error, StateChanged, Ack]
+ClientMessage = Union[Hello, Generate, Abort, HealthRequest, Drain, Shutdown, Tokenize, Detokenize]
+EngineMessage = Union[Welcome, Outputs, Health, Error, StateChanged, Ack, Tokens]
 Message = Union[ClientMessage, EngineMessage]
 
-CLIENT_MESSAGES: tuple[type, ...] = (Hello, Generate, Abort, HealthRequest, Drain, Shutdown)
-ENGINE_MESSAGES: tuple[type, ...] = (Welcome, Outputs, Health, Error, StateChanged, Ack)
+CLIENT_MESSAGES: tuple[type, ...] = (Hello, Generate, Abort, HealthRequest, Drain, Shutdown, Tokenize, Detokenize)
+ENGINE_MESSAGES: tuple[type, ...] = (Welcome, Outputs, Health, Error, StateChanged, Ack, Tokens)
 ALL_MESSAGES: tuple[type, ...] = CLIENT_MESSAGES + ENGINE_MESSAGES
 
 #: Kinds after which the engine closes the connection.
@@ -363,6 +392,7 @@ __all__ = [
     "PROTOCOL_VERSION", "DEFAULT_MAX_FRAME", "HANDSHAKE_MAX_FRAME", "ErrorKind", "FATAL_KINDS",
     "Hello", "Generate", "Abort", "HealthRequest", "Drain", "Shutdown",
     "Welcome", "Outputs", "Health", "Error", "StateChanged", "Ack",
+    "Tokenize", "Detokenize", "Tokens",
     "ClientMessage", "EngineMessage", "Message",
     "CLIENT_MESSAGES", "ENGINE_MESSAGES", "ALL_MESSAGES",
     "SamplingParams", "RequestOutput", "State",

@@ -45,7 +45,8 @@ from .errors import ConnectionClosed, ProtocolError
 from .framing import FrameCodec, FrameReader
 from .handshake import describe_model, hello_error
 from .messages import (DEFAULT_MAX_FRAME, HANDSHAKE_MAX_FRAME, PROTOCOL_VERSION, Abort, Ack, ClientMessage, Drain, Error, ErrorKind,
-                       Generate, HealthRequest, Shutdown, StateChanged, Welcome, error_to_message)
+                       Generate, HealthRequest, Shutdown, StateChanged, Welcome, error_to_message,
+                       Detokenize, Tokenize, Tokens)
 from .transport import (check_token, listener_address, open_listener, parse_address, peer_of,
                         remove_socket, socket_inode)
 
@@ -314,6 +315,11 @@ class IPCServer:
             self._call(conn, msg.call_id, self.engine.drain, msg.timeout)
         elif t is Shutdown:
             self._call(conn, msg.call_id, self.engine.shutdown)
+        elif t is Tokenize:
+            self._tokens(conn, msg.call_id, "ids", self.engine.tokenize, msg.text,
+                         msg.add_special_tokens)
+        elif t is Detokenize:
+            self._tokens(conn, msg.call_id, "texts", self.engine.detokenize, msg.ids, msg.each)
         else:  # a second Hello
             conn.fail(ProtocolError(f"unexpected {t.__name__} after the handshake"))
 
@@ -335,6 +341,15 @@ class IPCServer:
         except Exception as exc:  # refusals (draining, overloaded: retryable, with retry_after)
             conn.inflight.pop(rid, None)
             conn.push(error_to_message(exc, request_id=rid, fatal=False))
+
+    def _tokens(self, conn: Connection, call_id: int, field: str, fn, *args: Any) -> None:
+        """Answer a Tokenize/Detokenize with a Tokens (the engine works on a worker thread)."""
+        async def run() -> None:
+            try:
+                conn.push(Tokens(call_id=call_id, **{field: await fn(*args)}))
+            except Exception as exc:
+                conn.push(error_to_message(exc, call_id=call_id, fatal=False))
+        self._tg.start_soon(run)
 
     def _call(self, conn: Connection, call_id: Optional[int], fn, *args: Any) -> None:
         """Run a long engine call (drain/shutdown) without blocking the connection's reader."""

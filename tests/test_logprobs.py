@@ -166,3 +166,24 @@ def test_bounds_are_checked_before_anything_is_queued():
                     eng.generate([1, 2, 3], SamplingParams(**kw))
             assert len(await _run(eng, [1, 2, 3], max_tokens=2)) >= 1
     anyio.run(main)
+
+
+def test_logprobs_are_the_same_with_speculative_decoding():
+    """Accepted draft tokens get the logprobs (and top-k, prompt logprobs) a plain step gives."""
+    prompt = [5, 6, 7, 8] * 6
+
+    async def run(**kw):
+        cfg = EngineConfig(model="random:tiny-llama", device="cpu", **kw)
+        async with AsyncEngine.open(cfg) as eng:
+            outs = await _run(eng, prompt, max_tokens=24, ignore_eos=True, logprobs=True,
+                              top_logprobs=3, prompt_logprobs=2)
+            return outs, eng.statistics()
+
+    plain, _ = anyio.run(run)
+    spec, st = anyio.run(lambda: run(speculator="ngram", num_speculative_tokens=4))
+    assert st.spec_accepted > 0  # drafts were accepted, several tokens a step
+    for field in ("token_logprobs", "prompt_logprobs"):
+        a = [e for o in plain for e in (getattr(o, field) or [])]
+        b = [e for o in spec for e in (getattr(o, field) or [])]
+        assert [(e.token_id, e.top_ids, e.rank) for e in a] == [(e.token_id, e.top_ids, e.rank) for e in b]
+        assert [e.logprob for e in a] == pytest.approx([e.logprob for e in b], abs=1e-4)

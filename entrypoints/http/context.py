@@ -23,6 +23,7 @@ from engine.errors import EngineDeadError, EngineError
 from engine.interface import Engine, Health, RequestStreamLike
 from engine.params import SamplingParams
 from . import protocol as P
+from .choices import now
 from .limits import HttpLimits
 from .metrics import Metrics
 
@@ -40,7 +41,7 @@ class Frontend:
         self.limits = limits
         self.model: str = model_name or engine.model
         self.metrics = Metrics()
-        self.created = P.now()
+        self.created = now()
         #: Set by the frontend process when its connection to the engine is gone for good.
         self.dead: Optional[str] = None
         #: True once the engine was seen FAILED (it moves on to SHUTDOWN after its release).
