@@ -58,7 +58,9 @@ class EngineCore:
         fails, nothing is added and the error is raised for this request alone."""
         req = Request(request_id, list(prompt_token_ids), params)
         try:
-            req.detok = IncrementalDetokenizer(self.tokenizer, req.token_ids, params.stop)
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.token_ids, params.stop,
+                                               params.skip_special_tokens,
+                                               params.include_stop_str_in_output)
             self.runner.admit(req)
         except Exception as exc:
             self.runner.forget(request_id)
@@ -132,10 +134,10 @@ class EngineCore:
 
     def _lp(self, e) -> TokenLogprob:
         """A TokenLogprob from an ``engine.logprobs`` entry (with the tokens' bytes)."""
-        tb = self.tokenizer.token_bytes
+        tb = self.tokenizer.byte_table  # ids come from the model: all inside the vocabulary
         tok, lp, rank, ids, lps = e
-        return TokenLogprob(token_id=tok, token=tb(tok), logprob=lp, rank=rank, top_ids=ids,
-                            top_logprobs=lps, top_tokens=[tb(t) for t in ids])
+        return TokenLogprob(token_id=tok, token=tb[tok], logprob=lp, rank=rank, top_ids=ids,
+                            top_logprobs=lps, top_tokens=[tb[t] for t in ids])
 
     def _first_output(self, req: Request, out: RequestOutput) -> None:
         """The prompt's logprobs and text go with a request's first output."""

@@ -3,7 +3,8 @@ every row that some request asks about -- its sampled (or accepted speculative) 
 prompt tokens of a request with ``prompt_logprobs`` whose prefill chunk ran this step.
 
 Logprobs are of the model's raw distribution (before temperature, penalties and biases), as
-vLLM returns by default. A row's entry is ``(token_id, logprob, rank, top_ids, top_logprobs)``.
+vLLM returns by default. A row's entry is ``(token_id, logprob, rank, top_ids, top_logprobs)``;
+the rank (1 = most likely) is computed for prompt tokens only (vLLM's ``prompt_logprobs`` show it).
 """
 
 from __future__ import annotations
@@ -32,24 +33,31 @@ def prompt_rows(batch: Sequence, row_starts: Sequence[int]) -> list[tuple[int, i
     return out
 
 
-def compute(logits: torch.Tensor, rows: list[int], tokens: list[int], ks: list[int]) -> list[Entry]:
-    """Entries for ``rows`` of ``logits`` [*, V] (fp32) and the tokens they produced."""
+def compute(logits: torch.Tensor, rows: list[int], tokens: list[int], ks: list[int],
+            ranked: int = 0) -> list[Entry]:
+    """Entries for ``rows`` of ``logits`` [*, V] (fp32) and the tokens they produced; ranks
+    for rows from ``ranked`` on (the others get rank 0: not computed).
+
+    The log-softmax is taken as ``logit - logsumexp``: one pass for the normalizer, one top-k
+    over the raw logits (the same order), no [N, V] tensor written."""
     if not rows:
         return []
     dev = logits.device
     sel = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, device=dev)]
-    lsm = sel.float().log_softmax(-1)
-    tok = torch.tensor(tokens, device=dev)
-    chosen = lsm.gather(1, tok[:, None])
-    rank = (lsm > chosen).sum(-1) + 1
-    k = min(max(ks), lsm.shape[1])
-    chosen_l, rank_l = chosen.squeeze(1).tolist(), rank.tolist()
+    sel = sel.float()
+    lse = sel.logsumexp(-1, keepdim=True)
+    raw = sel.gather(1, torch.tensor(tokens, device=dev)[:, None])
+    chosen_l = (raw - lse).squeeze(1).tolist()
+    rank_l = [0] * ranked
+    if ranked < len(rows):
+        rank_l += ((sel[ranked:] > raw[ranked:]).sum(-1) + 1).tolist()
+    k = min(max(ks), sel.shape[1])
     if k > 0:
-        vals, idx = lsm.topk(k, dim=-1)
-        vals_l, idx_l = vals.tolist(), idx.tolist()
+        vals, idx = sel.topk(k, dim=-1)
+        vals_l, idx_l = (vals - lse).tolist(), idx.tolist()
     else:
         vals_l = idx_l = [[] for _ in rows]
-    return [(tokens[m], chosen_l[m], rank_l[m], idx_l[m][:ks[m]], vals_l[m][:ks[m]])
+    return [(tokens[m], chosen_l[m], rank_l[m] or None, idx_l[m][:ks[m]], vals_l[m][:ks[m]])
             for m in range(len(rows))]
 
 
@@ -73,7 +81,7 @@ def for_step(batch, sample_rows, tokens, logits_all: torch.Tensor, plp) -> tuple
         toks.append(t)
         ks.append(batch[i][0].params.prompt_logprobs)
         owner.append(i)
-    entries = compute(logits_all, rows, toks, ks)
+    entries = compute(logits_all, rows, toks, ks, ranked=n_out)  # ranks: prompt logprobs only
     out: list[list[Entry]] = [[] for _ in batch]
     prompt: dict[int, list[Entry]] = {}
     for m, e in enumerate(entries):

@@ -62,6 +62,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     min_p: float = 0.0
     logit_bias: dict[int, float] = {}
     allowed_token_ids: list[int] = []
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def validate(self) -> "SamplingParams":
         """Raise :class:`BadRequestError` naming the first invalid field; return self."""
@@ -102,8 +104,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
         k = self.prompt_logprobs
         if k is not None and (not _is_int(k) or not (0 <= k <= MAX_LOGPROBS)):
             raise bad(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
-        if type(self.echo) is not bool:
-            raise bad("echo must be a boolean")
+        if any(type(v) is not bool for v in (self.echo, self.skip_special_tokens,
+                                             self.include_stop_str_in_output)):
+            raise bad("echo, skip_special_tokens and include_stop_str_in_output must be booleans")
         for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
                              ("repetition_penalty", 0.01, 100.0), ("min_p", 0.0, 1.0)):
             v = getattr(self, name)
@@ -175,7 +178,7 @@ class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
 
 class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One token's logprob (natural log, of the model's raw distribution), its bytes, its rank
-    (1 = most likely) and the ``top`` most likely tokens with theirs."""
+    (1 = most likely; prompt tokens only) and the ``top`` most likely tokens with theirs."""
 
     token_id: int
     token: bytes

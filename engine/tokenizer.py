@@ -99,10 +99,16 @@ class Tokenizer:
 
     def token_bytes(self, i: int) -> bytes:
         """The bytes token ``i`` stands for (its UTF-8 text may be a partial character)."""
+        table = self.byte_table
+        return table[i] if 0 <= i < len(table) else b""
+
+    @property
+    def byte_table(self) -> list[bytes]:
+        """Every token's bytes, by id (built once, on first use)."""
         table = self._token_bytes
         if table is None:
             table = self._token_bytes = _token_byte_table(self)
-        return table[i] if 0 <= i < len(table) else b""
+        return table
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` with the model's chat template (Jinja, sandboxed)."""

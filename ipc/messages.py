@@ -38,15 +38,15 @@ Each message is one frame::
   their field names as keys and no ``"t"`` key: SamplingParams {max_tokens: int = 16,
   temperature: float = 0.0 (greedy), top_k: int = 0, top_p: float = 1.0, seed: int | nil,
   stop: [str], stop_token_ids: [int], ignore_eos: bool, logprobs: bool, min_tokens: int = 0,
-  top_logprobs: int = 0, prompt_logprobs: int | nil, echo: bool, presence_penalty: float = 0,
-  frequency_penalty: float = 0, repetition_penalty: float = 1, min_p: float = 0, logit_bias:
-  {int: float}, allowed_token_ids: [int]} (unknown keys rejected); RequestOutput {request_id:
-  str, token_ids: [int] (new tokens), text: str (new text), num_prompt_tokens: int,
-  num_output_tokens: int (cumulative), finished: bool, finish_reason: "stop" | "length" |
-  "abort" | "error" | nil, reason: str | nil, logprobs: [float] | nil, token_logprobs:
-  [TokenLogprob] | nil, prompt_logprobs: [TokenLogprob] | nil, prompt_text: str | nil}; a
-  TokenLogprob is an array [token_id, token (bytes), logprob | nil, rank | nil, top_ids,
-  top_logprobs, top_tokens]. Fields after min_tokens / logprobs were appended (defaults).
+  top_logprobs: int = 0, prompt_logprobs: int | nil, echo: bool, presence_penalty, frequency_penalty:
+  float = 0, repetition_penalty: float = 1, min_p: float = 0, logit_bias: {int: float},
+  allowed_token_ids: [int], skip_special_tokens: bool = true, include_stop_str_in_output: bool}
+  (unknown keys rejected); RequestOutput {request_id: str, token_ids: [int] (new tokens), text:
+  str (new text), num_prompt_tokens: int, num_output_tokens: int (cumulative), finished: bool,
+  finish_reason: "stop" | "length" | "abort" | "error" | nil, reason: str | nil, logprobs:
+  [float] | nil, token_logprobs: [TokenLogprob] | nil, prompt_logprobs: [TokenLogprob] | nil,
+  prompt_text: str | nil}; a TokenLogprob: [token_id, token (bytes), logprob | nil, rank | nil,
+  top_ids, top_logprobs, top_tokens]. Fields after min_tokens / logprobs were appended later.
 * Example: ``Hello(protocol_version=1, client_name="cli")`` is the header ``00 00 00 2b``
   (43) followed by the 43-byte body ``{"t": "Hello", "protocol_version": 1, "client_name":
   "cli"}``: ``83 a1 74 a5 48 65 6c 6c 6f b0 70 72 6f 74 6f 63 6f 6c 5f 76 65 72 73 69 6f 6e 01
@@ -97,8 +97,8 @@ Client -> engine:
   aborts the rest, and shuts the engine down (``StateChanged(shutdown)``). The Ack comes then,
   after which the engine closes every connection.
 * :class:`Shutdown` is ``Drain(timeout=0)``: running requests end with ``"abort"`` at once.
-* :class:`Tokenize` / :class:`Detokenize` ask the engine's tokenizer; the answer is
-  :class:`Tokens` (``ids`` / ``texts``) with their ``call_id``, or an ``Error`` with it.
+* :class:`Tokenize` / :class:`Detokenize` ask the engine's tokenizer: :class:`Tokens` (``ids``
+  / ``texts``) or an ``Error`` answers, with their ``call_id``.
 
 Correlation: ``Abort``, ``HealthRequest``, ``Drain`` and ``Shutdown`` take an optional
 ``call_id`` (client-chosen integer). With it, the engine answers with a message carrying the same
@@ -291,7 +291,7 @@ class StateChanged(_Message, tag="StateChanged"):
 
 
 class Tokens(_Message, tag="Tokens"):
-    """The answer to a Tokenize (``ids``) or a Detokenize (``texts``)."""
+    """The answer to a Tokenize (``ids``) / a Detokenize (``texts``)."""
     call_id: CallId
     ids: Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKENS)] = []
     texts: Annotated[list[str], Meta(max_length=MAX_PROMPT_TOKENS)] = []

@@ -112,6 +112,8 @@ class _SamplingFields(_Body):
     repetition_penalty: Optional[_num(0.01, 100.0)] = None
     allowed_token_ids: Optional[Annotated[list[TokenId], Field(max_length=MAX_ALLOWED)]] = None
     prompt_logprobs: Optional[_int()] = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
 
     def check_common(self, vocab_size: int, max_logprobs: int) -> None:
         """What the schema cannot tell: token ids against the vocabulary, logprob counts
@@ -152,7 +154,9 @@ class _SamplingFields(_Body):
                 frequency_penalty=float(self.frequency_penalty or 0.0),
                 repetition_penalty=float(self.repetition_penalty or 1.0),
                 min_p=float(self.min_p or 0.0), logit_bias=getattr(self, "_bias", {}),
-                allowed_token_ids=list(self.allowed_token_ids or []), **extra,
+                allowed_token_ids=list(self.allowed_token_ids or []),
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output, **extra,
             ).validate()
         except BadRequestError as exc:
             raise RequestError(str(exc)) from None

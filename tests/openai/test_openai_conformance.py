@@ -80,7 +80,7 @@ def test_openai_client_on_the_default_model(ref):
             res["chat_prompt"] = await s.engine.apply_chat_template(msgs)
             kw = dict(model="default", prompt=["Once upon", "A"], max_tokens=3, n=3, seed=7,
                       temperature=1.0)
-            res["n"] = [await oc.completions.create(**kw) for _ in range(2)]
+            res["n"] = await oc.completions.create(**kw)
             res["n_stream"] = [c async for c in await oc.completions.create(**kw, stream=True)]
             res["chat_n"] = await oc.chat.completions.create(model="default", messages=msgs, n=2,
                                                              max_tokens=2, seed=3, temperature=1.0)
@@ -92,6 +92,13 @@ def test_openai_client_on_the_default_model(ref):
             res["shared_hits"] = s.engine.statistics().prefix_cache_hits - before
             res["bias"] = await oc.completions.create(model="default", prompt=PROMPT, max_tokens=3,
                                                       temperature=0, logit_bias={"30": 100})
+            res["stop_kept"] = await oc.completions.create(
+                model="default", prompt=PROMPT, max_tokens=8, temperature=0, stop=["."],
+                extra_body={"include_stop_str_in_output": True})
+            res["special"] = [await oc.completions.create(
+                model="default", prompt=PROMPT, max_tokens=2, temperature=0,
+                logit_bias={"2": 100}, extra_body={"ignore_eos": True, "skip_special_tokens": skip})
+                for skip in (True, False)]
             await oc.close()
         return res
 
@@ -165,10 +172,9 @@ def test_openai_client_on_the_default_model(ref):
     assert [e.token for e in streamed] == [e.token for e in content]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=TOL)
 
-    # n with a seed: repeatable; indices prompt-major; streamed chunks carry the same choices
-    a, b = res["n"]
+    # n with a seed: indices prompt-major; repeatable: the streamed run has the same choices
+    a = res["n"]
     assert [ch.index for ch in a.choices] == list(range(6))
-    assert [ch.text for ch in a.choices] == [ch.text for ch in b.choices]
     by_index = {}
     for cc in res["n_stream"]:
         for ch in cc.choices:
@@ -179,6 +185,9 @@ def test_openai_client_on_the_default_model(ref):
     n_long = res["shared"].usage.prompt_tokens
     assert res["shared_hits"] >= 2 * (n_long // 16) * 16 > 0
     assert len({ch.text for ch in res["shared"].choices}) == 1  # greedy: all the same
+    assert res["stop_kept"].choices[0].text == " Paris."
+    assert res["stop_kept"].choices[0].finish_reason == "stop"
+    assert [r.choices[0].text for r in res["special"]] == ["", "<|im_end|><|im_end|>"]
     # logit_bias +100 on "." makes it the only choice
     assert res["bias"].choices[0].text == "..."
 
