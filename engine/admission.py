@@ -77,7 +77,10 @@ class Admission:
     def max_prompt_chars(self) -> int:
         return self.runner.max_model_len * max(1, self.runner.tokenizer.max_token_chars)
 
-    def check_ids(self, ids: list[int], params: SamplingParams) -> None:
+    def check_ids(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's ids as the engine takes them (the last ``truncate_prompt_tokens``)."""
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[len(ids) - min(len(ids), params.truncate_prompt_tokens):]
         vocab = self.runner.model_config.vocab_size
         for t in ids:
             if type(t) is not int or not (0 <= t < vocab):
@@ -87,6 +90,7 @@ class Admission:
             raise EngineOverloadedError(
                 f"engine is overloaded: {self.tokens_in_flight} prompt tokens are queued "
                 f"(max_queued_tokens={self.max_tokens}); retry later")
+        return ids
 
     # -- tokenization ---------------------------------------------------------------------------
     def ids_now(self, prompt: Union[str, list[int]]) -> Optional[list[int]]:

@@ -64,6 +64,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     allowed_token_ids: list[int] = []
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: Optional[int] = None  # keep only the prompt's last k tokens
 
     def validate(self) -> "SamplingParams":
         """Raise :class:`BadRequestError` naming the first invalid field; return self."""
@@ -112,6 +113,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
             v = getattr(self, name)
             if not _is_real(v) or not (lo <= v <= hi):
                 raise bad(f"{name} must be a number in [{lo}, {hi}], got {v!r}")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not _is_int(t) or not (1 <= t <= MAX_TOKENS)):
+            raise bad(f"truncate_prompt_tokens must be an integer in [1, {MAX_TOKENS}], got {t!r}")
         lb = self.logit_bias
         if not isinstance(lb, dict) or len(lb) > MAX_LOGIT_BIAS:
             raise bad(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases")

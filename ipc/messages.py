@@ -33,20 +33,20 @@ Each message is one frame::
   default are left out by the sender and may be left out by you; unknown keys, wrong types and
   values outside the bounds given below make the whole frame invalid (``Error(kind=PROTOCOL,
   fatal=True)``, then the connection is closed). Enums travel as their values: ``State`` as a
-  string ("init", "loaded", "serving", "draining", "shutdown", "failed"), :class:`ErrorKind` as
-  an integer. ``SamplingParams`` and ``RequestOutput`` (engine/params.py) are nested maps with
-  their field names as keys and no ``"t"`` key: SamplingParams {max_tokens: int = 16,
-  temperature: float = 0.0 (greedy), top_k: int = 0, top_p: float = 1.0, seed: int | nil,
-  stop: [str], stop_token_ids: [int], ignore_eos: bool, logprobs: bool, min_tokens: int = 0,
-  top_logprobs: int = 0, prompt_logprobs: int | nil, echo: bool, presence_penalty, frequency_penalty:
-  float = 0, repetition_penalty: float = 1, min_p: float = 0, logit_bias: {int: float},
-  allowed_token_ids: [int], skip_special_tokens: bool = true, include_stop_str_in_output: bool}
-  (unknown keys rejected); RequestOutput {request_id: str, token_ids: [int] (new tokens), text:
-  str (new text), num_prompt_tokens: int, num_output_tokens: int (cumulative), finished: bool,
-  finish_reason: "stop" | "length" | "abort" | "error" | nil, reason: str | nil, logprobs:
-  [float] | nil, token_logprobs: [TokenLogprob] | nil, prompt_logprobs: [TokenLogprob] | nil,
-  prompt_text: str | nil}; a TokenLogprob: [token_id, token (bytes), logprob | nil, rank | nil,
-  top_ids, top_logprobs, top_tokens]. Fields after min_tokens / logprobs were appended later.
+  string ("init", "loaded", "serving", "draining", "shutdown", "failed"), :class:`ErrorKind` as an
+  integer. ``SamplingParams`` and ``RequestOutput`` (engine/params.py) are nested maps with their
+  field names as keys and no ``"t"`` key: SamplingParams {max_tokens: int = 16, temperature: float
+  = 0.0 (greedy), top_k: int = 0, top_p: float = 1.0, seed: int | nil, stop: [str],
+  stop_token_ids: [int], ignore_eos: bool, logprobs: bool, min_tokens: int = 0, top_logprobs: int
+  = 0, prompt_logprobs: int | nil, echo: bool, presence_penalty, frequency_penalty: float = 0,
+  repetition_penalty: float = 1, min_p: float = 0, logit_bias: {int: float}, allowed_token_ids:
+  [int], skip_special_tokens: bool = true, include_stop_str_in_output: bool,
+  truncate_prompt_tokens: int | nil} (unknown keys rejected); RequestOutput {request_id: str,
+  token_ids: [int] (new tokens), text: str (new text), num_prompt_tokens: int, num_output_tokens:
+  int (cumulative), finished: bool, finish_reason: "stop" | "length" | "abort" | "error" | nil,
+  reason: str | nil, logprobs: [float] | nil, token_logprobs: [TokenLogprob] | nil,
+  prompt_logprobs: [TokenLogprob] | nil, prompt_text: str | nil}; a TokenLogprob: [token_id, token
+  (bytes), logprob | nil, rank | nil, top_ids, top_logprobs, top_tokens].
 * Example: ``Hello(protocol_version=1, client_name="cli")`` is the header ``00 00 00 2b``
   (43) followed by the 43-byte body ``{"t": "Hello", "protocol_version": 1, "client_name":
   "cli"}``: ``83 a1 74 a5 48 65 6c 6c 6f b0 70 72 6f 74 6f 63 6f 6c 5f 76 65 72 73 69 6f 6e 01

@@ -99,11 +99,15 @@ class ChoiceState:
         self.lps: list[dict] = []  # completions: per-piece objects; chat: content entries
         self.prompt_lps: Optional[list] = None
         self.finish: Optional[str] = None
+        self.cum_logprob = 0.0  # of the generated tokens (ranks best_of candidates)
+        self.show_logprobs = bool(job.params.logprobs)
+        self.index = job.index  # in the response (best_of renumbers the kept ones)
 
     def piece(self, out: RequestOutput) -> tuple[str, Optional[object]]:
         """(text, logprobs fragment) of ``out``; remembered for :meth:`whole`."""
         text = out.text
         entries = list(out.token_logprobs or [])
+        self.cum_logprob += sum(e.logprob for e in entries)
         if self.first:
             self.first = False
             if self.echo:
@@ -129,7 +133,7 @@ class ChoiceState:
         return text, frag
 
     def whole_logprobs(self):
-        if not self.job.params.logprobs:
+        if not self.show_logprobs:
             return None
         if self.chat:
             return {"content": self.lps}
@@ -141,7 +145,7 @@ class ChoiceState:
 
     def whole(self) -> dict:
         text = "".join(self.text)
-        body: dict = {"index": self.job.index}
+        body: dict = {"index": self.index}
         if self.chat:
             body["message"] = {"role": "assistant", "content": text}
         else:
@@ -172,6 +176,26 @@ class Kind:
         self.created = now()
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage
+        self.best: Optional[tuple[int, bool]] = None
+
+    def keep_best(self, n: int, show_logprobs: bool) -> None:
+        """best_of: answer with the ``n`` candidates of each prompt of highest summed logprob."""
+        self.best = (n, show_logprobs)
+
+    def _selected(self, states: list[ChoiceState]) -> list[ChoiceState]:
+        if self.best is None:
+            return states
+        n, show = self.best
+        by_prompt: dict[int, list[ChoiceState]] = {}
+        for s in states:
+            by_prompt.setdefault(s.job.prompt_index, []).append(s)
+        out = []
+        for p in sorted(by_prompt):
+            kept = sorted(by_prompt[p], key=lambda s: -s.cum_logprob)[:n]
+            for r, s in enumerate(kept):
+                s.index, s.show_logprobs = p * n + r, show
+            out += kept
+        return out
 
     def _obj(self, choices: list, use: Optional[dict] = None, stream: bool = True) -> dict:
         obj = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
@@ -203,7 +227,8 @@ class Kind:
         return self._obj([], use)
 
     def whole(self, states: list[ChoiceState]) -> dict:
-        body = self._obj([s.whole() for s in states], total_usage(states), stream=False)
+        body = self._obj([s.whole() for s in self._selected(states)], total_usage(states),
+                         stream=False)
         if self.chat and any(s.prompt_lps is not None for s in states):
             body["prompt_logprobs"] = next(s.prompt_lps for s in states if s.prompt_lps is not None)
         return body

@@ -31,17 +31,19 @@ async def completions(fe: Frontend, request: Request, parse_body) -> Response:
         for p in prompts:
             if isinstance(p, str):
                 fe.check_prompt_chars(len(p), "prompt")
-            elif limit and len(p) >= limit:
+            elif limit and min(len(p), body.truncate_prompt_tokens or len(p)) >= limit:
                 raise P.RequestError(f"a prompt has {len(p)} tokens; the context limit is {limit}",
                                      param="prompt", code="prompt_too_long")
         max_tokens = (body.max_tokens if body.max_tokens is not None
                       else fe.default_max_tokens(chat=False))
-        n = body.num_choices
+        n = body.num_candidates
         jobs = [Job(i * n + c, i, p, body.engine_params(max_tokens, c))
                 for i, p in enumerate(prompts) for c in range(n)]
     except Exception as exc:
         return error_response(exc, fe.metrics)
     kind = Kind(False, new_id("cmpl"), fe.model, body.include_usage, _continuous(body))
+    if body.num_candidates > body.num_choices:  # best_of: keep the best n of each prompt
+        kind.keep_best(body.num_choices, show_logprobs=body.logprobs is not None)
     return await serve_request(fe, request, body, jobs, kind, arrival, echo=bool(body.echo),
                                want_prompt_lps=body.prompt_logprobs is not None)
 

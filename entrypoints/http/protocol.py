@@ -114,6 +114,7 @@ class _SamplingFields(_Body):
     prompt_logprobs: Optional[_int()] = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    truncate_prompt_tokens: Optional[_int(ge=1)] = None
 
     def check_common(self, vocab_size: int, max_logprobs: int) -> None:
         """What the schema cannot tell: token ids against the vocabulary, logprob counts
@@ -156,7 +157,8 @@ class _SamplingFields(_Body):
                 min_p=float(self.min_p or 0.0), logit_bias=getattr(self, "_bias", {}),
                 allowed_token_ids=list(self.allowed_token_ids or []),
                 skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output, **extra,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                truncate_prompt_tokens=self.truncate_prompt_tokens, **extra,
             ).validate()
         except BadRequestError as exc:
             raise RequestError(str(exc)) from None
@@ -196,9 +198,10 @@ class CompletionRequest(_SamplingFields):
         check_logprobs_k("logprobs", self.logprobs, max_logprobs)
         if self.suffix:
             raise RequestError("suffix is not supported", param="suffix")
-        if self.best_of not in (None, self.num_choices):
-            raise RequestError("best_of must equal n (ranking candidates is not supported)",
-                               param="best_of")
+        if self.best_of is not None and self.best_of < self.num_choices:
+            raise RequestError("best_of must be at least n", param="best_of")
+        if self.best_of is not None and self.best_of > self.num_choices and self.stream:
+            raise RequestError("best_of > n cannot be streamed", param="best_of")
         if self.max_tokens == 0 and not self.echo:
             raise RequestError("max_tokens 0 needs echo (scoring the prompt only)", param="max_tokens")
         prompt = self.prompt
@@ -208,7 +211,7 @@ class CompletionRequest(_SamplingFields):
             prompts = prompt
         if not prompts or any(not p for p in prompts):
             raise RequestError("prompt must not be empty", param="prompt")
-        if len(prompts) * self.num_choices > MAX_CHOICES:
+        if len(prompts) * self.num_candidates > MAX_CHOICES:
             raise RequestError(f"at most {MAX_CHOICES} choices (prompts x n) per request",
                                param="n")
         total = 0
@@ -223,14 +226,22 @@ class CompletionRequest(_SamplingFields):
                                f"per request", param="prompt")
         return prompts
 
+    @property
+    def num_candidates(self) -> int:
+        """Completions generated per prompt: ``best_of`` (the best ``n`` are returned) or ``n``."""
+        return max(self.best_of or 1, self.num_choices)
+
     def engine_params(self, max_tokens: int, index: int) -> SamplingParams:
-        """Choice ``index``'s parameters: seeded from ``seed`` (seed + index) so runs repeat."""
+        """Choice ``index``'s parameters: seeded from ``seed`` (seed + index) so runs repeat.
+        Candidates of ``best_of`` are ranked by their summed logprobs, so they carry logprobs."""
         k = self.logprobs
         plp = self.prompt_logprobs
         if self.echo and (k is not None or max_tokens == 0):
             plp = max(plp or 0, k or 0)
-        params = self.sampling_params(max_tokens, logprobs=k is not None, top_logprobs=k or 0,
-                                      prompt_logprobs=plp, echo=bool(self.echo))
+        ranked = self.num_candidates > self.num_choices
+        params = self.sampling_params(max_tokens, logprobs=k is not None or ranked,
+                                      top_logprobs=k or 0, prompt_logprobs=plp,
+                                      echo=bool(self.echo))
         if params.seed is not None and index:
             params.seed = (params.seed + index) % 2**63
         return params

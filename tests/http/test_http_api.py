@@ -195,7 +195,7 @@ async def test_metrics_after_a_few_requests():
             stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         usage.append([c async for c in stream][-1].usage)
         with pytest.raises(openai.BadRequestError):
-            await oc.completions.create(model=TINY_NAME, prompt="x", best_of=3)
+            await oc.completions.create(model=TINY_NAME, prompt="x", n=2, best_of=1)
         async with s.http() as c:
             r = await c.get("/metrics")
         await oc.close()

@@ -197,7 +197,8 @@ HOSTILE = [
     ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt_logprobs": 10**9}, "prompt_logprobs"),
     ("/v1/completions", {"n": 10**6}, "n"),
-    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"best_of": 3, "stream": True}, "best_of"),
+    ("/v1/completions", {"best_of": 1, "n": 2}, "best_of"),
     ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
     ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
@@ -234,6 +235,15 @@ async def test_hostile_values_get_a_400_before_any_work_is_queued():
         assert st.prompt_tokens == 0 and st.steps == 0  # nothing reached the engine
         r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 2})
         assert r.status_code == 200 and len(r.json()["choices"]) == 2
+        # best_of: the n candidates of highest summed logprob, in order; usage counts all
+        r = await c.post("/v1/completions", json={
+            "prompt": ["hi", "yo"], "max_tokens": 4, "n": 2, "best_of": 5, "seed": 1,
+            "temperature": 1.0, "logprobs": 0, "ignore_eos": True})
+        body = r.json()
+        assert [ch["index"] for ch in body["choices"]] == [0, 1, 2, 3]
+        sums = [sum(ch["logprobs"]["token_logprobs"]) for ch in body["choices"]]
+        assert sums[0] >= sums[1] and sums[2] >= sums[3]
+        assert body["usage"]["completion_tokens"] == 2 * 5 * 4
 
 
 @pytest.mark.asyncio
@@ -252,6 +262,12 @@ async def test_tokenize_detokenize_version_models(via):
         # the count is what a generation request's usage counts
         g = await c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1})
         assert g.json()["usage"]["prompt_tokens"] == 5
+        g = await c.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 1,
+                                                  "truncate_prompt_tokens": 3})
+        assert g.json()["usage"]["prompt_tokens"] == 3  # the last 3 tokens only
+        g = await c.post("/v1/completions", json={"prompt": [5] * 600, "max_tokens": 1,
+                                                  "truncate_prompt_tokens": 10})
+        assert g.status_code == 200 and g.json()["usage"]["prompt_tokens"] == 10
         r = await c.post("/detokenize", json={"tokens": [10**6]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
         r = await c.post("/tokenize", json={})
