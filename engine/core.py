@@ -136,8 +136,7 @@ class EngineCore:
         """A TokenLogprob from an ``engine.logprobs`` entry (with the tokens' bytes)."""
         tb = self.tokenizer.byte_table  # ids come from the model: all inside the vocabulary
         tok, lp, rank, ids, lps = e
-        return TokenLogprob(token_id=tok, token=tb[tok], logprob=lp, rank=rank, top_ids=ids,
-                            top_logprobs=lps, top_tokens=[tb[t] for t in ids])
+        return TokenLogprob(tok, tb[tok], lp, rank, ids, lps, list(map(tb.__getitem__, ids)))
 
     def _first_output(self, req: Request, out: RequestOutput) -> None:
         """The prompt's logprobs and text go with a request's first output."""

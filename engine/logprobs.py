@@ -57,8 +57,9 @@ def compute(logits: torch.Tensor, rows: list[int], tokens: list[int], ks: list[i
         vals_l, idx_l = (vals - lse).tolist(), idx.tolist()
     else:
         vals_l = idx_l = [[] for _ in rows]
-    return [(tokens[m], chosen_l[m], rank_l[m] or None, idx_l[m][:ks[m]], vals_l[m][:ks[m]])
-            for m in range(len(rows))]
+    return [(tokens[m], chosen_l[m], rank_l[m] or None,
+             idx_l[m] if ks[m] == k else idx_l[m][:ks[m]],
+             vals_l[m] if ks[m] == k else vals_l[m][:ks[m]]) for m in range(len(rows))]
 
 
 def for_step(batch, sample_rows, tokens, logits_all: torch.Tensor, plp) -> tuple[list, dict]:
