@@ -32,7 +32,7 @@ def _start(cfg, tmp: Path, drain_timeout: float):
            "--drain-timeout", str(drain_timeout), "--config-json", msgspec.json.encode(cfg).decode()]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
-    while b"serving " not in (tmp / "serve.log").read_bytes():
+    while b"enginecore.serve: serving " not in (tmp / "serve.log").read_bytes():
         if proc.poll() is not None or time.monotonic() > deadline:
             raise SystemExit(f"serve did not start:\n{(tmp / 'serve.log').read_text()}")
         time.sleep(0.02)

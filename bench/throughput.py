@@ -49,6 +49,7 @@ import msgspec
 from . import common
 from .common import now
 from .recorder import Recorder, warm_work
+from .throughput_rounds import merge_rounds, ratios, run_isolated
 
 CPU_DEFAULTS = dict(num_requests=256, min_input=32, max_input=256, min_output=32, max_output=128)
 CUDA_DEFAULTS = dict(num_requests=256, min_input=100, max_input=1024, min_output=100, max_output=1024)
@@ -340,7 +341,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             if rounds > 1:
                 print(f"[round {r + 1}/{rounds}] {m}", file=sys.stderr, flush=True)
             if args.isolate and not args.child:
-                row = _run_isolated(argv if argv is not None else sys.argv[1:], m,
+                row = run_isolated(argv if argv is not None else sys.argv[1:], m,
                                     per_call.repeat if m in runners else 1)
             elif m in runners:
                 row = runners[m](per_call, work)
@@ -360,9 +361,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"[{m}] skipped: {row['skipped']}", file=sys.stderr, flush=True)
         if m in collected:
             collected[m].append(row)
-            row = _merge_rounds(collected[m])
+            row = merge_rounds(collected[m])
         result["modes"] = [x for x in result["modes"] if x["mode"] != m] + [row]
-        _ratios(result)
+        ratios(result)
         common.write_json(args.out, result)
     del hf
     gc.collect()
@@ -391,58 +392,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("CPU targets: inproc/bare >= 0.90; ipc/inproc >= 0.97 at 256 concurrent streams")
     print(f"wrote {args.out}")
     return 0
-
-
-def _run_isolated(argv: list[str], mode: str, repeat: int) -> dict:
-    """One mode's run(s) in a fresh ``python -m bench.throughput`` process; its result row."""
-    import json
-    import subprocess
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="enginecore-bench-") as tmp:
-        out = f"{tmp}/row.json"
-        # argparse keeps the last value of a repeated option: these override the caller's
-        cmd = [sys.executable, "-m", "bench.throughput", *argv, "--modes", mode, "--repeat",
-               str(repeat), "--no-interleave", "--child", "--out", out]
-        rc = subprocess.run(cmd).returncode
-        try:
-            with open(out) as f:
-                rows = json.load(f)["modes"]
-        except (OSError, ValueError, KeyError):
-            rows = []
-    if not rows:
-        return {"mode": mode, "error": f"benchmark process exited {rc} without a result"}
-    return rows[0]
-
-
-def _merge_rounds(rows: list[dict]) -> dict:
-    """One row per mode from its interleaved rounds: the best run, with every run's figure."""
-    ok = [r for r in rows if "output_tok_s" in r]
-    if not ok:
-        return rows[-1]
-    best = dict(max(ok, key=lambda r: r["output_tok_s"] or 0))
-    runs = [x for r in ok for x in r.get("runs_output_tok_s", [r["output_tok_s"]])]
-    best["runs_output_tok_s"] = runs
-    best["repeat"] = len(runs)
-    best["median_output_tok_s"] = statistics.median(runs)
-    return best
-
-
-def _ratios(result: dict) -> None:
-    pairs = (("inproc", "bare"), ("ipc", "inproc"), ("ipc", "bare"), ("bare", "hf-generate"),
-             ("bare", "hf-cb"), ("inproc", "hf-cb"))
-    by = {r["mode"]: r.get("output_tok_s") for r in result["modes"]}
-    result["ratios"] = {f"{a}/{b}": by[a] / by[b] for a, b in pairs if by.get(a) and by.get(b)}
-    med = {r["mode"]: r.get("median_output_tok_s") for r in result["modes"]}
-    result["ratios_of_medians"] = {f"{a}/{b}": med[a] / med[b] for a, b in pairs if med.get(a) and med.get(b)}
-    # interleaved rounds: the ratio within each round (same machine load), then its median
-    runs = {r["mode"]: r.get("runs_output_tok_s") for r in result["modes"]}
-    paired = {}
-    for a, b in pairs:
-        ra, rb = runs.get(a), runs.get(b)
-        if ra and rb and len(ra) == len(rb) and len(ra) > 1:
-            paired[f"{a}/{b}"] = statistics.median(x / y for x, y in zip(ra, rb))
-    result["ratios_paired_median"] = paired
 
 
 if __name__ == "__main__":

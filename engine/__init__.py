@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "AsyncEngine": ".async_engine",
-    "EngineStats": ".async_engine",
+    "EngineStats": ".stats",
     "Health": ".interface",
     "Engine": ".interface",
-    "RequestStream": ".async_engine",
+    "RequestStream": ".request_stream",
     "EngineConfig": ".config",
     "BadRequestError": ".errors",
     "CheckpointError": ".errors",
@@ -30,7 +30,9 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from .async_engine import AsyncEngine, EngineStats, RequestStream
+    from .async_engine import AsyncEngine
+    from .request_stream import RequestStream
+    from .stats import EngineStats
     from .interface import Engine, Health
     from .config import EngineConfig
     from .errors import (BadRequestError, CheckpointError, EngineDeadError, EngineDrainingError,
@@ -55,6 +57,8 @@ def __getattr__(name: str) -> Any:
         from . import interface as mod
     elif module == ".params":
         from . import params as mod
+    elif module == ".request_stream":
+        from . import request_stream as mod
     else:
         from . import runner as mod
     value = getattr(mod, name)

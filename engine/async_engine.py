@@ -15,10 +15,9 @@ import logging
 import math
 import threading
 import time
-import uuid
 from collections import deque
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Callable, NamedTuple, Optional, Union
+from typing import AsyncIterator, Callable, Optional
 
 import anyio
 from anyio import to_thread
@@ -28,52 +27,21 @@ from states import Lifecycle, State
 from .config import EngineConfig
 from .admission import Admission
 from .core import EngineCore
-from .errors import BadRequestError, EngineDeadError, EngineShutdownError
+from .errors import EngineDeadError, EngineShutdownError
 from .interface import Health, TokenizerInfo, unavailable_error
-from .params import RequestOutput, SamplingParams
-from .request_stream import RequestStream, Sink
+from .request_stream import Sink
 from .runner import ModelRunner
 from .sleep import SleepAPI, SleepController
+from .intake import STEPPING, InboxItem, IntakeAPI
+from .stats import EngineStats, engine_stats, health_figures
 
 log = logging.getLogger("enginecore.engine")
 
 
 
-class _Add(NamedTuple):
-    """Inbox: add an accepted request (its prompt tokenized) to the core."""
-    request_id: str
-    ids: list[int]
-    params: SamplingParams
 
 
-class _Abort(NamedTuple):
-    """Inbox: abort a request."""
-    request_id: str
-    reason: str
-
-
-#: States in which the loop steps requests (SLEEPING: those finishing before the device is freed).
-_STEPPING = (State.SERVING, State.SLEEPING, State.DRAINING)
-
-
-class EngineStats(NamedTuple):
-    state: State
-    steps: int
-    prompt_tokens: int
-    generation_tokens: int
-    finished: dict
-    preemptions: int
-    spec_proposed: int
-    spec_accepted: int
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int  # of those, tokens whose K/V came from the cache
-    running: int
-    waiting: int
-    kv_usage: float
-    uptime_s: float
-
-
-class AsyncEngine(SleepAPI):
+class AsyncEngine(IntakeAPI, SleepAPI):
     def __init__(self, config: EngineConfig, *, check_integrity: bool = False):
         self.config = config.validate()
         self.lifecycle = Lifecycle()
@@ -81,7 +49,7 @@ class AsyncEngine(SleepAPI):
         self.core: Optional[EngineCore] = None
         self._check_integrity = check_integrity
         self._sinks: dict[str, Sink] = {}
-        self._inbox: deque[Union[_Add, _Abort]] = deque()
+        self._inbox: deque[InboxItem] = deque()
         self.admission = Admission(self.runner, max_waiting_requests=config.max_waiting_requests,
                                    max_queued_tokens=config.max_queued_tokens)
         self._tg: Optional[anyio.abc.TaskGroup] = None
@@ -98,6 +66,7 @@ class AsyncEngine(SleepAPI):
         self._listeners: list[Callable[[State, State], None]] = []
         self.lifecycle.on_change(self._notify)
         self._sleep = SleepController(self)
+        self.lifecycle.describe_in_flight(self._in_flight)  # for the transition's log line
 
     # -- opening and closing ------------------------------------------------------------------
     @classmethod
@@ -187,84 +156,6 @@ class AsyncEngine(SleepAPI):
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
 
-    # -- requests ------------------------------------------------------------------------------
-    def generate(self, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None,
-                 request_id: Optional[str] = None) -> RequestStream:
-        """Submit now (errors are raised here, at once); iterate the result for outputs."""
-        rid = request_id if request_id is not None else uuid.uuid4().hex
-        stream = RequestStream(rid, self._abort_nowait)
-        try:
-            self.submit(prompt, params or SamplingParams(), rid, stream.sink())
-        except BaseException:
-            stream._close()  # refused: nothing was accepted, nothing to abort
-            raise
-        return stream
-
-    def submit(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
-               sink: Sink) -> Optional[int]:
-        """Lower-level ``generate``: outputs go to ``sink`` (called on the event-loop thread).
-
-        What can be told at once is raised here (not serving, bad id/params/prompt, overloaded:
-        see :mod:`engine.admission`); then the request is accepted and ``sink`` gets exactly one
-        terminal item. Returns the number of prompt tokens, or None for a long text whose
-        tokens are counted on a worker thread (a prompt found too long there ends with a
-        ``BadRequestError`` delivered to ``sink``)."""
-        self._require_accepting()
-        if request_id in self._sinks:
-            raise BadRequestError(f"request_id {request_id!r} is already in flight")
-        core = self.core
-        waiting = len(self._sinks) - (core.num_running if core is not None else 0)
-        self.admission.check(request_id, prompt, params, waiting)
-        ids = self.admission.ids_now(prompt)
-        if ids is None:
-            self._sinks[request_id] = sink
-            self._tokenizing[request_id] = None
-            assert self._tg is not None
-            self._tg.start_soon(self._tokenize_then_add, request_id, prompt, params)
-            return None
-        ids = self.admission.check_ids(ids, params)
-        self._sinks[request_id] = sink
-        self._accept(request_id, ids, params)
-        return len(ids)
-
-    def _accept(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
-        self.admission.accepted(request_id, len(ids))
-        self._inbox.append(_Add(request_id, ids, params))
-        self._wake()
-
-    async def _tokenize_then_add(self, request_id: str, text: str, params: SamplingParams) -> None:
-        try:
-            ids = await self.admission.tokenize(text)
-            if self._sinks.get(request_id) is None:
-                return  # the engine died meanwhile: the sink already has its error
-            aborted = self._tokenizing.get(request_id)
-            if aborted is not None:
-                self._dispatch([RequestOutput(request_id=request_id, finished=True,
-                                              finish_reason="abort", reason=aborted)])
-                return
-            ids = self.admission.check_ids(ids, params)
-        except Exception as exc:
-            sink = self._sinks.pop(request_id, None)
-            if sink is not None:
-                sink(exc)
-        else:
-            self._accept(request_id, ids, params)
-        finally:
-            self._tokenizing.pop(request_id, None)
-            self._wake()
-
-    async def abort(self, request_id: str, reason: str = "aborted by client") -> None:
-        self._abort_nowait(request_id, reason)
-
-    def _abort_nowait(self, request_id: str, reason: str) -> None:
-        if request_id in self._tokenizing:
-            self._tokenizing[request_id] = reason  # not in the core yet: ended when tokenized
-            return
-        if request_id in self._sinks and self.lifecycle.state in _STEPPING:
-            self._inbox.append(_Abort(request_id, reason))
-            if threading.get_ident() == self._loop_thread:
-                self._wake()
-
     # -- state ---------------------------------------------------------------------------------
     @property
     def state(self) -> State:
@@ -336,22 +227,20 @@ class AsyncEngine(SleepAPI):
 
     def health_nowait(self) -> Health:
         st = self.lifecycle.state
-        core = self.core if st in _STEPPING else None
+        core = self.core if st in STEPPING else None
+        h = self._in_flight()
         return Health(state=st, live=self.lifecycle.live, ready=st is State.SERVING,
-                      running=core.num_running if core else 0,
-                      waiting=max(0, len(self._sinks) - (core.num_running if core else 0)),
-                      kv_usage=core.kv_usage if core else 0.0)
+                      running=h["running"], waiting=h["waiting"],
+                      kv_usage=core.kv_usage if core else 0.0, **health_figures(self.core))
+
+    def _in_flight(self) -> dict[str, int]:
+        core = self.core if self.lifecycle.state in STEPPING else None
+        running = core.num_running if core else 0
+        return {"running": running, "waiting": max(0, len(self._sinks) - running)}
 
     def statistics(self) -> EngineStats:
-        core = self.core
-        cs = core.statistics() if core else None
-        h = self.health_nowait()
-        return EngineStats(
-            self.lifecycle.state, cs.steps if cs else 0, cs.prompt_tokens if cs else 0,
-            cs.generation_tokens if cs else 0, cs.finished if cs else {}, cs.preemptions if cs else 0,
-            cs.spec_proposed if cs else 0, cs.spec_accepted if cs else 0,
-            cs.prefix_cache_queries if cs else 0, cs.prefix_cache_hits if cs else 0, h.running, h.waiting,
-            h.kv_usage, time.monotonic() - self._started)
+        return engine_stats(self.lifecycle.state, self.core, self.health_nowait(),
+                            time.monotonic() - self._started)
 
     def _require_accepting(self) -> None:
         if self.lifecycle.state is not State.SERVING:
@@ -400,33 +289,6 @@ class AsyncEngine(SleepAPI):
             return
         with anyio.CancelScope(shield=True):
             await self._release()
-
-    def _apply_inbox(self, core: EngineCore) -> None:
-        while self._inbox:
-            item = self._inbox.popleft()
-            if type(item) is _Add:
-                try:
-                    core.add_request(item.request_id, item.ids, item.params)
-                except Exception as exc:  # this request's own input: it ends, the engine serves on
-                    log.warning("request %s refused at admission: %s", item.request_id, exc)
-                    self._dispatch([RequestOutput(
-                        request_id=item.request_id, finished=True, finish_reason="error",
-                        reason=str(exc), num_prompt_tokens=len(item.ids))])
-            else:
-                out = core.abort(item.request_id, item.reason)
-                if out is not None:
-                    self._dispatch([out])
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        sinks = self._sinks
-        for out in outputs:
-            sink = sinks.get(out.request_id)
-            if sink is None:
-                continue
-            if out.finished:
-                del sinks[out.request_id]
-                self.admission.finished(out.request_id)
-            sink(out)
 
     async def _release(self) -> None:
         await to_thread.run_sync(self.runner.shutdown)

@@ -13,6 +13,7 @@ from .errors import BadRequestError
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str = "default"
+    revision: Optional[str] = None  # of a Hugging Face repo id from the local cache (default main)
     device: str = "auto"  # "auto" = cuda when available, else cpu
     dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
     seed: int = 0  # for random: presets and unseeded sampling

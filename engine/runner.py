@@ -17,7 +17,7 @@ import torch
 
 from . import cuda_graphs
 from .config import EngineConfig
-from .errors import BadRequestError
+from .errors import BadRequestError, CheckpointError
 from .block_manager import BlockManager
 from .device_stack import device_stack
 from .kv_cache import KVCache
@@ -84,7 +84,7 @@ class ModelRunner:
             raise
 
     def _load(self, should_stop) -> None:
-        cfg, tensors, tok = resolve_source(self.config.model)
+        cfg, tensors, tok = resolve_source(self.config.model, self.config.revision)
         self.model_config, self.tokenizer = cfg, tok
         tok.max_token_chars  # computed once here, on the loading thread (admission reads it)
         self.max_model_len = min(self.config.max_model_len or _MAX_CONTEXT_DEFAULT,
@@ -95,7 +95,8 @@ class ModelRunner:
         model = self._owner.adopt(R.WEIGHTS, create_model(cfg, self.device, self.dtype))
         try:
             fill_model(model, tensors, self.config.seed, self.config.model, should_stop)
-        except LoadStopped:
+        except LoadStopped as stopped:
+            log.warning("loading stopped: %s", stopped)
             return
         del model
         if should_stop():
@@ -257,8 +258,9 @@ class ModelRunner:
             raise BadRequestError(
                 "the weights were discarded (sleep level 2) and came from "
                 "update_weights_from_tensors: load them again with update_weights* first")
-        cfg, tensors, _tok = resolve_source(self.weights_source)
-        check_architecture(self.model_config, cfg, self.weights_source)
+        src = self.weights_source
+        cfg, tensors, _tok = resolve_source(src, self.config.revision if src == self.config.model else None)
+        check_architecture(self.model_config, cfg, src)
         model = self._owner.adopt(R.WEIGHTS, create_model(self.model_config, self.device, self.dtype))
         fill_model(model, tensors, self.config.seed, self.weights_source)
 
@@ -269,10 +271,14 @@ class ModelRunner:
         level-2 sleep the weights are allocated on the device for it."""
         if source.startswith("random:"):
             raise BadRequestError(f"{source!r}: random presets carry no weights to load")
-        cfg, tensors, _tok = resolve_source(source)
-        check_architecture(self.model_config, cfg, source)
-        spec = weight_spec(self.model_config, self.dtype)
-        self._write_weights(validated(spec, tensors(), self.model_config, source, exact_dtype=False))
+        try:
+            cfg, tensors, _tok = resolve_source(source)
+            check_architecture(self.model_config, cfg, source)
+            spec = weight_spec(self.model_config, self.dtype)
+            new = validated(spec, tensors(), self.model_config, source, exact_dtype=False)
+        except OSError as exc:  # a name too long, no permission, a read error: the caller's path
+            raise CheckpointError(source, f"cannot read it: {exc}") from None
+        self._write_weights(new)
         self.weights_source = source
 
     def update_weights_from_tensors(self, named: NamedTensors) -> None:

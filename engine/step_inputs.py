@@ -8,7 +8,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from .attention import AttentionMetadata, PrefillSeq
+from .attention import MAX_BATCHED_QUERIES, AttentionMetadata, PrefillSeq, context_groups
 from .kv_cache import blocks_needed
 
 # (tokens to compute, position of the first one, the sequence's KV block ids, as decode rows?)
@@ -32,6 +32,7 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
     dec_rows: list[int] = []
     dec_tables: list[list[int]] = []
     dec_lens: list[int] = []
+    with_context: list[tuple[int, int, int, list[int]]] = []
     for toks, start, blocks, as_decode in seqs:
         m = len(toks)
         row0 = len(ids)
@@ -44,12 +45,14 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
                 dec_rows.append(row0 + j)
                 dec_tables.append(blocks)
                 dec_lens.append(start + j + 1)
+        elif 0 < start and m <= MAX_BATCHED_QUERIES:  # short, after context: batched
+            with_context.append((row0, m, start + m, blocks))
         else:
             prefills.append(PrefillSeq(row0, row0 + m, start + m, torch.tensor(
                 blocks[: blocks_needed(start + m, bs)], device=device)))
     t = len(ids)
     bucket: Optional[int] = None
-    if graphs is not None and not prefills and len(dec_rows) == t:
+    if graphs is not None and not prefills and not with_context and len(dec_rows) == t:
         bucket = graphs.bucket(t)
     if bucket is not None:
         pad = bucket - t
@@ -62,6 +65,8 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
     positions = state.load("positions", torch.tensor(pos))
     meta = AttentionMetadata(state.load("slot_mapping", torch.tensor(slots)), prefills,
                              None, None, None)
+    if with_context:
+        meta.context_groups = context_groups(with_context, bs, device)
     if dec_rows:
         width = max(len(b) for b in dec_tables)
         table = torch.tensor([b + [0] * (width - len(b)) for b in dec_tables], dtype=torch.long)

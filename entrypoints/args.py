@@ -17,7 +17,10 @@ log = logging.getLogger("enginecore")
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
-                   help='"default" (embedded SmolLM2-135M), a HF checkpoint dir, a .gguf, or random:<preset>')
+                   help='"default" (embedded SmolLM2-135M), a HF repo id from the local cache, a HF '
+                        'checkpoint dir, a .gguf, or random:<preset>')
+    p.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a HF repo id (default: main); never downloads")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-bytes", type=int, default=None)
@@ -38,13 +41,25 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
     if a.config_json:
         return msgspec.json.decode(a.config_json, type=EngineConfig)
     return EngineConfig(
-        model=a.model, device=a.device, dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
+        model=a.model, revision=a.revision, device=a.device, dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len, enable_prefix_caching=a.enable_prefix_caching,
         speculator=a.speculator,
         num_speculative_tokens=a.num_speculative_tokens, draft_model=a.draft_model,
         max_logprobs=a.max_logprobs,
     )
+
+
+def add_ops_args(p: argparse.ArgumentParser) -> None:
+    """``serve``'s operator flags: the names the HTTP API serves the model under, the stats line."""
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the name(s) the HTTP API serves the model under (the first is the one "
+                        "responses report; `default` stays an alias; default: the HF repo id or "
+                        "the checkpoint's name)")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats line (throughput, running/waiting, KV usage)")
+    p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds between stats lines (default 10)")
 
 
 def add_token_args(p: argparse.ArgumentParser) -> None:

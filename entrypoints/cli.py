@@ -15,6 +15,8 @@ import anyio
 from engine.params import SamplingParams
 
 from .args import add_listen_args, add_model_args, add_token_args, config_from_args, token_from_args
+from .args import add_ops_args
+from .logs import add_log_args, configure
 
 
 def _sampling_from_args(a: argparse.Namespace) -> SamplingParams:
@@ -59,9 +61,9 @@ async def _generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="enginecore", description=__doc__)
-    ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("-v", "--verbose", action="store_true", help="same as --log-level debug")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="stream one completion")
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append")
+    add_log_args(g, default_level="warning")
 
     s = sub.add_parser("serve", help="run an engine process (IPC, optionally HTTP frontends)")
     add_model_args(s)
@@ -85,16 +88,26 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--drain-timeout", type=float, default=30.0)
     s.add_argument("--http", default=None, help="HOST:PORT for the OpenAI-compatible frontends")
     s.add_argument("--api-servers", type=int, default=1)
+    s.add_argument("--enable-sleep-mode", action="store_true",
+                   help="HTTP admin endpoints /sleep, /wake_up, /update_weights, /is_sleeping "
+                        "(they need the token if one is set; a non-loopback --http needs one). "
+                        "Over IPC, sleep mode is always available")
     from .http.limits import add_http_limit_args
 
     add_http_limit_args(s)  # --max-body-bytes, --header-timeout, ...: see entrypoints/http/limits.py
+    add_ops_args(s)  # --served-model-name, --disable-log-stats, --log-stats-interval
+    add_log_args(s)
     s.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     s.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
 
-    a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("transitions").setLevel(logging.WARNING)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.verbose:
+        a.log_level = "debug"
+    configure(a.log_level, a.log_format)  # the entry point owns the process's logging
     from engine.errors import EngineError
     from .malloc import tune_malloc
 

@@ -20,16 +20,20 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from functools import partial
 from typing import Optional
 
 import anyio
+import msgspec
 
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineError
+from engine.hf_hub import display_name
 from states import State
 
 from .args import config_from_args, token_from_args
+from .logs import log_argv
 
 log = logging.getLogger("enginecore.serve")
 
@@ -54,7 +58,7 @@ class _Stopper:
     def stop(self, signum: int, why: str) -> None:
         self.count += 1
         state = self.engine.state
-        log.warning("%s in state %s", why, state.name)
+        log.info("%s in state %s", why, state.value, extra={"state": state.value})
         if state in (State.INIT, State.LOADED):
             self.signal_in_startup = signum
             self.startup.cancel()
@@ -88,9 +92,11 @@ async def _watch_parent(stopper: _Stopper, parent_pid: int) -> None:
 
 async def run(config, *, listen: Optional[str], token: Optional[str], drain_timeout: float,
               parent_pid: Optional[int] = None, ready_fd: Optional[int] = None,
-              on_serving=None, max_connections: int = 256) -> int:
+              on_serving=None, max_connections: int = 256,
+              stats_interval: Optional[float] = None) -> int:
     from ipc.transport import ListenError, close_listener, preflight_listen
 
+    t0 = time.monotonic()
     engine = AsyncEngine(config)
     address = listen or default_address()
     async with anyio.create_task_group() as tg:
@@ -106,7 +112,7 @@ async def run(config, *, listen: Optional[str], token: Optional[str], drain_time
             print(f"enginecore: cannot listen on {address}: {exc}", file=sys.stderr)
             tg.cancel_scope.cancel()
             return EXIT_STARTUP
-        log.warning("loading %s (pid %d)", config.model, os.getpid())
+        log.info("loading %s (pid %d)", config.model, os.getpid())
         try:
             with stopper.startup:
                 await engine.start(tg)
@@ -130,12 +136,17 @@ async def run(config, *, listen: Optional[str], token: Optional[str], drain_time
                 bound = await server.start(partial(serve_ipc, listener=listener,
                                                    max_connections=max_connections),
                                            engine, address, token)
-                log.warning("serving %s on %s", config.model, bound)
+                log.info("serving %s on %s (%.1f s to serving)", config.model, bound,
+                         time.monotonic() - t0, extra={"seconds_to_serving": time.monotonic() - t0})
+                if stats_interval:
+                    from .stats_log import log_stats
+
+                    tg.start_soon(log_stats, engine, stats_interval)
                 if ready_fd is not None:
                     os.write(ready_fd, f"READY {bound}\n".encode())
                     os.close(ready_fd)
                 if on_serving is not None:
-                    await on_serving(bound, server)
+                    await on_serving(bound, server, engine)
                 # serve_ipc returns by itself once the engine stopped, after flushing every
                 # terminal output, closing connections and removing the socket.
         except (OSError, ValueError, ExceptionGroup) as exc:
@@ -167,10 +178,28 @@ def serve_main(a) -> int:
     if not getattr(a, "http", None):
         code = anyio.run(lambda: run(config, listen=a.listen, token=a.token,
                                      drain_timeout=a.drain_timeout, parent_pid=a.parent_pid,
-                                     ready_fd=a.ready_fd, max_connections=a.max_ipc_connections))
-        log.warning("event loop closed; exiting %d", code)
+                                     ready_fd=a.ready_fd, max_connections=a.max_ipc_connections,
+                                     stats_interval=_stats_interval(a)))
+        log.info("event loop closed; exiting %d", code)
         return code
     return _serve_http(a, config)
+
+
+def _cache_info_argv(engine) -> list[str]:
+    from .http.metrics import cache_info
+
+    return ["--cache-info", msgspec.json.encode(cache_info(engine)).decode()]
+
+
+def _sleep_argv(token: Optional[str]) -> list[str]:
+    """The frontends' flags for the admin endpoints; a server token (--token) guards them."""
+    return ["--enable-sleep-mode", *(("--admin-auth",) if token else ())]
+
+
+def _stats_interval(a) -> Optional[float]:
+    if getattr(a, "disable_log_stats", False):
+        return None
+    return max(0.1, float(getattr(a, "log_stats_interval", 10.0)))
 
 
 def _serve_http(a, config) -> int:
@@ -180,11 +209,21 @@ def _serve_http(a, config) -> int:
     process exits after them."""
     import secrets
 
-    from .http.frontend import Frontends, bind_http
+    from .http.frontend import Frontends, bind_http, is_loopback_http
     from .http.limits import limits_from_args
 
     if a.api_servers < 1:
         print("enginecore: bad configuration: --api-servers must be >= 1", file=sys.stderr)
+        return EXIT_STARTUP
+    sleep_mode = bool(getattr(a, "enable_sleep_mode", False))
+    try:
+        open_admin = sleep_mode and not a.token and not is_loopback_http(a.http)
+    except ValueError:
+        open_admin = False  # a bad --http: bind_http says so below
+    if open_admin:
+        print("enginecore: bad configuration: --enable-sleep-mode on a non-loopback --http "
+              "address needs a token (--token-file or $ENGINECORE_TOKEN): the admin endpoints "
+              "require it", file=sys.stderr)
         return EXIT_STARTUP
     try:
         limits = limits_from_args(a)
@@ -197,15 +236,20 @@ def _serve_http(a, config) -> int:
         print(f"enginecore: cannot listen on {a.http}: {exc}", file=sys.stderr)
         return EXIT_STARTUP
     token = a.token or secrets.token_urlsafe(24)  # the IPC socket is private to the frontends
+    names = a.served_model_name or [display_name(config.model)]
     frontends = Frontends(sock, a.api_servers, token, drain_timeout=a.drain_timeout,
-                          verbose=logging.getLogger().isEnabledFor(logging.INFO), limits=limits)
+                          limits=limits, describe=_cache_info_argv,
+                          args=[*log_argv(a.log_level, a.log_format), "--served-model-name", *names,
+                                *(_sleep_argv(a.token) if sleep_mode else ())])
     try:
         code = anyio.run(lambda: run(config, listen=a.listen, token=token,
                                      drain_timeout=a.drain_timeout, parent_pid=a.parent_pid,
                                      ready_fd=a.ready_fd, on_serving=frontends,
-                                     max_connections=a.max_ipc_connections))
+                                     max_connections=a.max_ipc_connections,
+                                     stats_interval=_stats_interval(a)))
     finally:
         sock.close()  # if the engine never got to serving
+        frontends.close()  # the metrics directory
     if code == EXIT_OK and frontends.failed:
         return EXIT_FAILED
     return code

@@ -75,7 +75,28 @@ def test_transitions_are_logged_and_listened(caplog) -> None:
     with caplog.at_level("INFO", logger="enginecore.states"):
         lc.trigger("load")
     assert seen == [(State.INIT, State.LOADED)]
-    assert re.search(r"INIT -> LOADED via load \(\d+\.\d+ s in INIT\)", caplog.text)
+    assert re.search(r"t: init -> loaded after \d+\.\d{3} s$", caplog.text, re.M)
+    rec = caplog.records[-1]
+    assert (rec.previous, rec.state, rec.trigger) == ("init", "loaded", "load")
+
+
+def test_transition_line_says_what_was_in_flight(caplog) -> None:
+    lc = Lifecycle("engine")
+    lc.describe_in_flight(lambda: {"running": 17, "waiting": 4})
+    with caplog.at_level("INFO", logger="enginecore.states"):
+        lc.trigger("load")
+        lc.trigger("serve")
+    assert re.search(r"engine: loaded -> serving after [\d,]+\.\d{3} s; 17 running, 4 waiting",
+                     caplog.text)
+    assert caplog.records[-1].running == 17 and caplog.records[-1].waiting == 4
+
+    def broken():
+        raise RuntimeError("no core")
+
+    lc.describe_in_flight(broken)  # a failing description never blocks a transition
+    with caplog.at_level("INFO", logger="enginecore.states"):
+        lc.trigger("drain")
+    assert lc.state is State.DRAINING and caplog.text.rstrip().endswith("s")
 
 
 def test_require_names_state_and_allowed() -> None:

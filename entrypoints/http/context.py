@@ -3,7 +3,8 @@ serve (taken as it is: an ``AsyncEngine`` in process, an ``ipc.EngineClient`` in
 process), this process's limits and metrics, and the one flag the engine cannot tell itself:
 that the frontend has given up on it (``dead``).
 
-Health (``/health``) answers from the engine's state as last pushed to us
+Health (``/health``: ``status``, ``state``, ``live``, ``ready``; e.g. ``"sleeping"``, live, not
+ready while asleep) answers from the engine's state as last pushed to us
 (``Engine.on_state_change``) and a probe bounded by :data:`HEALTH_PROBE_TIMEOUT`. A probe that is
 slow -- the event loop was busy, the engine process is mid-step -- is not death: the answer then
 comes from the last known state. Dead means the connection is lost (``dead`` set) or the engine
@@ -13,13 +14,14 @@ is FAILED.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Mapping, Optional, Sequence, Union
 
 import anyio
 
 from states import LIVE_STATES, State
 
 from engine.errors import EngineDeadError, EngineError
+from engine.hf_hub import display_name
 from engine.interface import Engine, Health, RequestStreamLike
 from engine.params import SamplingParams
 from . import protocol as P
@@ -36,11 +38,18 @@ PARSE_THREADS = 2
 
 class Frontend:
     def __init__(self, engine: Engine, limits: HttpLimits = HttpLimits(),
-                 model_name: Optional[str] = None) -> None:
+                 model_name: Union[str, Sequence[str], None] = None,
+                 cache_info: Optional[Mapping[str, str]] = None) -> None:
         self.engine = engine
         self.limits = limits
-        self.model: str = model_name or engine.model
-        self.metrics = Metrics()
+        served = [model_name] if isinstance(model_name, str) else list(model_name or ())
+        #: The served names (``--served-model-name``; else the model's own, engine/hf_hub.py):
+        #: all are listed; the first is the one responses report. ``default`` and the
+        #: ``--model`` value are accepted as aliases.
+        self.served: list[str] = served or [display_name(engine.model)]
+        self.model: str = self.served[0]
+        self.names: frozenset[str] = frozenset([*self.served, "default", engine.model])
+        self.metrics = Metrics(engine, cache_info)
         self.created = now()
         #: Set by the frontend process when its connection to the engine is gone for good.
         self.dead: Optional[str] = None
@@ -74,7 +83,7 @@ class Frontend:
         return self.limits.prompt_chars(self.max_model_len)
 
     def check_model(self, model: Optional[str]) -> None:
-        if model is not None and model != self.model:
+        if model is not None and model not in self.names:
             raise P.RequestError(f"The model `{model}` does not exist; this server serves "
                                  f"`{self.model}`.", param="model", code="model_not_found",
                                  status=404)
@@ -121,8 +130,9 @@ class Frontend:
         if self.failed:  # FAILED, then SHUTDOWN once released: dead all the same
             state = State.FAILED
         live = state in LIVE_STATES if h is None else bool(h.live)
+        ready = (state is State.SERVING if h is None else bool(h.ready)) and not self.failed
         body = {"status": "ok" if live else ("dead" if state is State.FAILED else "unavailable"),
-                "state": state.value}
+                "state": state.value, "live": live, "ready": ready}
         if h is None:
             body["probe"] = "timeout"
         return (200 if live else 503), body, h

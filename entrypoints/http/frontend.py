@@ -33,15 +33,18 @@ import logging
 import os
 import signal
 import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import anyio
 
 from states import State
 
+from ..logs import add_log_args, configure
 from .limits import HttpLimits, add_http_limit_args, limits_from_args
 
 if TYPE_CHECKING:  # the engine process imports this module without uvicorn and FastAPI
@@ -92,13 +95,18 @@ async def watch_engine(fe, server: Server, *, parent_pid: Optional[int] = None,
 
 async def serve_frontend(engine, sock: socket.socket, *, limits: HttpLimits = HttpLimits(),
                          parent_pid: Optional[int] = None, dead_grace: float = DEAD_GRACE,
-                         **server_options: Any) -> int:
+                         model_names: Optional[list[str]] = None,
+                         cache_info: Optional[dict] = None, sleep_mode: bool = False,
+                         admin_token: Optional[str] = None, **server_options: Any) -> int:
     """Serve ``engine`` (an ``engine.interface.Engine``) over HTTP on ``sock`` until the engine
-    has shut down (returns 0) or died (returns 3)."""
+    has shut down (returns 0) or died (returns 3). ``model_names``: the names it is served
+    under; ``cache_info``: the labels of ``enginecore_cache_config_info``; ``sleep_mode``: the
+    admin endpoints too (``admin_token``: required on them)."""
     from .app import create_app
     from .server import make_server
 
-    app = create_app(engine, limits=limits)
+    app = create_app(engine, limits=limits, model_name=model_names, cache_info=cache_info,
+                     sleep_mode=sleep_mode, admin_token=admin_token)
     server = make_server(app, limits, **server_options)
     code = EXIT_OK
     async with anyio.create_task_group() as tg:
@@ -132,8 +140,13 @@ async def _main(a: argparse.Namespace) -> int:
             print(f"enginecore frontend {a.index}: cannot connect to {a.connect}: {exc}",
                   file=sys.stderr)
             return EXIT_STARTUP
-        return await serve_frontend(client, sock, limits=a.limits,
-                                    parent_pid=a.parent_pid)
+        import msgspec
+
+        cache_info = msgspec.json.decode(a.cache_info, type=dict[str, str]) if a.cache_info else None
+        return await serve_frontend(client, sock, limits=a.limits, parent_pid=a.parent_pid,
+                                    model_names=a.served_model_name, cache_info=cache_info,
+                                    sleep_mode=a.enable_sleep_mode,
+                                    admin_token=token if a.admin_auth else None)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -145,9 +158,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--parent-pid", type=int, default=None,
                     help="exit (3) when this process is no longer our parent")
     ap.add_argument("--index", type=int, default=0)
-    ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME")
+    ap.add_argument("--cache-info", default=None, help="cache_config_info labels (JSON object)")
+    ap.add_argument("--enable-sleep-mode", action="store_true", help="the admin endpoints too")
+    ap.add_argument("--admin-auth", action="store_true",
+                    help=f"the admin endpoints need the token (from ${TOKEN_ENV})")
+    add_log_args(ap)
     add_http_limit_args(ap)
     a = ap.parse_args(argv)
+    if a.admin_auth and not os.environ.get(TOKEN_ENV):
+        ap.error(f"--admin-auth needs the token in ${TOKEN_ENV}")
     try:
         a.limits = limits_from_args(a)
     except ValueError as exc:
@@ -155,8 +175,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # The engine process drives the lifecycle (see the module docstring).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure(a.log_level, a.log_format)
     from .server import raise_fd_limit
 
     raise_fd_limit()  # process-wide: the entry point's to set (the connection cap follows it)
@@ -174,6 +193,17 @@ def parse_http_address(spec: str) -> tuple[str, int]:
         raise ValueError(f"--http {spec!r}: expected HOST:PORT")
     host = host.strip("[]") or "0.0.0.0"
     return host, int(port)
+
+
+def is_loopback_http(spec: str) -> bool:
+    """Whether ``--http HOST:PORT`` listens where only this machine can connect."""
+    import ipaddress
+
+    host = parse_http_address(spec)[0]
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def bind_http(spec: str, backlog: int = 2048) -> socket.socket:
@@ -194,8 +224,12 @@ def bind_http(spec: str, backlog: int = 2048) -> socket.socket:
     return sock
 
 
-def _frontend_env(token: Optional[str]) -> dict:
+def _frontend_env(token: Optional[str], metrics_dir: Optional[str] = None) -> dict:
+    from .metrics import MULTIPROC_ENV
+
     env = dict(os.environ)
+    if metrics_dir:
+        env[MULTIPROC_ENV] = metrics_dir
     root = str(Path(__file__).resolve().parents[2])  # this checkout's code, like ipc.spawn
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if root not in paths:
@@ -214,19 +248,28 @@ class Frontends:
     A frontend that exits while the engine serves is a failure: the engine process is stopped
     (SIGTERM to itself: it drains) and ``failed`` is set (the process then exits non-zero).
     Frontends still running :data:`STRAGGLER_TIMEOUT` seconds after the engine is over (and the
-    drain allowance) are killed."""
+    drain allowance) are killed.
+
+    Metrics: the frontends share a private ``PROMETHEUS_MULTIPROC_DIR`` created here before they
+    start (its counters outlive a frontend, so totals never go back); a frontend that exits is
+    marked dead there (its live gauges drop out); :meth:`close` removes the directory.
+
+    ``args``: more command-line arguments for every frontend (log settings, served names);
+    ``describe(engine)``: more, computed from the serving engine (the cache_config_info)."""
 
     STRAGGLER_TIMEOUT = 30.0
 
     def __init__(self, sock: socket.socket, n: int, token: Optional[str],
-                 drain_timeout: float = 30.0, verbose: bool = False,
-                 limits: HttpLimits = HttpLimits()) -> None:
+                 drain_timeout: float = 30.0, limits: HttpLimits = HttpLimits(),
+                 args: Sequence[str] = (), describe=None) -> None:
         self.sock = sock
         self.limits = limits
         self.n = n
         self.token = token
         self.drain_timeout = drain_timeout
-        self.verbose = verbose
+        self.args = list(args)
+        self.describe = describe
+        self.metrics_dir: Optional[str] = None
         self.procs: list = []
         self.codes: dict[int, int] = {}
         self.failed = False
@@ -236,17 +279,17 @@ class Frontends:
     def address(self) -> tuple:
         return self.sock.getsockname()
 
-    async def __call__(self, bound: str, tg) -> None:
+    async def __call__(self, bound: str, tg, engine=None) -> None:
         fd = self.sock.fileno()
         host, port = self.address[:2]
-        env = _frontend_env(self.token)
+        self.metrics_dir = tempfile.mkdtemp(prefix="enginecore-metrics-")
+        env = _frontend_env(self.token, self.metrics_dir)
+        extra = [*self.args, *(self.describe(engine) if self.describe and engine else ())]
         try:
             for i in range(self.n):
                 argv = [sys.executable, "-m", "entrypoints.http.frontend", "--connect", bound,
                         "--fd", str(fd), "--parent-pid", str(os.getpid()), "--index", str(i),
-                        *self.limits.to_argv()]
-                if self.verbose:
-                    argv.append("-v")
+                        *self.limits.to_argv(), *extra]
                 self.procs.append(await anyio.open_process(
                     argv, stdin=subprocess.DEVNULL, stdout=None, stderr=None, pass_fds=(fd,),
                     env=env))
@@ -256,8 +299,8 @@ class Frontends:
         finally:
             self.sock.close()  # the frontends hold it now
         if self.procs:
-            log.warning("HTTP on http://%s:%d (%d API server process%s)", host, port,
-                        len(self.procs), "" if len(self.procs) == 1 else "es")
+            log.info("HTTP on http://%s:%d (%d API server process%s; metrics in %s)", host, port,
+                     len(self.procs), "" if len(self.procs) == 1 else "es", self.metrics_dir)
             tg.start_soon(self._supervise)
 
     def _fail(self) -> None:
@@ -272,6 +315,7 @@ class Frontends:
         async def wait_one(i: int, proc) -> None:
             code = await proc.wait()
             self.codes[i] = code
+            self._mark_dead(proc.pid)
             if code == EXIT_OK or (code == EXIT_ENGINE_DIED and not self._stopping):
                 log.info("HTTP frontend %d (pid %d) exited with %d", i, proc.pid, code)
             else:
@@ -293,6 +337,20 @@ class Frontends:
                     log.error("HTTP frontend %d (pid %d) did not exit; killing it", i, proc.pid)
                     self.failed = True
                     proc.kill()
+                    await proc.wait()
+                    self._mark_dead(proc.pid)
+
+    def _mark_dead(self, pid: int) -> None:
+        if self.metrics_dir:
+            from prometheus_client.multiprocess import mark_process_dead
+
+            mark_process_dead(pid, self.metrics_dir)
+
+    def close(self) -> None:
+        """Remove the metrics directory (after the frontends exited)."""
+        if self.metrics_dir:
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+            self.metrics_dir = None
 
 
 if __name__ == "__main__":

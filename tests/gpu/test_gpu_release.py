@@ -120,3 +120,37 @@ def test_async_engine_cycles_return_every_byte(baseline):
         print(f"AsyncEngine cycle {i}: after shutdown {_fmt(after)}")
         assert after == baseline, f"cycle {i}: allocated {after[0] - baseline[0]:+d} B, " \
                                   f"reserved {after[1] - baseline[1]:+d} B"
+
+
+def test_release_with_a_full_prefix_cache_returns_every_byte(baseline):
+    """Every KV block ends up holding a cached prefix (distinct prompts through a small cache,
+    then a second pass that hits them): shutdown still gives back every byte, and the block
+    manager, which is host bookkeeping of the KV cache resource, is closed with it."""
+    cfg = EngineConfig(model="random:qwen3-0.6b", device="cuda", dtype="bfloat16",
+                       num_kv_blocks=64, max_num_seqs=8, max_model_len=512)
+    runner = ModelRunner(cfg)
+    runner.load()
+    core = EngineCore(runner)
+    blocks = core.blocks
+    # one output token: a prompt of whole blocks leaves only full (cacheable) blocks behind
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    per = 8  # blocks per prompt
+    n_prompts = 3 * blocks.num_blocks // per + 1
+    prompts = [[1000 + (p * 7919 + i) % 50000 for i in range(per * blocks.block_size)]
+               for p in range(n_prompts)]
+    for rnd in range(2):
+        for p, ids in enumerate(prompts[-8:] if rnd else prompts):
+            core.add_request(f"{rnd}-{p}", ids, params)
+        while core.has_work():
+            core.step()
+    stats = blocks.statistics()
+    print(f"\nfull cache: {stats}, {blocks.num_blocks} blocks")
+    assert stats.evictions > 0 and stats.hits > 0  # it filled up, and served hits
+    assert stats.cached_blocks > blocks.num_blocks - per  # (nearly) every block a cached prefix
+    runner.shutdown()
+    del core
+    gc.collect()
+    after = _mem()
+    print(f"after shutdown with a full cache: {_fmt(after)}")
+    assert blocks.closed and blocks.statistics().cached_blocks == 0
+    assert after == baseline, f"allocated {after[0] - baseline[0]:+d} B, reserved {after[1] - baseline[1]:+d} B"

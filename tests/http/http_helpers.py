@@ -57,15 +57,15 @@ class Served:
 
 @asynccontextmanager
 async def served(config: EngineConfig = TINY, engine=None, *, limits: HttpLimits = HttpLimits(),
-                 via: str = "engine") -> AsyncIterator[Served]:
+                 via: str = "engine", **app_options) -> AsyncIterator[Served]:
     """An engine (opened here unless given) and the app on uvicorn, on 127.0.0.1:<free port>.
     ``via="client"``: the app serves an ``ipc.EngineClient`` connected to the engine over an
     in-process IPC server (as a frontend process does), not the engine itself.
-    On exit the engine is drained (if still serving) and the server has stopped."""
+    ``app_options``: more of ``create_app``'s (``sleep_mode``, ``admin_token``). On exit the engine is drained (if still serving) and the server has stopped."""
     async with AsyncEngine.open(config) if engine is None else _given(engine) as eng:
         async with _engine_for_app(eng, via) as served_engine:
             sock = listening_socket()
-            app = create_app(served_engine, limits=limits)
+            app = create_app(served_engine, limits=limits, **app_options)
             server = make_server(app, limits, timeout_graceful_shutdown=5)
             port = sock.getsockname()[1]
             stopped = anyio.Event()
@@ -151,7 +151,7 @@ class ServeProcess:
     two cores and runs the frontends too). ``--parent-pid``: it drains if the test dies."""
 
     def __init__(self, model: str = "random:tiny-llama", api_servers: int = 1,
-                 drain_timeout: float = 60.0, extra: tuple = ()) -> None:
+                 drain_timeout: float = 60.0, extra: tuple = (), capture_stderr: bool = False) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.tmpdir = tempfile.mkdtemp(prefix="ec-http-")  # the IPC socket: gone even after SIGKILL
@@ -162,8 +162,15 @@ class ServeProcess:
                 "--drain-timeout", str(drain_timeout), "--parent-pid", str(os.getpid()),
                 "--kv-cache-bytes", str(64 * 2**20), *extra]
         # its own process group, like a container's: signal_group() is Kubernetes' SIGTERM
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+        #: with ``capture_stderr``: the engine's and its frontends' stderr (their logs)
+        self.log_path = Path(self.tmpdir) / "stderr.log" if capture_stderr else None
+        err = open(self.log_path, "wb") if self.log_path else None
+        try:
+            self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                                         stderr=err, start_new_session=True)
+        finally:
+            if err is not None:
+                err.close()
         self.pid = self.proc.pid
         self.frontends: list[int] = []
 
@@ -187,6 +194,10 @@ class ServeProcess:
     def openai(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0,
                                   timeout=120)
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
 
     def http(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.base_url, timeout=30)

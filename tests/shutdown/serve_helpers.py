@@ -48,7 +48,7 @@ class ServeProcess:
         raise AssertionError(f"no {text!r} in the log after {timeout}s:\n{self.log}")
 
     def wait_serving(self, timeout: float = 120.0) -> None:
-        self.wait_for_log("serving ", timeout)
+        self.wait_for_log("enginecore.serve: serving ", timeout)  # the IPC socket is up
 
     def signal(self, signum: int = signal.SIGTERM) -> float:
         os.kill(self.proc.pid, signum)

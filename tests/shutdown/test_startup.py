@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -37,6 +38,9 @@ def test_signal_during_startup_stops_loading(tmp_path) -> None:
         sp.kill()
     assert code == 128 + signal.SIGTERM, sp.log
     assert "during startup" in sp.log
-    assert elapsed < 5.0, f"took {elapsed:.1f}s to stop loading"
+    # it stopped mid-load, not after it (a bound on time alone fails on a loaded 2-core machine)
+    m = re.search(r"loading stopped: (\d+) of (\d+) weight tensors filled", sp.log)
+    assert m and int(m[1]) < int(m[2]), sp.log
+    assert elapsed < 20.0, f"took {elapsed:.1f}s to stop loading"
     assert "serving " not in sp.log
     assert not pid_alive(sp.proc.pid)

@@ -1,0 +1,151 @@
+"""The request side of :class:`engine.AsyncEngine`: admission of new requests, aborts, and the
+inbox that carries both to the engine loop, which applies it between steps.
+
+A mixin, like :class:`engine.sleep.SleepAPI`: it uses the engine's ``lifecycle``, ``core``,
+``admission``, ``_sinks`` (request id -> where its outputs go), ``_inbox``, ``_tokenizing``
+(accepted requests whose long prompt is tokenized on a worker thread -> abort reason),
+``_tg``, ``_loop_thread`` and ``_wake()``. Producers (API calls, on the event loop or, for
+aborts, any thread) only append to the inbox; the consumer (``_apply_inbox``) runs on the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from typing import NamedTuple, Optional, Union
+
+from states import State
+
+from .core import EngineCore
+from .errors import BadRequestError
+from .params import RequestOutput, SamplingParams
+from .request_stream import RequestStream, Sink
+
+log = logging.getLogger("enginecore.engine")
+
+#: States in which the loop steps requests (SLEEPING: those finishing before the device is freed).
+STEPPING = (State.SERVING, State.SLEEPING, State.DRAINING)
+
+
+class _Add(NamedTuple):
+    """Inbox: add an accepted request (its prompt tokenized) to the core."""
+    request_id: str
+    ids: list[int]
+    params: SamplingParams
+
+
+class _Abort(NamedTuple):
+    """Inbox: abort a request."""
+    request_id: str
+    reason: str
+
+
+
+InboxItem = Union[_Add, _Abort]
+
+
+class IntakeAPI:
+    def generate(self, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None,
+                 request_id: Optional[str] = None) -> RequestStream:
+        """Submit now (errors are raised here, at once); iterate the result for outputs."""
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        stream = RequestStream(rid, self._abort_nowait)
+        try:
+            self.submit(prompt, params or SamplingParams(), rid, stream.sink())
+        except BaseException:
+            stream._close()  # refused: nothing was accepted, nothing to abort
+            raise
+        return stream
+
+    def submit(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
+               sink: Sink) -> Optional[int]:
+        """Lower-level ``generate``: outputs go to ``sink`` (called on the event-loop thread).
+
+        What can be told at once is raised here (not serving, bad id/params/prompt, overloaded:
+        see :mod:`engine.admission`); then the request is accepted and ``sink`` gets exactly one
+        terminal item. Returns the number of prompt tokens, or None for a long text whose
+        tokens are counted on a worker thread (a prompt found too long there ends with a
+        ``BadRequestError`` delivered to ``sink``)."""
+        self._require_accepting()
+        if request_id in self._sinks:
+            raise BadRequestError(f"request_id {request_id!r} is already in flight")
+        core = self.core
+        waiting = len(self._sinks) - (core.num_running if core is not None else 0)
+        self.admission.check(request_id, prompt, params, waiting)
+        ids = self.admission.ids_now(prompt)
+        if ids is None:
+            self._sinks[request_id] = sink
+            self._tokenizing[request_id] = None
+            assert self._tg is not None
+            self._tg.start_soon(self._tokenize_then_add, request_id, prompt, params)
+            return None
+        ids = self.admission.check_ids(ids, params)
+        self._sinks[request_id] = sink
+        self._accept(request_id, ids, params)
+        return len(ids)
+
+    def _accept(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        self.admission.accepted(request_id, len(ids))
+        self._inbox.append(_Add(request_id, ids, params))
+        self._wake()
+
+    async def _tokenize_then_add(self, request_id: str, text: str, params: SamplingParams) -> None:
+        try:
+            ids = await self.admission.tokenize(text)
+            if self._sinks.get(request_id) is None:
+                return  # the engine died meanwhile: the sink already has its error
+            aborted = self._tokenizing.get(request_id)
+            if aborted is not None:
+                self._dispatch([RequestOutput(request_id=request_id, finished=True,
+                                              finish_reason="abort", reason=aborted)])
+                return
+            ids = self.admission.check_ids(ids, params)
+        except Exception as exc:
+            sink = self._sinks.pop(request_id, None)
+            if sink is not None:
+                sink(exc)
+        else:
+            self._accept(request_id, ids, params)
+        finally:
+            self._tokenizing.pop(request_id, None)
+            self._wake()
+
+    async def abort(self, request_id: str, reason: str = "aborted by client") -> None:
+        self._abort_nowait(request_id, reason)
+
+    def _abort_nowait(self, request_id: str, reason: str) -> None:
+        if request_id in self._tokenizing:
+            self._tokenizing[request_id] = reason  # not in the core yet: ended when tokenized
+            return
+        if request_id in self._sinks and self.lifecycle.state in STEPPING:
+            self._inbox.append(_Abort(request_id, reason))
+            if threading.get_ident() == self._loop_thread:
+                self._wake()
+
+    def _apply_inbox(self, core: EngineCore) -> None:
+        while self._inbox:
+            item = self._inbox.popleft()
+            if type(item) is _Add:
+                try:
+                    core.add_request(item.request_id, item.ids, item.params)
+                except Exception as exc:  # this request's own input: it ends, the engine serves on
+                    log.warning("request %s refused at admission: %s", item.request_id, exc)
+                    self._dispatch([RequestOutput(
+                        request_id=item.request_id, finished=True, finish_reason="error",
+                        reason=str(exc), num_prompt_tokens=len(item.ids))])
+            else:
+                out = core.abort(item.request_id, item.reason)
+                if out is not None:
+                    self._dispatch([out])
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        sinks = self._sinks
+        for out in outputs:
+            sink = sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                del sinks[out.request_id]
+                self.admission.finished(out.request_id)
+            sink(out)
