@@ -31,8 +31,8 @@ from states import State
 from .calls import Calls, death_message
 from .errors import ConnectionClosed, ProtocolError
 from .framing import STREAM_ENDED, FrameWriter
-from .messages import (Abort, Ack, Error, Health, Outputs, StateChanged, Tokens, Welcome,
-                       message_to_error)
+from .messages import Abort, Ack, Error, Health, Outputs, StateChanged, Tokens, Welcome
+from .wire_errors import message_to_error
 from .requests import GenerateEncoder, RequestTable
 from .streams import thread_caller
 

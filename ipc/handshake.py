@@ -12,7 +12,8 @@ from engine.interface import Engine
 from .errors import ConnectionClosed, ProtocolError
 from .framing import MAX_HEADER_VALUE, STREAM_ENDED, FrameCodec, FrameReader
 from .messages import (DEFAULT_MAX_FRAME, MAX_CHAT_TEMPLATE_LEN, MAX_NAME_LEN, PROTOCOL_VERSION,
-                       EngineMessage, Error, ErrorKind, Hello, Welcome, message_to_error)
+                       EngineMessage, Error, ErrorKind, Hello, Welcome)
+from .wire_errors import message_to_error
 
 log = logging.getLogger("enginecore.ipc")
 

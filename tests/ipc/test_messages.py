@@ -35,9 +35,8 @@ from ipc.messages import (
     Sleep,
     UpdateWeights,
     WakeUp,
-    error_to_message,
-    message_to_error,
 )
+from ipc.wire_errors import error_to_message, message_to_error
 from ipc_samples import messages, sample_messages
 from states import InvalidTransitionError, State
 
