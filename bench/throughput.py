@@ -58,10 +58,15 @@ HF_MODES = ("hf-generate", "hf-cb")
 
 
 
+#: ``--logprobs K``: every request asks for its tokens' logprobs and the top K (set by main)
+LOGPROBS: Optional[int] = None
+
+
 def _params(max_tokens: int, temperature: float):
     from engine import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
+    lp = dict(logprobs=True, top_logprobs=LOGPROBS) if LOGPROBS is not None else {}
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True, **lp)
 
 
 def _engine_cfg(args):
@@ -275,8 +280,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--uvloop", action="store_true", help="run the async modes on uvloop")
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
                     help="run each mode (each round) in a fresh process (default: on)")
+    ap.add_argument("--logprobs", type=int, default=None, metavar="K",
+                    help="every request asks for logprobs with the top K (engine max_logprobs: 20)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = common.finish_common_args(ap.parse_args(argv), "throughput")
+    global LOGPROBS
+    LOGPROBS = args.logprobs
     defaults = CUDA_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
     for k, v in defaults.items():
         if getattr(args, k) is None:

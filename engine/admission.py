@@ -50,7 +50,12 @@ class Admission:
         if not isinstance(params, SamplingParams):
             raise BadRequestError("params must be SamplingParams")
         params.validate()
-        params.check_vocab(self.runner.model_config.vocab_size)
+        params.check_vocab(self.runner.model_config.vocab_size, self.runner.config.max_logprobs)
+        if self.runner.speculator is not None and (
+                params.presence_penalty or params.frequency_penalty
+                or params.repetition_penalty != 1.0):
+            raise BadRequestError("invalid sampling params: presence, frequency and repetition "
+                                  "penalties are not supported with speculative decoding")
         if isinstance(prompt, str):
             limit = self.max_prompt_chars
             if len(prompt) > limit:
@@ -72,7 +77,10 @@ class Admission:
     def max_prompt_chars(self) -> int:
         return self.runner.max_model_len * max(1, self.runner.tokenizer.max_token_chars)
 
-    def check_ids(self, ids: list[int], params: SamplingParams) -> None:
+    def check_ids(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's ids as the engine takes them (the last ``truncate_prompt_tokens``)."""
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[len(ids) - min(len(ids), params.truncate_prompt_tokens):]
         vocab = self.runner.model_config.vocab_size
         for t in ids:
             if type(t) is not int or not (0 <= t < vocab):
@@ -82,6 +90,7 @@ class Admission:
             raise EngineOverloadedError(
                 f"engine is overloaded: {self.tokens_in_flight} prompt tokens are queued "
                 f"(max_queued_tokens={self.max_tokens}); retry later")
+        return ids
 
     # -- tokenization ---------------------------------------------------------------------------
     def ids_now(self, prompt: Union[str, list[int]]) -> Optional[list[int]]:
@@ -94,6 +103,21 @@ class Admission:
 
     async def tokenize(self, text: str) -> list[int]:
         return await to_thread.run_sync(self.runner.tokenizer.encode, text, limiter=self._limiter)
+
+    async def tokenize_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        """For the engine's ``tokenize`` call: bounded like a prompt."""
+        if not isinstance(text, str) or len(text) > self.max_prompt_chars:
+            raise BadRequestError(f"text must be a string of at most {self.max_prompt_chars} characters")
+        return await to_thread.run_sync(self.runner.tokenizer.encode, text, bool(add_special_tokens),
+                                        limiter=self._limiter)
+
+    async def detokenize(self, ids: list[int], each: bool) -> list[str]:
+        tok, vocab = self.runner.tokenizer, self.runner.model_config.vocab_size
+        if not isinstance(ids, list) or any(type(t) is not int or not (0 <= t < vocab) for t in ids):
+            raise BadRequestError(f"token ids must be integers in [0, {vocab})")
+        if each:
+            return [tok.token_bytes(t).decode("utf-8", errors="replace") for t in ids]
+        return [await to_thread.run_sync(tok.decode, ids, limiter=self._limiter)]
 
     # -- accounting -----------------------------------------------------------------------------
     def accepted(self, request_id: str, num_tokens: int) -> None:

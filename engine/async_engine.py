@@ -195,13 +195,25 @@ class AsyncEngine(IntakeAPI, SleepAPI):
         return await to_thread.run_sync(self.runner.tokenizer.apply_chat_template, messages,
                                         add_generation_prompt)
 
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids (on a worker thread; bounded like a prompt)."""
+        if self.lifecycle.state in (State.INIT, State.SHUTDOWN, State.FAILED):
+            self._raise_unavailable("tokenize")
+        return await self.admission.tokenize_text(text, add_special_tokens)
+
+    async def detokenize(self, ids: list[int], each: bool = False) -> list[str]:
+        """``[the text of ids]``, or with ``each`` one string per token (its bytes as UTF-8)."""
+        if self.lifecycle.state in (State.INIT, State.SHUTDOWN, State.FAILED):
+            self._raise_unavailable("detokenize")
+        return await self.admission.detokenize(ids, each)
+
     def tokenizer_info(self) -> TokenizerInfo:
         """The tokenizer's description (all unknown until the model is loaded)."""
         tok = self.runner.tokenizer
         if tok is None or self.runner.model_config is None:
             return TokenizerInfo()
         return TokenizerInfo(tok.chat_template, tok.bos_token, tok.eos_token,
-                             self.runner.model_config.vocab_size)
+                             self.runner.model_config.vocab_size, self.config.max_logprobs)
 
     def on_state_change(self, listener: Callable[[State, State], None]) -> None:
         self._listeners.append(listener)

@@ -33,6 +33,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # accepted but not yet running, and prompt tokens held by unfinished requests.
     max_waiting_requests: int = 4096
     max_queued_tokens: int = 4 * 1024 * 1024
+    #: the most top logprobs (and prompt logprobs) one request may ask for per token
+    max_logprobs: int = 20
     cuda_graphs: bool = True  # capture decode-only steps as CUDA graphs (CUDA + Triton only)
     # Test hook: raise inside the model forward on this (1-based) step. Never set in production.
     fault_at_step: Optional[int] = None
@@ -64,5 +66,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise BadRequestError("need 1 <= ngram_min <= ngram_max <= 16")
         if not (1 <= self.num_speculative_tokens <= 16):
             raise BadRequestError("num_speculative_tokens must be in [1, 16]")
+        if not (0 <= self.max_logprobs <= 1024):
+            raise BadRequestError("max_logprobs must be in [0, 1024]")
         self.resolved_dtype()
         return self

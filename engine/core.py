@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional, Sequence
 from .detokenizer import IncrementalDetokenizer
 from .errors import BadRequestError
 from .kv_cache import blocks_needed
-from .params import RequestOutput, SamplingParams
+from .params import RequestOutput, SamplingParams, TokenLogprob
 from .request import Request
 from .runner import ModelRunner
 from .sampler import StepResult
@@ -63,7 +63,9 @@ class EngineCore:
         fails, nothing is added and the error is raised for this request alone."""
         req = Request(request_id, list(prompt_token_ids), params)
         try:
-            req.detok = IncrementalDetokenizer(self.tokenizer, req.token_ids, params.stop)
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.token_ids, params.stop,
+                                               params.skip_special_tokens,
+                                               params.include_stop_str_in_output)
             self.runner.admit(req)
         except Exception as exc:
             self.runner.forget(request_id)
@@ -117,6 +119,8 @@ class EngineCore:
         outputs: list[RequestOutput] = []
         for k, (req, n) in enumerate(batch):
             new = result.tokens[k]
+            if k in result.prompt_lps:
+                req.prompt_lps.extend(self._lp(e) for e in result.prompt_lps[k])
             req.spec_token_ids = []
             if not new:
                 self.scheduler.advance(req, req.num_computed_tokens + n)
@@ -124,8 +128,29 @@ class EngineCore:
             # accepted drafts are in the cache too; blocks only rejected ones used go back
             self.scheduler.advance(req, req.num_computed_tokens + n + len(new) - 1)
             out = self._append(req, new, result.logprobs[k] if result.logprobs else None)
+            if result.token_lps is not None and req.params.logprobs:
+                got = result.token_lps[k][: len(out.token_ids)]
+                out.token_logprobs = [self._lp(e) for e in got]
             outputs.append(out)
         return outputs
+
+    def _lp(self, e) -> TokenLogprob:
+        """A TokenLogprob from an ``engine.logprobs`` entry (with the tokens' bytes)."""
+        tb = self.tokenizer.byte_table  # ids come from the model: all inside the vocabulary
+        tok, lp, rank, ids, lps = e
+        return TokenLogprob(tok, tb[tok], lp, rank, ids, lps, list(map(tb.__getitem__, ids)))
+
+    def _first_output(self, req: Request, out: RequestOutput) -> None:
+        """The prompt's logprobs and text go with a request's first output."""
+        p = req.params
+        req.prompt_sent = True
+        if p.prompt_logprobs is not None:
+            first = req.token_ids[0]
+            out.prompt_logprobs = [TokenLogprob(token_id=first,
+                                                token=self.tokenizer.token_bytes(first))]
+            out.prompt_logprobs += req.prompt_lps[: req.num_prompt_tokens - 1]
+        if p.echo:
+            out.prompt_text = self.tokenizer.decode(req.token_ids[: req.num_prompt_tokens])
 
     def _append(self, req: Request, new: list[int], logprobs) -> RequestOutput:
         p = req.params
@@ -135,6 +160,8 @@ class EngineCore:
         reason = None
         accepted: list[int] = []
         text = ""
+        if p.max_tokens == 0:  # scoring only: the prompt's logprobs, no token
+            finish, new = "length", []
         for i, tok in enumerate(new):
             req.token_ids.append(tok)
             accepted.append(tok)
@@ -162,6 +189,8 @@ class EngineCore:
         out = RequestOutput(request_id=req.request_id, token_ids=accepted, text=text)
         if p.logprobs:
             out.logprobs = req.logprobs[len(req.logprobs) - len(accepted):]
+        if not req.prompt_sent and (p.prompt_logprobs is not None or p.echo):
+            self._first_output(req, out)
         if finish:
             out.text += req.detok.flush()
             return self._finish(req, finish, reason, out)

@@ -17,10 +17,13 @@ _REPLACEMENT = "\ufffd"
 
 class IncrementalDetokenizer:
     __slots__ = ("_tok", "_ids", "_prefix", "_read", "_stops", "_hold", "_pending", "text",
-                 "stopped")
+                 "stopped", "_skip", "_keep_stop")
 
-    def __init__(self, tokenizer: Tokenizer, prompt_tail: Sequence[int], stop: Sequence[str]):
+    def __init__(self, tokenizer: Tokenizer, prompt_tail: Sequence[int], stop: Sequence[str],
+                 skip_special_tokens: bool = True, include_stop_str: bool = False):
         self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._keep_stop = include_stop_str  # the text ends with the stop string, not before it
         # A few prompt tokens give the decoder context (e.g. a leading space merges correctly).
         self._ids: list[int] = list(prompt_tail[-4:])
         self._prefix = 0
@@ -36,13 +39,16 @@ class IncrementalDetokenizer:
         stop string was found (the text then ends right before it)."""
         for t in token_ids:
             self._ids.append(t)
-            prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
-            full = self._tok.decode(self._ids[self._prefix:])
+            prefix_text = self._decode(self._ids[self._prefix:self._read])
+            full = self._decode(self._ids[self._prefix:])
             if full.endswith(_REPLACEMENT) or len(full) < len(prefix_text):
                 continue  # an incomplete character: wait for more bytes
             self._pending += full[len(prefix_text):]
             self._prefix, self._read = self._read, len(self._ids)
         return self._release(final=False)
+
+    def _decode(self, ids) -> str:
+        return self._tok.decode(ids) if self._skip else self._tok.decode(ids, False)
 
     def flush(self) -> str:
         """The request finished: emit whatever is still held back."""
@@ -55,8 +61,10 @@ class IncrementalDetokenizer:
             # NOTE: searching the pending text alone is enough: at least len(longest stop) - 1
             # characters are always held back, so a stop string starting in text already
             # emitted would have been complete (and found) when that text was emitted.
-            cut = min((i for i in (self._pending.find(s) for s in self._stops) if i >= 0), default=-1)
-            if cut >= 0:
+            found = [(i, -len(s)) for s in self._stops if (i := self._pending.find(s)) >= 0]
+            if found:
+                i, neg = min(found)
+                cut = i - neg if self._keep_stop else i
                 out = self._pending[:cut]
                 self.stopped = True
                 self.text += out

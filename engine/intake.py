@@ -80,7 +80,7 @@ class IntakeAPI:
             assert self._tg is not None
             self._tg.start_soon(self._tokenize_then_add, request_id, prompt, params)
             return None
-        self.admission.check_ids(ids, params)
+        ids = self.admission.check_ids(ids, params)
         self._sinks[request_id] = sink
         self._accept(request_id, ids, params)
         return len(ids)
@@ -100,7 +100,7 @@ class IntakeAPI:
                 self._dispatch([RequestOutput(request_id=request_id, finished=True,
                                               finish_reason="abort", reason=aborted)])
                 return
-            self.admission.check_ids(ids, params)
+            ids = self.admission.check_ids(ids, params)
         except Exception as exc:
             sink = self._sinks.pop(request_id, None)
             if sink is not None:

@@ -64,6 +64,7 @@ class TokenizerInfo(NamedTuple):
     bos_token: Optional[str] = None
     eos_token: Optional[str] = None
     vocab_size: int = 0
+    max_logprobs: int = 20  #: the most top logprobs a request may ask for per token
 
 
 def unavailable_error(state: State, call: str, death: Optional[BaseException] = None,
@@ -128,6 +129,14 @@ class Engine(Protocol):
 
     def tokenizer_info(self) -> TokenizerInfo:
         """The tokenizer's description (all unknown until the model is loaded)."""
+        ...
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids, as a prompt would have them."""
+        ...
+
+    async def detokenize(self, ids: list[int], each: bool = False) -> list[str]:
+        """``[the text of ids]``, or with ``each`` one string per token."""
         ...
 
     def on_state_change(self, listener: Callable[[State, State], None]) -> None: ...

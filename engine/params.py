@@ -19,6 +19,11 @@ MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOKENS = 2**31 - 1
 MAX_TOP_K = 2**31 - 1
+#: Hard ceilings of the logprob and logit-processor fields (the engine's ``max_logprobs`` is
+#: usually far lower; the vocabulary bounds token ids).
+MAX_LOGPROBS = 1024
+MAX_LOGIT_BIAS = 1024
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
 _INT = int
 
 
@@ -47,14 +52,29 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     ignore_eos: bool = False
     logprobs: bool = False
     min_tokens: int = 0
+    # -- appended (older frames decode with these defaults) --------------------------------
+    top_logprobs: int = 0  # with logprobs: this many most likely alternatives per token
+    prompt_logprobs: Optional[int] = None  # None: off; k: the prompt tokens' logprobs + top k
+    echo: bool = False  # the first output carries the prompt's tokens and text
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = {}
+    allowed_token_ids: list[int] = []
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: Optional[int] = None  # keep only the prompt's last k tokens
 
     def validate(self) -> "SamplingParams":
         """Raise :class:`BadRequestError` naming the first invalid field; return self."""
         def bad(msg: str) -> BadRequestError:
             return BadRequestError(f"invalid sampling params: {msg}")
 
-        if not _is_int(self.max_tokens) or not (1 <= self.max_tokens <= MAX_TOKENS):
-            raise bad(f"max_tokens must be an integer in [1, {MAX_TOKENS}], got {self.max_tokens!r}")
+        # max_tokens 0: scoring only (the prompt's logprobs), so only with prompt_logprobs
+        low = 0 if self.prompt_logprobs is not None else 1
+        if not _is_int(self.max_tokens) or not (low <= self.max_tokens <= MAX_TOKENS):
+            raise bad(f"max_tokens must be an integer in [{low}, {MAX_TOKENS}], got {self.max_tokens!r}")
         if not _is_real(self.temperature) or not (0.0 <= self.temperature <= 100.0):
             raise bad(f"temperature must be a number in [0, 100], got {self.temperature!r}")
         if not _is_int(self.top_k) or not (0 <= self.top_k <= MAX_TOP_K):
@@ -76,14 +96,57 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
             raise bad("ignore_eos and logprobs must be booleans")
         if not _is_int(self.min_tokens) or not (0 <= self.min_tokens <= self.max_tokens):
             raise bad(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        self._validate_extras(bad)
         return self
 
-    def check_vocab(self, vocab_size: int) -> None:
-        """Token ids in the params must exist in the model's vocabulary."""
-        for t in self.stop_token_ids:
-            if t >= vocab_size:
-                raise BadRequestError(f"invalid sampling params: stop_token_ids: {t} is not a "
-                                      f"token id of this model (vocabulary size {vocab_size})")
+    def _validate_extras(self, bad) -> None:
+        if not _is_int(self.top_logprobs) or not (0 <= self.top_logprobs <= MAX_LOGPROBS):
+            raise bad(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs!r}")
+        k = self.prompt_logprobs
+        if k is not None and (not _is_int(k) or not (0 <= k <= MAX_LOGPROBS)):
+            raise bad(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        if any(type(v) is not bool for v in (self.echo, self.skip_special_tokens,
+                                             self.include_stop_str_in_output)):
+            raise bad("echo, skip_special_tokens and include_stop_str_in_output must be booleans")
+        for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                             ("repetition_penalty", 0.01, 100.0), ("min_p", 0.0, 1.0)):
+            v = getattr(self, name)
+            if not _is_real(v) or not (lo <= v <= hi):
+                raise bad(f"{name} must be a number in [{lo}, {hi}], got {v!r}")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not _is_int(t) or not (1 <= t <= MAX_TOKENS)):
+            raise bad(f"truncate_prompt_tokens must be an integer in [1, {MAX_TOKENS}], got {t!r}")
+        lb = self.logit_bias
+        if not isinstance(lb, dict) or len(lb) > MAX_LOGIT_BIAS:
+            raise bad(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases")
+        for t, v in lb.items():
+            if not _is_int(t) or not (0 <= t < 2**31) or not _is_real(v) or not (-100 <= v <= 100):
+                raise bad("logit_bias must map token ids in [0, 2**31) to numbers in [-100, 100]")
+        ids = self.allowed_token_ids
+        if not isinstance(ids, list) or len(ids) > MAX_ALLOWED_TOKEN_IDS:
+            raise bad(f"allowed_token_ids must be a list of at most {MAX_ALLOWED_TOKEN_IDS} token ids")
+        if any(not _is_int(t) or not (0 <= t < 2**31) for t in ids):
+            raise bad("allowed_token_ids must be integers in [0, 2**31)")
+
+    def check_vocab(self, vocab_size: int, max_logprobs: int = 20) -> None:
+        """Token ids in the params must exist in the model's vocabulary; logprob counts are
+        bounded by the engine's ``max_logprobs``."""
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            for t in getattr(self, name):
+                if t >= vocab_size:
+                    raise BadRequestError(f"invalid sampling params: {name}: {t} is not a "
+                                          f"token id of this model (vocabulary size {vocab_size})")
+        for name in ("top_logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and k > max_logprobs:
+                raise BadRequestError(f"invalid sampling params: {name} must be at most "
+                                      f"{max_logprobs} (the engine's max_logprobs), got {k}")
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        """Penalties, biases or an allow-list change this request's logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.allowed_token_ids or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -107,6 +170,27 @@ class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     finish_reason: Optional[FinishReason] = None
     reason: Optional[str] = None
     logprobs: Optional[list[float]] = None
+    # -- appended (older frames decode with these defaults) --------------------------------
+    #: with ``params.logprobs``: one entry per new token (its logprob, bytes, top alternatives)
+    token_logprobs: Optional[list["TokenLogprob"]] = None
+    #: with ``params.prompt_logprobs`` or ``params.echo``, on the first output only: one entry
+    #: per prompt token (the first has no logprob: nothing predicts it)
+    prompt_logprobs: Optional[list["TokenLogprob"]] = None
+    #: with ``params.echo``, on the first output only: the prompt as text
+    prompt_text: Optional[str] = None
 
 
-__all__ = ["SamplingParams", "RequestOutput", "FinishReason"]
+class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One token's logprob (natural log, of the model's raw distribution), its bytes, its rank
+    (1 = most likely; prompt tokens only) and the ``top`` most likely tokens with theirs."""
+
+    token_id: int
+    token: bytes
+    logprob: Optional[float] = None
+    rank: Optional[int] = None
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+    top_tokens: list[bytes] = []
+
+
+__all__ = ["SamplingParams", "RequestOutput", "TokenLogprob", "FinishReason"]

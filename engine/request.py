@@ -22,6 +22,7 @@ class Request:
         "num_preemptions", "first_token_time", "logprobs",
         "stop_ids", "sampling_row",
         "num_sealed_blocks", "block_hashes", "hash_root", "cache_epoch", "first_scheduled",
+        "prompt_lps", "prompt_sent",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
@@ -46,6 +47,10 @@ class Request:
         self.first_scheduled: Optional[float] = None  # monotonic time it was first scheduled
         self.logprobs: list[float] = []
         self.stop_ids = frozenset(params.stop_token_ids)
+        # prompt_logprobs: TokenLogprob of prompt positions 1.. as prefill chunks compute them;
+        # sent (with the echo) on the first output
+        self.prompt_lps: list = []
+        self.prompt_sent = False
         # (temperature, top_k, top_p) as the sampler's tensors take them; set by the runner
         # when the request is admitted (ModelRunner.admit)
         self.sampling_row: tuple[float, int, float] = (0.0, 0, 1.0)
@@ -61,6 +66,11 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Prompt logprobs need every prompt position computed (no cached prefix)."""
+        return self.params.prompt_logprobs is not None
 
     @property
     def finished(self) -> bool:

@@ -27,7 +27,8 @@ from .owner import DeviceOwner, reachable_tensors
 from .owner import Resource as R
 from .weights import NamedTensors, check_architecture, copy_into, validated, weight_spec
 from .request import Request
-from .sampler import SamplingBatch, StepResult, build_sampling_batch, sample
+from . import logprobs
+from .sampler import SamplingBatch, StepResult, build_sampling_batch, process, sample
 from .step_inputs import packed_forward
 
 log = logging.getLogger("enginecore.runner")
@@ -339,6 +340,7 @@ class ModelRunner:
         kv: KVCache = self._owner[R.KV_CACHE]
         seqs = []
         sample_rows: list[list[int]] = []  # per entry: rows whose logits are sampled
+        row_starts: list[int] = []  # per entry: its first packed row
         row = 0
         for req, n in batch:
             start = req.num_computed_tokens
@@ -348,21 +350,35 @@ class ModelRunner:
             # a decode plus its draft tokens: every row is a decode row (the graphable path)
             seqs.append((toks, start, req.block_ids, start > 0 and (len(toks) == 1 or bool(spec))))
             sample_rows.append(list(range(row + n - 1, row + len(toks))) if ends else [])
+            row_starts.append(row)
             row += len(toks)
         hidden = packed_forward(model, kv.tensor, state, self._owner.get(R.CUDA_GRAPHS),
                                 self.device, self.block_size, seqs)
         flat = [r for rows in sample_rows for r in rows]
-        if not flat:
+        plp = logprobs.prompt_rows(batch, row_starts)  # prompt tokens whose logprobs are asked
+        if not flat and not plp:
             return StepResult([[] for _ in batch], None)
-        if flat == list(range(len(flat))):
-            logits = model.logits(hidden[: len(flat)])
+        idx = flat + [r for _, r, _ in plp]
+        if idx == list(range(len(idx))):
+            logits_all = model.logits(hidden[: len(idx)])
         else:
-            logits = model.logits(hidden[torch.tensor(flat, device=self.device)])
-        owners = [i for i, rows in enumerate(sample_rows) for _ in rows]
-        sb = build_sampling_batch([batch[i][0] for i in owners], state.generators, self.device)
-        if self.speculator is not None:
-            return self.speculator.verify(batch, sample_rows, logits, sb)
-        return self._sample(batch, owners, logits, sb)
+            logits_all = model.logits(hidden[torch.tensor(idx, device=self.device)])
+        logits = logits_all[: len(flat)]
+        if flat:
+            owners = [i for i, rows in enumerate(sample_rows) for _ in rows]
+            sb = build_sampling_batch([batch[i][0] for i in owners], state.generators, self.device)
+            processed = process(logits, sb)
+            if self.speculator is not None:
+                result = self.speculator.verify(batch, sample_rows, processed, sb)
+            else:
+                result = self._sample(batch, owners, processed, sb)
+        else:
+            result = StepResult([[] for _ in batch], None)
+        if plp or any(req.params.logprobs for req, _ in batch):
+            result.token_lps, result.prompt_lps = logprobs.for_step(
+                batch, sample_rows, result.tokens, logits_all, plp)
+            result.logprobs = [[e[1] for e in es] for es in result.token_lps]
+        return result
 
     def _sample(self, batch, owners, logits, sb: SamplingBatch) -> StepResult:
         tokens, logprobs = sample(logits, sb)

@@ -12,16 +12,22 @@ from typing import Optional, Sequence
 
 import torch
 
+from .logits import LogitsPlan
+
 
 class StepResult:
     """Per scheduled entry of a step: the new tokens (empty while a prefill is still chunking)
     and, when asked for, their logprobs."""
 
-    __slots__ = ("tokens", "logprobs")
+    __slots__ = ("tokens", "logprobs", "token_lps", "prompt_lps")
 
     def __init__(self, tokens: list[list[int]], logprobs: Optional[list[list[float]]]):
         self.tokens = tokens
         self.logprobs = logprobs
+        #: per entry, for requests with logprobs: engine.logprobs entries of the new tokens
+        self.token_lps: Optional[list[list]] = None
+        #: {entry: engine.logprobs entries of prompt tokens} (prompt_logprobs)
+        self.prompt_lps: dict[int, list] = {}
 
 
 @dataclasses.dataclass
@@ -31,7 +37,9 @@ class SamplingBatch:
     top_p: torch.Tensor  # [N] float32
     generators: list[Optional[torch.Generator]]  # per row; None = the shared default stream
     all_greedy: bool
-    need_logprobs: bool
+    need_logprobs: bool  # the sampled tokens' logprobs from sample() (engine.logprobs does more)
+    min_p: Optional[torch.Tensor] = None  # [N] float32, None when no row uses it
+    plan: Optional[LogitsPlan] = None  # penalties, biases, allow-lists (engine.logits)
 
 
 def build_sampling_batch(reqs: Sequence, generators: dict, device: torch.device) -> SamplingBatch:
@@ -44,12 +52,21 @@ def build_sampling_batch(reqs: Sequence, generators: dict, device: torch.device)
         top_p=torch.tensor([r[2] for r in rows], dtype=torch.float32, device=device),
         generators=[generators.get(r.request_id) for r in reqs],
         all_greedy=all(r[0] == 0 for r in rows),
-        need_logprobs=any(r.params.logprobs for r in reqs),
+        need_logprobs=False,
+        min_p=(torch.tensor([r.params.min_p for r in reqs], dtype=torch.float32, device=device)
+               if any(r.params.min_p for r in reqs) else None),
+        plan=LogitsPlan.build(reqs),
     )
 
 
+def process(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """``logits`` with the batch's penalties, biases and allow-lists applied (a copy), or
+    ``logits`` itself when no row asks for any."""
+    return logits if batch.plan is None else batch.plan.apply(logits)
+
+
 def apply_penalty_free_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Temperature, top-k and top-p applied to fp32 ``logits`` [N, V] (greedy rows untouched)."""
+    """Temperature, top-k, top-p and min-p applied to fp32 ``logits`` [N, V] (greedy rows untouched)."""
     temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
     logits = logits / temp[:, None]
     use_k = bool((batch.top_k > 0).any())
@@ -69,6 +86,10 @@ def apply_penalty_free_filters(logits: torch.Tensor, batch: SamplingBatch) -> to
             drop[:, 0] = False
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter_(1, idx, sorted_logits)
+    if batch.min_p is not None:  # drop tokens less likely than min_p x the most likely one
+        probs = logits.softmax(-1)
+        floor = probs.amax(-1, keepdim=True) * batch.min_p[:, None]
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 
 

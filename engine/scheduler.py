@@ -72,7 +72,7 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hit = self.blocks.lookup(req)
+            hit = [] if req.skips_prefix_cache else self.blocks.lookup(req)
             start = len(hit) * self.block_size
             n = min(req.num_tokens - start, budget)
             need = blocks_needed(start + n, self.block_size) - len(hit)

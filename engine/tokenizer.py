@@ -31,6 +31,7 @@ class Tokenizer:
         self.add_bos = add_bos
         self.special_tokens = dict(special_tokens or {})
         self._max_token_chars: Optional[int] = None
+        self._token_bytes: Optional[list[bytes]] = None
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
@@ -96,6 +97,19 @@ class Tokenizer:
             return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token ``i`` stands for (its UTF-8 text may be a partial character)."""
+        table = self.byte_table
+        return table[i] if 0 <= i < len(table) else b""
+
+    @property
+    def byte_table(self) -> list[bytes]:
+        """Every token's bytes, by id (built once, on first use)."""
+        table = self._token_bytes
+        if table is None:
+            table = self._token_bytes = _token_byte_table(self)
+        return table
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` with the model's chat template (Jinja, sandboxed)."""
         return render_chat_template(self.chat_template, messages, self.bos_token, self.eos_token,
@@ -117,6 +131,39 @@ class Tokenizer:
         if self._backend is None:
             return {v: k for k, v in self.special_tokens.items()}.get(i)
         return self._backend.id_to_token(i)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character each byte is spelled with."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _token_byte_table(tok: "Tokenizer") -> list[bytes]:
+    if tok._backend is None:
+        return [bytes([i]) if i < 256 else b"" for i in range(tok.vocab_size)]
+    dec = _byte_decoder()
+    backend = tok._backend
+    added = {t.content for t in backend.get_added_tokens_decoder().values()}
+    out = []
+    for i in range(tok.vocab_size):
+        t = backend.id_to_token(i)
+        if t is None:
+            out.append(b"")
+        elif t not in added and all(c in dec for c in t):
+            out.append(bytes(dec[c] for c in t))
+        elif t.startswith("<0x") and t.endswith(">") and len(t) == 6:  # SentencePiece byte
+            out.append(bytes([int(t[3:5], 16)]))
+        else:
+            out.append(t.replace("\u2581", " ").encode("utf-8"))
+    return out
 
 
 def render_chat_template(template: Optional[str], messages: list[dict], bos_token: Optional[str],

@@ -32,6 +32,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculator", choices=["none", "ngram", "draft"], default="none")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--draft-model", default=None)
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most top logprobs one request may ask for per token (400 beyond)")
     p.add_argument("--config-json", default=None, help="a whole EngineConfig as JSON (overrides the flags)")
 
 
@@ -44,6 +46,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_model_len=a.max_model_len, enable_prefix_caching=a.enable_prefix_caching,
         speculator=a.speculator,
         num_speculative_tokens=a.num_speculative_tokens, draft_model=a.draft_model,
+        max_logprobs=a.max_logprobs,
     )
 
 

@@ -14,9 +14,8 @@ from .messages import (
     DEFAULT_MAX_FRAME,
     PROTOCOL_VERSION,
     ErrorKind,
-    error_to_message,
-    message_to_error,
 )
+from .wire_errors import error_to_message, message_to_error
 from .transport import connect, open_listener, parse_address, preflight_listen, remove_socket
 from .client import ConnState, EngineClient
 from .streams import RemoteStream

@@ -31,7 +31,8 @@ from states import State
 from .calls import Calls, death_message
 from .errors import ConnectionClosed, ProtocolError
 from .framing import STREAM_ENDED, FrameWriter
-from .messages import Abort, Ack, Error, Health, Outputs, StateChanged, Welcome, message_to_error
+from .messages import Abort, Ack, Error, Health, Outputs, StateChanged, Tokens, Welcome
+from .wire_errors import message_to_error
 from .requests import GenerateEncoder, RequestTable
 from .streams import thread_caller
 
@@ -171,7 +172,7 @@ class ClientChannel:
                 self.failure = EngineDeadError("engine failed")
             if self.failure is None or msg.state is State.FAILED:
                 self._set_state(msg.state)
-        elif t is Health or t is Ack:
+        elif t is Health or t is Ack or t is Tokens:
             if t is Ack and msg.state is not None and self.failure is None:
                 self._set_state(msg.state)
             self._calls.answer(msg.call_id, msg)

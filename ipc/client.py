@@ -41,8 +41,8 @@ from states import State
 
 from .channel import ClientChannel, ConnState
 from .handshake import client_handshake
-from .messages import (MAX_PATH_LEN, MAX_REQUEST_ID_LEN, Abort, Drain, Health, HealthRequest, Shutdown,
-                       Sleep, UpdateWeights, WakeUp)
+from .messages import (MAX_PATH_LEN, MAX_REQUEST_ID_LEN, Abort, Detokenize, Drain, Health,
+                       HealthRequest, Shutdown, Sleep, Tokenize, UpdateWeights, WakeUp)
 from .requests import join_outputs
 from .streams import RemoteStream
 from .transport import connect as open_stream
@@ -131,7 +131,8 @@ class EngineClient(ClientChannel):
 
     def tokenizer_info(self) -> TokenizerInfo:
         w = self.welcome
-        return TokenizerInfo(w.chat_template, w.bos_token, w.eos_token, w.vocab_size)
+        return TokenizerInfo(w.chat_template, w.bos_token, w.eos_token, w.vocab_size,
+                             20 if w.max_logprobs is None else w.max_logprobs)
 
     def on_state_change(self, listener: Callable[[State, State], None]) -> None:
         """Call ``listener(old, new)`` on every state change heard from the engine (and
@@ -199,6 +200,18 @@ class EngineClient(ClientChannel):
     async def shutdown(self) -> None:
         """``drain(0)``: abort everything in flight (terminal pieces are delivered), shut down."""
         await self._call("shutdown", lambda cid: Shutdown(call_id=cid))
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids, from the engine's tokenizer."""
+        msg = await self._call("tokenize", lambda cid: Tokenize(
+            call_id=cid, text=text, add_special_tokens=bool(add_special_tokens)))
+        return list(msg.ids)
+
+    async def detokenize(self, ids: list[int], each: bool = False) -> list[str]:
+        """``[the text of ids]``, or with ``each`` one string per token."""
+        msg = await self._call("detokenize", lambda cid: Detokenize(call_id=cid, ids=list(ids),
+                                                                     each=bool(each)))
+        return list(msg.texts)
 
     # ------------------------------------------------------------------ sleep mode
 

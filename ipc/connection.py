@@ -21,7 +21,8 @@ from engine.params import RequestOutput
 
 from .errors import ConnectionClosed, FrameTooLargeError, ProtocolError
 from .framing import FrameCodec, FrameReader, FrameWriter
-from .messages import Outputs, error_to_message
+from .messages import Outputs
+from .wire_errors import error_to_message
 
 log = logging.getLogger("enginecore.ipc")
 

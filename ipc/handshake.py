@@ -12,7 +12,8 @@ from engine.interface import Engine
 from .errors import ConnectionClosed, ProtocolError
 from .framing import MAX_HEADER_VALUE, STREAM_ENDED, FrameCodec, FrameReader
 from .messages import (DEFAULT_MAX_FRAME, MAX_CHAT_TEMPLATE_LEN, MAX_NAME_LEN, PROTOCOL_VERSION,
-                       EngineMessage, Error, ErrorKind, Hello, Welcome, message_to_error)
+                       EngineMessage, Error, ErrorKind, Hello, Welcome)
+from .wire_errors import message_to_error
 
 log = logging.getLogger("enginecore.ipc")
 
@@ -66,7 +67,8 @@ def describe_model(engine: Engine) -> dict:
     tok = engine.tokenizer_info()
     info: dict = {"model": str(engine.model)[:MAX_NAME_LEN],
                   "max_model_len": max(0, int(engine.max_model_len)),
-                  "vocab_size": max(0, int(tok.vocab_size))}
+                  "vocab_size": max(0, int(tok.vocab_size)),
+                  "max_logprobs": max(0, int(tok.max_logprobs))}
     if tok.chat_template is not None:
         if len(tok.chat_template) <= MAX_CHAT_TEMPLATE_LEN:
             info["chat_template"] = tok.chat_template

@@ -33,15 +33,20 @@ Each message is one frame::
   default are left out by the sender and may be left out by you; unknown keys, wrong types and
   values outside the bounds given below make the whole frame invalid (``Error(kind=PROTOCOL,
   fatal=True)``, then the connection is closed). Enums travel as their values: ``State`` as a
-  string ("init", "loaded", "serving", "sleeping", "draining", "shutdown", "failed"),
-  :class:`ErrorKind` as an integer. ``SamplingParams`` and ``RequestOutput`` (engine/params.py) are nested maps with
-  their field names as keys and no ``"t"`` key: SamplingParams {max_tokens: int = 16,
-  temperature: float = 0.0 (greedy), top_k: int = 0, top_p: float = 1.0, seed: int | nil,
-  stop: [str], stop_token_ids: [int], ignore_eos: bool, logprobs: bool, min_tokens: int = 0}
-  (unknown keys rejected); RequestOutput {request_id: str, token_ids: [int] (new tokens),
-  text: str (new text), num_prompt_tokens: int, num_output_tokens: int (cumulative), finished:
-  bool, finish_reason: "stop" | "length" | "abort" | "error" | nil, reason: str | nil,
-  logprobs: [float] | nil}.
+  string ("init", "loaded", "serving", "sleeping", "draining", "shutdown", "failed"), :class:`ErrorKind` as an
+  integer. ``SamplingParams`` and ``RequestOutput`` (engine/params.py) are nested maps with their
+  field names as keys and no ``"t"`` key: SamplingParams {max_tokens: int = 16, temperature: float
+  = 0.0 (greedy), top_k: int = 0, top_p: float = 1.0, seed: int | nil, stop: [str],
+  stop_token_ids: [int], ignore_eos: bool, logprobs: bool, min_tokens: int = 0, top_logprobs: int
+  = 0, prompt_logprobs: int | nil, echo: bool, presence_penalty, frequency_penalty: float = 0,
+  repetition_penalty: float = 1, min_p: float = 0, logit_bias: {int: float}, allowed_token_ids:
+  [int], skip_special_tokens: bool = true, include_stop_str_in_output: bool,
+  truncate_prompt_tokens: int | nil} (unknown keys rejected); RequestOutput {request_id: str,
+  token_ids: [int] (new tokens), text: str (new text), num_prompt_tokens: int, num_output_tokens:
+  int (cumulative), finished: bool, finish_reason: "stop" | "length" | "abort" | "error" | nil,
+  reason: str | nil, logprobs: [float] | nil, token_logprobs: [TokenLogprob] | nil,
+  prompt_logprobs: [TokenLogprob] | nil, prompt_text: str | nil}; a TokenLogprob: [token_id, token
+  (bytes), logprob | nil, rank | nil, top_ids, top_logprobs, top_tokens].
 * Example: ``Hello(protocol_version=1, client_name="cli")`` is the header ``00 00 00 2b``
   (43) followed by the 43-byte body ``{"t": "Hello", "protocol_version": 1, "client_name":
   "cli"}``: ``83 a1 74 a5 48 65 6c 6c 6f b0 70 72 6f 74 6f 63 6f 6c 5f 76 65 72 73 69 6f 6e 01
@@ -60,7 +65,8 @@ Handshake
    ``Error(kind=AUTH, fatal=True, retry_after=...)`` at once without a check. ``Hello``, ``Welcome`` and ``Error`` keep their layout
    in every protocol version, so a version mismatch is always reported as ``VERSION``.
    Besides the engine's state and frame limit, ``Welcome`` describes the model (``model``,
-   ``chat_template``, ``bos_token``, ``eos_token``, ``max_model_len``, ``vocab_size``), so a
+   ``chat_template``, ``bos_token``, ``eos_token``, ``max_model_len``, ``vocab_size``,
+   ``max_logprobs``), so a
    client can render chat prompts and check token ids without asking.
 
 Message flow (after the handshake)
@@ -97,6 +103,8 @@ Client -> engine:
   flight, frees the device, then answers; :class:`WakeUp` brings memory back; :class:`UpdateWeights`
   loads a checkpoint while asleep (refused: ``BAD_REQUEST``, the old weights stay). A Drain or
   Shutdown while sleeping releases what is left; a call in the wrong state: ``INVALID_TRANSITION``.
+* :class:`Tokenize` / :class:`Detokenize` (appended too) ask the engine's tokenizer: :class:`Tokens` (``ids``
+  / ``texts``) or an ``Error`` answers, with their ``call_id``.
 
 Correlation: every client message but Hello and Generate takes an optional ``call_id``
 (client-chosen integer). With it, the engine answers with a message carrying the same
@@ -126,13 +134,12 @@ from typing import Annotated, Literal, Optional, Union
 import msgspec
 from msgspec import Meta
 
-from engine.errors import EngineError
 from engine.admission import MAX_REQUEST_ID_LEN as _ENGINE_MAX_REQUEST_ID_LEN
 from engine.interface import Health
 from engine.params import RequestOutput, SamplingParams
-from states import InvalidTransitionError, State
+from states import State
 
-from .errors import ErrorKind, FrameTooLargeError, spec_of, spec_of_kind
+from .errors import ErrorKind
 
 #: Bumped on any incompatible change of the messages below.
 PROTOCOL_VERSION = 1
@@ -201,6 +208,20 @@ class Abort(_Message, tag="Abort"):
     reason: Optional[Annotated[str, Meta(max_length=MAX_NAME_LEN)]] = None
 
 
+class Tokenize(_Message, tag="Tokenize"):
+    """Ask for ``text``'s token ids (answered by :class:`Tokens`)."""
+    call_id: CallId
+    text: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)]
+    add_special_tokens: bool = True
+
+
+class Detokenize(_Message, tag="Detokenize"):
+    """Ask for the text of ``ids`` (``each``: one string per token)."""
+    call_id: CallId
+    ids: Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKENS)]
+    each: bool = False
+
+
 class HealthRequest(_Message, tag="HealthRequest"):
     """Ask for a :class:`Health` snapshot."""
 
@@ -264,6 +285,7 @@ class Welcome(_Message, tag="Welcome"):
     eos_token: Optional[Annotated[str, Meta(max_length=MAX_NAME_LEN)]] = None
     max_model_len: Count = 0
     vocab_size: Count = 0
+    max_logprobs: Optional[Count] = None  # appended; None: an older engine (20)
 
 
 class Outputs(_Message, tag="Outputs"):
@@ -298,6 +320,13 @@ class StateChanged(_Message, tag="StateChanged"):
     previous: Optional[State] = None
 
 
+class Tokens(_Message, tag="Tokens"):
+    """The answer to a Tokenize (``ids``) / a Detokenize (``texts``)."""
+    call_id: CallId
+    ids: Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKENS)] = []
+    texts: Annotated[list[str], Meta(max_length=MAX_PROMPT_TOKENS)] = []
+
+
 class Ack(_Message, tag="Ack"):
     """Completion of a call (Abort, Drain, Sleep, ...) that carried a ``call_id``."""
 
@@ -306,95 +335,26 @@ class Ack(_Message, tag="Ack"):
     state: Optional[State] = None
 
 
-ClientMessage = Union[Hello, Generate, Abort, HealthRequest, Drain, Shutdown, Sleep, WakeUp, UpdateWeights]
-EngineMessage = Union[Welcome, Outputs, Health, Error, StateChanged, Ack]
+ClientMessage = Union[Hello, Generate, Abort, HealthRequest, Drain, Shutdown, Sleep, WakeUp, UpdateWeights,
+                      Tokenize, Detokenize]
+EngineMessage = Union[Welcome, Outputs, Health, Error, StateChanged, Ack, Tokens]
 Message = Union[ClientMessage, EngineMessage]
 
 CLIENT_MESSAGES: tuple[type, ...] = (Hello, Generate, Abort, HealthRequest, Drain, Shutdown, Sleep,
-                                     WakeUp, UpdateWeights)
-ENGINE_MESSAGES: tuple[type, ...] = (Welcome, Outputs, Health, Error, StateChanged, Ack)
+                                     WakeUp, UpdateWeights, Tokenize, Detokenize)
+ENGINE_MESSAGES: tuple[type, ...] = (Welcome, Outputs, Health, Error, StateChanged, Ack, Tokens)
 ALL_MESSAGES: tuple[type, ...] = CLIENT_MESSAGES + ENGINE_MESSAGES
 
 #: Kinds after which the engine closes the connection.
 FATAL_KINDS = frozenset({ErrorKind.PROTOCOL, ErrorKind.AUTH, ErrorKind.VERSION, ErrorKind.TOO_LARGE})
 
 
-# --------------------------------------------------------------------------- errors <-> messages
-
-
-def _clip(text: str) -> str:
-    return text if len(text) <= MAX_ERROR_MESSAGE_LEN else text[: MAX_ERROR_MESSAGE_LEN - 3] + "..."
-
-
-def error_to_message(
-    exc: BaseException,
-    *,
-    request_id: str | None = None,
-    call_id: int | None = None,
-    fatal: bool | None = None,
-) -> Error:
-    """The :class:`Error` frame for ``exc`` (``fatal`` defaults to the kind's :data:`FATAL_KINDS`)."""
-    spec = spec_of(exc)
-    kind = spec.kind
-    if kind is ErrorKind.INTERNAL and not isinstance(exc, (EngineError,)):
-        text = f"{type(exc).__name__}: {exc}"
-    else:
-        text = str(exc)
-    msg = Error(
-        kind=kind,
-        message=_clip(text),
-        request_id=request_id,
-        call_id=call_id,
-        fatal=(kind in FATAL_KINDS) if fatal is None else fatal,
-    )
-    if spec.retryable:
-        msg.retry_after = max(0.0, float(getattr(exc, "retry_after", 1.0)))
-    elif kind is ErrorKind.INVALID_TRANSITION:
-        state = getattr(exc, "state", None)
-        msg.state = state if isinstance(state, State) else None
-        trigger = getattr(exc, "trigger", None)
-        msg.trigger = str(trigger)[:MAX_NAME_LEN] if trigger is not None else None
-        allowed = getattr(exc, "allowed", None)
-        if allowed is not None:
-            msg.allowed = [str(a)[:MAX_NAME_LEN] for a in list(allowed)[:64]]
-    return msg
-
-
-def message_to_error(msg: Error) -> Exception:
-    """The exception a client raises for ``msg``: the class the in-process engine would raise.
-
-    The result carries ``request_id``, ``call_id`` and ``fatal`` attributes from the frame.
-    """
-    kind = msg.kind
-    exc: Exception
-    spec = spec_of_kind(kind)
-    if spec.retryable:  # EngineDrainingError, EngineOverloadedError, EngineSleepingError
-        exc = spec.exc(msg.message, retry_after=1.0 if msg.retry_after is None else msg.retry_after)
-    elif kind is ErrorKind.INVALID_TRANSITION:
-        if msg.state is not None and msg.trigger is not None:
-            exc = InvalidTransitionError(msg.state, msg.trigger, msg.allowed or [])
-        else:  # Not enough to rebuild the standard message: keep the engine's text.
-            exc = InvalidTransitionError.__new__(InvalidTransitionError)
-            RuntimeError.__init__(exc, msg.message)
-            exc.state = msg.state  # type: ignore[assignment]
-            exc.trigger = msg.trigger or ""
-            exc.allowed = list(msg.allowed or [])
-    elif kind is ErrorKind.TOO_LARGE:
-        exc = FrameTooLargeError(message=msg.message)
-    else:
-        exc = spec.exc(msg.message)
-    exc.request_id = msg.request_id  # type: ignore[attr-defined]
-    exc.call_id = msg.call_id  # type: ignore[attr-defined]
-    exc.fatal = msg.fatal  # type: ignore[attr-defined]
-    return exc
-
-
 __all__ = [
     "PROTOCOL_VERSION", "DEFAULT_MAX_FRAME", "HANDSHAKE_MAX_FRAME", "ErrorKind", "FATAL_KINDS",
     "Hello", "Generate", "Abort", "HealthRequest", "Drain", "Shutdown", "Sleep", "WakeUp", "UpdateWeights",
     "Welcome", "Outputs", "Health", "Error", "StateChanged", "Ack",
+    "Tokenize", "Detokenize", "Tokens",
     "ClientMessage", "EngineMessage", "Message",
     "CLIENT_MESSAGES", "ENGINE_MESSAGES", "ALL_MESSAGES",
     "SamplingParams", "RequestOutput", "State",
-    "error_to_message", "message_to_error",
 ]

@@ -44,9 +44,9 @@ from .connection import STREAM_ERRORS, Connection
 from .errors import ConnectionClosed, ProtocolError
 from .framing import FrameCodec, FrameReader
 from .handshake import describe_model, hello_error
-from .messages import (DEFAULT_MAX_FRAME, HANDSHAKE_MAX_FRAME, PROTOCOL_VERSION, Abort, Ack, ClientMessage, Drain, Error, ErrorKind,
-                       Generate, HealthRequest, Shutdown, Sleep, StateChanged, UpdateWeights, WakeUp, Welcome,
-                       error_to_message)
+from .messages import (DEFAULT_MAX_FRAME, HANDSHAKE_MAX_FRAME, PROTOCOL_VERSION, Abort, Ack, ClientMessage, Detokenize, Drain,
+                       Error, ErrorKind, Generate, HealthRequest, Shutdown, Sleep, StateChanged, Tokenize, Tokens, UpdateWeights, WakeUp, Welcome)
+from .wire_errors import error_to_message
 from .transport import (check_token, listener_address, open_listener, parse_address, peer_of,
                         remove_socket, socket_inode)
 
@@ -321,6 +321,11 @@ class IPCServer:
             self._call(conn, msg.call_id, self.engine.wake_up, msg.tags)
         elif t is UpdateWeights:
             self._call(conn, msg.call_id, self.engine.update_weights, msg.path)
+        elif t is Tokenize:
+            self._call(conn, msg.call_id, self.engine.tokenize, msg.text, msg.add_special_tokens,
+                       answer="ids")
+        elif t is Detokenize:
+            self._call(conn, msg.call_id, self.engine.detokenize, msg.ids, msg.each, answer="texts")
         else:  # a second Hello
             conn.fail(ProtocolError(f"unexpected {t.__name__} after the handshake"))
 
@@ -343,18 +348,21 @@ class IPCServer:
             conn.inflight.pop(rid, None)
             conn.push(error_to_message(exc, request_id=rid, fatal=False))
 
-    def _call(self, conn: Connection, call_id: Optional[int], fn, *args: Any) -> None:
-        """Run a long engine call (drain, sleep, ...) without blocking the connection's reader."""
+    def _call(self, conn: Connection, call_id: Optional[int], fn, *args: Any,
+              answer: Optional[str] = None) -> None:
+        """Run a long engine call (drain, sleep, ...) without blocking the connection's reader
+        (``answer``: send the result back as this field of a Tokens)."""
         assert self._tg is not None
         conn.call_started()
-
         async def run() -> None:
             try:
-                await fn(*args)
+                result = await fn(*args)
             except Exception as exc:
                 conn.push(error_to_message(exc, call_id=call_id, fatal=False))
             else:
-                if call_id is not None:
+                if answer is not None:
+                    conn.push(Tokens(call_id=call_id, **{answer: result}))
+                elif call_id is not None:
                     conn.push(Ack(call_id=call_id, state=self.engine.state))
             finally:
                 conn.call_done()

@@ -16,7 +16,6 @@ engine. Every refusal is an OpenAI-shaped error (``errors.py``).
 
 from __future__ import annotations
 
-import time
 from typing import Mapping, Optional, Sequence, TypeVar, Union
 
 import anyio
@@ -30,10 +29,10 @@ from engine.interface import Engine
 from . import protocol as P
 from ..malloc import Trimmer
 from .context import Frontend
-from .errors import error_response, install_handlers, validation_error
+from .errors import install_handlers, validation_error
 from .guards import BodyGuard, InFlightGuard
 from .limits import INLINE_PARSE_BYTES, HttpLimits
-from .serving import Kind, serve_request
+from . import generate, tokens
 
 Body = TypeVar("Body", bound=P._Body)
 
@@ -90,35 +89,13 @@ def create_app(engine: Engine, *, model_name: Union[str, Sequence[str], None] = 
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        try:
-            body = await parse_body(request, P.CompletionRequest, fe)
-            fe.check_model(body.model)
-            prompt = body.check()
-            if isinstance(prompt, str):
-                fe.check_prompt_chars(len(prompt), "prompt")
-            params = body.sampling_params(body.max_tokens if body.max_tokens is not None
-                                          else fe.default_max_tokens(chat=False))
-        except Exception as exc:
-            return error_response(exc, fe.metrics)
-        kind = Kind(False, P.new_id("cmpl"), fe.model, body.include_usage)
-        return await serve_request(fe, request, body, prompt, params, kind, arrival)
+        return await generate.completions(fe, request, parse_body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        try:
-            body = await parse_body(request, P.ChatCompletionRequest, fe)
-            fe.check_model(body.model)
-            fe.check_prompt_chars(sum(m.chars() for m in body.messages), "messages")
-            messages = body.check()
-            n = body.requested_max_tokens
-            params = body.sampling_params(n if n is not None else fe.default_max_tokens(chat=True))
-            prompt = await fe.chat_prompt(messages)
-        except Exception as exc:
-            return error_response(exc, fe.metrics)
-        kind = Kind(True, P.new_id("chatcmpl"), fe.model, body.include_usage)
-        return await serve_request(fe, request, body, prompt, params, kind, arrival)
+        return await generate.chat_completions(fe, request, parse_body)
+
+    tokens.register(app, fe, parse_body)  # /tokenize, /detokenize, /version
 
     @app.get("/health")
     async def health() -> Response:

@@ -25,6 +25,7 @@ from engine.hf_hub import display_name
 from engine.interface import Engine, Health, RequestStreamLike
 from engine.params import SamplingParams
 from . import protocol as P
+from .choices import now
 from .limits import HttpLimits
 from .metrics import Metrics
 
@@ -49,7 +50,7 @@ class Frontend:
         self.model: str = self.served[0]
         self.names: frozenset[str] = frozenset([*self.served, "default", engine.model])
         self.metrics = Metrics(engine, cache_info)
-        self.created = P.now()
+        self.created = now()
         #: Set by the frontend process when its connection to the engine is gone for good.
         self.dead: Optional[str] = None
         #: True once the engine was seen FAILED (it moves on to SHUTDOWN after its release).

@@ -1,11 +1,11 @@
 """OpenAI-compatible request and response bodies (pydantic models) and the error body.
 
-Only what the engine can honour is accepted: ``n``/``best_of`` other than 1, batch prompts,
-``echo``, ``suffix``, ``logprobs``, penalties, ``logit_bias``, tools and JSON response formats
-are refused with a 400 naming the parameter, rather than silently ignored. Unknown fields are
-ignored (clients send new parameters before servers know them). Non-OpenAI extensions, as in
-vLLM (pass them with the ``openai`` client's ``extra_body``): ``top_k``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``.
+Only what the engine can honour is accepted: ``best_of`` other than ``n``, ``suffix``, tools and
+JSON response formats are refused with a 400 naming the parameter, rather than silently ignored.
+Unknown fields are ignored (clients send new parameters before servers know them). Non-OpenAI
+extensions, as in vLLM (pass them with the ``openai`` client's ``extra_body``): ``top_k``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``min_p``, ``repetition_penalty``,
+``allowed_token_ids``, ``prompt_logprobs``.
 
 Types are strict and every number and list is bounded here, before anything reaches the engine
 (which checks again): integers are JSON integers (``true`` is not 1, ``5.0`` is not 5), numbers
@@ -19,9 +19,7 @@ frontend against its ``max_prompt_chars`` (``limits.py``).
 
 from __future__ import annotations
 
-import time
-import uuid
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
@@ -52,6 +50,11 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_MESSAGES = 4096
 MAX_PARTS = 256
 MAX_NAME_CHARS = 256
+#: choices per request (n), prompts per request, choices of all prompts together
+MAX_N = 128
+MAX_PROMPTS = 128
+MAX_CHOICES = 256
+MAX_ALLOWED = 1 << 17
 
 
 def _int(ge: int = 0, le: int = MAX_INT):
@@ -93,7 +96,7 @@ class _SamplingFields(_Body):
     top_p: Optional[_num(0.0, 1.0, gt=0.0)] = None
     seed: Optional[_int(ge=0, le=2**63 - 1)] = None
     stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP)], None] = None
-    n: Optional[_int(ge=1, le=128)] = 1
+    n: Optional[_int(ge=1, le=MAX_N)] = 1
     stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
     presence_penalty: Optional[_num(-2.0, 2.0)] = None
@@ -105,21 +108,40 @@ class _SamplingFields(_Body):
     min_tokens: Optional[_int()] = None
     ignore_eos: Optional[StrictBool] = None
     stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]] = None
+    min_p: Optional[_num(0.0, 1.0)] = None
+    repetition_penalty: Optional[_num(0.01, 100.0)] = None
+    allowed_token_ids: Optional[Annotated[list[TokenId], Field(max_length=MAX_ALLOWED)]] = None
+    prompt_logprobs: Optional[_int()] = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    truncate_prompt_tokens: Optional[_int(ge=1)] = None
 
-    def check_common(self) -> None:
-        if self.n is not None and self.n != 1:
-            raise RequestError("only n=1 is supported", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise RequestError(f"{name} is not supported (must be 0)", param=name)
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported", param="logit_bias")
+    def check_common(self, vocab_size: int, max_logprobs: int) -> None:
+        """What the schema cannot tell: token ids against the vocabulary, logprob counts
+        against the engine's ``max_logprobs`` (each error names its parameter)."""
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream=true", param="stream_options")
+        check_logprobs_k("prompt_logprobs", self.prompt_logprobs, max_logprobs)
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            for t in getattr(self, name) or []:
+                if vocab_size and t >= vocab_size:
+                    raise RequestError(f"{name}: {t} is not a token id of this model "
+                                       f"(vocabulary size {vocab_size})", param=name)
+        self._bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                t = int(key)
+            except ValueError:
+                raise RequestError(f"logit_bias: key {key!r} is not a token id",
+                                   param="logit_bias") from None
+            if not (0 <= t < (vocab_size or MAX_INT)):
+                raise RequestError(f"logit_bias: token id {t} is out of vocabulary "
+                                   f"(vocabulary size {vocab_size})", param="logit_bias")
+            self._bias[t] = float(value)
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, **extra) -> SamplingParams:
         """The engine's SamplingParams (OpenAI defaults: temperature 1, top_p 1); every value
-        is already in range (the schema)."""
+        is already in range (the schema, :meth:`check_common`)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             return SamplingParams(
@@ -129,46 +151,100 @@ class _SamplingFields(_Body):
                 top_k=max(0, self.top_k or 0), seed=self.seed, stop=stop,
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
                 min_tokens=min(self.min_tokens or 0, max_tokens),
+                presence_penalty=float(self.presence_penalty or 0.0),
+                frequency_penalty=float(self.frequency_penalty or 0.0),
+                repetition_penalty=float(self.repetition_penalty or 1.0),
+                min_p=float(self.min_p or 0.0), logit_bias=getattr(self, "_bias", {}),
+                allowed_token_ids=list(self.allowed_token_ids or []),
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                truncate_prompt_tokens=self.truncate_prompt_tokens, **extra,
             ).validate()
         except BadRequestError as exc:
             raise RequestError(str(exc)) from None
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def check_logprobs_k(param: str, k: Optional[int], max_logprobs: int) -> None:
+    if k is not None and k > max_logprobs:
+        raise RequestError(f"{param} must be at most {max_logprobs} (the server's --max-logprobs), "
+                           f"got {k}", param=param)
+
+
 _Ids = Annotated[list[TokenId], Field(max_length=1 << 20)]
+#: all prompts of one request together, in tokens (a batch of token-id lists)
+MAX_BATCH_TOKENS = 1 << 22
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[StrictStr, _Ids, Annotated[list[StrictStr], Field(max_length=128)],
-                  Annotated[list[_Ids], Field(max_length=128)]]
+    prompt: Union[StrictStr, _Ids, Annotated[list[StrictStr], Field(max_length=MAX_PROMPTS)],
+                  Annotated[list[_Ids], Field(max_length=MAX_PROMPTS)]]
+    max_tokens: Optional[_int(ge=0)] = None
     echo: Optional[StrictBool] = False
     suffix: Optional[StrictStr] = None
-    logprobs: Optional[_int(le=20)] = None
-    best_of: Optional[_int(ge=1, le=128)] = None
+    logprobs: Optional[_int()] = None
+    best_of: Optional[_int(ge=1, le=MAX_N)] = None
 
-    def check(self) -> Union[str, list[int]]:
-        """Validate what the engine cannot do; return the one prompt."""
-        self.check_common()
-        if self.echo:
-            raise RequestError("echo is not supported", param="echo")
+    def check(self, vocab_size: int = 0, max_logprobs: int = 20) -> list[Union[str, list[int]]]:
+        """Validate what the schema cannot tell; return the prompts (one choice group each)."""
+        self.check_common(vocab_size, max_logprobs)
+        check_logprobs_k("logprobs", self.logprobs, max_logprobs)
         if self.suffix:
             raise RequestError("suffix is not supported", param="suffix")
-        if self.logprobs is not None:
-            raise RequestError("logprobs is not supported", param="logprobs")
-        if self.best_of not in (None, 1):
-            raise RequestError("only best_of=1 is supported", param="best_of")
+        if self.best_of is not None and self.best_of < self.num_choices:
+            raise RequestError("best_of must be at least n", param="best_of")
+        if self.best_of is not None and self.best_of > self.num_choices and self.stream:
+            raise RequestError("best_of > n cannot be streamed", param="best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestError("max_tokens 0 needs echo (scoring the prompt only)", param="max_tokens")
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise RequestError("batch prompts are not supported; send one prompt per request",
-                                   param="prompt")
-            prompt = prompt[0]
-        if not prompt:
+        if isinstance(prompt, str) or not prompt or not isinstance(prompt[0], (str, list)):
+            prompts = [prompt]  # one prompt: a string or a list of token ids
+        else:
+            prompts = prompt
+        if not prompts or any(not p for p in prompts):
             raise RequestError("prompt must not be empty", param="prompt")
-        return prompt
+        if len(prompts) * self.num_candidates > MAX_CHOICES:
+            raise RequestError(f"at most {MAX_CHOICES} choices (prompts x n) per request",
+                               param="n")
+        total = 0
+        for i, p in enumerate(prompts):
+            if isinstance(p, list):
+                total += len(p)
+                if vocab_size and max(p) >= vocab_size:
+                    raise RequestError(f"prompt {i}: token id {max(p)} is out of vocabulary "
+                                       f"(vocabulary size {vocab_size})", param="prompt")
+        if total > MAX_BATCH_TOKENS:
+            raise RequestError(f"the prompts have {total} tokens; at most {MAX_BATCH_TOKENS} "
+                               f"per request", param="prompt")
+        return prompts
+
+    @property
+    def num_candidates(self) -> int:
+        """Completions generated per prompt: ``best_of`` (the best ``n`` are returned) or ``n``."""
+        return max(self.best_of or 1, self.num_choices)
+
+    def engine_params(self, max_tokens: int, index: int) -> SamplingParams:
+        """Choice ``index``'s parameters: seeded from ``seed`` (seed + index) so runs repeat.
+        Candidates of ``best_of`` are ranked by their summed logprobs, so they carry logprobs."""
+        k = self.logprobs
+        plp = self.prompt_logprobs
+        if self.echo and (k is not None or max_tokens == 0):
+            plp = max(plp or 0, k or 0)
+        ranked = self.num_candidates > self.num_choices
+        params = self.sampling_params(max_tokens, logprobs=k is not None or ranked,
+                                      top_logprobs=k or 0, prompt_logprobs=plp,
+                                      echo=bool(self.echo))
+        if params.seed is not None and index:
+            params.seed = (params.seed + index) % 2**63
+        return params
 
 
 class ContentPart(_Body):
@@ -177,7 +253,7 @@ class ContentPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: _str(64, min_length=1)  # any role the chat template renders
     content: Union[StrictStr, Annotated[list[ContentPart], Field(max_length=MAX_PARTS)], None] = None
     name: Optional[Name] = None
 
@@ -211,17 +287,18 @@ class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Optional[_int(ge=1)] = None
     logprobs: Optional[StrictBool] = False
-    top_logprobs: Optional[_int(le=20)] = None
+    top_logprobs: Optional[_int()] = None
     tools: Optional[Annotated[list[Opaque], Field(max_length=128)]] = None
     tool_choice: Optional[Opaque] = None
     functions: Optional[Annotated[list[Opaque], Field(max_length=128)]] = None
     response_format: Optional[ResponseFormat] = None
 
-    def check(self) -> list[dict]:
-        """Validate what the engine cannot do; return the messages for the chat template."""
-        self.check_common()
-        if self.logprobs or self.top_logprobs:
-            raise RequestError("logprobs is not supported", param="logprobs")
+    def check(self, vocab_size: int = 0, max_logprobs: int = 20) -> list[dict]:
+        """Validate what the schema cannot tell; return the messages for the chat template."""
+        self.check_common(vocab_size, max_logprobs)
+        check_logprobs_k("top_logprobs", self.top_logprobs, max_logprobs)
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         if self.tools or self.functions:
             raise RequestError("tools are not supported", param="tools")
         if self.tool_choice not in (None, "none"):
@@ -232,55 +309,17 @@ class ChatCompletionRequest(_SamplingFields):
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
                 for i, m in enumerate(self.messages)]
 
+    def engine_params(self, max_tokens: int, index: int) -> SamplingParams:
+        params = self.sampling_params(max_tokens, logprobs=bool(self.logprobs),
+                                      top_logprobs=self.top_logprobs or 0,
+                                      prompt_logprobs=self.prompt_logprobs)
+        if params.seed is not None and index:
+            params.seed = (params.seed + index) % 2**63
+        return params
+
     @property
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
-# --------------------------------------------------------------------------- responses
-# Plain dicts (built here, serialised once): cheaper per streamed token than models.
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def completion(rid: str, created: int, model: str, text: str, finish_reason: Optional[str],
-               use: dict) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": use}
-
-
-def completion_chunk(rid: str, created: int, model: str, text: str,
-                     finish_reason: Optional[str]) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
-
-
-def chat_completion(rid: str, created: int, model: str, text: str, finish_reason: Optional[str],
-                    use: dict) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish_reason}],
-            "usage": use}
-
-
-def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: Optional[str]) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
-
-
-def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict) -> dict:
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
 
 
 __all__ = [

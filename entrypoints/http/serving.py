@@ -1,5 +1,10 @@
-"""One generation request over HTTP: submitted to the engine, its outputs sent back as one
-JSON response or as server-sent events (OpenAI's chunks, ending with ``data: [DONE]``).
+"""One generation request over HTTP: its choices (one per prompt and ``n``) submitted to the
+engine, their outputs sent back as one JSON response or as server-sent events (OpenAI's chunks,
+each naming its choice's ``index``, ending with ``data: [DONE]``).
+
+With ``n > 1`` the first choice of each prompt is submitted first and the others once it has
+produced its first token: its prompt's full KV blocks are then in the prefix cache, so the other
+choices' prefills reuse them instead of computing the prompt again.
 
 A request whose client goes away (mid-stream, or while a non-streaming request is generating)
 is aborted in the engine: leaving a request stream early (``aclose``) aborts it, whatever the
@@ -9,6 +14,7 @@ engine behind it.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import anyio
@@ -19,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.errors import EngineError, EngineShutdownError
 from engine.interface import RequestStreamLike
 from . import protocol as P
+from .choices import ChoiceState, Job, Kind, total_usage
 from .context import Frontend
 from .errors import error_response, stream_error
 from .metrics import Metrics, RequestTracker
@@ -121,123 +128,164 @@ class _Run:
                 log.debug("abort of %s failed: %r", self.request_id, exc)
 
 
-class Kind:
-    """What differs between /v1/completions and /v1/chat/completions."""
+async def _gather(fns) -> list:
+    """Run ``fns`` concurrently; their results in order. The first error is raised as itself
+    (not an ExceptionGroup), after the others have finished or been cancelled."""
+    if len(fns) == 1:
+        return [await fns[0]()]
+    results: list = [None] * len(fns)
+    errors: list[BaseException] = []
 
-    def __init__(self, chat: bool, rid: str, model: str, include_usage: bool) -> None:
-        self.chat = chat
-        self.rid = rid
-        self.model = model
-        self.created = P.now()
-        self.include_usage = include_usage
+    async def one(k: int) -> None:
+        try:
+            results[k] = await fns[k]()
+        except Exception as exc:
+            errors.append(exc)
+            tg.cancel_scope.cancel()
 
-    def _chunk(self, text: Optional[str], finish: Optional[str], role: bool = False) -> bytes:
-        if self.chat:
-            delta: dict = {}
-            if role:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            obj = P.chat_chunk(self.rid, self.created, self.model, delta, finish)
-        else:
-            obj = P.completion_chunk(self.rid, self.created, self.model, text or "", finish)
-        if self.include_usage:
-            obj["usage"] = None
-        return _sse(obj)
+    async with anyio.create_task_group() as tg:
+        for k in range(len(fns)):
+            tg.start_soon(one, k)
+    if errors:
+        raise errors[0]
+    return results
 
-    def head(self) -> list[bytes]:
-        return [self._chunk("", None, role=True)] if self.chat else []
 
-    def piece(self, text: str) -> bytes:
-        return self._chunk(text, None)
+class _Request:
+    """The runs of one HTTP request, one per job (choice)."""
 
-    def tail(self, text: str, finish: str) -> list[bytes]:
-        if self.chat:
-            return ([self._chunk(text, None)] if text else []) + [self._chunk(None, finish)]
-        return [self._chunk(text, finish)]
+    def __init__(self, fe: Frontend, jobs: list[Job], kind: Kind, arrival: float,
+                 echo: bool, want_prompt_lps: bool) -> None:
+        self.jobs = jobs
+        self.kind = kind
+        single = len(jobs) == 1
+        self.runs = [_Run(fe, fe.metrics.tracker(arrival),
+                          kind.rid if single else f"{kind.rid}-{j.index}") for j in jobs]
+        self.states = [ChoiceState(kind.chat, j, echo, want_prompt_lps) for j in jobs]
 
-    def usage_chunk(self, use: dict) -> bytes:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return _sse(P.usage_chunk(self.rid, self.created, self.model, obj, use))
+    async def start(self) -> None:
+        firsts = [k for k, j in enumerate(self.jobs) if j.index == self._first_of(j)]
+        rest = [k for k in range(len(self.jobs)) if k not in set(firsts)]
+        for group in (firsts, rest):
+            if group:
+                await _gather([self._starter(k) for k in group])
 
-    def whole(self, text: str, finish: str, use: dict) -> dict:
-        make = P.chat_completion if self.chat else P.completion
-        return make(self.rid, self.created, self.model, text, finish, use)
+    def _first_of(self, job: Job) -> int:
+        return min(j.index for j in self.jobs if j.prompt_index == job.prompt_index)
+
+    def _starter(self, k: int):
+        job = self.jobs[k]
+        return lambda: self.runs[k].start(job.prompt, job.params)
+
+    def refused(self) -> None:
+        for run in self.runs:
+            if run.first is None:
+                run.tracker.discard()
+                run.finished = True  # refused or never sent: nothing to abort
+
+    async def close(self) -> None:
+        for run in self.runs:
+            await run.close()
 
 
 async def serve_request(fe: Frontend, request: Request, body: P._SamplingFields,
-                        prompt, params, kind: "Kind", arrival: float) -> Response:
-    """Submit, then answer: one JSON response, or the event stream."""
-    tracker = fe.metrics.tracker(arrival)
-    run = _Run(fe, tracker, kind.rid)
+                        jobs: list[Job], kind: Kind, arrival: float, *, echo: bool = False,
+                        want_prompt_lps: bool = False) -> Response:
+    """Submit every choice, then answer: one JSON response, or the event stream."""
+    req = _Request(fe, jobs, kind, arrival, echo, want_prompt_lps)
 
-    how, result = await _unless_disconnected(request, lambda: run.start(prompt, params), fe.metrics)
+    how, result = await _unless_disconnected(request, req.start, fe.metrics)
     if how != "ok":
-        if how == "error" and run.first is None:
-            tracker.discard()
-            run.finished = True  # refused: nothing to abort
-        await run.close()  # gone: aborts the request, queued or running
+        if how == "error":
+            req.refused()
+        await req.close()  # gone: aborts the requests, queued or running
         return Response(status_code=499) if how == "gone" else result
 
     if body.stream:
-        return _EventStream(run, kind)
+        return _EventStream(req)
 
-    async def collect():
-        parts, last = [], None
-        async for out in run.outputs():
-            parts.append(out.text)
-            last = out
-        return "".join(parts), last
+    def collector(k: int):
+        async def collect():
+            async for out in req.runs[k].outputs():
+                req.states[k].piece(out)
+        return collect
 
     try:
-        how, result = await _unless_disconnected(request, collect, None)  # not a refusal
+        how, result = await _unless_disconnected(
+            request, lambda: _gather([collector(k) for k in range(len(jobs))]), None)
     finally:
-        await run.close()
+        await req.close()
     if how != "ok":
         return Response(status_code=499) if how == "gone" else result
-    text, last = result
-    use = P.usage(last.num_prompt_tokens, last.num_output_tokens)
-    return JSONResponse(kind.whole(text, last.finish_reason or "stop", use))
+    return JSONResponse(kind.whole(req.states))
 
 
 class _EventStream(StreamingResponse):
-    """The SSE response; closes (aborts) the request also when the body never started (the
-    client went away before the response began)."""
+    """The SSE response: one pump per choice feeds the body's generator; closes (aborts) the
+    requests also when the body never started (the client went away first)."""
 
-    def __init__(self, run: _Run, kind: Kind) -> None:
-        super().__init__(_stream(run, kind), media_type="text/event-stream",
+    def __init__(self, req: _Request) -> None:
+        self._send, self._recv = anyio.create_memory_object_stream(math.inf)
+        super().__init__(_stream(req, self._recv), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._run = run
+        self._req = req
+
+    async def _pump(self, k: int) -> None:
+        try:
+            async for out in self._req.runs[k].outputs():
+                self._send.send_nowait((k, out))
+        except Exception as exc:
+            self._send.send_nowait((k, exc))
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            async with anyio.create_task_group() as tg:
+                for k in range(len(self._req.runs)):
+                    tg.start_soon(self._pump, k)
+                try:
+                    await super().__call__(scope, receive, send)
+                finally:
+                    tg.cancel_scope.cancel()
         finally:
-            await self._run.close()
+            self._send.close()
+            self._recv.close()
+            await self._req.close()
 
 
-async def _stream(run: _Run, kind: Kind) -> AsyncIterator[bytes]:
+async def _stream(req: _Request, recv) -> AsyncIterator[bytes]:
+    kind, states = req.kind, req.states
     try:
-        for chunk in kind.head():
-            yield chunk
-        last = None
-        try:
-            async for out in run.outputs():
-                last = out
-                if out.finished:
-                    for chunk in kind.tail(out.text, out.finish_reason or "stop"):
-                        yield chunk
-                elif out.text:
-                    yield kind.piece(out.text)
-        except EngineError as exc:  # the engine died (or shut down) under this stream
-            yield _sse(stream_error(exc))
-            yield _DONE
-            return
-        if kind.include_usage and last is not None:
-            yield kind.usage_chunk(P.usage(last.num_prompt_tokens, last.num_output_tokens))
+        if kind.chat:
+            for st in states:
+                yield _sse(kind.chunk(st.job.index, "", None, None, role=True))
+        left = len(states)
+        while left:
+            k, item = await recv.receive()
+            if isinstance(item, BaseException):
+                if isinstance(item, EngineError):  # the engine died (or shut down) under us
+                    yield _sse(stream_error(item))
+                    yield _DONE
+                    return
+                raise item
+            st = states[k]
+            first = st.first
+            text, lps = st.piece(item)
+            extra = ({"prompt_logprobs": st.prompt_lps}
+                     if first and st.prompt_lps is not None else None)
+            use = total_usage(states) if kind.continuous_usage else None
+            if item.finished:
+                left -= 1
+                if kind.chat and (text or lps):
+                    yield _sse(kind.chunk(st.job.index, text, lps, None, use=use, extra=extra))
+                    text, lps, extra = None, None, None
+                yield _sse(kind.chunk(st.job.index, text, lps, st.finish, use=use, extra=extra))
+            elif text or lps or extra:
+                yield _sse(kind.chunk(st.job.index, text, lps, None, use=use, extra=extra))
+        if kind.include_usage:
+            yield _sse(kind.usage_chunk(total_usage(states)))
         yield _DONE
     finally:
-        await run.close()
+        await req.close()
 
 
-__all__ = ["Kind", "serve_request"]
+__all__ = ["Kind", "Job", "serve_request"]

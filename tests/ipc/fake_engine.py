@@ -62,6 +62,14 @@ class FakeEngine:
             return TokenizerInfo()
         return TokenizerInfo(tok.chat_template, tok.bos_token, tok.eos_token, tok.vocab_size)
 
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    async def detokenize(self, ids: list[int], each: bool = False) -> list[str]:
+        if each:
+            return [chr(t) for t in ids]
+        return ["".join(chr(t) for t in ids)]
+
     async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         from engine.tokenizer import render_chat_template
 

@@ -21,6 +21,9 @@ from ipc.messages import (
     StateChanged,
     UpdateWeights,
     WakeUp,
+    Detokenize,
+    Tokenize,
+    Tokens,
     Welcome,
 )
 from states import State
@@ -58,6 +61,10 @@ def sample_messages() -> list:
         WakeUp(tags=["kv_cache"], call_id=11),
         WakeUp(),
         UpdateWeights(path="/models/step-2", call_id=12),
+        Tokenize(call_id=4, text="hello", add_special_tokens=False),
+        Detokenize(call_id=5, ids=[1, 2, 3], each=True),
+        Tokens(call_id=4, ids=[7, 8]),
+        Tokens(call_id=5, texts=["a", "b"]),
         Welcome(protocol_version=1, state=State.SERVING, max_frame=1 << 20, client_id=4,
                 model="random:tiny-llama"),
         Outputs(outputs=outs),

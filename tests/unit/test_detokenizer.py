@@ -75,3 +75,24 @@ def test_earliest_stop_wins_and_multibyte_text_before_it_is_whole(stops):
         if d.stopped:
             break
     assert d.stopped and out == "naïve"
+
+
+def test_include_stop_str_in_output_ends_the_text_with_the_stop_string():
+    tok = WordPieces(["Hel", "lo", " wor", "ld", "!"])
+    d = IncrementalDetokenizer(tok, [], ["wor", "lo w"], include_stop_str=True)
+    out = "".join(feed(d, [0, 1, 2, 3]))
+    assert d.stopped and out == "Hello w" and d.text == "Hello w"  # the earliest stop, kept
+    d = IncrementalDetokenizer(tok, [], ["wor", "lo w"])
+    assert "".join(feed(d, [0, 1, 2, 3])) == "Hel" and d.stopped
+
+
+def test_special_tokens_are_kept_when_asked():
+    class Special(WordPieces):
+        def decode(self, ids, skip_special_tokens=True) -> str:
+            pieces = [self.pieces[i] for i in ids]
+            return "".join(p for p in pieces if not (skip_special_tokens and p.startswith("<")))
+
+    tok = Special(["a", "<eos>", "b"])
+    assert "".join(feed(IncrementalDetokenizer(tok, [], []), [0, 1, 2])) == "ab"
+    d = IncrementalDetokenizer(tok, [], [], skip_special_tokens=False)
+    assert "".join(feed(d, [0, 1, 2])) + d.flush() == "a<eos>b"

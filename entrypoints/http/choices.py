@@ -1,0 +1,237 @@
+"""The response bodies: one choice per (prompt, n) pair, as OpenAI and vLLM shape them --
+text or message, ``logprobs`` (completions: ``tokens`` / ``token_logprobs`` / ``top_logprobs`` /
+``text_offset``; chat: ``content[]`` with ``token`` / ``logprob`` / ``bytes`` /
+``top_logprobs``), vLLM's ``prompt_logprobs`` and ``usage``. Plain dicts, serialised once.
+
+Token strings are the tokens' bytes decoded as UTF-8 (a token holding part of a character reads
+as U+FFFD; chat's ``bytes`` carry the exact bytes).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import NamedTuple, Optional, Union
+
+from engine.params import RequestOutput, SamplingParams
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def tok_str(b: bytes) -> str:
+    return b.decode("utf-8", errors="replace")
+
+
+class Job(NamedTuple):
+    """One choice to generate: ``index`` in the response, the prompt it continues."""
+
+    index: int
+    prompt_index: int
+    prompt: Union[str, list[int]]
+    params: SamplingParams
+
+
+def completion_logprobs(entries, offset: int) -> tuple[dict, int]:
+    """The completions ``logprobs`` object of ``entries`` (TokenLogprob); text offsets count
+    from ``offset``. Each top dict holds the top k and the chosen token (as vLLM does)."""
+    tokens, lps, tops, offs = [], [], [], []
+    for e in entries:
+        s = tok_str(e.token)
+        tokens.append(s)
+        lps.append(e.logprob)
+        if e.logprob is None:
+            tops.append(None)
+        else:
+            d = {tok_str(t): lp for t, lp in zip(e.top_tokens, e.top_logprobs)}
+            d.setdefault(s, e.logprob)
+            tops.append(d)
+        offs.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}, offset
+
+
+def chat_logprobs(entries) -> list[dict]:
+    return [{"token": tok_str(e.token), "logprob": e.logprob, "bytes": list(e.token),
+             "top_logprobs": [{"token": tok_str(t), "logprob": lp, "bytes": list(t)}
+                              for t, lp in zip(e.top_tokens, e.top_logprobs)]}
+            for e in entries]
+
+
+def prompt_logprobs(entries) -> list[Optional[dict]]:
+    """vLLM's ``prompt_logprobs``: per prompt token ``{token id: {logprob, rank, decoded_token}}``
+    (the prompt token and the top k), the first ``None``."""
+    out: list[Optional[dict]] = []
+    for e in entries:
+        if e.logprob is None:
+            out.append(None)
+            continue
+        d = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": tok_str(e.token)}}
+        for r, (t, lp, b) in enumerate(zip(e.top_ids, e.top_logprobs, e.top_tokens), 1):
+            d.setdefault(str(t), {"logprob": lp, "rank": r, "decoded_token": tok_str(b)})
+        out.append(d)
+    return out
+
+
+class ChoiceState:
+    """One choice as its outputs arrive: the pieces it streams, and the whole at the end."""
+
+    def __init__(self, chat: bool, job: Job, echo: bool, want_prompt_lps: bool) -> None:
+        self.chat = chat
+        self.job = job
+        self.echo = echo
+        self.want_prompt_lps = want_prompt_lps
+        self.first = True
+        self.offset = 0
+        self.num_prompt = 0
+        self.num_output = 0
+        self.text: list[str] = []
+        self.lps: list[dict] = []  # completions: per-piece objects; chat: content entries
+        self.prompt_lps: Optional[list] = None
+        self.finish: Optional[str] = None
+        self.cum_logprob = 0.0  # of the generated tokens (ranks best_of candidates)
+        self.show_logprobs = bool(job.params.logprobs)
+        self.index = job.index  # in the response (best_of renumbers the kept ones)
+
+    def piece(self, out: RequestOutput) -> tuple[str, Optional[object]]:
+        """(text, logprobs fragment) of ``out``; remembered for :meth:`whole`."""
+        text = out.text
+        entries = list(out.token_logprobs or [])
+        self.cum_logprob += sum(e.logprob for e in entries)
+        if self.first:
+            self.first = False
+            if self.echo:
+                prompt = self.job.prompt
+                text = (prompt if isinstance(prompt, str) else (out.prompt_text or "")) + text
+                if self.job.params.logprobs and out.prompt_logprobs:
+                    entries = list(out.prompt_logprobs) + entries
+            if self.want_prompt_lps and out.prompt_logprobs is not None:
+                self.prompt_lps = prompt_logprobs(out.prompt_logprobs)
+        self.num_prompt = out.num_prompt_tokens or self.num_prompt
+        self.num_output = out.num_output_tokens or self.num_output
+        if out.finished:
+            self.finish = out.finish_reason or "stop"
+        self.text.append(text)
+        frag: Optional[object] = None
+        if self.job.params.logprobs:
+            if self.chat:
+                frag = chat_logprobs(entries)
+                self.lps.extend(frag)
+            else:
+                frag, self.offset = completion_logprobs(entries, self.offset)
+                self.lps.append(frag)
+        return text, frag
+
+    def whole_logprobs(self):
+        if not self.show_logprobs:
+            return None
+        if self.chat:
+            return {"content": self.lps}
+        merged = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for frag in self.lps:
+            for key in merged:
+                merged[key].extend(frag[key])
+        return merged
+
+    def whole(self) -> dict:
+        text = "".join(self.text)
+        body: dict = {"index": self.index}
+        if self.chat:
+            body["message"] = {"role": "assistant", "content": text}
+        else:
+            body["text"] = text
+        body["logprobs"] = self.whole_logprobs()
+        body["finish_reason"] = self.finish or "stop"
+        if self.prompt_lps is not None and not self.chat:
+            body["prompt_logprobs"] = self.prompt_lps
+        return body
+
+
+def total_usage(states: list[ChoiceState]) -> dict:
+    """Prompt tokens once per prompt, completion tokens of every choice."""
+    prompts: dict[int, int] = {}
+    for s in states:
+        prompts[s.job.prompt_index] = max(prompts.get(s.job.prompt_index, 0), s.num_prompt)
+    return usage(sum(prompts.values()), sum(s.num_output for s in states))
+
+
+class Kind:
+    """What differs between /v1/completions and /v1/chat/completions."""
+
+    def __init__(self, chat: bool, rid: str, model: str, include_usage: bool,
+                 continuous_usage: bool = False) -> None:
+        self.chat = chat
+        self.rid = rid
+        self.model = model
+        self.created = now()
+        self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
+        self.best: Optional[tuple[int, bool]] = None
+
+    def keep_best(self, n: int, show_logprobs: bool) -> None:
+        """best_of: answer with the ``n`` candidates of each prompt of highest summed logprob."""
+        self.best = (n, show_logprobs)
+
+    def _selected(self, states: list[ChoiceState]) -> list[ChoiceState]:
+        if self.best is None:
+            return states
+        n, show = self.best
+        by_prompt: dict[int, list[ChoiceState]] = {}
+        for s in states:
+            by_prompt.setdefault(s.job.prompt_index, []).append(s)
+        out = []
+        for p in sorted(by_prompt):
+            kept = sorted(by_prompt[p], key=lambda s: -s.cum_logprob)[:n]
+            for r, s in enumerate(kept):
+                s.index, s.show_logprobs = p * n + r, show
+            out += kept
+        return out
+
+    def _obj(self, choices: list, use: Optional[dict] = None, stream: bool = True) -> dict:
+        obj = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
+        body = {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+        if use is not None or (stream and self.include_usage):
+            body["usage"] = use
+        return body
+
+    def chunk(self, index: int, text: Optional[str], logprobs, finish: Optional[str],
+              role: bool = False, use: Optional[dict] = None, extra: Optional[dict] = None) -> dict:
+        if self.chat:
+            delta: dict = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta,
+                      "logprobs": {"content": logprobs} if logprobs is not None else None,
+                      "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": logprobs,
+                      "finish_reason": finish}
+        if extra:
+            choice.update(extra)
+        return self._obj([choice], use if self.continuous_usage else None)
+
+    def usage_chunk(self, use: dict) -> dict:
+        return self._obj([], use)
+
+    def whole(self, states: list[ChoiceState]) -> dict:
+        body = self._obj([s.whole() for s in self._selected(states)], total_usage(states),
+                         stream=False)
+        if self.chat and any(s.prompt_lps is not None for s in states):
+            body["prompt_logprobs"] = next(s.prompt_lps for s in states if s.prompt_lps is not None)
+        return body
+
+
+__all__ = ["ChoiceState", "Job", "Kind", "new_id", "now", "usage", "total_usage"]

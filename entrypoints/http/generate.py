@@ -1,0 +1,71 @@
+"""The two generation routes, ``/v1/completions`` and ``/v1/chat/completions``: parse, check
+every field against the schema, the vocabulary and the server's limits (a 400 naming the field,
+before anything is submitted), expand prompts x ``n`` into jobs, then :func:`serve_request`."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from . import protocol as P
+from .choices import Job, Kind, new_id
+from .context import Frontend
+from .errors import error_response
+from .serving import serve_request
+
+
+def _continuous(body: P._SamplingFields) -> bool:
+    return bool(body.stream_options and body.stream_options.continuous_usage_stats)
+
+
+async def completions(fe: Frontend, request: Request, parse_body) -> Response:
+    arrival = time.monotonic()
+    try:
+        body = await parse_body(request, P.CompletionRequest, fe)
+        fe.check_model(body.model)
+        info = fe.engine.tokenizer_info()
+        prompts = body.check(info.vocab_size, info.max_logprobs)
+        limit = fe.max_model_len
+        for p in prompts:
+            if isinstance(p, str):
+                fe.check_prompt_chars(len(p), "prompt")
+            elif limit and min(len(p), body.truncate_prompt_tokens or len(p)) >= limit:
+                raise P.RequestError(f"a prompt has {len(p)} tokens; the context limit is {limit}",
+                                     param="prompt", code="prompt_too_long")
+        max_tokens = (body.max_tokens if body.max_tokens is not None
+                      else fe.default_max_tokens(chat=False))
+        n = body.num_candidates
+        jobs = [Job(i * n + c, i, p, body.engine_params(max_tokens, c))
+                for i, p in enumerate(prompts) for c in range(n)]
+    except Exception as exc:
+        return error_response(exc, fe.metrics)
+    kind = Kind(False, new_id("cmpl"), fe.model, body.include_usage, _continuous(body))
+    if body.num_candidates > body.num_choices:  # best_of: keep the best n of each prompt
+        kind.keep_best(body.num_choices, show_logprobs=body.logprobs is not None)
+    return await serve_request(fe, request, body, jobs, kind, arrival, echo=bool(body.echo),
+                               want_prompt_lps=body.prompt_logprobs is not None)
+
+
+async def chat_completions(fe: Frontend, request: Request, parse_body) -> Response:
+    arrival = time.monotonic()
+    try:
+        body = await parse_body(request, P.ChatCompletionRequest, fe)
+        fe.check_model(body.model)
+        fe.check_prompt_chars(sum(m.chars() for m in body.messages), "messages")
+        info = fe.engine.tokenizer_info()
+        messages = body.check(info.vocab_size, info.max_logprobs)
+        n = body.requested_max_tokens
+        max_tokens = n if n is not None else fe.default_max_tokens(chat=True)
+        jobs = [Job(c, 0, "", body.engine_params(max_tokens, c)) for c in range(body.num_choices)]
+        prompt = await fe.chat_prompt(messages)
+        jobs = [j._replace(prompt=prompt) for j in jobs]
+    except Exception as exc:
+        return error_response(exc, fe.metrics)
+    kind = Kind(True, new_id("chatcmpl"), fe.model, body.include_usage, _continuous(body))
+    return await serve_request(fe, request, body, jobs, kind, arrival,
+                               want_prompt_lps=body.prompt_logprobs is not None)
+
+
+__all__ = ["completions", "chat_completions"]
