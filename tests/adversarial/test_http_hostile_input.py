@@ -187,8 +187,10 @@ async def test_finding6_health_answers_from_the_last_known_state_when_the_probe_
         t0 = time.monotonic()
         r = await c.get("/health")
         assert r.status_code == 200 and r.json() == {"status": "ok", "state": "serving",
+                                                     "live": True, "ready": True,
                                                      "probe": "timeout"}
         assert time.monotonic() - t0 < 5.0
         monkeypatch.undo()
         r = await c.get("/health")
-        assert r.status_code == 200 and r.json() == {"status": "ok", "state": "serving"}
+        assert r.status_code == 200 and r.json() == {"status": "ok", "state": "serving",
+                                                     "live": True, "ready": True}

@@ -140,5 +140,5 @@ async def sigterm_while_asleep(proc: ServeProcess, client: EngineClient, level: 
     with anyio.fail_after(5):
         await client.wait_stopped()
     assert client.state is State.SHUTDOWN  # a clean end, not a death
-    assert "in state SLEEPING" in proc.log
+    assert "signal SIGTERM in state sleeping" in proc.log
     assert not proc.sock.exists()
