@@ -19,7 +19,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help='"default" (embedded SmolLM2-135M), a HF checkpoint dir, a .gguf, or random:<preset>')
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto",
+                   help='"auto" (bfloat16 on cuda; on cpu the fastest weight format for this CPU, '
+                        'logged), float32, bfloat16, float16')
+    p.add_argument("--threads", type=int, default=None,
+                   help="intra-op CPU threads (default: $OMP_NUM_THREADS, else the CPUs this "
+                        "process may use: affinity and cgroup quota)")
     p.add_argument("--kv-cache-bytes", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
