@@ -15,6 +15,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str = "default"
     device: str = "auto"  # "auto" = cuda when available, else cpu
     dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
+    # CPU weight format (engine/cpu_weights.py): "auto" = the fastest packed format for this CPU
+    # when dtype is "auto" and the checkpoint is a quantized GGUF, else "float" (dequantized)
+    cpu_weights: str = "auto"
     seed: int = 0  # for random: presets and unseeded sampling
     block_size: int = 16
     num_kv_blocks: Optional[int] = None  # overrides kv_cache_bytes
@@ -64,4 +67,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not (1 <= self.num_speculative_tokens <= 16):
             raise BadRequestError("num_speculative_tokens must be in [1, 16]")
         self.resolved_dtype()
+        from .cpu_weights import FORMATS
+
+        if self.cpu_weights not in FORMATS:
+            raise BadRequestError(f"unknown cpu_weights {self.cpu_weights!r}; one of {', '.join(FORMATS)}")
         return self

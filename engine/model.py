@@ -140,6 +140,7 @@ class CausalLM(nn.Module):
         self.model = Backbone(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.packed_head = None  # a PackedLinear LM head on CPU (engine/cpu_weights.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -150,5 +151,7 @@ class CausalLM(nn.Module):
         return m.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_head is not None:
+            return self.packed_head(hidden).float()
         w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, w).float()
