@@ -27,7 +27,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "CPU when --dtype is auto; float: dequantized, today's exact path)")
     p.add_argument("--threads", type=int, default=None,
                    help="intra-op CPU threads (default: $OMP_NUM_THREADS, else the CPUs this "
-                        "process may use: affinity and cgroup quota)")
+                        "process may use, by affinity and cgroup quota, less one)")
     p.add_argument("--kv-cache-bytes", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

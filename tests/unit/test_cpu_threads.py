@@ -36,9 +36,13 @@ def test_choose_threads_precedence(monkeypatch):
     monkeypatch.setattr(cpu_threads, "cgroup_cpu_quota", lambda: None)
     assert choose_threads(3, {"OMP_NUM_THREADS": "1"}) == (3, "--threads")
     assert choose_threads(None, {"OMP_NUM_THREADS": "2"}) == (2, "$OMP_NUM_THREADS")
-    assert choose_threads(None, {})[0] == len(os.sched_getaffinity(0))
+    assert choose_threads(None, {})[0] == max(1, len(os.sched_getaffinity(0)) - 1)
     with pytest.raises(ValueError):
         choose_threads(0)
+
+
+def test_default_leaves_one_cpu():
+    assert [cpu_threads.default_threads(n) for n in (1, 2, 3, 16)] == [1, 1, 2, 15]
 
 
 def test_import_sets_nothing():
