@@ -33,6 +33,8 @@ class AttentionMetadata:
     decode_block_tables: Optional[torch.Tensor]  # [B, max_blocks] long (padded with 0)
     decode_context_lens: Optional[torch.Tensor]  # [B] long
     decode_max_len: int = 0  # max context among decodes (torch path only; the kernel reads lens)
+    # the torch decode path's [B, 1, 1, L] key mask: made by the first layer, reused by the rest
+    decode_mask: Optional[torch.Tensor] = None
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -85,11 +87,15 @@ def decode_attention_torch(q: torch.Tensor, cache: torch.Tensor, meta: Attention
     ks = cache[0][bt].reshape(bsz, -1, kv_heads, dim)  # [B, L, Hkv, D]
     vs = cache[1][bt].reshape(bsz, -1, kv_heads, dim)
     length = ks.shape[1]
-    mask = torch.arange(length, device=q.device)[None, :] < meta.decode_context_lens[:, None]
+    mask = meta.decode_mask
+    if mask is None or mask.shape[-1] != length:
+        mask = (torch.arange(length, device=q.device)[None, :]
+                < meta.decode_context_lens[:, None])[:, None, None, :]
+        meta.decode_mask = mask
     # NOTE: one query per sequence, so the gqa query heads that share a KV head can stand in
     # the query-length dimension: [B, Hkv, gqa, D] against [B, Hkv, L, D], no K/V repeat.
     qd = q[rows].view(bsz, kv_heads, gqa, -1)
     ks = ks.permute(0, 2, 1, 3).to(q.dtype)
     vs = vs.permute(0, 2, 1, 3).to(q.dtype)
-    o = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=mask[:, None, None, :], scale=scale)
+    o = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=mask, scale=scale)
     out[rows] = o.reshape(bsz, heads, -1)
