@@ -76,7 +76,7 @@ class PackedLinear(nn.Module):
                 self.register_buffer("scales", scale.to(act_dtype))
             else:
                 self._packed = torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), None)
-                self.packed_nbytes = weight.numel() * 2
+                self.packed_nbytes = weight.numel() * 2  # nominal: fbgemm pads, see cpu_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kind = self.kind
