@@ -63,9 +63,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
             qpos = torch.arange(p.context_len - n, p.context_len, device=q.device)
             mask = qpos[:, None] >= torch.arange(p.context_len, device=q.device)[None, :]
             causal = False
-        o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).to(q.dtype),
-                                           vs.transpose(0, 1).to(q.dtype), attn_mask=mask,
-                                           is_causal=causal, scale=scale, enable_gqa=gqa > 1)
+        ks, vs = ks.transpose(0, 1).to(q.dtype), vs.transpose(0, 1).to(q.dtype)
+        grouped = gqa > 1
+        if grouped and q.device.type == "cpu":
+            # NOTE: on CPU, enable_gqa (or 3-D inputs) send SDPA to its math kernel (bmm,
+            # softmax, masks: ~5 s of a 1,000-token prefill of the default model, measured);
+            # K/V repeated per query head take the fused flash kernel, as transformers' repeat_kv.
+            ks, vs, grouped = ks.repeat_interleave(gqa, 0), vs.repeat_interleave(gqa, 0), False
+        if q.device.type == "cpu":  # and only 4-D inputs take it: a batch of one
+            qs, ks, vs = qs[None], ks[None], vs[None]
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal,
+                                           scale=scale, enable_gqa=grouped)
+        o = o[0] if o.dim() == 4 else o
         out[p.start:p.end] = o.transpose(0, 1)
     if meta.decode_rows is not None and triton_attention.supported(q, cache):
         triton_attention.decode_attention(q, cache, meta.decode_rows, meta.decode_block_tables,
