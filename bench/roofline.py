@@ -82,19 +82,24 @@ def step_flops(cfg, linear_params: int, batch: int, context: int) -> int:
 
 
 def linear_param_count(model: torch.nn.Module) -> int:
-    return sum(p.numel() for name, p in model.named_parameters()
-               if ".layers." in name and name.endswith("proj.weight"))
+    dense = sum(p.numel() for name, p in model.named_parameters()
+                if ".layers." in name and name.endswith("proj.weight"))
+    packed = sum(m.in_features * m.out_features for name, m in model.named_modules()
+                 if ".layers." in name and hasattr(m, "packed_nbytes"))  # PackedLinear
+    return dense + packed
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
+    """Unique parameter and non-rotary buffer bytes, plus packed (kernel-owned) CPU weights."""
     seen, total = set(), 0
-    for p in model.parameters():
+    tensors = list(model.parameters()) + [b for n, b in model.named_buffers() if "rotary" not in n]
+    for p in tensors:
         key = p.data_ptr()
         if key in seen:
             continue
         seen.add(key)
         total += p.numel() * p.element_size()
-    return total
+    return total + sum(getattr(m, "packed_nbytes", 0) for m in model.modules())
 
 
 def decode_batch(runner, batch: int, context: int, first_block: int = 0):

@@ -50,6 +50,8 @@ class AttentionMetadata:
     decode_context_lens: Optional[torch.Tensor]  # [B] long
     decode_max_len: int = 0  # max context among decodes (torch path only; the kernel reads lens)
     context_groups: list[ContextGroup] = dataclasses.field(default_factory=list)
+    # the torch decode path's [B, 1, 1, L] key mask: made by the first layer, reused by the rest
+    decode_mask: Optional[torch.Tensor] = None
 
 
 #: a group's padded queries stay within this factor of its real ones (plus a little slack)
@@ -135,9 +137,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
             qpos = torch.arange(p.context_len - n, p.context_len, device=q.device)
             mask = qpos[:, None] >= torch.arange(p.context_len, device=q.device)[None, :]
             causal = False
-        o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).to(q.dtype),
-                                           vs.transpose(0, 1).to(q.dtype), attn_mask=mask,
-                                           is_causal=causal, scale=scale, enable_gqa=gqa > 1)
+        ks, vs = ks.transpose(0, 1).to(q.dtype), vs.transpose(0, 1).to(q.dtype)
+        grouped = gqa > 1
+        if grouped and q.device.type == "cpu":
+            # NOTE: on CPU, enable_gqa (or 3-D inputs) send SDPA to its math kernel (bmm,
+            # softmax, masks: ~5 s of a 1,000-token prefill of the default model, measured);
+            # K/V repeated per query head take the fused flash kernel, as transformers' repeat_kv.
+            ks, vs, grouped = ks.repeat_interleave(gqa, 0), vs.repeat_interleave(gqa, 0), False
+        if q.device.type == "cpu":  # and only 4-D inputs take it: a batch of one
+            qs, ks, vs = qs[None], ks[None], vs[None]
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal,
+                                           scale=scale, enable_gqa=grouped)
+        o = o[0] if o.dim() == 4 else o
         out[p.start:p.end] = o.transpose(0, 1)
     if meta.decode_rows is not None and triton_attention.supported(q, cache):
         triton_attention.decode_attention(q, cache, meta.decode_rows, meta.decode_block_tables,
@@ -159,11 +170,15 @@ def decode_attention_torch(q: torch.Tensor, cache: torch.Tensor, meta: Attention
     ks = cache[0][bt].reshape(bsz, -1, kv_heads, dim)  # [B, L, Hkv, D]
     vs = cache[1][bt].reshape(bsz, -1, kv_heads, dim)
     length = ks.shape[1]
-    mask = torch.arange(length, device=q.device)[None, :] < meta.decode_context_lens[:, None]
+    mask = meta.decode_mask
+    if mask is None or mask.shape[-1] != length:
+        mask = (torch.arange(length, device=q.device)[None, :]
+                < meta.decode_context_lens[:, None])[:, None, None, :]
+        meta.decode_mask = mask
     # NOTE: one query per sequence, so the gqa query heads that share a KV head can stand in
     # the query-length dimension: [B, Hkv, gqa, D] against [B, Hkv, L, D], no K/V repeat.
     qd = q[rows].view(bsz, kv_heads, gqa, -1)
     ks = ks.permute(0, 2, 1, 3).to(q.dtype)
     vs = vs.permute(0, 2, 1, 3).to(q.dtype)
-    o = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=mask[:, None, None, :], scale=scale)
+    o = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=mask, scale=scale)
     out[rows] = o.reshape(bsz, heads, -1)

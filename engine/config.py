@@ -16,6 +16,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     revision: Optional[str] = None  # of a Hugging Face repo id from the local cache (default main)
     device: str = "auto"  # "auto" = cuda when available, else cpu
     dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
+    # CPU weight format (engine/cpu_weights.py): "auto" = the fastest packed format for this CPU
+    # when dtype is "auto" and the checkpoint is a quantized GGUF, else "float" (dequantized)
+    cpu_weights: str = "auto"
     seed: int = 0  # for random: presets and unseeded sampling
     block_size: int = 16
     num_kv_blocks: Optional[int] = None  # overrides kv_cache_bytes
@@ -69,4 +72,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not (0 <= self.max_logprobs <= 1024):
             raise BadRequestError("max_logprobs must be in [0, 1024]")
         self.resolved_dtype()
+        from .cpu_weights import FORMATS
+
+        if self.cpu_weights not in FORMATS:
+            raise BadRequestError(f"unknown cpu_weights {self.cpu_weights!r}; one of {', '.join(FORMATS)}")
         return self

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import gguf
 import numpy as np
@@ -60,8 +60,10 @@ def default_model_path() -> Path:
     )
 
 
-def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Read a GGUF file: ``(config, float32 HF-named weights, tokenizer)``.
+def load_gguf(path: str | Path, types_out: Optional[dict[str, str]] = None,
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Read a GGUF file: ``(config, float32 HF-named weights, tokenizer)``. ``types_out``, if
+    given, receives each weight's GGUF tensor type by HF name (``"Q4_1"``, ``"F32"``, ...).
 
     Raises ``CheckpointError(path, problem)`` for anything unreadable or unsupported.
     """
@@ -87,7 +89,7 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], T
             raise CheckpointError(path, f"unsupported GGUF architecture {arch!r}; supported: 'llama'")
         tensor_names = {t.name for t in reader.tensors}
         config = _build_config(path, meta, tensor_names)
-        weights = _load_weights(path, reader, config)
+        weights = _load_weights(path, reader, config, types_out)
         tokenizer = _build_tokenizer(path, meta, config)
     except CheckpointError:
         raise
@@ -171,12 +173,15 @@ def _unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_weights(path: Path, reader, config: ModelConfig) -> dict[str, torch.Tensor]:
+def _load_weights(path: Path, reader, config: ModelConfig,
+                  types_out: Optional[dict[str, str]] = None) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     total = sum(int(t.n_bytes) for t in reader.tensors)
     with LoadProgress(f"reading {path.name}", len(reader.tensors), total) as progress:
         for tensor in reader.tensors:
             _load_tensor(path, tensor, config, weights)
+            if types_out is not None:
+                types_out[_hf_name(path, tensor.name, config.num_layers)] = tensor.tensor_type.name
             progress.advance(int(tensor.n_bytes))
     _check_weights(path, weights, config)
     return weights

@@ -34,8 +34,9 @@ def resolve_source(spec: str, revision: Optional[str] = None
     if spec == "default":
         from .gguf_loader import default_model_path, load_gguf
 
-        cfg, weights, tok = load_gguf(default_model_path())
-        return cfg, lambda: _drain_dict(weights), tok
+        types: dict[str, str] = {}
+        cfg, weights, tok = load_gguf(default_model_path(), types)
+        return cfg, GGUFTensors(weights, types), tok
     if spec.startswith("random:"):
         name = spec.split(":", 1)[1]
         if name not in PRESETS:
@@ -45,6 +46,17 @@ def resolve_source(spec: str, revision: Optional[str] = None
     from .hf_hub import resolve_model_path
 
     return _hf_dir(resolve_model_path(spec, revision))
+
+
+class GGUFTensors:
+    """The weights factory of a GGUF source; ``gguf_types`` maps each HF name to its GGUF tensor
+    type (what ``engine.cpu_weights`` packs)."""
+
+    def __init__(self, weights: dict, gguf_types: dict[str, str]):
+        self._weights, self.gguf_types = weights, gguf_types
+
+    def __call__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return _drain_dict(self._weights)
 
 
 def _drain_dict(weights: dict) -> Iterator[tuple[str, torch.Tensor]]:
@@ -61,8 +73,9 @@ def _hf_dir(path: Path):
         if path.suffix == ".gguf":
             from .gguf_loader import load_gguf
 
-            cfg, weights, tok = load_gguf(path)
-            return cfg, lambda: _drain_dict(weights), tok
+            types: dict[str, str] = {}
+            cfg, weights, tok = load_gguf(path, types)
+            return cfg, GGUFTensors(weights, types), tok
         raise CheckpointError(path, "not a checkpoint directory or .gguf file")
     cfg = ModelConfig.from_file(path / "config.json")
     index = path / "model.safetensors.index.json"

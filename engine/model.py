@@ -61,10 +61,15 @@ class Rotary(nn.Module):
         freqs = torch.outer(t, inv)
         self.cos, self.sin = freqs.cos(), freqs.sin()
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D] rotated by the half-split (HF "rotate_half") convention."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) rows for ``positions``, [T, 1, D/2]: gathered once per forward, not per
+        layer and per q/k (on CPU each gather is an op call of tens of microseconds)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def forward(self, x: torch.Tensor, positions) -> torch.Tensor:
+        """x: [T, H, D] rotated by the half-split (HF "rotate_half") convention; ``positions``
+        a [T] tensor or the :meth:`tables` of one."""
+        cos, sin = self.tables(positions) if isinstance(positions, torch.Tensor) else positions
         x1, x2 = x.float().chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return out.to(x.dtype)
@@ -140,15 +145,19 @@ class CausalLM(nn.Module):
         self.model = Backbone(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.packed_head = None  # a PackedLinear LM head on CPU (engine/cpu_weights.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         m = self.model
         x = m.embed_tokens(input_ids)
+        rot = m.rotary.tables(positions)
         for i, layer in enumerate(m.layers):
-            x = layer(x, positions, m.rotary, kv[i], meta)
+            x = layer(x, rot, m.rotary, kv[i], meta)
         return m.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_head is not None:
+            return self.packed_head(hidden).float()
         w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, w).float()

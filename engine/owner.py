@@ -33,6 +33,10 @@ def empty_in_place(obj: Any) -> None:
         for t in list(obj.parameters(recurse=True)) + list(obj.buffers(recurse=True)):
             with torch.no_grad():
                 t.data = torch.empty(0, dtype=t.dtype, device="cpu")
+        for m in obj.modules():  # kernel-owned weights (engine/packed_linear.py)
+            release = getattr(m, "release_packed", None)
+            if callable(release):
+                release()
     elif isinstance(obj, dict):
         for v in obj.values():
             empty_in_place(v)
@@ -258,7 +262,7 @@ def reachable_tensors(root: Any, limit: int = 200_000) -> list[str]:
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        if isinstance(obj, (torch.Tensor, nn.Module)):
+        if isinstance(obj, (torch.Tensor, nn.Module, torch.ScriptObject)):
             found.append(f"{path}: {type(obj).__name__}")
             continue
         for name, child in _children(obj):

@@ -17,6 +17,7 @@ import torch
 
 from . import cuda_graphs
 from .config import EngineConfig
+from .cpu_weights import choose_format, is_packed, pack_model, packed_types
 from .errors import BadRequestError, CheckpointError
 from .block_manager import BlockManager
 from .device_stack import device_stack
@@ -59,6 +60,7 @@ class ModelRunner:
         self.sleep_timings: dict[str, float] = {}  # seconds by part, of the last sleep or wake
         #: where the weights came from (reloaded from it after sleep level 2); None: tensors
         self.weights_source: Optional[str] = config.model
+        self.weight_format = "float"  # or a packed CPU format (engine/cpu_weights.py)
 
     # -- the seed bug, made impossible ------------------------------------------------------
     def __setattr__(self, name: str, value) -> None:
@@ -98,6 +100,7 @@ class ModelRunner:
         except LoadStopped as stopped:
             log.warning("loading stopped: %s", stopped)
             return
+        self._pack(model, tensors)
         del model
         if should_stop():
             return
@@ -112,10 +115,19 @@ class ModelRunner:
             from .speculative import build_speculator
 
             self.speculator = build_speculator(self.config, self)
-        log.info("loaded %s on %s/%s: %d KV blocks of %d tokens (%.1f MiB); CUDA graphs %s",
-                 self.config.model, self.device, self.dtype, self.num_blocks, self.block_size,
+        log.info("loaded %s on %s/%s (%s weights): %d KV blocks of %d tokens (%.1f MiB); CUDA graphs %s",
+                 self.config.model, self.device, self.dtype, self.weight_format, self.num_blocks, self.block_size,
                  self._owner[R.KV_CACHE].nbytes / 2**20,
                  "on" if R.CUDA_GRAPHS in self._owner else "off")
+
+    def _pack(self, model, tensors) -> None:
+        """Keep a quantized GGUF's linears packed on CPU where that is faster (the format and
+        why are logged); ``float`` keeps the dequantized weights as they are."""
+        types = getattr(tensors, "gguf_types", None)
+        fmt, why = choose_format(self.device, self.config.dtype, self.config.cpu_weights, types)
+        n = pack_model(model, fmt, types or {})
+        self.weight_format = fmt if n else "float"
+        log.info("weights: %s, %d linears packed (%s)", self.weight_format, n, why)
 
     def _build_stack(self, should_stop=lambda: False) -> bool:
         """KV cache, model state and (CUDA) graphs, each adopted as it is made; False if
@@ -263,6 +275,7 @@ class ModelRunner:
         check_architecture(self.model_config, cfg, src)
         model = self._owner.adopt(R.WEIGHTS, create_model(self.model_config, self.device, self.dtype))
         fill_model(model, tensors, self.config.seed, self.weights_source)
+        self._pack(model, tensors)
 
     def update_weights(self, source: str) -> None:
         """Load checkpoint ``source`` (same architecture) into the weights' storage, on the
@@ -292,10 +305,20 @@ class ModelRunner:
         if not self.loaded and not self.asleep:
             raise BadRequestError("update_weights needs a loaded model")
         model = self._owner.get(R.WEIGHTS)
-        if model is None:  # discarded by a level-2 sleep: these are the weights now
-            model = self._owner.adopt(R.WEIGHTS, create_model(self.model_config, self.device, self.dtype))
-            self.asleep = tuple(t for t in self.asleep if t != "weights")
-        copy_into(model, tensors)
+        if model is not None and is_packed(model):
+            # packed kernels' layouts cannot be written in place: new float weights, repacked
+            # like the old ones, then the old ones released (the new ones are owned first)
+            fresh = create_model(self.model_config, self.device, self.dtype)
+            copy_into(fresh, tensors)
+            pack_model(fresh, self.weight_format, packed_types(model))
+            self._owner.release(R.WEIGHTS)
+            self._owner.adopt(R.WEIGHTS, fresh)
+            del fresh
+        else:
+            if model is None:  # discarded by a level-2 sleep: these are the weights now
+                model = self._owner.adopt(R.WEIGHTS, create_model(self.model_config, self.device, self.dtype))
+                self.asleep = tuple(t for t in self.asleep if t != "weights")
+            copy_into(model, tensors)
         log.info("weights updated (%d tensors)", len(tensors))
 
     # -- one step ----------------------------------------------------------------------------
@@ -391,3 +414,4 @@ class ModelRunner:
             if lps is not None:
                 lps[i].append(lp_list[k])
         return StepResult(out, lps)
+

@@ -22,7 +22,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None,
                    help="branch, tag or commit of a HF repo id (default: main); never downloads")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto",
+                   help='"auto" (bfloat16 on cuda; on cpu the fastest weight format for this CPU, '
+                        'logged), float32, bfloat16, float16')
+    p.add_argument("--cpu-weights", default="auto", choices=["auto", "float", "woq", "fbgemm_fp16"],
+                   help="CPU weight format for quantized GGUF checkpoints (auto: the fastest for this "
+                        "CPU when --dtype is auto; float: dequantized, today's exact path)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="intra-op CPU threads (default: $OMP_NUM_THREADS, else the CPUs this "
+                        "process may use, by affinity and cgroup quota, less one)")
     p.add_argument("--kv-cache-bytes", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -41,7 +49,8 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
     if a.config_json:
         return msgspec.json.decode(a.config_json, type=EngineConfig)
     return EngineConfig(
-        model=a.model, revision=a.revision, device=a.device, dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
+        model=a.model, revision=a.revision, device=a.device, dtype=a.dtype, cpu_weights=a.cpu_weights,
+        kv_cache_bytes=a.kv_cache_bytes,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len, enable_prefix_caching=a.enable_prefix_caching,
         speculator=a.speculator,

@@ -112,6 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     from .malloc import tune_malloc
 
     tune_malloc()  # this is the process's entry point: process-wide settings belong here
+    if a.cmd == "serve" or not a.connect:  # this process runs the engine
+        from engine.cpu_threads import apply_threads
+
+        try:
+            apply_threads(a.threads)
+        except ValueError as exc:
+            print(f"enginecore: bad configuration: {exc}", file=sys.stderr)
+            return 2
 
     try:
         if a.cmd == "generate":

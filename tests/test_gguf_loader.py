@@ -249,7 +249,8 @@ async def test_default_model_greedy_parity_with_transformers(hf_lm, hf_tokenizer
     from engine import AsyncEngine, EngineConfig, SamplingParams
 
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    async with AsyncEngine.open(EngineConfig(model="default", device="cpu")) as eng:
+    # float32: the dequantized path, exact against transformers (packed formats: test_cpu_weights)
+    async with AsyncEngine.open(EngineConfig(model="default", device="cpu", dtype="float32")) as eng:
         ours = []
         for p in PARITY_PROMPTS:
             toks, text = [], ""

@@ -1,0 +1,120 @@
+"""Which weight format a CPU engine runs, and packing a loaded model into it.
+
+``choose_format`` decides from the device, ``--dtype``, ``--cpu-weights``, the checkpoint's GGUF
+tensor types and the CPU (``torch.backends.cpu.get_cpu_capability()``), and says why:
+
+* ``float`` -- today's path: every weight dequantized to the engine dtype. ``--dtype float32``
+  (or any explicit dtype), a CUDA device, and checkpoints that are not quantized GGUF get it.
+* ``woq`` -- torch's weight-only kernels, for CPUs where they are vectorized (AVX-512): Q4_0/Q4_1
+  tensors as ``int4`` (exact), Q8_0 as per-channel ``int8``.
+* ``fbgemm_fp16`` -- fbgemm's fp16-weight AVX2 GEMM. On an AVX2-only CPU torch's
+  weight-only kernels run a scalar fallback: measured on the 2-core AMD EPYC (AVX2) box,
+  ``_weight_int8pack_mm`` was 7-90x and ``_weight_int4pack_mm_for_cpu`` 15-150x slower than the
+  fp32 GEMM (1536x576, 1-64 rows, best of 30, one thread), while fbgemm's fp16 GEMM was ~2x
+  faster than fp32 at 1 row, with near-fp32 logits. Not smaller in memory: fbgemm's packed fp16
+  matrices took ~3.6 bytes a parameter resident (measured: 60 of 1536x576 took 190 MiB).
+
+``pack_model`` swaps each decoder ``nn.Linear`` (and the LM head, tied or not) for a
+:class:`PackedLinear`; the float weights it replaces are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Mapping, Optional
+
+import torch
+from torch import nn
+
+from .packed_linear import PackedLinear
+
+log = logging.getLogger("enginecore.cpu_weights")
+
+FORMATS = ("auto", "float", "woq", "fbgemm_fp16")
+_QUANTIZED = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def cpu_capability() -> str:
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except Exception:  # very old torch or an exotic build
+        return "DEFAULT"
+
+
+def choose_format(device: torch.device, dtype_flag: str, cpu_weights: str,
+                  gguf_types: Optional[Mapping[str, str]]) -> tuple[str, str]:
+    """``(format, why)`` for a model on ``device`` (see the module docstring)."""
+    if device.type != "cpu":
+        return "float", f"{device.type} device"
+    quantized = bool(gguf_types) and any(t in _QUANTIZED for t in gguf_types.values())
+    if cpu_weights not in ("auto", "float") and not quantized:
+        return "float", f"--cpu-weights {cpu_weights} needs a Q4_0/Q4_1/Q8_0 GGUF checkpoint"
+    if cpu_weights != "auto":
+        return cpu_weights, f"--cpu-weights {cpu_weights}"
+    if dtype_flag != "auto":
+        return "float", f"--dtype {dtype_flag} asked for dequantized weights"
+    if not quantized:
+        return "float", "the checkpoint is not a Q4_0/Q4_1/Q8_0 GGUF"
+    cap = cpu_capability()
+    if cap.startswith("AVX512"):
+        return "woq", f"CPU capability {cap}: torch's vectorized int4/int8 weight-only kernels"
+    if cap == "AVX2":
+        return "fbgemm_fp16", ("CPU capability AVX2: torch's int4/int8 weight-only kernels are "
+                               "scalar here (measured 7-150x slower than fp32); fbgemm's fp16 GEMM "
+                               "is ~2x faster than fp32 at batch 1")
+    return "float", f"CPU capability {cap}: no faster kernel known"
+
+
+def _kind(fmt: str, gguf_type: Optional[str]) -> Optional[str]:
+    if fmt == "woq":
+        return _QUANTIZED.get(gguf_type or "")
+    return fmt if gguf_type in _QUANTIZED else None
+
+
+def pack_model(model: nn.Module, fmt: str, gguf_types: Mapping[str, str]) -> int:
+    """Replace the linears whose GGUF tensors were quantized by ``PackedLinear`` of ``fmt``.
+    Returns how many were packed."""
+    if fmt == "float":
+        return 0
+    cfg = model.config
+    packed = 0
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            for parent_name, parent in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
+                for name in _LINEARS:
+                    lin = getattr(parent, name, None)
+                    if not isinstance(lin, nn.Linear) or lin.bias is not None:
+                        continue
+                    kind = _kind(fmt, gguf_types.get(f"model.layers.{i}.{parent_name}.{name}.weight"))
+                    if kind is not None:
+                        setattr(parent, name, PackedLinear(lin.weight, kind))
+                        packed += 1
+        head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        kind = _kind(fmt, gguf_types.get(head_name))
+        if kind is not None:
+            w = model.model.embed_tokens.weight if cfg.tie_word_embeddings else model.lm_head.weight
+            model.packed_head = PackedLinear(w, kind)
+            if not cfg.tie_word_embeddings:
+                del model.lm_head
+            packed += 1
+    return packed
+
+
+def is_packed(model: nn.Module) -> bool:
+    return any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def packed_types(model: nn.Module) -> dict[str, str]:
+    """GGUF-like types by HF weight name that make ``pack_model`` pack another model of the same
+    architecture as ``model`` is packed (``update_weights`` on packed weights)."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, PackedLinear):
+            if name == "packed_head":
+                name = "model.embed_tokens" if model.config.tie_word_embeddings else "lm_head"
+            out[name + ".weight"] = "Q8_0" if m.kind == "int8" else "Q4_1"
+    return out
+
+
+__all__ = ["FORMATS", "choose_format", "pack_model", "is_packed", "packed_types", "cpu_capability"]
