@@ -393,8 +393,6 @@ __all__ = [
     "PROTOCOL_VERSION", "DEFAULT_MAX_FRAME", "HANDSHAKE_MAX_FRAME", "ErrorKind", "FATAL_KINDS",
     "Hello", "Generate", "Abort", "HealthRequest", "Drain", "Shutdown", "Sleep", "WakeUp", "UpdateWeights",
     "Welcome", "Outputs", "Health", "Error", "StateChanged", "Ack",
-    "ClientMessage", "EngineMessage", "Message",
-    "CLIENT_MESSAGES", "ENGINE_MESSAGES", "ALL_MESSAGES",
-    "SamplingParams", "RequestOutput", "State",
-    "error_to_message", "message_to_error",
+    "ClientMessage", "EngineMessage", "Message", "CLIENT_MESSAGES", "ENGINE_MESSAGES", "ALL_MESSAGES",
+    "SamplingParams", "RequestOutput", "State", "error_to_message", "message_to_error",
 ]

@@ -49,7 +49,7 @@ def server():
     torch.set_num_threads(threads)
 
 
-@settings(max_examples=40, deadline=None, database=None,
+@settings(max_examples=25, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(asleep=st.booleans(), route=st.sampled_from(ROUTES), body=bodies, query=queries,
        as_json=st.booleans())
