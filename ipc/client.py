@@ -55,6 +55,14 @@ _MAX_DRAIN_TIMEOUT = 1e9
 _replace = msgspec.structs.replace
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: no frame can carry it
+        return False
+    return True
+
+
 class EngineClient(ClientChannel):
     """A connection to an engine process; an :class:`engine.interface.Engine`.
 
@@ -240,9 +248,10 @@ class EngineClient(ClientChannel):
     async def update_weights(self, path: str) -> None:
         """Load the checkpoint at ``path`` -- on the engine's machine -- into a sleeping engine's
         weights; a refused one raises ``BadRequestError`` and the old weights stay."""
-        if not isinstance(path, str) or not 0 < len(path) <= MAX_PATH_LEN or "\0" in path:
-            raise BadRequestError(f"path must be a non-empty string of at most {MAX_PATH_LEN} "
-                                  "characters, without NUL")
+        if not isinstance(path, str) or not 0 < len(path) <= MAX_PATH_LEN or "\0" in path or (
+                not path.isascii() and not _utf8(path)):
+            raise BadRequestError(f"path must be a non-empty UTF-8 string of at most "
+                                  f"{MAX_PATH_LEN} characters, without NUL")
         await self._call("update_weights", lambda cid: UpdateWeights(path=path, call_id=cid))
 
     async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:

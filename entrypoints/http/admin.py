@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import EngineDeadError
 from states import State
@@ -52,8 +52,14 @@ class WakeUpParams(_Admin):
     tags: Optional[Annotated[list[Literal["weights", "kv_cache"]], Field(min_length=1, max_length=2)]] = None
 
 
+def _utf8(path: str) -> str:
+    path.encode("utf-8")  # a lone surrogate (JSON "\ud800") is a ValueError: a 400 naming "path"
+    return path
+
+
 class UpdateWeightsParams(_Admin):
-    path: Annotated[str, Field(strict=True, min_length=1, max_length=MAX_PATH_CHARS, pattern=r"^[^\x00]+$")]
+    path: Annotated[str, Field(strict=True, min_length=1, max_length=MAX_PATH_CHARS, pattern=r"^[^\x00]+$"),
+                    AfterValidator(_utf8)]
 
 
 def _query_value(key: str, values: list[str]) -> Any:

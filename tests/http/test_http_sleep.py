@@ -102,6 +102,8 @@ async def test_bad_wake_and_update_parameters_are_400() -> None:
         for body in ({}, {"path": ""}, {"path": 5}, {"path": "x" * 4097}, {"path": "/a\x00b"}):
             r = await c.post("/update_weights", json=body)
             assert r.status_code == 400, (body, r.text)
+        r = await c.post("/update_weights", content=b'{"path": "/ckpt/\\ud800"}')  # a lone surrogate
+        assert r.status_code == 400 and r.json()["error"]["param"] == "path", r.text
         r = await c.post("/update_weights", json={"path": "random:tiny-llama"})
         assert r.status_code == 400 and "random presets" in r.json()["error"]["message"]
         r = await c.post("/update_weights", json={"path": "/nonexistent/ckpt"})

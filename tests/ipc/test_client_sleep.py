@@ -83,7 +83,7 @@ async def test_client_checks_every_argument_before_sending() -> None:
         for tags in ([], ["gpu"], "weights", [1], 5, {"weights": 1}):
             with pytest.raises(BadRequestError):
                 await c.wake_up(tags)
-        for path in ("", "a\0b", "x" * 4097, 5, None):
+        for path in ("", "a\0b", "x" * 4097, 5, None, "/ckpt/\ud800"):
             with pytest.raises(BadRequestError):
                 await c.update_weights(path)
         assert eng.calls == [] and c.state is State.SERVING and not c.closed
