@@ -17,7 +17,7 @@ import torch
 
 from . import cuda_graphs
 from .config import EngineConfig
-from .errors import BadRequestError
+from .errors import BadRequestError, CheckpointError
 from .block_manager import BlockManager
 from .device_stack import device_stack
 from .kv_cache import KVCache
@@ -270,10 +270,14 @@ class ModelRunner:
         level-2 sleep the weights are allocated on the device for it."""
         if source.startswith("random:"):
             raise BadRequestError(f"{source!r}: random presets carry no weights to load")
-        cfg, tensors, _tok = resolve_source(source)
-        check_architecture(self.model_config, cfg, source)
-        spec = weight_spec(self.model_config, self.dtype)
-        self._write_weights(validated(spec, tensors(), self.model_config, source, exact_dtype=False))
+        try:
+            cfg, tensors, _tok = resolve_source(source)
+            check_architecture(self.model_config, cfg, source)
+            spec = weight_spec(self.model_config, self.dtype)
+            new = validated(spec, tensors(), self.model_config, source, exact_dtype=False)
+        except OSError as exc:  # a name too long, no permission, a read error: the caller's path
+            raise CheckpointError(source, f"cannot read it: {exc}") from None
+        self._write_weights(new)
         self.weights_source = source
 
     def update_weights_from_tensors(self, named: NamedTensors) -> None:

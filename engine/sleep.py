@@ -37,10 +37,10 @@ from anyio import to_thread
 from states import State
 
 from .errors import BadRequestError, EngineDeadError, EngineShutdownError
-from .weights import NamedTensors
 
-if TYPE_CHECKING:  # pragma: no cover
+if TYPE_CHECKING:  # pragma: no cover  (torch-free at run time: the IPC client imports this module)
     from .core import EngineCore
+    from .weights import NamedTensors
 
 TAGS = ("weights", "kv_cache")
 MODES = ("abort", "wait")
@@ -69,7 +69,7 @@ class _Call:
 def check_tags(tags: Optional[Sequence[str]]) -> tuple[str, ...]:
     if tags is None:
         return TAGS
-    if isinstance(tags, str) or not all(isinstance(t, str) for t in tags):
+    if not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
         raise BadRequestError("tags must be a list of strings")
     bad = [t for t in tags if t not in TAGS]
     if bad or not tags:
@@ -103,7 +103,7 @@ class SleepAPI:
         the KV cache (and any cached prefix) is invalidated."""
         await self._sleep.update_weights("update", path)
 
-    async def update_weights_from_tensors(self, named_tensors: NamedTensors) -> None:
+    async def update_weights_from_tensors(self, named_tensors: "NamedTensors") -> None:
         """As :meth:`update_weights`, from ``(name, tensor)`` pairs (or a dict) of exactly the
         weights' names, shapes and dtype. In-process only."""
         await self._sleep.update_weights("tensors", named_tensors)

@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-timeout", type=float, default=30.0)
     s.add_argument("--http", default=None, help="HOST:PORT for the OpenAI-compatible frontends")
     s.add_argument("--api-servers", type=int, default=1)
+    s.add_argument("--enable-sleep-mode", action="store_true",
+                   help="HTTP admin endpoints /sleep, /wake_up, /update_weights, /is_sleeping "
+                        "(they need the token if one is set; a non-loopback --http needs one). "
+                        "Over IPC, sleep mode is always available")
     from .http.limits import add_http_limit_args
 
     add_http_limit_args(s)  # --max-body-bytes, --header-timeout, ...: see entrypoints/http/limits.py

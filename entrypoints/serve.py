@@ -191,6 +191,11 @@ def _cache_info_argv(engine) -> list[str]:
     return ["--cache-info", msgspec.json.encode(cache_info(engine)).decode()]
 
 
+def _sleep_argv(token: Optional[str]) -> list[str]:
+    """The frontends' flags for the admin endpoints; a server token (--token) guards them."""
+    return ["--enable-sleep-mode", *(("--admin-auth",) if token else ())]
+
+
 def _stats_interval(a) -> Optional[float]:
     if getattr(a, "disable_log_stats", False):
         return None
@@ -204,11 +209,21 @@ def _serve_http(a, config) -> int:
     process exits after them."""
     import secrets
 
-    from .http.frontend import Frontends, bind_http
+    from .http.frontend import Frontends, bind_http, is_loopback_http
     from .http.limits import limits_from_args
 
     if a.api_servers < 1:
         print("enginecore: bad configuration: --api-servers must be >= 1", file=sys.stderr)
+        return EXIT_STARTUP
+    sleep_mode = bool(getattr(a, "enable_sleep_mode", False))
+    try:
+        open_admin = sleep_mode and not a.token and not is_loopback_http(a.http)
+    except ValueError:
+        open_admin = False  # a bad --http: bind_http says so below
+    if open_admin:
+        print("enginecore: bad configuration: --enable-sleep-mode on a non-loopback --http "
+              "address needs a token (--token-file or $ENGINECORE_TOKEN): the admin endpoints "
+              "require it", file=sys.stderr)
         return EXIT_STARTUP
     try:
         limits = limits_from_args(a)
@@ -224,7 +239,8 @@ def _serve_http(a, config) -> int:
     names = a.served_model_name or [display_name(config.model)]
     frontends = Frontends(sock, a.api_servers, token, drain_timeout=a.drain_timeout,
                           limits=limits, describe=_cache_info_argv,
-                          args=[*log_argv(a.log_level, a.log_format), "--served-model-name", *names])
+                          args=[*log_argv(a.log_level, a.log_format), "--served-model-name", *names,
+                                *(_sleep_argv(a.token) if sleep_mode else ())])
     try:
         code = anyio.run(lambda: run(config, listen=a.listen, token=token,
                                      drain_timeout=a.drain_timeout, parent_pid=a.parent_pid,

@@ -15,7 +15,7 @@ Semantics (the wire machinery is in :mod:`ipc.channel`):
 * ``generate`` encodes its ``Generate`` frame at once, so invalid or oversize requests fail in
   the call, like the in-process engine; errors the engine reports for a request are raised by
   its iterator, at the latest on its first ``__anext__``. The client raises at once when it
-  already knows the engine is draining, shut down or dead.
+  already knows the engine is draining, asleep, shut down or dead.
 * When the connection ends without a clean shutdown (EOF or reset: the engine process was
   killed, even by SIGKILL), every pending and later call raises
   :class:`~engine.errors.EngineDeadError` within milliseconds; after a clean shutdown they raise
@@ -35,12 +35,14 @@ import msgspec
 from engine.errors import BadRequestError
 from engine.interface import Prompt, TokenizerInfo, unavailable_error
 from engine.params import RequestOutput, SamplingParams
+from engine.sleep import MODES, check_tags
 from engine.tokenizer import render_chat_template
 from states import State
 
 from .channel import ClientChannel, ConnState
 from .handshake import client_handshake
-from .messages import MAX_REQUEST_ID_LEN, Abort, Drain, Health, HealthRequest, Shutdown
+from .messages import (MAX_PATH_LEN, MAX_REQUEST_ID_LEN, Abort, Drain, Health, HealthRequest, Shutdown,
+                       Sleep, UpdateWeights, WakeUp)
 from .requests import join_outputs
 from .streams import RemoteStream
 from .transport import connect as open_stream
@@ -197,6 +199,38 @@ class EngineClient(ClientChannel):
     async def shutdown(self) -> None:
         """``drain(0)``: abort everything in flight (terminal pieces are delivered), shut down."""
         await self._call("shutdown", lambda cid: Shutdown(call_id=cid))
+
+    # ------------------------------------------------------------------ sleep mode
+
+    async def sleep(self, level: int = 1, mode: str = "abort", timeout: Optional[float] = None) -> None:
+        """As :meth:`engine.AsyncEngine.sleep`: returns once the engine's device memory is freed
+        (the client is told ``sleeping`` at once). ``timeout``: ``mode="wait"`` only; None or
+        beyond the wire's bound (1e9 s): no limit."""
+        if type(level) is not int or level not in (1, 2) or mode not in MODES:
+            raise BadRequestError(f"sleep needs level 1 or 2 and mode 'abort' or 'wait'; got "
+                                  f"level={level!r}, mode={mode!r}")
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+                raise BadRequestError(f"sleep timeout must be a number >= 0 or None, not {timeout!r}")
+            timeout = None if timeout >= _MAX_DRAIN_TIMEOUT else float(timeout)
+        await self._call("sleep", lambda cid: Sleep(level=level, mode=mode, timeout=timeout, call_id=cid))
+
+    async def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Bring back ``tags`` ("weights", "kv_cache"; None: both); ``serving`` once both are."""
+        wire = None if tags is None else list(check_tags(tags))
+        await self._call("wake_up", lambda cid: WakeUp(tags=wire, call_id=cid))
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._state is State.SLEEPING
+
+    async def update_weights(self, path: str) -> None:
+        """Load the checkpoint at ``path`` -- on the engine's machine -- into a sleeping engine's
+        weights; a refused one raises ``BadRequestError`` and the old weights stay."""
+        if not isinstance(path, str) or not 0 < len(path) <= MAX_PATH_LEN or "\0" in path:
+            raise BadRequestError(f"path must be a non-empty string of at most {MAX_PATH_LEN} "
+                                  "characters, without NUL")
+        await self._call("update_weights", lambda cid: UpdateWeights(path=path, call_id=cid))
 
     async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` with the model's chat template, client-side (the template came

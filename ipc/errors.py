@@ -9,8 +9,9 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple, Optional
 
-from engine.errors import (BadRequestError, EngineDeadError, EngineDrainingError, EngineError,
-                           EngineOverloadedError, EngineShutdownError)
+from engine.errors import (BadRequestError, CheckpointError, EngineDeadError, EngineDrainingError,
+                           EngineError, EngineOverloadedError, EngineShutdownError,
+                           EngineSleepingError)
 from states import InvalidTransitionError
 
 
@@ -65,6 +66,7 @@ class ErrorKind(enum.IntEnum):
     TOO_LARGE = 9           # frame length header above max_frame
     INTERNAL = 10           # unexpected error in the engine process
     OVERLOADED = 11         # admission limits reached; retry_after
+    SLEEPING = 12           # asleep (sleep mode): not accepting until woken; retry_after
 
 
 class ErrorSpec(NamedTuple):
@@ -79,7 +81,7 @@ class ErrorSpec(NamedTuple):
 
     @property
     def retryable(self) -> bool:
-        return self.kind in (ErrorKind.DRAINING, ErrorKind.OVERLOADED)
+        return self.kind in (ErrorKind.DRAINING, ErrorKind.OVERLOADED, ErrorKind.SLEEPING)
 
 
 #: The one table every mapper reads (wire <-> exception, exception -> HTTP). Order matters:
@@ -91,10 +93,13 @@ ERROR_TABLE: tuple[ErrorSpec, ...] = (
     ErrorSpec(VersionError, ErrorKind.VERSION, 400, "invalid_request_error", "version_mismatch"),
     ErrorSpec(EngineOverloadedError, ErrorKind.OVERLOADED, 429, "rate_limit_error", "engine_overloaded"),
     ErrorSpec(EngineDrainingError, ErrorKind.DRAINING, 503, "service_unavailable", "engine_draining"),
+    ErrorSpec(EngineSleepingError, ErrorKind.SLEEPING, 503, "service_unavailable", "engine_sleeping"),
     ErrorSpec(EngineShutdownError, ErrorKind.SHUTDOWN, 503, "service_unavailable", "engine_shutdown"),
     ErrorSpec(EngineDeadError, ErrorKind.DEAD, 503, "service_unavailable", "engine_dead"),
     ErrorSpec(ConnectionClosed, ErrorKind.DEAD, 503, "service_unavailable", "engine_dead"),
     ErrorSpec(BadRequestError, ErrorKind.BAD_REQUEST, 400, "invalid_request_error", None),
+    # update_weights to a checkpoint the engine refuses (a client raises BadRequestError for it)
+    ErrorSpec(CheckpointError, ErrorKind.BAD_REQUEST, 400, "invalid_request_error", "bad_checkpoint"),
     ErrorSpec(InvalidTransitionError, ErrorKind.INVALID_TRANSITION, 409, "invalid_request_error",
               "invalid_state"),
     ErrorSpec(RemoteError, ErrorKind.INTERNAL, 500, "server_error", "internal_error"),

@@ -33,8 +33,8 @@ Each message is one frame::
   default are left out by the sender and may be left out by you; unknown keys, wrong types and
   values outside the bounds given below make the whole frame invalid (``Error(kind=PROTOCOL,
   fatal=True)``, then the connection is closed). Enums travel as their values: ``State`` as a
-  string ("init", "loaded", "serving", "draining", "shutdown", "failed"), :class:`ErrorKind` as
-  an integer. ``SamplingParams`` and ``RequestOutput`` (engine/params.py) are nested maps with
+  string ("init", "loaded", "serving", "sleeping", "draining", "shutdown", "failed"),
+  :class:`ErrorKind` as an integer. ``SamplingParams`` and ``RequestOutput`` (engine/params.py) are nested maps with
   their field names as keys and no ``"t"`` key: SamplingParams {max_tokens: int = 16,
   temperature: float = 0.0 (greedy), top_k: int = 0, top_p: float = 1.0, seed: int | nil,
   stop: [str], stop_token_ids: [int], ignore_eos: bool, logprobs: bool, min_tokens: int = 0}
@@ -79,7 +79,8 @@ Client -> engine:
   else for that id (it is finished). Refusals: ``BAD_REQUEST`` (invalid params/prompt, id in
   use, too many requests in flight on the connection -- 16,384 by default), ``DRAINING``
   (``retry_after`` seconds: try another replica / later), ``OVERLOADED`` (the engine's
-  admission limits are reached; nothing was queued; retry after ``retry_after``), ``SHUTDOWN``, ``DEAD`` (also for a
+  admission limits are reached; nothing was queued; retry after ``retry_after``), ``SLEEPING``
+  (asleep: retry after ``retry_after`` or once woken), ``SHUTDOWN``, ``DEAD`` (also for a
   running request when the engine fails), ``TOO_LARGE`` (non-fatal: one piece did not fit in a
   frame; the request was aborted).
 * :class:`Abort` ends a request early: if still running, its last piece has
@@ -91,11 +92,16 @@ Client -> engine:
   aborts the rest, and shuts the engine down (``StateChanged(shutdown)``). The Ack comes then,
   after which the engine closes every connection.
 * :class:`Shutdown` is ``Drain(timeout=0)``: running requests end with ``"abort"`` at once.
+* Sleep mode (types appended to version 1; an older engine answers them ``PROTOCOL``):
+  :class:`Sleep` moves the engine to ``sleeping`` at once, ends or finishes the requests in
+  flight, frees the device, then answers; :class:`WakeUp` brings memory back; :class:`UpdateWeights`
+  loads a checkpoint while asleep (refused: ``BAD_REQUEST``, the old weights stay). A Drain or
+  Shutdown while sleeping releases what is left; a call in the wrong state: ``INVALID_TRANSITION``.
 
-Correlation: ``Abort``, ``HealthRequest``, ``Drain`` and ``Shutdown`` take an optional
-``call_id`` (client-chosen integer). With it, the engine answers with a message carrying the same
-``call_id``: :class:`Health` for a HealthRequest, :class:`Ack` when an Abort was delivered or a
-Drain/Shutdown completed, or :class:`Error` if the call failed (e.g. ``INVALID_TRANSITION``).
+Correlation: every client message but Hello and Generate takes an optional ``call_id``
+(client-chosen integer). With it, the engine answers with a message carrying the same
+``call_id``: :class:`Health` for a HealthRequest, :class:`Ack` (with the engine's ``state``) when
+an Abort was delivered or another call completed, or :class:`Error` if the call failed.
 Without it, only failures are reported. An Ack for an Abort may arrive before the request's last
 (``"abort"``) piece.
 
@@ -115,12 +121,12 @@ connection's unfinished requests. A client that stops reading for too long is di
 
 from __future__ import annotations
 
-from typing import Annotated, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 import msgspec
 from msgspec import Meta
 
-from engine.errors import EngineDrainingError, EngineError, EngineOverloadedError
+from engine.errors import EngineError
 from engine.admission import MAX_REQUEST_ID_LEN as _ENGINE_MAX_REQUEST_ID_LEN
 from engine.interface import Health
 from engine.params import RequestOutput, SamplingParams
@@ -142,6 +148,7 @@ MAX_TOKEN_LEN = 1024
 MAX_NAME_LEN = 256
 MAX_ERROR_MESSAGE_LEN = 8192
 MAX_CHAT_TEMPLATE_LEN = 1024 * 1024
+MAX_PATH_LEN = 4096  # Linux's PATH_MAX
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -213,6 +220,30 @@ class Shutdown(_Message, tag="Shutdown"):
     call_id: Optional[CallId] = None
 
 
+class Sleep(_Message, tag="Sleep"):
+    """End (``"abort"``) or finish (``"wait"``: until ``timeout`` s, absent = none) the requests
+    in flight, free the device (level 1: weights kept in host memory; 2: dropped)."""
+
+    level: Literal[1, 2] = 1
+    mode: Literal["abort", "wait"] = "abort"
+    timeout: Optional[Seconds] = None
+    call_id: Optional[CallId] = None
+
+
+class WakeUp(_Message, tag="WakeUp"):
+    """Bring back ``tags`` (absent: both); the Ack's ``state`` is "sleeping" after a partial wake."""
+
+    tags: Optional[Annotated[list[Literal["weights", "kv_cache"]], Meta(min_length=1, max_length=2)]] = None
+    call_id: Optional[CallId] = None
+
+
+class UpdateWeights(_Message, tag="UpdateWeights"):
+    """Load the checkpoint at ``path`` (on the engine's machine; same architecture, no NUL)."""
+
+    path: Annotated[str, Meta(min_length=1, max_length=MAX_PATH_LEN, pattern="^[^\\x00]+$")]
+    call_id: Optional[CallId] = None
+
+
 # --------------------------------------------------------------------------- engine -> client
 
 
@@ -268,18 +299,19 @@ class StateChanged(_Message, tag="StateChanged"):
 
 
 class Ack(_Message, tag="Ack"):
-    """Completion of an Abort/Drain/Shutdown that carried a ``call_id``."""
+    """Completion of a call (Abort, Drain, Sleep, ...) that carried a ``call_id``."""
 
     call_id: Optional[CallId] = None
     request_id: Optional[RequestId] = None
     state: Optional[State] = None
 
 
-ClientMessage = Union[Hello, Generate, Abort, HealthRequest, Drain, Shutdown]
+ClientMessage = Union[Hello, Generate, Abort, HealthRequest, Drain, Shutdown, Sleep, WakeUp, UpdateWeights]
 EngineMessage = Union[Welcome, Outputs, Health, Error, StateChanged, Ack]
 Message = Union[ClientMessage, EngineMessage]
 
-CLIENT_MESSAGES: tuple[type, ...] = (Hello, Generate, Abort, HealthRequest, Drain, Shutdown)
+CLIENT_MESSAGES: tuple[type, ...] = (Hello, Generate, Abort, HealthRequest, Drain, Shutdown, Sleep,
+                                     WakeUp, UpdateWeights)
 ENGINE_MESSAGES: tuple[type, ...] = (Welcome, Outputs, Health, Error, StateChanged, Ack)
 ALL_MESSAGES: tuple[type, ...] = CLIENT_MESSAGES + ENGINE_MESSAGES
 
@@ -335,10 +367,9 @@ def message_to_error(msg: Error) -> Exception:
     """
     kind = msg.kind
     exc: Exception
-    if kind is ErrorKind.DRAINING:
-        exc = EngineDrainingError(msg.message, retry_after=1.0 if msg.retry_after is None else msg.retry_after)
-    elif kind is ErrorKind.OVERLOADED:
-        exc = EngineOverloadedError(msg.message, retry_after=1.0 if msg.retry_after is None else msg.retry_after)
+    spec = spec_of_kind(kind)
+    if spec.retryable:  # EngineDrainingError, EngineOverloadedError, EngineSleepingError
+        exc = spec.exc(msg.message, retry_after=1.0 if msg.retry_after is None else msg.retry_after)
     elif kind is ErrorKind.INVALID_TRANSITION:
         if msg.state is not None and msg.trigger is not None:
             exc = InvalidTransitionError(msg.state, msg.trigger, msg.allowed or [])
@@ -351,7 +382,7 @@ def message_to_error(msg: Error) -> Exception:
     elif kind is ErrorKind.TOO_LARGE:
         exc = FrameTooLargeError(message=msg.message)
     else:
-        exc = spec_of_kind(kind).exc(msg.message)
+        exc = spec.exc(msg.message)
     exc.request_id = msg.request_id  # type: ignore[attr-defined]
     exc.call_id = msg.call_id  # type: ignore[attr-defined]
     exc.fatal = msg.fatal  # type: ignore[attr-defined]
@@ -360,7 +391,7 @@ def message_to_error(msg: Error) -> Exception:
 
 __all__ = [
     "PROTOCOL_VERSION", "DEFAULT_MAX_FRAME", "HANDSHAKE_MAX_FRAME", "ErrorKind", "FATAL_KINDS",
-    "Hello", "Generate", "Abort", "HealthRequest", "Drain", "Shutdown",
+    "Hello", "Generate", "Abort", "HealthRequest", "Drain", "Shutdown", "Sleep", "WakeUp", "UpdateWeights",
     "Welcome", "Outputs", "Health", "Error", "StateChanged", "Ack",
     "ClientMessage", "EngineMessage", "Message",
     "CLIENT_MESSAGES", "ENGINE_MESSAGES", "ALL_MESSAGES",

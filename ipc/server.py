@@ -45,7 +45,8 @@ from .errors import ConnectionClosed, ProtocolError
 from .framing import FrameCodec, FrameReader
 from .handshake import describe_model, hello_error
 from .messages import (DEFAULT_MAX_FRAME, HANDSHAKE_MAX_FRAME, PROTOCOL_VERSION, Abort, Ack, ClientMessage, Drain, Error, ErrorKind,
-                       Generate, HealthRequest, Shutdown, StateChanged, Welcome, error_to_message)
+                       Generate, HealthRequest, Shutdown, Sleep, StateChanged, UpdateWeights, WakeUp, Welcome,
+                       error_to_message)
 from .transport import (check_token, listener_address, open_listener, parse_address, peer_of,
                         remove_socket, socket_inode)
 
@@ -314,6 +315,12 @@ class IPCServer:
             self._call(conn, msg.call_id, self.engine.drain, msg.timeout)
         elif t is Shutdown:
             self._call(conn, msg.call_id, self.engine.shutdown)
+        elif t is Sleep:  # sleep mode (engine/sleep.py): the frame's fields are bounded already
+            self._call(conn, msg.call_id, self.engine.sleep, msg.level, msg.mode, msg.timeout)
+        elif t is WakeUp:
+            self._call(conn, msg.call_id, self.engine.wake_up, msg.tags)
+        elif t is UpdateWeights:
+            self._call(conn, msg.call_id, self.engine.update_weights, msg.path)
         else:  # a second Hello
             conn.fail(ProtocolError(f"unexpected {t.__name__} after the handshake"))
 
@@ -337,7 +344,7 @@ class IPCServer:
             conn.push(error_to_message(exc, request_id=rid, fatal=False))
 
     def _call(self, conn: Connection, call_id: Optional[int], fn, *args: Any) -> None:
-        """Run a long engine call (drain/shutdown) without blocking the connection's reader."""
+        """Run a long engine call (drain, sleep, ...) without blocking the connection's reader."""
         assert self._tg is not None
         conn.call_started()
 

@@ -141,6 +141,20 @@ class SyncEngineClient:
     def shutdown(self) -> None:
         self._portal.call(self.client.shutdown)
 
+    def sleep(self, level: int = 1, mode: str = "abort", timeout: Optional[float] = None) -> None:
+        """Sleep mode (see :meth:`EngineClient.sleep`)."""
+        self._portal.call(self.client.sleep, level, mode, timeout)
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        self._portal.call(self.client.wake_up, tags)
+
+    def update_weights(self, path: str) -> None:
+        self._portal.call(self.client.update_weights, path)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.client.is_sleeping
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self._portal.call(self.client.apply_chat_template, messages, add_generation_prompt)
 

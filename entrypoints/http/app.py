@@ -4,7 +4,8 @@ the app calls the protocol.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream``
 true/false; SSE chunks in OpenAI's format ending with ``data: [DONE]``), ``GET /health`` (200
-while the engine is alive), ``GET /ready`` (200 only while it is SERVING), ``GET /metrics``.
+while the engine is alive), ``GET /ready`` (200 only while it is SERVING), ``GET /metrics``; with
+``sleep_mode``, the admin endpoints of ``admin.py`` (``/sleep``, ``/wake_up``, ...).
 
 A request passes, in order: the in-flight limit and the body limits (``guards.py``, before the
 body is read), the JSON schema (``protocol.py``: strict types, every number and list bounded;
@@ -51,15 +52,21 @@ async def parse_body(request: Request, model: type[Body], fe: Frontend) -> Body:
 
 def create_app(engine: Engine, *, model_name: Union[str, Sequence[str], None] = None,
                limits: HttpLimits = HttpLimits(),
-               cache_info: Optional[Mapping[str, str]] = None) -> FastAPI:
+               cache_info: Optional[Mapping[str, str]] = None, sleep_mode: bool = False,
+               admin_token: Optional[str] = None) -> FastAPI:
     """The ASGI app serving ``engine`` under ``limits``, as ``model_name`` (one or more names;
     default: the model's own), with ``cache_info`` as the cache_config_info metric's labels
-    (read from an in-process engine when not given)."""
+    (read from an in-process engine when not given). ``sleep_mode``: with the admin endpoints
+    (``admin_token``: required on them as ``Authorization: Bearer``)."""
     fe = Frontend(engine, limits, model_name, cache_info)
     app = FastAPI(title="enginecore", summary="OpenAI-compatible API of an enginecore engine",
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.frontend = fe
     install_handlers(app, fe.metrics)
+    if sleep_mode:
+        from .admin import add_sleep_routes
+
+        add_sleep_routes(app, fe, admin_token)
 
     def rejected(reason: str) -> None:
         fe.metrics.rejected.labels(reason).inc()

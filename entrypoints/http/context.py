@@ -3,7 +3,8 @@ serve (taken as it is: an ``AsyncEngine`` in process, an ``ipc.EngineClient`` in
 process), this process's limits and metrics, and the one flag the engine cannot tell itself:
 that the frontend has given up on it (``dead``).
 
-Health (``/health``) answers from the engine's state as last pushed to us
+Health (``/health``: ``status``, ``state``, ``live``, ``ready``; e.g. ``"sleeping"``, live, not
+ready while asleep) answers from the engine's state as last pushed to us
 (``Engine.on_state_change``) and a probe bounded by :data:`HEALTH_PROBE_TIMEOUT`. A probe that is
 slow -- the event loop was busy, the engine process is mid-step -- is not death: the answer then
 comes from the last known state. Dead means the connection is lost (``dead`` set) or the engine
@@ -128,8 +129,9 @@ class Frontend:
         if self.failed:  # FAILED, then SHUTDOWN once released: dead all the same
             state = State.FAILED
         live = state in LIVE_STATES if h is None else bool(h.live)
+        ready = (state is State.SERVING if h is None else bool(h.ready)) and not self.failed
         body = {"status": "ok" if live else ("dead" if state is State.FAILED else "unavailable"),
-                "state": state.value}
+                "state": state.value, "live": live, "ready": ready}
         if h is None:
             body["probe"] = "timeout"
         return (200 if live else 503), body, h

@@ -8,8 +8,9 @@
   413 (body too large, ``code: "request_too_large"``);
 * 429 ``rate_limit_error`` with ``Retry-After``: this frontend's requests in flight
   (``code: "too_many_requests"``) or the engine's admission limits (``"engine_overloaded"``);
-* 503 ``service_unavailable``: too many connections, the engine draining (``Retry-After``),
-  shut down or dead; 500 ``server_error`` only for a bug.
+* 503 ``service_unavailable``: too many connections, the engine draining or asleep
+  (``Retry-After``; ``code: "engine_sleeping"`` while asleep), shut down or dead; 500
+  ``server_error`` only for a bug.
 
 :func:`error_response` maps an exception through ``ipc.errors.ERROR_TABLE``; :func:`send_error`
 answers from raw ASGI code (the guards and the connection-level refusals).
@@ -40,7 +41,7 @@ _json = msgspec.json.Encoder()
 STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
                 413: "request_too_large", 429: "too_many_requests", 503: "service_unavailable"}
 _REJECTED_REASON = {ErrorKind.BAD_REQUEST: "bad_request", ErrorKind.DRAINING: "draining",
-                    ErrorKind.OVERLOADED: "overloaded"}
+                    ErrorKind.OVERLOADED: "overloaded", ErrorKind.SLEEPING: "sleeping"}
 
 
 def openai_error(status: int, message: str, type: str, param=None, code=None,

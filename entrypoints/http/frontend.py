@@ -96,14 +96,17 @@ async def watch_engine(fe, server: Server, *, parent_pid: Optional[int] = None,
 async def serve_frontend(engine, sock: socket.socket, *, limits: HttpLimits = HttpLimits(),
                          parent_pid: Optional[int] = None, dead_grace: float = DEAD_GRACE,
                          model_names: Optional[list[str]] = None,
-                         cache_info: Optional[dict] = None, **server_options: Any) -> int:
+                         cache_info: Optional[dict] = None, sleep_mode: bool = False,
+                         admin_token: Optional[str] = None, **server_options: Any) -> int:
     """Serve ``engine`` (an ``engine.interface.Engine``) over HTTP on ``sock`` until the engine
     has shut down (returns 0) or died (returns 3). ``model_names``: the names it is served
-    under; ``cache_info``: the labels of ``enginecore_cache_config_info``."""
+    under; ``cache_info``: the labels of ``enginecore_cache_config_info``; ``sleep_mode``: the
+    admin endpoints too (``admin_token``: required on them)."""
     from .app import create_app
     from .server import make_server
 
-    app = create_app(engine, limits=limits, model_name=model_names, cache_info=cache_info)
+    app = create_app(engine, limits=limits, model_name=model_names, cache_info=cache_info,
+                     sleep_mode=sleep_mode, admin_token=admin_token)
     server = make_server(app, limits, **server_options)
     code = EXIT_OK
     async with anyio.create_task_group() as tg:
@@ -141,7 +144,9 @@ async def _main(a: argparse.Namespace) -> int:
 
         cache_info = msgspec.json.decode(a.cache_info, type=dict[str, str]) if a.cache_info else None
         return await serve_frontend(client, sock, limits=a.limits, parent_pid=a.parent_pid,
-                                    model_names=a.served_model_name, cache_info=cache_info)
+                                    model_names=a.served_model_name, cache_info=cache_info,
+                                    sleep_mode=a.enable_sleep_mode,
+                                    admin_token=token if a.admin_auth else None)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -155,9 +160,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--index", type=int, default=0)
     ap.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME")
     ap.add_argument("--cache-info", default=None, help="cache_config_info labels (JSON object)")
+    ap.add_argument("--enable-sleep-mode", action="store_true", help="the admin endpoints too")
+    ap.add_argument("--admin-auth", action="store_true",
+                    help=f"the admin endpoints need the token (from ${TOKEN_ENV})")
     add_log_args(ap)
     add_http_limit_args(ap)
     a = ap.parse_args(argv)
+    if a.admin_auth and not os.environ.get(TOKEN_ENV):
+        ap.error(f"--admin-auth needs the token in ${TOKEN_ENV}")
     try:
         a.limits = limits_from_args(a)
     except ValueError as exc:
@@ -183,6 +193,17 @@ def parse_http_address(spec: str) -> tuple[str, int]:
         raise ValueError(f"--http {spec!r}: expected HOST:PORT")
     host = host.strip("[]") or "0.0.0.0"
     return host, int(port)
+
+
+def is_loopback_http(spec: str) -> bool:
+    """Whether ``--http HOST:PORT`` listens where only this machine can connect."""
+    import ipaddress
+
+    host = parse_http_address(spec)[0]
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def bind_http(spec: str, backlog: int = 2048) -> socket.socket:

@@ -57,15 +57,15 @@ class Served:
 
 @asynccontextmanager
 async def served(config: EngineConfig = TINY, engine=None, *, limits: HttpLimits = HttpLimits(),
-                 via: str = "engine") -> AsyncIterator[Served]:
+                 via: str = "engine", **app_options) -> AsyncIterator[Served]:
     """An engine (opened here unless given) and the app on uvicorn, on 127.0.0.1:<free port>.
     ``via="client"``: the app serves an ``ipc.EngineClient`` connected to the engine over an
     in-process IPC server (as a frontend process does), not the engine itself.
-    On exit the engine is drained (if still serving) and the server has stopped."""
+    ``app_options``: more of ``create_app``'s (``sleep_mode``, ``admin_token``). On exit the engine is drained (if still serving) and the server has stopped."""
     async with AsyncEngine.open(config) if engine is None else _given(engine) as eng:
         async with _engine_for_app(eng, via) as served_engine:
             sock = listening_socket()
-            app = create_app(served_engine, limits=limits)
+            app = create_app(served_engine, limits=limits, **app_options)
             server = make_server(app, limits, timeout_graceful_shutdown=5)
             port = sock.getsockname()[1]
             stopped = anyio.Event()

@@ -15,8 +15,8 @@ from typing import Callable, Optional
 
 import anyio
 
-from engine.errors import (BadRequestError, EngineDeadError, EngineDrainingError,
-                           EngineShutdownError)
+from engine.errors import (BadRequestError, CheckpointError, EngineDeadError, EngineDrainingError,
+                           EngineShutdownError, EngineSleepingError)
 from engine.interface import Health, RequestStreamLike, TokenizerInfo
 from engine.params import RequestOutput, SamplingParams
 from states import InvalidTransitionError, Lifecycle, State
@@ -44,6 +44,8 @@ class FakeEngine:
         self._stopped = anyio.Event()
         self._deadline = math.inf
         self._death: Optional[BaseException] = None
+        self.calls: list[tuple] = []  # sleep-mode calls, with their arguments
+        self.woken: set[str] = set()
 
     # -- API ----------------------------------------------------------------------------------
     @property
@@ -83,6 +85,8 @@ class FakeEngine:
         st = self.state
         if st is State.DRAINING:
             raise EngineDrainingError(retry_after=2.5)
+        if st is State.SLEEPING:
+            raise EngineSleepingError(retry_after=4.0)
         if st is State.SHUTDOWN:
             raise EngineShutdownError("engine is shut down; generate() is not possible")
         if st is State.FAILED:
@@ -112,8 +116,37 @@ class FakeEngine:
         return Health(state=st, live=self.lifecycle.live, ready=st is State.SERVING,
                           running=len(self.requests), waiting=0, kv_usage=min(1.0, len(self.requests) / 100))
 
+    # -- sleep mode: the lifecycle and the calls' arguments, no memory ------------------------
+    async def sleep(self, level: int = 1, mode: str = "abort", timeout: Optional[float] = None) -> None:
+        self.lifecycle.trigger("sleep")  # InvalidTransitionError unless SERVING
+        self.calls.append(("sleep", level, mode, timeout))
+        for rid in list(self.requests):
+            self._abort_nowait(rid, "sleep")
+
+    async def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        self.lifecycle.require("wake_up", State.SLEEPING)
+        self.calls.append(("wake_up", tags))
+        self.woken.update(tags or ("weights", "kv_cache"))
+        if self.woken == {"weights", "kv_cache"}:
+            self.woken = set()
+            self.lifecycle.trigger("wake")
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.state is State.SLEEPING
+
+    async def update_weights(self, path: str) -> None:
+        self.lifecycle.require("update_weights", State.SLEEPING)
+        self.calls.append(("update_weights", path))
+        if "bad" in path:
+            raise CheckpointError(path, "intermediate_size 96 != 128")
+
     async def drain(self, timeout: Optional[float] = None, reason: str = "drain timeout") -> None:
         st = self.state
+        if st is State.SLEEPING:  # nothing in flight while asleep here: released at once
+            self.lifecycle.trigger("shutdown")
+            self._stopped.set()
+            return
         if st is State.SERVING:
             self.lifecycle.trigger("drain")
         elif st is not State.DRAINING:

@@ -11,6 +11,7 @@ from engine.errors import (
     EngineDeadError,
     EngineDrainingError,
     EngineShutdownError,
+    EngineSleepingError,
 )
 from ipc.errors import (
     AuthError,
@@ -31,6 +32,9 @@ from ipc.messages import (
     ErrorKind,
     Generate,
     Hello,
+    Sleep,
+    UpdateWeights,
+    WakeUp,
     error_to_message,
     message_to_error,
 )
@@ -104,6 +108,25 @@ def test_wire_form_is_a_plain_map():
         {"t": "Health", "state": "serving", "live": True, "ready": True, "kv_usage": 1.5},
         {"t": "Welcome", "protocol_version": 1, "state": "exploded"},           # bad enum
         {"t": "Error", "kind": 99},                                             # bad ErrorKind
+        # sleep mode: every field bounded at the boundary
+        {"t": "Sleep", "level": 3},
+        {"t": "Sleep", "level": 0},
+        {"t": "Sleep", "level": True},
+        {"t": "Sleep", "level": 1.0},
+        {"t": "Sleep", "mode": "later"},
+        {"t": "Sleep", "timeout": -1.0},
+        {"t": "Sleep", "timeout": float("nan")},
+        {"t": "Sleep", "timeout": 2e9},
+        {"t": "Sleep", "bogus": 1},
+        {"t": "WakeUp", "tags": []},
+        {"t": "WakeUp", "tags": ["gpu"]},
+        {"t": "WakeUp", "tags": "weights"},
+        {"t": "WakeUp", "tags": ["weights", "kv_cache", "weights"]},
+        {"t": "UpdateWeights"},
+        {"t": "UpdateWeights", "path": ""},
+        {"t": "UpdateWeights", "path": "x" * 4097},
+        {"t": "UpdateWeights", "path": "/a\x00b"},
+        {"t": "UpdateWeights", "path": 5},
         [1, 2, 3],
         "Hello",
         None,
@@ -131,6 +154,7 @@ ERRORS = [
     (BadRequestError("max_tokens must be >= 1"), ErrorKind.BAD_REQUEST),
     (EngineDrainingError("draining", retry_after=3.5), ErrorKind.DRAINING),
     (EngineShutdownError("gone"), ErrorKind.SHUTDOWN),
+    (EngineSleepingError("asleep", retry_after=3.5), ErrorKind.SLEEPING),
     (EngineDeadError("engine is dead", cause=RuntimeError("boom")), ErrorKind.DEAD),
     (InvalidTransitionError(State.SHUTDOWN, "drain", []), ErrorKind.INVALID_TRANSITION),
     (InvalidTransitionError(State.SERVING, "load", ["drain", "fail"]), ErrorKind.INVALID_TRANSITION),
@@ -158,8 +182,8 @@ def test_error_mapping_round_trip(exc, kind):
         assert str(back) == "KeyError: 'x'"
     else:
         assert str(back) == str(exc)
-    if isinstance(exc, EngineDrainingError):
-        assert back.retry_after == 3.5
+    if isinstance(exc, (EngineDrainingError, EngineSleepingError)):
+        assert back.retry_after == 3.5 and back.retryable
     if isinstance(exc, InvalidTransitionError):
         assert (back.state, back.trigger, back.allowed) == (exc.state, exc.trigger, exc.allowed)
 
@@ -187,3 +211,40 @@ def test_generate_defaults():
 
 def test_engine_and_client_sets_are_disjoint():
     assert not set(CLIENT_MESSAGES) & set(ENGINE_MESSAGES)
+
+
+def test_sleep_messages_were_appended_and_old_frames_are_unchanged():
+    """Wire compatibility: the sleep-mode types come after every older one in the union, and
+    the frames of the older types are byte for byte what they were."""
+    assert CLIENT_MESSAGES[-3:] == (Sleep, WakeUp, UpdateWeights)
+    assert ErrorKind.SLEEPING == 12 and max(ErrorKind) is ErrorKind.SLEEPING
+    from ipc.messages import Ack, Drain, SamplingParams
+
+    codec = FrameCodec()
+    before = [  # encoded by the protocol as it was before sleep mode (merge 09a7523)
+        "0000003784a174a847656e6572617465aa726571756573745f6964a161a670726f6d7074920102a6706172"
+        "616d7381aa6d61785f746f6b656e7304",
+        "0000002383a174a5447261696ea774696d656f7574cb4004000000000000a763616c6c5f696407",
+        "0000001f83a174a341636ba763616c6c5f696401a57374617465a873687574646f776e",
+        "0000003b85a174a54572726f72a46b696e6402a76d657373616765a164aa726571756573745f6964a172ab"
+        "72657472795f6166746572cb4000000000000000",
+    ]
+    now = [Generate(request_id="a", prompt=[1, 2], params=SamplingParams(max_tokens=4)),
+           Drain(timeout=2.5, call_id=7), Ack(call_id=1, state=State.SHUTDOWN),
+           Error(kind=ErrorKind.DRAINING, message="d", request_id="r", retry_after=2.0)]
+    assert [codec.encode(m).hex() for m in now] == before
+    assert [codec.decode(bytes.fromhex(h)[4:]) for h in before] == now
+    assert msgspec.msgpack.decode(FrameCodec().encode(Sleep(level=2, call_id=1))[4:]) == {
+        "t": "Sleep", "level": 2, "call_id": 1}
+    assert FrameCodec().decode(enc({"t": "WakeUp", "tags": ["weights", "weights"]})).tags == [
+        "weights", "weights"]  # duplicates are harmless: the engine keeps each tag once
+    assert FrameCodec().decode(enc({"t": "UpdateWeights", "path": "p" * 4096})).path == "p" * 4096
+
+
+def test_a_refused_checkpoint_is_a_bad_request_on_the_wire():
+    from engine.errors import CheckpointError
+
+    msg = error_to_message(CheckpointError("/ckpt/b", "intermediate_size 96 != 128"), call_id=3)
+    assert msg.kind is ErrorKind.BAD_REQUEST and not msg.fatal
+    back = message_to_error(msg)
+    assert type(back) is BadRequestError and "intermediate_size" in str(back)

@@ -1,0 +1,145 @@
+"""Sleep-mode admin endpoints, added only by ``create_app(..., sleep_mode=True)``
+(``enginecore serve --http ... --enable-sleep-mode``):
+
+* ``POST /sleep`` -- ``level`` (1 | 2, default 1), ``mode`` ("abort" | "wait", default "abort"),
+  ``timeout`` (seconds, for "wait"; absent: no limit); answers once the device memory is freed;
+* ``POST /wake_up`` -- ``tags`` (a non-empty subset of ["weights", "kv_cache"]; absent: both);
+* ``POST /update_weights`` -- ``path``: a checkpoint on the engine's machine, same architecture;
+* ``GET /is_sleeping`` -- ``{"is_sleeping": bool}``.
+
+Parameters come as a JSON object body or as query parameters, as vLLM's do
+(``POST /sleep?level=2``, ``POST /wake_up?tags=weights&tags=kv_cache``); the body's keys win.
+They are checked here, strictly and bounded (unknown keys too), before the engine is called.
+A call answers ``{"status": "ok", "state": ..., "is_sleeping": ...}`` or an OpenAI-shaped error:
+400 bad parameters or a refused checkpoint (the old weights keep serving), 401 without the token,
+409 not possible in the engine's state (``wake_up`` while serving, ``sleep`` while asleep),
+503 engine gone. With ``token`` set, every admin call needs ``Authorization: Bearer <token>``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Annotated, Any, Literal, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.errors import EngineDeadError
+from states import State
+
+from . import protocol as P
+from .context import Frontend
+from .errors import error_response, openai_error, validation_error
+
+#: The wire's bounds (ipc/messages.py): a path of at most PATH_MAX characters, timeouts to 1e9 s.
+MAX_PATH_CHARS = 4096
+MAX_TIMEOUT = 1e9
+
+
+class _Admin(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SleepParams(_Admin):
+    level: P._int(1, 2) = 1
+    mode: Literal["abort", "wait"] = "abort"
+    timeout: Optional[P._num(0.0, MAX_TIMEOUT)] = None
+
+
+class WakeUpParams(_Admin):
+    tags: Optional[Annotated[list[Literal["weights", "kv_cache"]], Field(min_length=1, max_length=2)]] = None
+
+
+class UpdateWeightsParams(_Admin):
+    path: Annotated[str, Field(strict=True, min_length=1, max_length=MAX_PATH_CHARS, pattern=r"^[^\x00]+$")]
+
+
+def _query_value(key: str, values: list[str]) -> Any:
+    """A query parameter as the JSON value it stands for (``level=2`` is 2, ``tags`` a list);
+    anything else stays a string, which the model refuses where a number is due."""
+    if key == "tags":
+        return [t for v in values for t in v.split(",")]
+    value = values[-1]
+    if key == "level" and value.isdigit() and len(value) <= 2:
+        return int(value)
+    if key == "timeout":
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+async def _params(request: Request, model: type[_Admin]) -> _Admin:
+    data: dict[str, Any] = {k: _query_value(k, request.query_params.getlist(k))
+                            for k in request.query_params}
+    body = await request.body()  # bounded by the BodyGuard
+    if body.strip():
+        try:
+            given = json.loads(body)
+        except (ValueError, RecursionError) as exc:
+            raise P.RequestError(f"invalid JSON body: {exc}") from None
+        if not isinstance(given, dict):
+            raise P.RequestError("the request body must be a JSON object")
+        data.update(given)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def _authorized(request: Request, token: Optional[str]) -> bool:
+    if token is None:
+        return True
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def add_sleep_routes(app: FastAPI, fe: Frontend, token: Optional[str]) -> None:
+    """The admin routes of the module docstring on ``app`` (``token``: required if not None)."""
+
+    def unauthorized() -> JSONResponse:
+        return openai_error(401, "the admin endpoints need the server token "
+                            "(Authorization: Bearer <token>)", "authentication_error", None,
+                            "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def answer() -> JSONResponse:
+        state = fe.state
+        return JSONResponse({"status": "ok", "state": state.value,
+                             "is_sleeping": state is State.SLEEPING})
+
+    async def call(request: Request, model: type[_Admin], run) -> Response:
+        if not _authorized(request, token):
+            return unauthorized()
+        try:
+            params = await _params(request, model)
+            if fe.dead is not None:
+                raise EngineDeadError(fe.dead)
+            await run(params)
+        except Exception as exc:
+            return error_response(exc)
+        return answer()
+
+    @app.post("/sleep")
+    async def sleep(request: Request) -> Response:
+        return await call(request, SleepParams,
+                          lambda p: fe.engine.sleep(p.level, p.mode, p.timeout))
+
+    @app.post("/wake_up")
+    async def wake_up(request: Request) -> Response:
+        return await call(request, WakeUpParams, lambda p: fe.engine.wake_up(p.tags))
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request) -> Response:
+        return await call(request, UpdateWeightsParams, lambda p: fe.engine.update_weights(p.path))
+
+    @app.get("/is_sleeping")
+    async def is_sleeping(request: Request) -> Response:
+        if not _authorized(request, token):
+            return unauthorized()
+        return JSONResponse({"is_sleeping": fe.state is State.SLEEPING})
+
+
+__all__ = ["add_sleep_routes", "SleepParams", "WakeUpParams", "UpdateWeightsParams"]
