@@ -53,12 +53,13 @@ class StatsLine:
 
 
 async def log_stats(engine, interval: float) -> None:
-    """Log a stats line every ``interval`` seconds while ``engine`` serves or drains."""
+    """Log a stats line every ``interval`` seconds while ``engine`` serves, sleeps (an idle
+    line: DEBUG) or drains; return once it has stopped."""
     lines = StatsLine()
     lines.line(engine.statistics(), time.monotonic())
     while True:
         await anyio.sleep(interval)
-        if engine.state not in (State.SERVING, State.DRAINING):
+        if engine.state not in (State.SERVING, State.SLEEPING, State.DRAINING):
             return
         level, msg, fields = lines.line(engine.statistics(), time.monotonic())
         log.log(level, msg, extra=fields)
