@@ -5,9 +5,9 @@ tensor types and the CPU (``torch.backends.cpu.get_cpu_capability()``), and says
 
 * ``float`` -- today's path: every weight dequantized to the engine dtype. ``--dtype float32``
   (or any explicit dtype), a CUDA device, and checkpoints that are not quantized GGUF get it.
-* ``woq`` -- torch's weight-only kernels, for CPUs where they are vectorized (AVX-512): Q4_0/Q4_1
-  tensors as ``int4`` (exact), Q8_0 as per-channel ``int8``.
-* ``fbgemm_fp16`` -- fbgemm's fp16-weight AVX2 GEMM. On an AVX2-only CPU torch's
+* ``woq`` -- torch's weight-only kernels, vectorized on AVX-512 CPUs: Q4_0/Q4_1 tensors as
+  ``int4`` (exact), Q8_0 as per-channel ``int8``. Only with ``--cpu-weights woq`` for now.
+* ``fbgemm_fp16`` -- fbgemm's fp16-weight GEMM (AVX2 and AVX-512), ``auto``'s choice. On an AVX2-only CPU torch's
   weight-only kernels run a scalar fallback: measured on the 2-core AMD EPYC (AVX2) box,
   ``_weight_int8pack_mm`` was 7-90x and ``_weight_int4pack_mm_for_cpu`` 15-150x slower than the
   fp32 GEMM (1536x576, 1-64 rows, best of 30, one thread), while fbgemm's fp16 GEMM was ~2x
