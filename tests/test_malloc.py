@@ -52,3 +52,68 @@ def test_trimmer_gives_memory_back_at_most_once_per_interval():
     on_glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
     assert t() is on_glibc
     assert t() is False  # within the interval: no second trim
+
+
+@glibc
+def test_trimmer_trims_the_last_of_a_burst_later():
+    """A call inside the interval schedules one trim for its end (not dropped, not repeated)."""
+    import asyncio
+    from entrypoints.malloc import Trimmer
+
+    async def burst() -> int:
+        t = Trimmer(min_interval=0.05)
+        calls = []
+        real = t._trim
+        t._trim = lambda pad: calls.append(pad) or real(pad)
+        assert t() is True and t() is False and t() is False  # one trim now, one scheduled
+        await asyncio.sleep(0.2)
+        return len(calls)
+
+    assert asyncio.run(burst()) == 2
+
+
+def test_one_arena_only_in_the_frontend_entry_point():
+    from entrypoints.malloc import one_arena
+
+    assert one_arena({"MALLOC_ARENA_MAX": "4"}) is False  # the user's setting wins
+    callers = sorted(str(p.relative_to(ROOT)) for pkg in ("engine", "ipc", "states", "bench", "entrypoints")
+                     for p in (ROOT / pkg).rglob("*.py")
+                     if "one_arena(" in p.read_text() and p.name != "malloc.py")
+    assert callers == ["entrypoints/http/frontend.py"]
+
+
+_PARSE_ON_THREADS = """
+import ctypes, gc, json, sys, threading
+from entrypoints.malloc import one_arena
+from entrypoints.http import protocol as P
+if sys.argv[1] == "1":
+    assert one_arena()
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+body = json.dumps({"model": "m", "prompt": "x", "stop_token_ids": list(range(200_000))}).encode()
+def parse():
+    try:
+        P.CompletionRequest.model_validate_json(body)
+    except Exception:
+        pass
+parse(); gc.collect(); ctypes.CDLL(None).malloc_trim(0)
+start = rss()
+for _ in range(8):
+    t = threading.Thread(target=parse); t.start(); t.join()
+gc.collect(); ctypes.CDLL(None).malloc_trim(0)
+print(rss() - start)
+"""
+
+
+@glibc
+def test_one_arena_gives_back_what_worker_threads_parsed():
+    """The frontend parses large bodies on worker threads; with one arena a refused 200k-entry
+    stop_token_ids list leaves nothing behind (12 MB stayed with glibc's per-thread arenas)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    env.pop("ENGINECORE_MALLOC_TUNING", None)
+    run = lambda flag: float(subprocess.run(  # noqa: E731
+        [sys.executable, "-c", _PARSE_ON_THREADS, flag], env=env, cwd=ROOT, capture_output=True,
+        text=True, check=True, timeout=120).stdout)
+    assert run("1") < 3.0

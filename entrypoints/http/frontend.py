@@ -172,6 +172,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         a.limits = limits_from_args(a)
     except ValueError as exc:
         ap.error(str(exc))
+    from ..malloc import one_arena
+
+    one_arena()  # before any worker thread exists: this process's entry point
     # The engine process drives the lifecycle (see the module docstring).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
