@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import NamedTuple, Optional, Sequence
 
+from .bad_words import bad_word_sequences
 from .detokenizer import IncrementalDetokenizer
 from .errors import BadRequestError
 from .kv_cache import blocks_needed
@@ -66,6 +67,8 @@ class EngineCore:
             req.detok = IncrementalDetokenizer(self.tokenizer, req.token_ids, params.stop,
                                                params.skip_special_tokens,
                                                params.include_stop_str_in_output)
+            if params.bad_words:
+                req.bad_words = bad_word_sequences(self.tokenizer, params.bad_words)
             self.runner.admit(req)
         except Exception as exc:
             self.runner.forget(request_id)

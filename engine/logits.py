@@ -1,5 +1,5 @@
 """Logits processing before sampling, for the whole batch at once on the device: the allow-list
-(``allowed_token_ids``), ``logit_bias``, the repetition penalty (over prompt and output tokens,
+(``allowed_token_ids``), ``logit_bias``, ``bad_words`` (engine.bad_words: banned tokens get -inf), the repetition penalty (over prompt and output tokens,
 as in vLLM/HF: positive logits divided by it, negative ones multiplied) and the frequency and
 presence penalties (over output tokens: ``logit -= frequency * count + presence * (count > 0)``).
 
@@ -14,12 +14,15 @@ from typing import Optional, Sequence
 
 import torch
 
+from .bad_words import banned_now
+
 
 class LogitsPlan:
     """Index lists for one step's rows (``reqs[r]`` owns row ``r``); None if no row asks."""
 
     __slots__ = ("allow_rows", "allow_r", "allow_t", "bias_r", "bias_t", "bias_v",
-                 "rep_r", "rep_t", "rep_v", "pen_r", "pen_t", "pen_v")
+                 "rep_r", "rep_t", "rep_v", "pen_r", "pen_t", "pen_v",
+                 "ban_r", "ban_t")
 
     def __init__(self) -> None:
         for name in self.__slots__:
@@ -54,6 +57,10 @@ class LogitsPlan:
                     plan.pen_r.append(row)
                     plan.pen_t.append(t)
                     plan.pen_v.append(p.frequency_penalty * c + p.presence_penalty)
+            if req.bad_words:
+                banned = banned_now(req.bad_words, req.output_token_ids)
+                plan.ban_r.extend([row] * len(banned))
+                plan.ban_t.extend(banned)
         return plan
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -79,6 +86,8 @@ class LogitsPlan:
         if self.pen_r:
             out.index_put_((t(self.pen_r), t(self.pen_t)), -t(self.pen_v, torch.float32),
                            accumulate=True)
+        if self.ban_r:
+            out[t(self.ban_r), t(self.ban_t)] = float("-inf")
         return out
 
 

@@ -24,6 +24,7 @@ MAX_TOP_K = 2**31 - 1
 MAX_LOGPROBS = 1024
 MAX_LOGIT_BIAS = 1024
 MAX_ALLOWED_TOKEN_IDS = 1 << 18
+MAX_BAD_WORDS = 128
 _INT = int
 
 
@@ -65,6 +66,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: Optional[int] = None  # keep only the prompt's last k tokens
+    bad_words: list[str] = []  # never in the output (engine.bad_words)
 
     def validate(self) -> "SamplingParams":
         """Raise :class:`BadRequestError` naming the first invalid field; return self."""
@@ -127,6 +129,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
             raise bad(f"allowed_token_ids must be a list of at most {MAX_ALLOWED_TOKEN_IDS} token ids")
         if any(not _is_int(t) or not (0 <= t < 2**31) for t in ids):
             raise bad("allowed_token_ids must be integers in [0, 2**31)")
+        bw = self.bad_words
+        if (not isinstance(bw, list) or len(bw) > MAX_BAD_WORDS
+                or any(type(w) is not str or not (0 < len(w) <= MAX_STOP_CHARS) or not w.strip()
+                       for w in bw)):
+            raise bad(f"bad_words must be at most {MAX_BAD_WORDS} strings of 1 to {MAX_STOP_CHARS} "
+                      f"characters, not only spaces")
 
     def check_vocab(self, vocab_size: int, max_logprobs: int = 20) -> None:
         """Token ids in the params must exist in the model's vocabulary; logprob counts are
@@ -144,9 +152,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
 
     @property
     def needs_logits_processing(self) -> bool:
-        """Penalties, biases or an allow-list change this request's logits before sampling."""
+        """Penalties, biases, bad words or an allow-list change this request's logits before sampling."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
-                    or self.allowed_token_ids or self.repetition_penalty != 1.0)
+                    or self.allowed_token_ids or self.repetition_penalty != 1.0 or self.bad_words)
+
+    @property
+    def output_dependent_logits(self) -> bool:
+        """The logits processing depends on the tokens generated so far (penalties, bad words),
+        so a step's rows differ per position: such requests are not speculated."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.bad_words
+                    or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

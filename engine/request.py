@@ -22,7 +22,7 @@ class Request:
         "num_preemptions", "first_token_time", "logprobs",
         "stop_ids", "sampling_row",
         "num_sealed_blocks", "block_hashes", "hash_root", "cache_epoch", "first_scheduled",
-        "prompt_lps", "prompt_sent",
+        "prompt_lps", "prompt_sent", "bad_words",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
@@ -47,6 +47,7 @@ class Request:
         self.first_scheduled: Optional[float] = None  # monotonic time it was first scheduled
         self.logprobs: list[float] = []
         self.stop_ids = frozenset(params.stop_token_ids)
+        self.bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
         # prompt_logprobs: TokenLogprob of prompt positions 1.. as prefill chunks compute them;
         # sent (with the echo) on the first output
         self.prompt_lps: list = []

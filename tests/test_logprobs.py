@@ -114,6 +114,7 @@ def _cases(ids):
         SamplingParams(max_tokens=4, logit_bias={ids[1]: 30.0, ids[2]: -100.0}),
         SamplingParams(max_tokens=4, allowed_token_ids=[ids[0], ids[3], 13]),
         SamplingParams(max_tokens=3, min_p=0.3, temperature=1.0, seed=3),
+        SamplingParams(max_tokens=6, bad_words=["of", "the way"]),
     ]
 
 
@@ -151,6 +152,27 @@ def _check_processed(ref, ids, res) -> None:
     for _ in range(6):
         seq.append(int(ref.logits(seq)[-1].argmax()))
     assert res["plain"] == seq[len(ids):]
+    _check_bad_words(ref, ids, res[5], res["plain"], cases[5].bad_words)
+
+
+def _check_bad_words(ref, ids, got, plain, words) -> None:
+    """Each word as written and after a space; a one-token form is never sampled, a longer
+    one's last token never follows the rest of it."""
+    tok = ref.tokenizer
+    forms = [tok.encode(t, add_special_tokens=False) for w in words for t in (w, " " + w)]
+    assert any(len(f) == 1 and f[0] in plain for f in forms)  # the ban changes this output
+    assert any(len(f) > 1 for f in forms)
+    seq = list(ids)
+    for _ in range(6):
+        row = ref.logits(seq)[-1].clone()
+        out = seq[len(ids):]
+        for f in forms:
+            if len(f) == 1 or out[len(out) - len(f) + 1:] == f[:-1]:
+                row[f[-1]] = float("-inf")
+        seq.append(int(row.argmax()))
+    assert got == seq[len(ids):]
+    for f in forms:  # no form appears in the output
+        assert all(got[i:i + len(f)] != f for i in range(len(got))), (f, got)
 
 
 def test_bounds_are_checked_before_anything_is_queued():
@@ -160,7 +182,8 @@ def test_bounds_are_checked_before_anything_is_queued():
                    dict(logit_bias={10**6: 1.0}), dict(logit_bias={1: 101.0}),
                    dict(logit_bias={i: 1.0 for i in range(2000)}), dict(allowed_token_ids=[10**7]),
                    dict(max_tokens=0), dict(min_p=1.5), dict(repetition_penalty=0.0),
-                   dict(presence_penalty=3.0)]
+                   dict(presence_penalty=3.0), dict(bad_words=["x"] * 129), dict(bad_words=["  "]),
+                   dict(bad_words=["y" * 513]), dict(bad_words=[5])]
             for kw in bad:
                 with pytest.raises(BadRequestError):
                     eng.generate([1, 2, 3], SamplingParams(**kw))

@@ -233,6 +233,8 @@ class Speculator:
         """How many draft tokens ``req`` may take this step (0: not decoding, or no room)."""
         if req.num_computed_tokens != req.num_tokens - 1 or req.num_computed_tokens == 0:
             return 0
+        if req.params.output_dependent_logits:
+            return 0  # each draft position would need its own penalties and bans: not drafted
         r = self.runner
         room_out = req.params.max_tokens - req.num_output_tokens - 1
         room_ctx = r.max_model_len - req.num_tokens - 1

@@ -5,7 +5,7 @@ JSON response formats are refused with a 400 naming the parameter, rather than s
 Unknown fields are ignored (clients send new parameters before servers know them). Non-OpenAI
 extensions, as in vLLM (pass them with the ``openai`` client's ``extra_body``): ``top_k``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``min_p``, ``repetition_penalty``,
-``allowed_token_ids``, ``prompt_logprobs``.
+``allowed_token_ids``, ``prompt_logprobs``, ``bad_words``.
 
 Types are strict and every number and list is bounded here, before anything reaches the engine
 (which checks again): integers are JSON integers (``true`` is not 1, ``5.0`` is not 5), numbers
@@ -24,7 +24,7 @@ from typing import Annotated, Any, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from engine.errors import BadRequestError
-from engine.params import SamplingParams
+from engine.params import MAX_BAD_WORDS, SamplingParams
 
 
 class RequestError(BadRequestError):
@@ -115,6 +115,7 @@ class _SamplingFields(_Body):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     truncate_prompt_tokens: Optional[_int(ge=1)] = None
+    bad_words: Optional[Annotated[list[StopString], Field(max_length=MAX_BAD_WORDS)]] = None
 
     def check_common(self, vocab_size: int, max_logprobs: int) -> None:
         """What the schema cannot tell: token ids against the vocabulary, logprob counts
@@ -158,7 +159,8 @@ class _SamplingFields(_Body):
                 allowed_token_ids=list(self.allowed_token_ids or []),
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                truncate_prompt_tokens=self.truncate_prompt_tokens, **extra,
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
+                bad_words=list(self.bad_words or []), **extra,
             ).validate()
         except BadRequestError as exc:
             raise RequestError(str(exc)) from None

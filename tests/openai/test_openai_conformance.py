@@ -206,6 +206,8 @@ HOSTILE = [
     ("/v1/completions", {"allowed_token_ids": [10**6]}, "allowed_token_ids"),
     ("/v1/completions", {"stop_token_ids": [5000]}, "stop_token_ids"),
     ("/v1/completions", {"min_p": 2}, "min_p"),
+    ("/v1/completions", {"bad_words": ["x"] * 10**5}, "bad_words"),
+    ("/v1/completions", {"bad_words": [""]}, "bad_words"),
     ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"prompt": [[1] * 10**6] * 10}, "prompt"),
     ("/v1/completions", {"prompt": [[1, 2]] * 129}, "prompt"),
@@ -235,6 +237,9 @@ async def test_hostile_values_get_a_400_before_any_work_is_queued():
         assert st.prompt_tokens == 0 and st.steps == 0  # nothing reached the engine
         r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 2})
         assert r.status_code == 200 and len(r.json()["choices"]) == 2
+        r = await c.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "bad_words": ["a", "b c"]})
+        assert r.status_code == 200, r.text
         # best_of: the n candidates of highest summed logprob, in order; usage counts all
         r = await c.post("/v1/completions", json={
             "prompt": ["hi", "yo"], "max_tokens": 4, "n": 2, "best_of": 5, "seed": 1,
