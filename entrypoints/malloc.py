@@ -141,3 +141,18 @@ class Trimmer:
     def _now(self) -> None:
         self._last = time.monotonic()
         self._trim(0)
+
+
+async def trim_every(interval: float) -> None:
+    """Trim the heap every ``interval`` seconds, forever (a frontend process's background task).
+
+    Why, beyond the trims after large bodies: under the soak's load (64 clients, hostile bodies
+    among them) the frontend's heap kept 4-5 MB of freed memory that only a later trim gave back
+    (62.4 -> 57.8 MB, from 53.4 before the attack). One ``malloc_trim`` took 1.5 ms of the event
+    loop on a fragmented 50 MB heap here: every 10 s, nothing."""
+    import anyio
+
+    trim = Trimmer(min_interval=0.0)
+    while True:
+        await anyio.sleep(interval)
+        trim()

@@ -117,3 +117,27 @@ def test_one_arena_gives_back_what_worker_threads_parsed():
         [sys.executable, "-c", _PARSE_ON_THREADS, flag], env=env, cwd=ROOT, capture_output=True,
         text=True, check=True, timeout=120).stdout)
     assert run("1") < 3.0
+
+
+@glibc
+def test_trim_every_keeps_trimming():
+    import anyio
+    from entrypoints import malloc
+
+    calls = []
+
+    class Counting(malloc.Trimmer):
+        def _now(self) -> None:
+            calls.append(1)
+            super()._now()
+
+    async def main():
+        real, malloc.Trimmer = malloc.Trimmer, Counting
+        try:
+            with anyio.move_on_after(0.3):
+                await malloc.trim_every(0.05)
+        finally:
+            malloc.Trimmer = real
+
+    anyio.run(main)
+    assert len(calls) >= 3

@@ -123,6 +123,10 @@ async def serve_frontend(engine, sock: socket.socket, *, limits: HttpLimits = Ht
     return code
 
 
+#: How often a frontend process gives its freed heap back (entrypoints.malloc.trim_every).
+TRIM_EVERY_S = 10.0
+
+
 async def _main(a: argparse.Namespace) -> int:
     from ipc.client import EngineClient
 
@@ -143,10 +147,16 @@ async def _main(a: argparse.Namespace) -> int:
         import msgspec
 
         cache_info = msgspec.json.decode(a.cache_info, type=dict[str, str]) if a.cache_info else None
-        return await serve_frontend(client, sock, limits=a.limits, parent_pid=a.parent_pid,
-                                    model_names=a.served_model_name, cache_info=cache_info,
-                                    sleep_mode=a.enable_sleep_mode,
-                                    admin_token=token if a.admin_auth else None)
+        from ..malloc import trim_every
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(trim_every, TRIM_EVERY_S)
+            code = await serve_frontend(client, sock, limits=a.limits, parent_pid=a.parent_pid,
+                                        model_names=a.served_model_name, cache_info=cache_info,
+                                        sleep_mode=a.enable_sleep_mode,
+                                        admin_token=token if a.admin_auth else None)
+            tg.cancel_scope.cancel()
+        return code
 
 
 def main(argv: Optional[list[str]] = None) -> int:
