@@ -155,6 +155,8 @@ def lm_eval(venv: Path, out: Path, model: str, model_args: str, tasks: str, incl
            "--output_path", out, "--seed", "1234"]
     if chat:
         cmd.append("--apply_chat_template")
+    if model == "hf":
+        cmd += ["--device", "cpu"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", OPENAI_API_KEY="unused")
     t = time.monotonic()
@@ -180,15 +182,19 @@ def _gen(sample: dict) -> str:
     return sample["resps"][0][0]
 
 
+def _metric(run: dict, task: str, metric: str) -> float:
+    # results keys are "<metric>,<filter name>" (and "<metric>_stderr,<filter>")
+    (value,) = [v for k, v in run["results"][task].items() if k.split(",")[0] == metric]
+    return value
+
+
 def compare(task: str, kind: str, server: dict, hf: dict) -> dict:
     s = {x["doc_id"]: x for x in server["samples"][task]}
     h = {x["doc_id"]: x for x in hf["samples"][task]}
     row: dict = {"task": task, "docs": len(s), "same_docs": sorted(s) == sorted(h)}
     metrics = ["acc", "acc_norm"] if kind == "ll" else ["exact_match"]
     for m in metrics:
-        sv = server["results"][task].get(f"{m},none", server["results"][task].get(f"{m},strip"))
-        hv = hf["results"][task].get(f"{m},none", hf["results"][task].get(f"{m},strip"))
-        row[f"{m}_server"], row[f"{m}_hf"] = sv, hv
+        row[f"{m}_server"], row[f"{m}_hf"] = _metric(server, task, m), _metric(hf, task, m)
     row["metrics_equal"] = all(row[f"{m}_server"] == row[f"{m}_hf"] for m in metrics)
     if kind == "ll":
         deltas = {d: abs(_doc_ll(s[d]) - _doc_ll(h[d])) for d in s if d in h}
@@ -239,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         proc.terminate()
         code = proc.wait(timeout=120)
         _log(f"enginecore serve exited {code}")
-    hf_args = f"pretrained={ckpt},dtype=float32,device=cpu"
+    hf_args = f"pretrained={ckpt},dtype=float32"
     hf_comp = lm_eval(venv, runs / "hf", "hf", hf_args, "ec_mc,ec_gen", include)
     hf_chat = lm_eval(venv, runs / "hf-chat", "hf", hf_args, "ec_chat", include, chat=True)
 

@@ -163,13 +163,15 @@ doc_to_text: "{{{{question}}}}"
 doc_to_target: answer
 generation_kwargs:
   until: ["\\n"]
-  max_gen_toks: 12
+  max_gen_toks: 16
   do_sample: false
   temperature: 0.0
 filter_list:
-  - name: strip
+  - name: last_word  # "The capital of France is Paris." -> "Paris"
     filter:
-      - function: remove_whitespace
+      - function: regex
+        regex_pattern: "[A-Za-z]+"
+        group_select: -1
       - function: take_first
 metric_list:
   - metric: exact_match
