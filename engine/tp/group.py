@@ -77,7 +77,11 @@ class DriverGroup:
     def start(self, should_stop) -> None:
         cfg = self.config
         per_node = self.world // cfg.nnodes
-        token = os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
+        token = os.environ.get(TOKEN_ENV)
+        if not token and cfg.nnodes > 1:
+            raise TPStartupError(f"multi-host tensor parallel needs ${TOKEN_ENV} (the same "
+                                 "secret on every host)")
+        token = token or secrets.token_hex(16)
         host = cfg.master_addr
         listener = socket.create_server((host, cfg.master_port), backlog=self.world)
         try:
