@@ -152,5 +152,5 @@ async def test_shard_shape_mismatch_is_a_startup_error_on_every_rank(tmp_path, h
     assert code == 2, sp.log
     assert not pids
     want = f"shape mismatch for {name}: checkpoint (16, 64), model (32, 64)"
-    assert f"enginecore tp rank 1: startup failed: CheckpointError" in sp.log and want in sp.log
+    assert "enginecore tp rank 1: startup failed: CheckpointError" in sp.log and want in sp.log
     assert "enginecore: startup failed" in sp.log, sp.log
