@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+import torch.distributed
 
 from engine import AsyncEngine, BadRequestError, EngineConfig, SamplingParams
 from engine.tp.shard import check_divisible
@@ -43,6 +44,7 @@ async def test_default_model_tp3_matches_tp1() -> None:
     ref, _ = await generate_all(EngineConfig(**kw), prompts, 4)
     got, reports = await generate_all(EngineConfig(tensor_parallel_size=3, **kw), prompts, 4)
     assert got == ref
+    assert not torch.distributed.is_initialized()  # the release destroyed the process group
     assert sorted(reports) == [0, 1, 2]
     for r in reports.values():  # every rank's weakref check, reported to the driver
         assert r.alive_bytes == 0 and not r.reachable, r

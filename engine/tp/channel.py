@@ -94,7 +94,8 @@ class Channel:
     """One blocking socket; ``send`` from one thread, ``recv`` from one thread."""
 
     def __init__(self, sock: socket.socket):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
 
     def send(self, msg: Message) -> None:

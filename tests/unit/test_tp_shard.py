@@ -35,3 +35,29 @@ def test_slices_and_refuses_a_wrong_full_shape() -> None:
                                               r"\(3, 6\), model \(4, 6\) \(rank 1 of "
                                               r"tensor_parallel_size 2"):
         list(ShardedTensors(bad, shapes, 1, 2, "ckpt")())
+
+
+def test_channel_frames_round_trip_and_bound() -> None:
+    import socket
+    import struct
+
+    from engine.tp.channel import MAX_FRAME, Channel, Closed, Step
+
+    a, b = socket.socketpair()
+    ca, cb = Channel(a), Channel(b)
+    try:
+        msg = Step([([1, 2, 3], 0, [7], False), ([4], 3, [7, 8], True)], [2, 3])
+        ca.send(msg)
+        assert cb.recv(timeout=5) == msg
+        a.sendall(struct.pack("!I", MAX_FRAME + 1))  # an oversize header: refused unread
+        with pytest.raises(Closed, match="frame of"):
+            cb.recv(timeout=5)
+        a.sendall(struct.pack("!I", 3) + b"\x93\x01\x02")  # not a tagged frame
+        with pytest.raises(Closed, match="bad frame"):
+            cb.recv(timeout=5)
+        ca.close()
+        with pytest.raises(Closed, match="closed by peer"):
+            cb.recv(timeout=5)
+    finally:
+        ca.close()
+        cb.close()
