@@ -75,6 +75,18 @@ class DriverGroup:
 
     # -- startup -------------------------------------------------------------------------------
     def start(self, should_stop) -> None:
+        """Start the local workers, accept every rank, join the process group; any failure is
+        a TPStartupError (a startup error), and what was started is stopped by ``close``."""
+        try:
+            self._start(should_stop)
+        except TPStartupError:
+            self._failed = True
+            raise
+        except Exception as exc:  # a port in use, a rendezvous that timed out, ...
+            self._failed = True
+            raise TPStartupError(f"tensor-parallel startup failed: {type(exc).__name__}: {exc}") from exc
+
+    def _start(self, should_stop) -> None:
         cfg = self.config
         per_node = self.world // cfg.nnodes
         token = os.environ.get(TOKEN_ENV)
