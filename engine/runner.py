@@ -219,7 +219,9 @@ class ModelRunner(RunnerSleep):
         if self._tp is not None:  # every other rank releases too (and reports), then the group
             from .tp.release_check import alive
 
-            self._tp.close(order, alive(refs), reachable_tensors(self._owner))
+            # what is still reachable from the whole runner, once the group let go of its
+            # failure callback (the engine)
+            self._tp.close(order, alive(refs), lambda: reachable_tensors(self))
         return order
 
     def watch_ranks(self, on_failure) -> None:

@@ -243,7 +243,7 @@ class DriverGroup:
                 raise RankFailed(f"tensor-parallel rank {r} is gone: {exc}") from None
 
     # -- teardown ------------------------------------------------------------------------------
-    def close(self, released: list[str], own: tuple[int, int], reachable: list[str]) -> None:
+    def close(self, released: list[str], own: tuple[int, int], reachable) -> None:
         """After the driver's own release: every rank releases and reports; then the process
         group is destroyed and every local worker waited for (SIGKILL after the grace)."""
         if self._closing:
@@ -251,7 +251,7 @@ class DriverGroup:
         self._closing = True
         failed = self._failed
         self.on_failure = None
-        self.reports[0] = Released(0, released, own[0], own[1], reachable)
+        self.reports[0] = Released(0, released, own[0], own[1], reachable())
         for ch in self._chans.values():
             try:
                 ch.send(Shutdown())

@@ -25,11 +25,11 @@ class WorkerLink:
     def wait_ready(self) -> None:
         self._ch.send(Ready(self.rank))
 
-    def close(self, released: list[str], own: tuple[int, int], reachable: list[str]) -> None:
+    def close(self, released: list[str], own: tuple[int, int], reachable) -> None:
         if self._closed:
             return
         self._closed = True
         try:
-            self._ch.send(Released(self.rank, released, own[0], own[1], reachable))
+            self._ch.send(Released(self.rank, released, own[0], own[1], reachable()))
         except Closed:
             pass
