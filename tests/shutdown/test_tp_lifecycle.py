@@ -86,7 +86,9 @@ async def test_worker_sigkill_fails_every_stream(tmp_path) -> None:
     print(f"every stream got EngineDeadError {latest:.3f} s after the worker's SIGKILL")
     assert code == 1, sp.log
     assert all(r[0] == "dead" for r in results.values())
-    assert "tensor-parallel rank 1 failed" in sp.log
+    # the watcher ("tensor-parallel rank 1 failed: connection lost") or the step's collective
+    # (gloo: the peer closed the connection), whichever sees it first
+    assert "engine failed" in sp.log, sp.log
     assert gone < 10 and not pid_alive(sp.proc.pid)
 
 
