@@ -17,10 +17,11 @@ import threading
 import time
 from collections import deque
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import AsyncIterator, Callable, Optional
 
 import anyio
-from anyio import to_thread
+from anyio import from_thread, to_thread
 
 from states import Lifecycle, State
 
@@ -59,6 +60,7 @@ class AsyncEngine(IntakeAPI, SleepAPI):
         self._stopped = anyio.Event()
         self._limiter = anyio.CapacityLimiter(1)
         self._death: Optional[BaseException] = None
+        self._rank_error: Optional[BaseException] = None  # tensor parallel: a rank died
         self._drain_deadline = math.inf
         self._drain_reason = "drain timeout"
         self._started = time.monotonic()
@@ -101,6 +103,9 @@ class AsyncEngine(IntakeAPI, SleepAPI):
         """Load the model on a worker thread (stoppable by cancellation), then SERVING."""
         self._loop_thread = threading.get_ident()
         self._tg = tg
+        if self.runner.tensor_parallel:
+            self.runner.watch_ranks(partial(_from_watcher, anyio.lowlevel.current_token(),
+                                            self._rank_failed))
         stop = threading.Event()
         done = threading.Event()
 
@@ -263,6 +268,8 @@ class AsyncEngine(IntakeAPI, SleepAPI):
         assert core is not None
         try:
             while True:
+                if self._rank_error is not None:
+                    raise self._rank_error
                 self._apply_inbox(core)
                 if self.lifecycle.state is State.DRAINING:
                     if time.monotonic() >= self._drain_deadline:
@@ -290,6 +297,23 @@ class AsyncEngine(IntakeAPI, SleepAPI):
         with anyio.CancelScope(shield=True):
             await self._release()
 
+    def _rank_failed(self, exc: BaseException) -> None:
+        """Tensor parallel: another rank died while serving (called on the loop thread by the
+        runner's watcher). Fail now -- every stream gets EngineDeadError at once, whatever the
+        step thread is waiting for -- and let the loop release (the other ranks are stopped)."""
+        if self._death is not None or self.lifecycle.state in (State.SHUTDOWN, State.FAILED):
+            return
+        log.error("engine failed: %s", exc)
+        self._death = self._rank_error = exc
+        if self.lifecycle.may("fail"):
+            self.lifecycle.trigger("fail")
+        err = EngineDeadError("engine failed", exc)
+        sinks, self._sinks = self._sinks, {}
+        self._inbox.clear()
+        for sink in sinks.values():
+            sink(err)
+        self._wake()
+
     async def _release(self) -> None:
         await to_thread.run_sync(self.runner.shutdown)
         self.core = None
@@ -313,3 +337,11 @@ class AsyncEngine(IntakeAPI, SleepAPI):
             self.core = None
             self.lifecycle.trigger("shutdown")
             self._stopped.set()
+
+
+def _from_watcher(token, fn, exc: BaseException) -> None:
+    """Run ``fn(exc)`` on the event loop from a watcher thread (nothing if the loop is gone)."""
+    try:
+        from_thread.run_sync(fn, exc, token=token)
+    except Exception:  # RunFinishedError and friends: the engine has stopped already
+        pass

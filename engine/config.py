@@ -38,6 +38,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_queued_tokens: int = 4 * 1024 * 1024
     #: the most top logprobs (and prompt logprobs) one request may ask for per token
     max_logprobs: int = 20
+    # Tensor parallelism (engine/tp/): ranks in all, hosts they span, this host's index, and
+    # where rank 0 (this engine process) listens for the others: its control channel on
+    # master_port (0: any free port, one host only) and the process group's store on +1.
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
     cuda_graphs: bool = True  # capture decode-only steps as CUDA graphs (CUDA + Triton only)
     # Test hook: raise inside the model forward on this (1-based) step. Never set in production.
     fault_at_step: Optional[int] = None
@@ -71,9 +79,31 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise BadRequestError("num_speculative_tokens must be in [1, 16]")
         if not (0 <= self.max_logprobs <= 1024):
             raise BadRequestError("max_logprobs must be in [0, 1024]")
+        self._validate_tp()
         self.resolved_dtype()
         from .cpu_weights import FORMATS
 
         if self.cpu_weights not in FORMATS:
             raise BadRequestError(f"unknown cpu_weights {self.cpu_weights!r}; one of {', '.join(FORMATS)}")
         return self
+
+    def _validate_tp(self) -> None:
+        tp, nodes = self.tensor_parallel_size, self.nnodes
+        if not (1 <= tp <= 512):
+            raise BadRequestError("tensor_parallel_size must be in [1, 512]")
+        if not (1 <= nodes <= tp) or tp % nodes:
+            raise BadRequestError(f"nnodes ({nodes}) must divide tensor_parallel_size ({tp})")
+        if not (0 <= self.node_rank < nodes):
+            raise BadRequestError(f"node_rank must be in [0, nnodes) = [0, {nodes})")
+        if not (0 <= self.master_port <= 65534):
+            raise BadRequestError("master_port must be in [0, 65534] (the store uses port + 1)")
+        if nodes > 1 and not self.master_port:
+            raise BadRequestError("with nnodes > 1, give master_addr and master_port")
+        if tp == 1:
+            return
+        if self.speculator != "none":
+            raise BadRequestError("speculative decoding is not supported with "
+                                  "tensor_parallel_size > 1")
+        if self.cpu_weights not in ("auto", "float"):
+            raise BadRequestError("with tensor_parallel_size > 1 the weights stay float: "
+                                  f"cpu_weights {self.cpu_weights!r} is not supported")

@@ -41,12 +41,20 @@ class InjectedFault(RuntimeError):
 
 
 class ModelRunner(RunnerSleep):
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp=None):
         self.config = config.validate()
+        # tensor parallel (engine/tp/): the driver's DriverGroup, a worker's WorkerLink; None
+        # with one rank -- then nothing below takes a tensor-parallel branch
+        if tp is None and config.tensor_parallel_size > 1:
+            from .tp.group import DriverGroup
+
+            tp = DriverGroup(config)
+        self._tp = tp
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
         self._owner = DeviceOwner(self.device)
         self.model_config = None
+        self._shapes = None  # this rank's module shapes: model_config, or its shard (TP)
         self.tokenizer = None
         self.num_blocks = 0
         self._blocks: Optional[BlockManager] = None
@@ -85,31 +93,43 @@ class ModelRunner(RunnerSleep):
             raise
 
     def _load(self, should_stop) -> None:
+        if self._tp is not None:
+            self._tp.start(should_stop)  # the driver starts the workers: they load meanwhile
         cfg, tensors, tok = resolve_source(self.config.model, self.config.revision)
-        self.model_config, self.tokenizer = cfg, tok
+        self.model_config, self._shapes, self.tokenizer = cfg, cfg, tok
         tok.max_token_chars  # computed once here, on the loading thread (admission reads it)
         self.max_model_len = min(self.config.max_model_len or _MAX_CONTEXT_DEFAULT,
                                  cfg.max_position_embeddings)
         if should_stop():
             return
         # Adopt first, fill second: a failed or stopped fill is released like everything else.
-        model = self._owner.adopt(R.WEIGHTS, create_model(cfg, self.device, self.dtype))
+        if self._tp is None:
+            model = self._owner.adopt(R.WEIGHTS, create_model(cfg, self.device, self.dtype))
+        else:
+            from .tp.load import create_shard
+
+            model, tensors = create_shard(self, cfg, tensors)
         try:
             fill_model(model, tensors, self.config.seed, self.config.model, should_stop)
         except LoadStopped as stopped:
             log.warning("loading stopped: %s", stopped)
             return
-        self._pack(model, tensors)
+        if self._tp is None:
+            self._pack(model, tensors)
         del model
         if should_stop():
             return
-        self.num_blocks = self._num_kv_blocks(cfg)
+        self.num_blocks = self._num_kv_blocks(self._shapes)
+        if self._tp is not None:  # every rank's cache has the same blocks: the smallest budget
+            self.num_blocks = self._tp.agree_blocks(self.num_blocks)
         # host bookkeeping of the KV blocks and the prefix cache: made once, kept across sleeps
         # (a rebuilt cache is invalidated through EngineCore.reset_kv), closed at shutdown
         self._blocks = BlockManager(self.num_blocks, self.block_size,
                                     enable_caching=self.config.enable_prefix_caching)
         if not self._build_stack(should_stop):
             return
+        if self._tp is not None:
+            self._tp.wait_ready()  # LOADED only once every rank is
         if self.config.speculator != "none" and not should_stop():
             from .speculative import build_speculator
 
@@ -131,9 +151,10 @@ class ModelRunner(RunnerSleep):
     def _build_stack(self, should_stop=lambda: False) -> bool:
         """KV cache, model state and (CUDA) graphs, each adopted as it is made; False if
         stopped part way. At load, and again when a sleep is woken."""
-        cfg = self.model_config
-        graphs = cuda_graphs.usable(self.device, self.config.cuda_graphs, cfg.head_dim,
-                                    self.block_size)
+        cfg = self._shapes
+        # NOTE: no CUDA graphs with TP yet: the all-reduces would be captured too (untested)
+        graphs = self._tp is None and cuda_graphs.usable(
+            self.device, self.config.cuda_graphs, cfg.head_dim, self.block_size)
         # with a speculator a decode carries up to k draft rows, each a decode row
         rows_per_seq = 1 + (self.config.num_speculative_tokens
                             if self.config.speculator != "none" else 0)
@@ -186,11 +207,32 @@ class ModelRunner(RunnerSleep):
         """Synchronize, release speculator, model state, KV cache, weights (reverse creation)."""
         if self.speculator is not None:
             self.speculator = None
+        refs = None
+        if self._tp is not None:
+            from .tp.release_check import tensor_refs
+
+            refs = tensor_refs(self._owner)
         order = self._owner.close()
         if self._blocks is not None:
             self._blocks.close()  # the prefix cache goes with the KV cache
         log.info("released %s", ", ".join(order) or "nothing")
+        if self._tp is not None:  # every other rank releases too (and reports), then the group
+            from .tp.release_check import alive
+
+            # what is still reachable from the whole runner, once the group let go of its
+            # failure callback (the engine)
+            self._tp.close(order, alive(refs), lambda: reachable_tensors(self))
         return order
+
+    def watch_ranks(self, on_failure) -> None:
+        """Tensor parallel: ``on_failure(exc)`` is called (from a watcher thread) when another
+        rank dies or fails while serving."""
+        if self._tp is not None:
+            self._tp.on_failure = on_failure
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self._tp is not None
 
     # -- one step ----------------------------------------------------------------------------
     def check_prompt(self, n: int, max_tokens: int) -> None:
@@ -246,17 +288,16 @@ class ModelRunner(RunnerSleep):
             sample_rows.append(list(range(row + n - 1, row + len(toks))) if ends else [])
             row_starts.append(row)
             row += len(toks)
-        hidden = packed_forward(model, kv.tensor, state, self._owner.get(R.CUDA_GRAPHS),
-                                self.device, self.block_size, seqs)
         flat = [r for rows in sample_rows for r in rows]
         plp = logprobs.prompt_rows(batch, row_starts)  # prompt tokens whose logprobs are asked
-        if not flat and not plp:
-            return StepResult([[] for _ in batch], None)
         idx = flat + [r for _, r, _ in plp]
-        if idx == list(range(len(idx))):
-            logits_all = model.logits(hidden[: len(idx)])
-        else:
-            logits_all = model.logits(hidden[torch.tensor(idx, device=self.device)])
+        if self._tp is not None:  # the workers run the same forward (and logits rows) with us
+            self._tp.step(seqs, idx)
+        hidden = packed_forward(model, kv.tensor, state, self._owner.get(R.CUDA_GRAPHS),
+                                self.device, self.block_size, seqs)
+        if not idx:
+            return StepResult([[] for _ in batch], None)
+        logits_all = self._logits(model, hidden, idx)
         logits = logits_all[: len(flat)]
         if flat:
             owners = [i for i, rows in enumerate(sample_rows) for _ in rows]
@@ -273,6 +314,21 @@ class ModelRunner(RunnerSleep):
                 batch, sample_rows, result.tokens, logits_all, plp)
             result.logprobs = [[e[1] for e in es] for es in result.token_lps]
         return result
+
+    def _logits(self, model, hidden, idx: list[int]):
+        if idx == list(range(len(idx))):
+            return model.logits(hidden[: len(idx)])
+        return model.logits(hidden[torch.tensor(idx, device=self.device)])
+
+    @torch.inference_mode()
+    def replay(self, seqs, logits_rows: list[int]) -> None:
+        """A tensor-parallel worker's step: the driver's forward and logits rows, in lockstep
+        (the collectives inside pair up with the driver's); the driver samples."""
+        hidden = packed_forward(self._owner[R.WEIGHTS], self._owner[R.KV_CACHE].tensor,
+                                self._owner[R.MODEL_STATE], None, self.device, self.block_size,
+                                seqs)
+        if logits_rows:
+            self._logits(self._owner[R.WEIGHTS], hidden, logits_rows)
 
     def _sample(self, batch, owners, logits, sb: SamplingBatch) -> StepResult:
         tokens, logprobs = sample(logits, sb)

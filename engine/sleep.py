@@ -128,6 +128,13 @@ class SleepController:
         engine.lifecycle.on_change(self._on_change)
 
     # -- the API (event-loop thread) --------------------------------------------------------------
+    def _refuse_tp(self, call: str) -> None:
+        # NOTE: sleep mode across ranks (each worker offloading / reloading its shard on the
+        # driver's word) is not built yet: refused before anything changes.
+        if getattr(self._engine.config, "tensor_parallel_size", 1) > 1:
+            raise BadRequestError(f"{call} is not supported with tensor_parallel_size > 1 "
+                                  "(sleep mode and weight updates are single-rank only)")
+
     async def sleep(self, level: int, mode: str, timeout: Optional[float]) -> None:
         eng = self._engine
         if level not in (1, 2) or isinstance(level, bool):
@@ -136,6 +143,7 @@ class SleepController:
             raise BadRequestError(f"sleep mode must be one of {list(MODES)}, not {mode!r}")
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
             raise BadRequestError(f"sleep timeout must be a number >= 0 or None, not {timeout!r}")
+        self._refuse_tp("sleep")
         self._refuse_if_stopped(eng.lifecycle.state, "sleep")
         eng.lifecycle.trigger("sleep")  # InvalidTransitionError unless SERVING
         start = time.monotonic()
@@ -148,11 +156,13 @@ class SleepController:
 
     async def wake_up(self, tags: Optional[Sequence[str]]) -> None:
         tags = check_tags(tags)
+        self._refuse_tp("wake_up")
         await self._queue("wake_up", _Call("wake", tags), State.SLEEPING)
 
     async def update_weights(self, kind: str, arg: Any) -> None:
         """``kind``: "update" (``arg`` a checkpoint path) or "tensors" (name/tensor pairs)."""
         eng = self._engine
+        self._refuse_tp("update_weights")
         if eng.lifecycle.state is State.LOADED:  # before the loop runs: no one else is on it
             fn = eng.runner.update_weights if kind == "update" else eng.runner.update_weights_from_tensors
             await to_thread.run_sync(fn, arg, limiter=eng._limiter)

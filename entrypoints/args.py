@@ -42,6 +42,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None)
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="the most top logprobs one request may ask for per token (400 beyond)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks to shard the model over (this process is rank 0; the others are "
+                        "worker processes, gloo on CPU, NCCL on CUDA)")
+    p.add_argument("--nnodes", type=int, default=1, help="hosts the ranks span (multi-host TP)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this host's index: 0 runs the engine, others only start their ranks")
+    p.add_argument("--master-addr", default="127.0.0.1",
+                   help="address of node 0, where the ranks connect (multi-host: a routable one)")
+    p.add_argument("--master-port", type=int, default=0,
+                   help="node 0's control port (the process group's store uses PORT+1; 0: any "
+                        "free port, one host only)")
     p.add_argument("--config-json", default=None, help="a whole EngineConfig as JSON (overrides the flags)")
 
 
@@ -55,7 +66,9 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_model_len=a.max_model_len, enable_prefix_caching=a.enable_prefix_caching,
         speculator=a.speculator,
         num_speculative_tokens=a.num_speculative_tokens, draft_model=a.draft_model,
-        max_logprobs=a.max_logprobs,
+        max_logprobs=a.max_logprobs, tensor_parallel_size=a.tensor_parallel_size,
+        nnodes=a.nnodes, node_rank=a.node_rank, master_addr=a.master_addr,
+        master_port=a.master_port,
     )
 
 

@@ -175,6 +175,10 @@ def serve_main(a) -> int:
         print(f"enginecore: bad configuration: {exc}", file=sys.stderr)
         return EXIT_STARTUP
     os.environ.pop("ENGINECORE_TOKEN", None)  # read; children get it only when meant to
+    if config.node_rank > 0:  # multi-host TP: this host only runs its ranks (engine/tp/node.py)
+        from engine.tp.node import run_node
+
+        return run_node(config)
     if not getattr(a, "http", None):
         code = anyio.run(lambda: run(config, listen=a.listen, token=a.token,
                                      drain_timeout=a.drain_timeout, parent_pid=a.parent_pid,
