@@ -304,7 +304,13 @@ class AsyncEngine(IntakeAPI, SleepAPI):
         if self._death is not None or self.lifecycle.state in (State.SHUTDOWN, State.FAILED):
             return
         log.error("engine failed: %s", exc)
-        self._death = self._rank_error = exc
+        self._rank_error = exc
+        self._fail_streams(exc)
+        self._wake()
+
+    def _fail_streams(self, exc: BaseException) -> None:
+        """FAILED, and every stream in flight gets ``EngineDeadError`` (once: the sinks go)."""
+        self._death = exc
         if self.lifecycle.may("fail"):
             self.lifecycle.trigger("fail")
         err = EngineDeadError("engine failed", exc)
@@ -312,7 +318,6 @@ class AsyncEngine(IntakeAPI, SleepAPI):
         self._inbox.clear()
         for sink in sinks.values():
             sink(err)
-        self._wake()
 
     async def _release(self) -> None:
         await to_thread.run_sync(self.runner.shutdown)
@@ -322,14 +327,7 @@ class AsyncEngine(IntakeAPI, SleepAPI):
 
     async def _die(self, exc: BaseException) -> None:
         log.error("engine failed: %r", exc)
-        self._death = exc
-        if self.lifecycle.may("fail"):
-            self.lifecycle.trigger("fail")
-        err = EngineDeadError("engine failed", exc)
-        sinks, self._sinks = self._sinks, {}
-        self._inbox.clear()
-        for sink in sinks.values():
-            sink(err)
+        self._fail_streams(exc)
         try:
             # the limiter waits for a step still running on the worker thread
             await to_thread.run_sync(self.runner.shutdown, limiter=self._limiter)

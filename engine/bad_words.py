@@ -26,12 +26,15 @@ def bad_word_sequences(tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...]
     return tuple(out)
 
 
-def banned_now(sequences: Sequence[tuple[int, ...]], output: Sequence[int]) -> list[int]:
-    """The tokens the next step may not sample, given the ``output`` tokens so far."""
+def banned_now(sequences: Sequence[tuple[int, ...]], tokens: Sequence[int],
+               num_prompt: int = 0) -> list[int]:
+    """The tokens the next step may not sample, given a request's ``tokens`` of which the first
+    ``num_prompt`` are the prompt (only the output's tail is read, never copied whole)."""
     banned = []
+    end = len(tokens)
     for seq in sequences:
         n = len(seq) - 1
-        if n == 0 or (n <= len(output) and tuple(output[len(output) - n:]) == seq[:-1]):
+        if n == 0 or (n <= end - num_prompt and tuple(tokens[end - n:]) == seq[:-1]):
             banned.append(seq[-1])
     return banned
 

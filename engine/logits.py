@@ -58,7 +58,7 @@ class LogitsPlan:
                     plan.pen_t.append(t)
                     plan.pen_v.append(p.frequency_penalty * c + p.presence_penalty)
             if req.bad_words:
-                banned = banned_now(req.bad_words, req.output_token_ids)
+                banned = banned_now(req.bad_words, req.token_ids, req.num_prompt_tokens)
                 plan.ban_r.extend([row] * len(banned))
                 plan.ban_t.extend(banned)
         return plan

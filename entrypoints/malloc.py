@@ -54,21 +54,26 @@ def _ours_to_set(env) -> bool:
     return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 
-def tune_malloc(environ: "os._Environ[str] | dict[str, str] | None" = None) -> bool:
-    """Set glibc's ``M_TOP_PAD`` to :data:`TOP_PAD`; True if set.
-
-    Skipped (False) off glibc, with ``ENGINECORE_MALLOC_TUNING=0``, or when the user already set
-    a ``MALLOC_*`` variable or a ``glibc.malloc`` tunable (their settings win)."""
+def _set(environ, param: int, value: int, name: str) -> bool:
+    """``mallopt(param, value)`` unless :func:`_ours_to_set` says no; True if set."""
     env = os.environ if environ is None else environ
     if not _ours_to_set(env):
         return False
     mallopt = _mallopt()
     if mallopt is None:  # pragma: no cover
         return False
-    if mallopt(M_TOP_PAD, TOP_PAD) != 1:  # pragma: no cover
-        log.warning("mallopt(M_TOP_PAD) refused; glibc defaults stay")
+    if mallopt(param, value) != 1:  # pragma: no cover
+        log.warning("mallopt(%s) refused; glibc defaults stay", name)
         return False
     return True
+
+
+def tune_malloc(environ: "os._Environ[str] | dict[str, str] | None" = None) -> bool:
+    """Set glibc's ``M_TOP_PAD`` to :data:`TOP_PAD`; True if set.
+
+    Skipped (False) off glibc, with ``ENGINECORE_MALLOC_TUNING=0``, or when the user already set
+    a ``MALLOC_*`` variable or a ``glibc.malloc`` tunable (their settings win)."""
+    return _set(environ, M_TOP_PAD, TOP_PAD, "M_TOP_PAD")
 
 
 def one_arena(environ: "os._Environ[str] | dict[str, str] | None" = None) -> bool:
@@ -80,16 +85,7 @@ def one_arena(environ: "os._Environ[str] | dict[str, str] | None" = None) -> boo
     and 0 MB with one arena (34.0 -> 34.1 MB); on the main thread: 0 MB. The frontend's threads
     are few and hold the GIL for most of their work, so one arena costs little contention.
     Same rules as :func:`tune_malloc` (the user's ``MALLOC_*`` settings win)."""
-    env = os.environ if environ is None else environ
-    if not _ours_to_set(env):
-        return False
-    mallopt = _mallopt()
-    if mallopt is None:  # pragma: no cover
-        return False
-    if mallopt(M_ARENA_MAX, 1) != 1:  # pragma: no cover
-        log.warning("mallopt(M_ARENA_MAX) refused; glibc defaults stay")
-        return False
-    return True
+    return _set(environ, M_ARENA_MAX, 1, "M_ARENA_MAX")
 
 
 class Trimmer:
