@@ -5,6 +5,8 @@
 #   PART=2  lifecycle (20 open/close cycles), GPU tests, roofline, speculative, SIGTERM
 #   PART=3  the HF continuous-batching peer alone, then the engine modes in 2 interleaved rounds
 #   PART=4  the engine modes alone, 2 interleaved rounds
+#   PART=5  decode-step profile (phases, kernels per step), roofline, engine modes (1 round),
+#           prefix caching on/off, sleep/wake identity (5 cycles)
 export PYTHONUNBUFFERED=1
 E=$((SECONDS + ${BUDGET:-560}))
 step() {  # step NAME CAP CMD...
@@ -28,6 +30,14 @@ elif [[ $PART == 3 ]]; then
 elif [[ $PART == 4 ]]; then
   step throughput_engine 560 python3 -m bench.throughput --device cuda --no-progress --repeat 2 --interleave \
     --modes bare,inproc,ipc --out "$OUT/throughput_engine.json"
+elif [[ $PART == 5 ]]; then
+  step profile 90 python3 scripts/gpu/profile_decode.py --batches 1 64 256 --out "$OUT/profile.json"
+  ENGINECORE_CUDA_GRAPHS=0 step kernels 60 python3 scripts/gpu/profile_decode.py --batches 1 256 --steps 5 --kernels --table
+  step roofline 45 python3 -m bench.roofline --device cuda --no-progress --out "$OUT/roofline.json"
+  step throughput 200 python3 -m bench.throughput --device cuda --no-progress --repeat 1 \
+    --modes bare,inproc,ipc --out "$OUT/throughput.json"
+  step prefix 100 python3 -m bench.prefix --device cuda --out "$OUT/prefix.json"
+  step sleep 90 python3 -m bench.sleep --device cuda --cycles 5 --out "$OUT/sleep.json"
 else
   step lifecycle 150 python3 -m bench.lifecycle --device cuda --no-progress --cycles 20 --out "$OUT/lifecycle.json"
   step gpu_tests 100 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu tests/test_speculative.py
