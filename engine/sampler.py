@@ -40,6 +40,10 @@ class SamplingBatch:
     need_logprobs: bool  # the sampled tokens' logprobs from sample() (engine.logprobs does more)
     min_p: Optional[torch.Tensor] = None  # [N] float32, None when no row uses it
     plan: Optional[LogitsPlan] = None  # penalties, biases, allow-lists (engine.logits)
+    # whether any row uses top-k / top-p: known on the host (the rows' values are), so the
+    # sampler needs no device-to-host sync to skip the sort; None = look at the tensors
+    any_top_k: Optional[bool] = None
+    any_top_p: Optional[bool] = None
 
 
 def build_sampling_batch(reqs: Sequence, generators: dict, device: torch.device) -> SamplingBatch:
@@ -56,6 +60,8 @@ def build_sampling_batch(reqs: Sequence, generators: dict, device: torch.device)
         min_p=(torch.tensor([r.params.min_p for r in reqs], dtype=torch.float32, device=device)
                if any(r.params.min_p for r in reqs) else None),
         plan=LogitsPlan.build(reqs),
+        any_top_k=any(r[1] > 0 for r in rows),
+        any_top_p=any(r[2] < 1.0 for r in rows),
     )
 
 
@@ -69,8 +75,8 @@ def apply_penalty_free_filters(logits: torch.Tensor, batch: SamplingBatch) -> to
     """Temperature, top-k, top-p and min-p applied to fp32 ``logits`` [N, V] (greedy rows untouched)."""
     temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
     logits = logits / temp[:, None]
-    use_k = bool((batch.top_k > 0).any())
-    use_p = bool((batch.top_p < 1.0).any())
+    use_k = bool((batch.top_k > 0).any()) if batch.any_top_k is None else batch.any_top_k
+    use_p = bool((batch.top_p < 1.0).any()) if batch.any_top_p is None else batch.any_top_p
     if use_k or use_p:
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
