@@ -1,7 +1,7 @@
 """The fused decoder path (engine/fused_ops.py) against the plain torch path on one model.
 
-``compare(model, device, dtype)`` runs the same packed steps -- two prefill chunks, one of them
-continuing a cached prefix, then a decode batch -- through both paths from an empty KV cache
+``compare(model, device, dtype)`` runs the same packed steps -- two prefills, then two chunks
+after context (one over 64 queries long), then a decode batch -- through both paths from an empty KV cache
 and returns the largest absolute differences of the logits and of the KV cache, and the
 fraction of rows whose argmax agrees. Used by tests/test_fused_ops.py (CPU, Triton's
 interpreter, fp32) and tests/gpu/test_gpu_fused.py (bf16 on CUDA).
@@ -23,10 +23,12 @@ def compare(model: str, device: str, dtype: str) -> dict:
     r.load()
     try:
         lm, kv, st = r.resource(R.WEIGHTS), r.resource(R.KV_CACHE), r.resource(R.MODEL_STATE)
+        b = list(range(4, 18))  # 14 blocks: 224 tokens at block size 16
         steps = [
-            [(list(range(5, 42)), 0, [1, 2, 3], False), (list(range(9, 29)), 0, [4, 5], False)],
-            [(list(range(50, 60)), 37, [1, 2, 3], False)],  # a chunk after context
-            [([7], 47, [1, 2, 3], True), ([8], 20, [4, 5], True)],  # decodes
+            [(list(range(5, 42)), 0, [1, 2, 3], False), (list(range(9, 159)), 0, b, False)],
+            # chunks after context (a cached prefix, a long prompt's next chunk): > 64 queries
+            [(list(range(50, 60)), 37, [1, 2, 3], False), (list(range(200, 270)), 150, b, False)],
+            [([7], 47, [1, 2, 3], True), ([8], 220, b, True)],  # decodes
         ]
 
         def run(fused: bool):

@@ -8,6 +8,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from . import triton_prefill
 from .attention import MAX_BATCHED_QUERIES, AttentionMetadata, PrefillSeq, context_groups
 from .kv_cache import blocks_needed
 
@@ -33,6 +34,12 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
     dec_tables: list[list[int]] = []
     dec_lens: list[int] = []
     with_context: list[tuple[int, int, int, list[int]]] = []
+    # on CUDA every prefill chunk goes to one paged Triton kernel a layer (engine/triton_prefill.py);
+    # a model told ``use_fused = False`` runs the plain torch path throughout (the reference)
+    cfg = getattr(model, "config", None)
+    paged = (cfg is not None and getattr(model, "use_fused", None) is not False
+             and triton_prefill.usable(device, cfg.head_dim, bs))
+    chunks: list[tuple[int, int, int, list[int]]] = []
     for toks, start, blocks, as_decode in seqs:
         m = len(toks)
         row0 = len(ids)
@@ -45,6 +52,8 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
                 dec_rows.append(row0 + j)
                 dec_tables.append(blocks)
                 dec_lens.append(start + j + 1)
+        elif paged:
+            chunks.append((row0, m, start + m, blocks))
         elif 0 < start and m <= MAX_BATCHED_QUERIES:  # short, after context: batched
             with_context.append((row0, m, start + m, blocks))
         else:
@@ -52,7 +61,7 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
                 blocks[: blocks_needed(start + m, bs)], device=device)))
     t = len(ids)
     bucket: Optional[int] = None
-    if graphs is not None and not prefills and not with_context and len(dec_rows) == t:
+    if graphs is not None and not prefills and not with_context and not chunks and len(dec_rows) == t:
         bucket = graphs.bucket(t)
     if bucket is not None:
         pad = bucket - t
@@ -67,6 +76,8 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
                              None, None, None)
     if with_context:
         meta.context_groups = context_groups(with_context, bs, device)
+    if chunks:
+        meta.prefill_batch = triton_prefill.build(chunks, bs, device)
     if dec_rows:
         width = max(len(b) for b in dec_tables)
         table = torch.tensor([b + [0] * (width - len(b)) for b in dec_tables], dtype=torch.long)

@@ -9,6 +9,9 @@
 #           prefix caching on/off, sleep/wake identity (5 cycles)
 #   PART=6  fused kernels: GPU tests, kernels per step, decode profile, roofline, the bare
 #           loop with the fused path and with ENGINECORE_FUSED=0 (all logs in one file)
+#   PART=7  GPU tests, decode profile, roofline, engine modes in 2 interleaved rounds
+#           (qwen3-0.6b), one round on llama-3.2-1b, prefix caching on/off
+#   PART=8  sleep/wake (5 cycles), lifecycle (20 cycles), logprobs 20, structured outputs
 export PYTHONUNBUFFERED=1
 E=$((SECONDS + ${BUDGET:-560}))
 step() {  # step NAME CAP CMD...
@@ -51,6 +54,17 @@ elif [[ $PART == 6 ]]; then
   step roofline 45 python3 -m bench.roofline --device cuda --no-progress --out "$OUT/roofline.json"
   step bare_fused 70 python3 -m bench.throughput --device cuda --no-progress --repeat 1 --modes bare --out "$OUT/thr_fused.json"
   ENGINECORE_FUSED=0 step bare_plain 70 python3 -m bench.throughput --device cuda --no-progress --repeat 1 --modes bare --out "$OUT/thr_plain.json"
+elif [[ $PART == 7 ]]; then
+  export ONE_LOG=run.log TAIL=12
+  step gpu_tests 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_fused.py \
+    tests/gpu/test_gpu_decode.py tests/gpu/test_gpu_release.py tests/gpu/test_gpu_sleep.py
+  step profile 40 python3 scripts/gpu/profile_decode.py --batches 1 64 256 --out "$OUT/profile.json"
+  step roofline 40 python3 -m bench.roofline --device cuda --no-progress --out "$OUT/roofline.json"
+  step throughput 230 python3 -m bench.throughput --device cuda --no-progress --repeat 2 --interleave \
+    --modes bare,inproc,ipc --out "$OUT/throughput.json"
+  step prefix 90 python3 -m bench.prefix --device cuda --out "$OUT/prefix.json"
+  step llama 110 python3 -m bench.throughput --device cuda --no-progress --repeat 1 \
+    --model random:llama-3.2-1b --modes bare,inproc,ipc --out "$OUT/throughput_llama.json"
 else
   step lifecycle 150 python3 -m bench.lifecycle --device cuda --no-progress --cycles 20 --out "$OUT/lifecycle.json"
   step gpu_tests 100 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu tests/test_speculative.py
