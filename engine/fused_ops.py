@@ -58,7 +58,7 @@ if triton is not None:
         y = (y.to(tl.float32) * w.to(tl.float32)).to(Y.dtype.element_ty)
         tl.store(Y + row * stride_y + cols, y, mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])  # n varies with the batch: one compiled variant
     def _silu_mul_kernel(G, U, O, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n

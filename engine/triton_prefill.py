@@ -69,7 +69,9 @@ def build(chunks: list[tuple[int, int, int, list[int]]], block_size: int,
 
 if triton is not None:
 
-    @triton.jit
+    # the block table's row stride is its width, which changes from step to step: not a
+    # specialization key (Triton would compile a variant for each divisibility class mid-run)
+    @triton.jit(do_not_specialize=["stride_bt"])
     def _prefill_kernel(
         Q, K, V, Out, TC, TM, QS, QL, CL, BT,
         scale_log2,
