@@ -50,14 +50,17 @@ def build_sampling_batch(reqs: Sequence, generators: dict, device: torch.device)
     """The batch for one row per request of ``reqs`` (each ``Request.sampling_row`` was prepared
     at admission; ``generators``: request id -> its seeded generator)."""
     rows = [r.sampling_row for r in reqs]
+    # one host tensor, one asynchronous copy: a blocking host-to-device copy would wait for
+    # the step in flight (overlapped scheduling)
+    vals = torch.tensor(rows, dtype=torch.float64).to(device, non_blocking=True)
     return SamplingBatch(
-        temperature=torch.tensor([r[0] for r in rows], dtype=torch.float32, device=device),
-        top_k=torch.tensor([r[1] for r in rows], dtype=torch.long, device=device),
-        top_p=torch.tensor([r[2] for r in rows], dtype=torch.float32, device=device),
+        temperature=vals[:, 0].float(),
+        top_k=vals[:, 1].long(),
+        top_p=vals[:, 2].float(),
         generators=[generators.get(r.request_id) for r in reqs],
         all_greedy=all(r[0] == 0 for r in rows),
         need_logprobs=False,
-        min_p=(torch.tensor([r.params.min_p for r in reqs], dtype=torch.float32, device=device)
+        min_p=(torch.tensor([r.params.min_p for r in reqs], dtype=torch.float32).to(device, non_blocking=True)
                if any(r.params.min_p for r in reqs) else None),
         plan=LogitsPlan.build(reqs),
         any_top_k=any(r[1] > 0 for r in rows),
@@ -114,7 +117,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, Op
         if len(unseeded) == len(batch.generators):
             noise.exponential_()
         elif unseeded:
-            rows = torch.tensor(unseeded, device=logits.device)
+            rows = torch.tensor(unseeded).to(logits.device, non_blocking=True)
             noise[rows] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_()
         sampled = (probs / noise).argmax(-1)
         tokens = torch.where(batch.temperature > 0, sampled, greedy_tokens)

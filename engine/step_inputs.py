@@ -17,13 +17,18 @@ Seq = tuple[list[int], int, list[int], bool]
 
 
 def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
-                   block_size: int, seqs: Iterable[Seq]) -> torch.Tensor:
+                   block_size: int, seqs: Iterable[Seq],
+                   fill: Optional[list[tuple[int, int]]] = None) -> torch.Tensor:
     """Hidden states ``[T, hidden]`` for every token of ``seqs``, in order.
 
     A sequence computed "as decode rows" gives one batched decode row per token, each attending
     to its own prefix (all K/V of the step is written before attention, so this is exact); the
     others are prefill chunks. A step made only of decode rows replays a CUDA graph when
     ``graphs`` has a bucket for it: padded rows write to the graphs' scratch slot/block.
+
+    ``fill``: ``(packed row, sampled row)`` pairs whose token id is still on the device (a
+    placeholder in ``seqs``): taken from ``state``'s ``sampled`` buffer, written by the step
+    before (stream order makes it ready), without a round trip through the host.
     """
     bs = block_size
     ids: list[int] = []
@@ -71,6 +76,9 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
         dec_lens += [1] * pad
         dec_tables += [[graphs.scratch_block]] * pad
     input_ids = state.load("input_ids", torch.tensor(ids))
+    if fill:
+        idx = torch.tensor(fill, dtype=torch.long).to(device, non_blocking=True)
+        input_ids.index_copy_(0, idx[:, 0], state.buffers["sampled"].index_select(0, idx[:, 1]))
     positions = state.load("positions", torch.tensor(pos))
     meta = AttentionMetadata(state.load("slot_mapping", torch.tensor(slots)), prefills,
                              None, None, None)
@@ -85,7 +93,7 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
         meta.decode_context_lens = state.load("context_lens", torch.tensor(dec_lens))
         meta.decode_max_len = max(dec_lens)
         if bucket is None:
-            meta.decode_rows = torch.tensor(dec_rows, device=device)
+            meta.decode_rows = torch.tensor(dec_rows).to(device, non_blocking=True)
     if bucket is not None:
         return graphs.run(bucket, model, kv, state)[:t]
     return model(input_ids, positions, kv, meta)

@@ -12,6 +12,8 @@
 #   PART=7  GPU tests, decode profile, roofline, engine modes in 2 interleaved rounds
 #           (qwen3-0.6b), one round on llama-3.2-1b, prefix caching on/off
 #   PART=8  sleep/wake (5 cycles), lifecycle (20 cycles), logprobs 20, structured outputs
+#   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
+#           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
 E=$((SECONDS + ${BUDGET:-560}))
 step() {  # step NAME CAP CMD...
@@ -65,6 +67,18 @@ elif [[ $PART == 7 ]]; then
   step prefix 90 python3 -m bench.prefix --device cuda --out "$OUT/prefix.json"
   step llama 110 python3 -m bench.throughput --device cuda --no-progress --repeat 1 \
     --model random:llama-3.2-1b --modes bare,inproc,ipc --out "$OUT/throughput_llama.json"
+elif [[ $PART == 9 ]]; then
+  export ONE_LOG=run.log TAIL=12
+  step gpu_tests 130 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_overlap.py \
+    tests/gpu/test_gpu_fused.py tests/gpu/test_gpu_decode.py tests/gpu/test_gpu_release.py tests/gpu/test_gpu_sleep.py
+  step throughput 200 python3 -m bench.throughput --device cuda --no-progress --repeat 2 --interleave \
+    --modes bare,inproc,ipc --out "$OUT/throughput.json"
+  step bare_sync 45 python3 -m bench.throughput --device cuda --no-progress --repeat 1 --modes bare \
+    --engine-config '{"overlap_scheduling": false}' --out "$OUT/throughput_sync.json"
+  step llama 100 python3 -m bench.throughput --device cuda --no-progress --repeat 1 \
+    --model random:llama-3.2-1b --modes bare,inproc,ipc --out "$OUT/throughput_llama.json"
+  step prefix 60 python3 -m bench.prefix --device cuda --out "$OUT/prefix.json"
+  step sleep 70 python3 -m bench.sleep --device cuda --cycles 5 --out "$OUT/sleep.json"
 else
   step lifecycle 150 python3 -m bench.lifecycle --device cuda --no-progress --cycles 20 --out "$OUT/lifecycle.json"
   step gpu_tests 100 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu tests/test_speculative.py
