@@ -27,7 +27,7 @@ import argparse
 import statistics
 import sys
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import msgspec
 import torch
@@ -64,6 +64,14 @@ def measure_bandwidth(device: torch.device, nbytes: int, iters: int) -> dict[str
             "bytes_per_s": moved / min(times), "bytes_per_s_median": moved / statistics.median(times)}
 
 
+def device_bandwidth(device: torch.device, copy_mib: Optional[int] = None) -> dict[str, Any]:
+    """``measure_bandwidth`` with this benchmark's defaults: a 2048 MiB copy, best of 20, on cuda;
+    512 MiB, best of 5, on cpu (``copy_mib`` overrides the size)."""
+    cuda = device.type == "cuda"
+    nbytes = (copy_mib or (2048 if cuda else 512)) * 2**20
+    return measure_bandwidth(device, nbytes, 20 if cuda else 5)
+
+
 def measure_matmul(device: torch.device, dtype: torch.dtype, n: int, iters: int) -> dict[str, Any]:
     """FLOP/s of an ``n x n @ n x n`` matmul in ``dtype`` (best of ``iters``)."""
     a = torch.randn(n, n, device=device).to(dtype)
@@ -94,12 +102,48 @@ def weight_bytes(model: torch.nn.Module) -> int:
     seen, total = set(), 0
     tensors = list(model.parameters()) + [b for n, b in model.named_buffers() if "rotary" not in n]
     for p in tensors:
-        key = p.data_ptr()
+        key = id(p) if p.is_meta else p.data_ptr()  # meta tensors all have data_ptr 0
         if key in seen:
             continue
         seen.add(key)
         total += p.numel() * p.element_size()
     return total + sum(getattr(m, "packed_nbytes", 0) for m in model.modules())
+
+
+def float_weight_bytes(cfg, dtype: torch.dtype) -> int:
+    """``weight_bytes`` of ``cfg``'s model with every weight in ``dtype``, built on the meta
+    device (no memory, nothing loaded). A packed CPU format (engine/cpu_weights.py) is not
+    modelled: measure a loaded model with ``weight_bytes`` for that."""
+    from engine.model import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    return weight_bytes(model.to(dtype))
+
+
+def workload_kv_tokens(work: Sequence[tuple[Sequence[int], int]]) -> tuple[int, int]:
+    """(tokens' K/V read, tokens' K/V written) by attention that a whole workload needs at least.
+
+    A request of P prompt tokens and O output tokens computes P prompt tokens and O - 1 decode
+    tokens (the last sampled token is never fed back). Its prompt reads its own K/V once and
+    writes it once (P and P: the lower bound of one fused prefill, whatever the chunking; a
+    later chunk re-reading the earlier ones is not counted); the decode token at position p
+    reads the K/V of p + 1 tokens (its context and itself) and writes one token's."""
+    read = written = 0
+    for prompt, out in work:
+        p, d = len(prompt), max(out - 1, 0)
+        read += p + (p + d) * (p + d + 1) // 2 - p * (p + 1) // 2  # p + sum of (q + 1), q in [p, p+d)
+        written += p + d
+    return read, written
+
+
+def workload_bytes(work: Sequence[tuple[Sequence[int], int]], steps: int, wbytes: int,
+                   kv_tok: int) -> dict[str, int]:
+    """Bytes a run of ``work`` in ``steps`` engine steps must move at least: every weight once
+    per step, plus ``workload_kv_tokens`` x ``kv_tok`` (one token's K/V in bytes)."""
+    read, written = workload_kv_tokens(work)
+    parts = {"weights": steps * wbytes, "kv_read": read * kv_tok, "kv_write": written * kv_tok}
+    return {**parts, "total": sum(parts.values())}
 
 
 def decode_batch(runner, batch: int, context: int, first_block: int = 0):
@@ -140,7 +184,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     contexts = args.contexts or grid["contexts"]
     iters = args.iters or (10 if device.type == "cuda" else 3)
     budget = int((args.kv_budget_gib or (48 if device.type == "cuda" else 2)) * 2**30)
-    copy_bytes = (args.copy_mib or (2048 if device.type == "cuda" else 512)) * 2**20
 
     from engine.kv_cache import blocks_needed
     from engine.loader import resolve_source
@@ -158,10 +201,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit("no (batch, context) point fits --kv-budget-gib")
     num_blocks = max(b * blocks_needed(c, block_size) for b, c in points)
 
-    print(f"roofline: {args.model} {args.dtype} on {device}; measuring bandwidth "
-          f"({copy_bytes / 2**20:.0f} MiB copy) ...", flush=True)
-    bw = measure_bandwidth(device, copy_bytes, 20 if device.type == "cuda" else 5)
-    print(f"  device copy bandwidth (read + write): {bw['bytes_per_s'] / 1e9:,.1f} GB/s best, "
+    print(f"roofline: {args.model} {args.dtype} on {device}; measuring bandwidth ...", flush=True)
+    bw = device_bandwidth(device, args.copy_mib)
+    print(f"  device copy bandwidth (read + write, {bw['copy_bytes'] / 2**20:.0f} MiB copy): "
+          f"{bw['bytes_per_s'] / 1e9:,.1f} GB/s best, "
           f"{bw['bytes_per_s_median'] / 1e9:,.1f} GB/s median", flush=True)
     mm = measure_matmul(device, dtype, 8192 if device.type == "cuda" else 1024,
                         10 if device.type == "cuda" else 3)

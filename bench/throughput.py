@@ -31,6 +31,18 @@ latency p50/p99 (time between consecutive streamed tokens of one request; a piec
 tokens counts as k gaps of 1/k), plus the ratios inproc/bare and ipc/inproc. Model load and a
 short warm-up are outside the timed region. JSON goes to ``bench/results/throughput.json``
 (rewritten after every mode, so a run cut short keeps what finished).
+
+``roof %`` — the run against the workload's memory roofline: the bytes the workload must move at
+least, over the device's bandwidth (measured once per run, after the modes, in this process:
+``bench.roofline.device_bandwidth``, a large copy, read + write bytes / time), divided by the
+mode's wall time. The bytes (``bench.roofline.workload_bytes``): every weight once per engine
+step (the model's parameters in the run's dtype, tied embedding once), plus K/V traffic per
+computed token: each prompt's K/V read once and written once (P + P tokens; a chunked prefill
+re-reading its earlier chunks is not counted), and for each of a request's O - 1 decode tokens,
+at position p, the K/V of p + 1 tokens read and one token's written. The steps are the mode's
+own (engine statistics; the IPC mode's from the engine's health); the HF peers, which do not
+report steps, use the bare mode's. JSON per mode: ``workload_bytes``, ``bandwidth_GBps``,
+``floor_s`` (bytes / bandwidth), ``roofline_pct`` (floor / wall time x 100), ``roofline_steps``.
 """
 
 from __future__ import annotations
@@ -219,11 +231,15 @@ def run_ipc(args, work) -> dict[str, Any]:
                 await _warm(client.generate, warm_work(work, args.warmup), args.temperature)
             runs = []
             for r in range(args.repeat):
+                h0 = await client.health()
                 with common.progress(sum(o for _, o in work), _desc("ipc", r, args), "tok",
                                      args.no_progress) as bar:
                     rec = Recorder(work, bar)
                     await _stream_all(client.generate, work, args.temperature, rec)
-                runs.append(rec.summary("ipc"))
+                h1 = await client.health()
+                # (Health's counters are 0 when the engine does not report them: unknown)
+                runs.append(rec.summary("ipc", steps=(h1.steps - h0.steps) or None,
+                                        preemptions=h1.preemptions - h0.preemptions))
             result.update(_best(runs, load_s=load_s))
 
     try:
@@ -250,8 +266,32 @@ COLUMNS = [
     ("wall_s", "wall s", ".2f"), ("output_tok_s", "out tok/s", ",.1f"), ("total_tok_s", "total tok/s", ",.1f"),
     ("ttft_p50_ms", "TTFT p50 ms", ",.1f"), ("ttft_p99_ms", "TTFT p99 ms", ",.1f"),
     ("itl_p50_ms", "ITL p50 ms", ".2f"), ("itl_p99_ms", "ITL p99 ms", ".2f"), ("steps", "steps", ""),
-    ("preemptions", "preempt", ""), ("load_s", "load s", ".2f"),
+    ("preemptions", "preempt", ""), ("roofline_pct", "roof %", ".1f"), ("load_s", "load s", ".2f"),
 ]
+
+
+def add_roofline(result: dict[str, Any], work, cfg, args) -> None:
+    """Measure the device's bandwidth and put the workload roofline (module docstring) into
+    ``result``: the shared figures under ``roofline``, the per-mode ones into each row."""
+    import torch
+
+    from . import roofline
+
+    bw = roofline.device_bandwidth(torch.device(args.device), args.copy_mib)
+    wbytes = roofline.float_weight_bytes(cfg, common.torch_dtype(args.dtype))
+    kv_tok = cfg.kv_bytes_per_token * (torch.finfo(common.torch_dtype(args.dtype)).bits // 8)
+    read, written = roofline.workload_kv_tokens(work)
+    result["roofline"] = {"bandwidth": bw, "weight_bytes": wbytes, "kv_bytes_per_token": kv_tok,
+                          "kv_tokens_read": read, "kv_tokens_written": written}
+    bare_steps = next((r.get("steps") for r in result["modes"] if r["mode"] == "bare"), None)
+    for row in result["modes"]:
+        steps = row.get("steps") or bare_steps
+        if not row.get("wall_s") or not steps:
+            continue
+        need = roofline.workload_bytes(work, steps, wbytes, kv_tok)
+        floor = need["total"] / bw["bytes_per_s"]
+        row.update(workload_bytes=need["total"], bandwidth_GBps=bw["bytes_per_s"] / 1e9,
+                   floor_s=floor, roofline_pct=100 * floor / row["wall_s"], roofline_steps=steps)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -282,6 +322,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="run each mode (each round) in a fresh process (default: on)")
     ap.add_argument("--logprobs", type=int, default=None, metavar="K",
                     help="every request asks for logprobs with the top K (engine max_logprobs: 20)")
+    ap.add_argument("--copy-mib", type=int, default=None,
+                    help="bandwidth copy size for roof %% (default 2048 cuda, 512 cpu)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = common.finish_common_args(ap.parse_args(argv), "throughput")
     global LOGPROBS
@@ -369,12 +411,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     gc.collect()
     if args.child:
         return 0
+    add_roofline(result, work, cfg, args)
+    common.write_json(args.out, result)
 
     rows = [r for r in result["modes"] if "output_tok_s" in r]
     print()
     if rows:
         common.print_table(f"nano-vllm workload, {args.model} {args.dtype} on {args.device} "
                            f"(all {args.num_requests} requests submitted at t=0)", COLUMNS, rows)
+        roof = result["roofline"]
+        print(f"roof %: workload bytes / {roof['bandwidth']['bytes_per_s'] / 1e9:,.1f} GB/s (copy, "
+              f"read+write) / wall s; bytes = {roof['weight_bytes'] / 2**20:,.1f} MiB of weights x "
+              f"steps + K/V of {roof['kv_tokens_read']:,} tokens read, {roof['kv_tokens_written']:,} "
+              f"written x {roof['kv_bytes_per_token']:,} B")
+        for r in rows:
+            if r.get("floor_s") is not None:
+                print(f"  {r['mode']}: {r['workload_bytes'] / 1e9:,.2f} GB in {r['roofline_steps']} steps, "
+                      f"floor {r['floor_s']:.3f} s, wall {r['wall_s']:.2f} s")
     for r in rows:
         if r.get("repeat", 1) > 1:
             print(f"{r['mode']}: out tok/s of each run: "

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -17,7 +19,7 @@ def test_throughput_every_engine_mode_in_its_own_process(tmp_path):
     out = tmp_path / "t.json"
     p = _bench("throughput", "--device", "cpu", "--no-progress", "--num-requests", "6",
                "--min-input", "8", "--max-input", "24", "--min-output", "4", "--max-output", "12",
-               "--repeat", "1", "--warmup", "1", "--out", str(out))
+               "--repeat", "1", "--warmup", "1", "--copy-mib", "16", "--out", str(out))
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     rows = {r["mode"]: r for r in res["modes"]}
@@ -27,8 +29,40 @@ def test_throughput_every_engine_mode_in_its_own_process(tmp_path):
         assert "error" not in row, (mode, row)
         assert row["output_tokens"] == expected and row["requests"] == 6
         assert row["output_tok_s"] > 0 and row["ttft_p50_ms"] is not None and row["itl_p99_ms"] is not None
+        # every mode knows its steps (the IPC one from the engine's health) and has a roofline
+        assert row["roofline_steps"] == row["steps"] > 0, (mode, row)
+        assert row["workload_bytes"] > 0 and row["bandwidth_GBps"] > 0
+        assert row["roofline_pct"] == pytest.approx(100 * row["floor_s"] / row["wall_s"])
     assert set(res["ratios"]) >= {"inproc/bare", "ipc/inproc"}
-    assert "nano-vllm workload" in p.stdout and "ratios" in p.stdout
+    assert "nano-vllm workload" in p.stdout and "ratios" in p.stdout and "roof %" in p.stdout
+
+
+def test_workload_bytes_counts_weights_per_step_and_kv_per_token():
+    from bench.roofline import workload_bytes, workload_kv_tokens
+
+    # prompt 3, 4 outputs: prompt K/V read 3 + written 3; decode at positions 3, 4, 5 reads
+    # 4 + 5 + 6 and writes 3. prompt 2, 1 output: no decode token.
+    work = [([0] * 3, 4), ([0] * 2, 1)]
+    assert workload_kv_tokens(work) == (3 + 15 + 2, 6 + 2)
+    assert workload_bytes(work, steps=5, wbytes=100, kv_tok=10) == {
+        "weights": 500, "kv_read": 200, "kv_write": 80, "total": 780}
+
+
+def test_nano_vllm_workload_floor_is_about_4_s_on_an_h200():
+    """Issue 14's order of magnitude: qwen3-0.6b bf16, 256 requests in/out U[100, 1024], ~1,096
+    engine steps, ~4.2 TB/s: the floor is roughly 4 s (no model is run)."""
+    import torch
+
+    from bench.common import nano_vllm_workload
+    from bench.roofline import float_weight_bytes, workload_bytes
+    from engine.presets import PRESETS
+
+    cfg = PRESETS["qwen3-0.6b"]
+    wbytes = float_weight_bytes(cfg, torch.bfloat16)
+    assert 1.1e9 < wbytes < 1.3e9  # ~0.6 B parameters, the tied embedding once
+    work = nano_vllm_workload(256, 100, 1024, 100, 1024, cfg.vocab_size, 0)
+    need = workload_bytes(work, 1096, wbytes, cfg.kv_bytes_per_token * 2)
+    assert 3.0 < need["total"] / 4.2e12 < 4.5, need
 
 
 def test_codec_msgspec_against_pickle(tmp_path):
