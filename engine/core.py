@@ -57,8 +57,10 @@ class EngineCore:
         # overlapped scheduling: the step launched but not yet applied, (batch, Launched)
         self._inflight = None
         self.deferred_steps = 0  # steps whose tokens were read back during the next one
-        self._overlap = (cfg.overlap_scheduling and runner.speculator is None
-                         and not runner.tensor_parallel)
+        overlap = cfg.overlap_scheduling
+        if overlap is None:
+            overlap = runner.device.type == "cuda"
+        self._overlap = overlap and runner.speculator is None and not runner.tensor_parallel
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],

@@ -37,8 +37,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not reuse the KV cache of earlier prompts' full blocks")
-    p.add_argument("--no-overlap-scheduling", dest="overlap_scheduling", action="store_false",
-                   help="read each step's tokens back before scheduling the next one")
+    p.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step before this one's tokens are read back "
+                        "(default: on CUDA only)")
     p.add_argument("--speculator", choices=["none", "ngram", "draft"], default="none")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--draft-model", default=None)

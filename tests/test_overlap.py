@@ -102,3 +102,46 @@ def test_overlap_off_for_requests_that_read_their_tokens():
     while core.has_work():
         core.step()
     core.runner.shutdown()
+
+
+# -- through the AsyncEngine (overlap forced on: on CPU it is off by default) --------------------
+async def _collect(eng, prompt, params):
+    toks, last = [], None
+    async for out in eng.generate(prompt, params):
+        assert last is None or not last.finished, "an output after the terminal one"
+        toks += out.token_ids
+        last = out
+    return toks, last
+
+
+@pytest.mark.asyncio
+async def test_async_engine_64_streams_drain_deadline_each_one_terminal_output():
+    import anyio
+
+    from engine import AsyncEngine
+
+    cfg = EngineConfig(model=TINY, overlap_scheduling=True, max_num_batched_tokens=256)
+    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(3 + (i * 11) % 68)] for i in range(64)]
+    short = SamplingParams(max_tokens=12, ignore_eos=True)
+    async with AsyncEngine.open(cfg, check_integrity=True) as eng:
+        res = [None] * 64
+
+        async def one(i, params):
+            res[i] = await _collect(eng, prompts[i], params)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(64):
+                tg.start_soon(one, i, short)
+        assert all(len(t) == 12 and last.finish_reason == "length" for t, last in res)
+        assert eng.core.deferred_steps > 0
+        # then a drain whose deadline cuts long requests: every stream still ends exactly once
+        long = SamplingParams(max_tokens=2000, ignore_eos=True)
+        async with anyio.create_task_group() as tg:
+            for i in range(64):
+                tg.start_soon(one, i, long if i % 2 else short)
+            await anyio.sleep(0.3)
+            tg.start_soon(eng.drain, 0.5)
+    reasons = {last.finish_reason for _, last in res}
+    assert reasons <= {"length", "abort"} and "abort" in reasons
+    assert all(last.finished for _, last in res)
+    assert eng.runner.released
