@@ -7,7 +7,8 @@ alone, and the kernels launched per decode step (counted by the torch profiler, 
 
 ``--kernels`` profiles 3 steps and counts their kernels: run it with ENGINECORE_CUDA_GRAPHS=0
 so that every kernel is seen (a graph replay hides them); ``--table``
-prints the profiler's top CUDA kernels by total time.
+prints the profiler's top CUDA kernels by total time, ``--cpu-table`` the top ops by self CPU
+time (an eager step's host cost).
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--kernels", action="store_true")
     ap.add_argument("--table", action="store_true")
+    ap.add_argument("--cpu-table", action="store_true",
+                    help="with --kernels: also the top ops by self CPU time (where an eager step's host time goes)")
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda")
@@ -102,6 +105,8 @@ def main() -> None:
             kernels = len(kern) / 3
             if a.table:
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+            if a.cpu_table:
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), flush=True)
         row = dict(batch=n, ctx=a.ctx, step_ms=round(wall, 3), cpu_ms=round(cpu, 3),
                    replay_ms=None if replay is None else round(replay, 3),
                    kernels_per_step=kernels, **{k + "_ms": round(v, 3) for k, v in ph.items()})
