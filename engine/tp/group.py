@@ -53,8 +53,13 @@ class TPStartupError(EngineError):
     """A rank could not start or load (a startup error: ``enginecore serve`` exits 2)."""
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+def backend_for(device: torch.device, ranks_per_node: int = 1) -> str:
+    """NCCL when every rank of a host has a GPU of its own; gloo on CPU, and when the ranks
+    share GPUs (NCCL refuses two ranks on one device): then the collectives stage through host
+    memory (engine/tp/layers.py) -- for tests on one GPU, not for speed."""
+    if device.type != "cuda":
+        return "gloo"
+    return "nccl" if torch.cuda.device_count() >= ranks_per_node else "gloo"
 
 
 class DriverGroup:
@@ -111,7 +116,7 @@ class DriverGroup:
         finally:
             listener.close()
         store_port = self._rendezvous_port(host)
-        backend = backend_for(cfg.resolved_device())
+        backend = backend_for(cfg.resolved_device(), per_node)
         init = Init(self.world, host, store_port, backend, TIMEOUT_S, msgspec.json.encode(cfg))
         for ch in self._chans.values():
             ch.send(init)

@@ -21,6 +21,29 @@ from ..model import CausalLM
 from ..model_config import ModelConfig
 
 
+def _staged(t: torch.Tensor, group) -> bool:
+    """gloo with CUDA tensors (ranks sharing a GPU): collectives go through host copies, since
+    gloo's CUDA support does not cover every collective used here."""
+    return t.is_cuda and dist.get_backend(group) == "gloo"
+
+
+def all_reduce(t: torch.Tensor, group) -> None:
+    if _staged(t, group):
+        host = t.cpu()
+        dist.all_reduce(host, group=group)
+        t.copy_(host)
+    else:
+        dist.all_reduce(t, group=group)
+
+
+def all_gather(t: torch.Tensor, world: int, group) -> list[torch.Tensor]:
+    src = t.cpu() if _staged(t, group) else t
+    parts = [torch.empty_like(src) for _ in range(world)]
+    # NOTE: all_gather (not gather): both gloo and NCCL have it; the workers drop theirs.
+    dist.all_gather(parts, src, group=group)
+    return [p.to(t.device) for p in parts] if src is not t else parts
+
+
 class RowParallelLinear(nn.Linear):
     """``y = all_reduce(x_local @ W_local^T)``; no bias (o/down projections have none)."""
 
@@ -30,7 +53,7 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        dist.all_reduce(y, group=self.group)
+        all_reduce(y, self.group)
         return y
 
 
@@ -46,7 +69,7 @@ class VocabParallelEmbedding(nn.Embedding):
         outside = (local < 0) | (local >= self.num_embeddings)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out.masked_fill_(outside[:, None], 0.0)
-        dist.all_reduce(out, group=self.group)
+        all_reduce(out, self.group)
         return out
 
 
@@ -67,10 +90,7 @@ class TPCausalLM(CausalLM):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         part = super().logits(hidden).contiguous()  # [rows, vocab / world], fp32
-        parts = [torch.empty_like(part) for _ in range(self.world)]
-        # NOTE: all_gather (not gather): both gloo and NCCL have it; the workers drop theirs.
-        dist.all_gather(parts, part, group=self.group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(all_gather(part, self.world, self.group), dim=-1)
 
 
 def create_tp_model(local: ModelConfig, rank: int, world: int, group, device: torch.device,

@@ -87,9 +87,10 @@ def run(addr: str, rank: int, local_rank: int) -> int:
         return 1
     config = msgspec.json.decode(init.config_json, type=EngineConfig)
     device = config.resolved_device()
-    if device.type == "cuda":
-        torch.cuda.set_device(local_rank)
-        config = msgspec.structs.replace(config, device=f"cuda:{local_rank}")
+    if device.type == "cuda":  # one GPU a rank; ranks share them if there are fewer (gloo)
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        config = msgspec.structs.replace(config, device=f"cuda:{index}")
     store = dist.TCPStore(init.store_host, init.store_port, init.world, False,
                           timeout=timedelta(seconds=120))
     dist.init_process_group(init.backend, store=store, rank=rank, world_size=init.world,
