@@ -22,7 +22,7 @@ class Request:
         "num_preemptions", "first_token_time", "logprobs",
         "stop_ids", "sampling_row",
         "num_sealed_blocks", "block_hashes", "hash_root", "cache_epoch", "first_scheduled",
-        "prompt_lps", "prompt_sent", "bad_words",
+        "prompt_lps", "prompt_sent", "bad_words", "matcher",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
@@ -55,6 +55,9 @@ class Request:
         # (temperature, top_k, top_p) as the sampler's tensors take them; set by the runner
         # when the request is admitted (ModelRunner.admit)
         self.sampling_row: tuple[float, int, float] = (0.0, 0, 1.0)
+        # with params.structured: its grammar matcher (engine/structured/matcher.py), owned
+        # here and gone with the request
+        self.matcher = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,88 @@
+"""StructuredOutputs at the boundary (exactly one constraint, bounded), on the wire, and the
+grammar cache's bounds -- no model, no grammar engine."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from engine.errors import BadRequestError
+from engine.params import SamplingParams
+from engine.structured.grammars import GrammarCache
+from engine.structured.spec import MAX_CHOICES, MAX_PATTERN_CHARS, MAX_SCHEMA_CHARS, StructuredOutputs
+
+
+@pytest.mark.parametrize("kw", [
+    dict(json_schema={"type": "object"}), dict(json_schema='{"type": "integer"}'),
+    dict(json_object=True), dict(regex=r"\d+"), dict(choice=["a", "b"]),
+    dict(grammar='root ::= "x"'),
+])
+def test_one_constraint_is_valid_and_travels(kw):
+    p = SamplingParams(structured=StructuredOutputs(**kw)).validate()
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplingParams).validate()
+    assert wire == p and wire.structured.key == p.structured.key
+    assert isinstance(wire.structured.json_schema, (str, type(None)))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(), "exactly one"),
+    (dict(regex="a", choice=["a"]), "exactly one"),
+    (dict(json_schema="{}", json_object=True), "exactly one"),
+    (dict(json_schema="x" * (MAX_SCHEMA_CHARS + 1)), "json_schema"),
+    (dict(regex="a" * (MAX_PATTERN_CHARS + 1)), "regex"),
+    (dict(grammar=""), "grammar"),
+    (dict(choice=[]), "choice"),
+    (dict(choice=["a"] * (MAX_CHOICES + 1)), "choice"),
+    (dict(choice=["x" * 1025]), "choice"),
+    (dict(choice=[1]), "choice"),
+    (dict(regex=5), "regex"),
+    (dict(json_object=1), "json_object"),
+])
+def test_bad_constraints_are_refused(kw, match):
+    with pytest.raises(BadRequestError, match=match):
+        SamplingParams(structured=StructuredOutputs(**kw)).validate()
+
+
+def test_schema_dict_is_text_and_bounded():
+    deep: dict = {}
+    d = deep
+    for _ in range(200):
+        d["items"] = {}
+        d = d["items"]
+    with pytest.raises(BadRequestError, match="nests deeper"):
+        StructuredOutputs(json_schema=deep)
+    with pytest.raises(BadRequestError, match="not JSON"):
+        StructuredOutputs(json_schema={"x": object()})
+    s = StructuredOutputs(json_schema={"b": 1, "a": 2})
+    assert s.json_schema == '{"b":1,"a":2}'  # property order is kept: it is the output's order
+
+
+def test_wire_refuses_oversize_and_unknown():
+    body = msgspec.msgpack.encode({"structured": {"regex": "a" * (MAX_PATTERN_CHARS + 1)}})
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(body, type=SamplingParams)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"structured": {"lark": "x"}}),
+                               type=SamplingParams)
+    with pytest.raises(msgspec.ValidationError):  # a schema object on the wire: text only
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"structured": {"json_schema": {}}}),
+                               type=SamplingParams)
+
+
+def test_constrained_requests_are_not_speculated():
+    assert SamplingParams(structured=StructuredOutputs(regex="a")).output_dependent_logits
+
+
+def test_grammar_cache_bounds_entries_and_bytes():
+    c = GrammarCache(max_entries=2, max_bytes=100)
+    c.put("a", "A", 40)
+    c.put("b", "B", 40)
+    assert c.get("a") == "A"  # a is now the most recent
+    c.put("c", "C", 40)  # over 100 bytes: the least recent (b) goes
+    assert c.get("b") is None and c.get("a") == "A" and c.get("c") == "C"
+    assert c.nbytes == 80 and len(c) == 2
+    c.put("huge", "H", 101)  # larger than the whole cache: not kept
+    assert c.get("huge") is None and len(c) == 2
+    c.put("d", "D", 1)
+    c.put("e", "E", 1)
+    assert len(c) == 2 and c.nbytes == 2
