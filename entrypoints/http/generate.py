@@ -64,6 +64,7 @@ async def chat_completions(fe: Frontend, request: Request, parse_body) -> Respon
     except Exception as exc:
         return error_response(exc, fe.metrics)
     kind = Kind(True, new_id("chatcmpl"), fe.model, body.include_usage, _continuous(body))
+    kind.tools = body.tool_mode
     return await serve_request(fe, request, body, jobs, kind, arrival,
                                want_prompt_lps=body.prompt_logprobs is not None)
 
