@@ -86,3 +86,58 @@ def test_grammar_cache_bounds_entries_and_bytes():
     c.put("d", "D", 1)
     c.put("e", "E", 1)
     assert len(c) == 2 and c.nbytes == 2
+
+
+class _FakeGrammar:
+    memory_size_bytes = 10
+
+
+class _FakeCompiler:
+    """Stands in for xgrammar's compiler: ``regex`` "slow" takes a second, "bad" fails."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def compile_regex(self, rx: str):
+        import time
+
+        self.calls += 1
+        if rx == "slow":
+            time.sleep(1.0)
+        if rx == "bad":
+            raise RuntimeError("[01:02:03] /project/cpp/regex_converter.cc:83: Regex parsing "
+                               "error at position 1\nmore detail")
+        return _FakeGrammar()
+
+
+def test_grammar_service_deadline_sharing_and_cache(monkeypatch):
+    import anyio
+
+    from engine.structured import grammars
+
+    fake = _FakeCompiler()
+    monkeypatch.setattr(grammars, "_new_compiler", lambda tok, vocab: fake)
+    svc = grammars.GrammarService(lambda: None, lambda: 0, compile_timeout=0.2)
+
+    async def main():
+        c = StructuredOutputs(regex="ok")
+        got = []
+
+        async def one():
+            got.append(await svc.compiled(c))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(one)
+        assert fake.calls == 1 and len({id(g) for g in got}) == 1  # one compile, shared
+        assert svc.cached(c) is got[0] and await svc.compiled(c) is got[0]
+        with anyio.fail_after(0.9):  # the deadline, not the compile's second, bounds the wait
+            with pytest.raises(BadRequestError, match="did not compile within 0.2 s"):
+                await svc.compiled(StructuredOutputs(regex="slow"))
+        with pytest.raises(BadRequestError, match=r"does not compile: Regex parsing error at "
+                                                  r"position 1$"):
+            await svc.compiled(StructuredOutputs(regex="bad"))
+        assert svc.cached(StructuredOutputs(regex="slow")) is None
+        await anyio.sleep(1.0)  # let the abandoned compile's thread finish
+
+    anyio.run(main)
