@@ -166,11 +166,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
 
     @property
     def output_dependent_logits(self) -> bool:
-        """The logits processing depends on the tokens generated so far (penalties, bad words,
-        an output constraint's grammar state), so a step's rows differ per position: such
-        requests are not speculated."""
+        """The logits processing depends on the tokens generated so far (penalties, bad words),
+        so a step's rows differ per position: such requests are not speculated. (An output
+        constraint is: its matcher fills each draft position's mask, engine/structured/.)"""
         return bool(self.presence_penalty or self.frequency_penalty or self.bad_words
-                    or self.repetition_penalty != 1.0 or self.structured is not None)
+                    or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

@@ -311,7 +311,7 @@ class ModelRunner(RunnerSleep):
             processed = process(logits, sb)
             # the constrained rows' grammars: disallowed tokens -inf, before any sampling
             processed = self._owner[R.GRAMMAR_BITMASK].apply(
-                processed, [batch[i][0].matcher for i in owners])
+                processed, _constrained(batch, sample_rows))
             if self.speculator is not None:
                 result = self.speculator.verify(batch, sample_rows, processed, sb)
             else:
@@ -351,3 +351,15 @@ class ModelRunner(RunnerSleep):
                 lps[i].append(lp_list[k])
         return StepResult(out, lps)
 
+
+
+def _constrained(batch, sample_rows) -> list[tuple]:
+    """(matcher, first sampled row, drafts) of each constrained entry that samples this step;
+    rows count in the sampled logits (entries' rows in order)."""
+    out = []
+    row = 0
+    for (req, _), rows in zip(batch, sample_rows):
+        if rows and req.matcher is not None:
+            out.append((req.matcher, row, req.spec_token_ids if len(rows) > 1 else ()))
+        row += len(rows)
+    return out

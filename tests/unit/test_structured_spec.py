@@ -69,8 +69,8 @@ def test_wire_refuses_oversize_and_unknown():
                                type=SamplingParams)
 
 
-def test_constrained_requests_are_not_speculated():
-    assert SamplingParams(structured=StructuredOutputs(regex="a")).output_dependent_logits
+def test_constrained_requests_are_speculated():
+    assert not SamplingParams(structured=StructuredOutputs(regex="a")).output_dependent_logits
 
 
 def test_grammar_cache_bounds_entries_and_bytes():
