@@ -8,6 +8,7 @@ output."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import sys
@@ -189,34 +190,39 @@ WEATHER["function"]["parameters"]["required"] = ["city", "temperature", "unit"]
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": SCHEMAS["date_format"]}}
 
 
+def _concurrently(*calls):
+    """The calls' results, in order; run on threads at once so they share engine steps."""
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
+
+
 def test_openai_client_response_format_and_parse(server):
     oc = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-    r = oc.chat.completions.create(
-        model="default", messages=MESSAGES, max_tokens=48, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {
-            "name": "person", "schema": SCHEMAS["person"], "strict": True}})
-    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS["person"])
-    assert r.choices[0].finish_reason == "stop"
-    r = oc.chat.completions.create(model="default", messages=MESSAGES, max_tokens=48,
-                                   temperature=0, response_format={"type": "json_object"})
-    assert isinstance(json.loads(r.choices[0].message.content), dict)
-    parsed = oc.chat.completions.parse(model="default", messages=MESSAGES, max_tokens=48,
-                                       temperature=0, response_format=Person)
+    chat = oc.chat.completions
+    kw = dict(model="default", messages=MESSAGES, max_tokens=48, temperature=0)
+    schema_fmt = {"type": "json_schema", "json_schema": {
+        "name": "person", "schema": SCHEMAS["person"], "strict": True}}
+    r_schema, r_object, parsed, r_choice, r_regex, r_json, r_ebnf = _concurrently(
+        lambda: chat.create(**kw, response_format=schema_fmt),
+        lambda: chat.create(**kw, response_format={"type": "json_object"}),
+        lambda: chat.parse(**kw, response_format=Person),
+        # vLLM's extensions, on both routes
+        lambda: oc.completions.create(model="default", prompt="Sentiment of 'great!':",
+                                      max_tokens=8, temperature=0,
+                                      extra_body={"structured_outputs": {"choice": CHOICES}}),
+        lambda: oc.completions.create(model="default", prompt="A phone number:", max_tokens=16,
+                                      temperature=0, extra_body={"guided_regex": REGEXES[0]}),
+        lambda: chat.create(**kw, extra_body={"guided_json": SCHEMAS["flags"]}),
+        lambda: chat.create(**kw, extra_body={"guided_grammar": EBNF}))
+    jsonschema.validate(json.loads(r_schema.choices[0].message.content), SCHEMAS["person"])
+    assert r_schema.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r_object.choices[0].message.content), dict)
     person = parsed.choices[0].message.parsed
     assert isinstance(person, Person) and 0 <= person.age <= 120
-    # vLLM's extensions, on both routes
-    r = oc.completions.create(model="default", prompt="Sentiment of 'great!':", max_tokens=8,
-                              temperature=0, extra_body={"structured_outputs": {"choice": CHOICES}})
-    assert r.choices[0].text in CHOICES
-    r = oc.completions.create(model="default", prompt="A phone number:", max_tokens=16,
-                              temperature=0, extra_body={"guided_regex": REGEXES[0]})
-    assert re.fullmatch(REGEXES[0], r.choices[0].text)
-    r = oc.chat.completions.create(model="default", messages=MESSAGES, max_tokens=48,
-                                   temperature=0, extra_body={"guided_json": SCHEMAS["flags"]})
-    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS["flags"])
-    r = oc.chat.completions.create(model="default", messages=MESSAGES, max_tokens=40,
-                                   temperature=0, extra_body={"guided_grammar": EBNF})
-    assert _parse_expr(r.choices[0].message.content)
+    assert r_choice.choices[0].text in CHOICES
+    assert re.fullmatch(REGEXES[0], r_regex.choices[0].text)
+    jsonschema.validate(json.loads(r_json.choices[0].message.content), SCHEMAS["flags"])
+    assert _parse_expr(r_ebnf.choices[0].message.content)
 
 
 def _args_ok(call, tool) -> None:
@@ -241,28 +247,36 @@ def _streamed_calls(stream) -> tuple[dict, str]:
     return calls, finish
 
 
-@pytest.mark.parametrize("choice", ["named", "required_one", "required_two"])
-def test_openai_client_forced_tool_calls(server, choice):
+def test_openai_client_forced_tool_calls(server):
+    """Named, "required" with one tool and with two; each streamed and not (all at once)."""
     oc = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
-    tools = [WEATHER] if choice == "required_one" else [TIME, WEATHER]
-    tc = ({"type": "function", "function": {"name": "get_weather"}} if choice == "named"
-          else "required")
-    kw = dict(model="default", messages=msgs, tools=tools, tool_choice=tc, max_tokens=64,
-              temperature=0)
-    r = oc.chat.completions.create(**kw)
-    ch = r.choices[0]
-    assert ch.finish_reason == "tool_calls" and ch.message.content is None
-    (call,) = ch.message.tool_calls
-    tool = {t["function"]["name"]: t for t in tools}[call.function.name]
-    if choice != "required_two":
-        assert tool is WEATHER
-    _args_ok(call, tool)
-    calls, finish = _streamed_calls(oc.chat.completions.create(**kw, stream=True))
-    assert finish == "tool_calls" and list(calls) == [0]
-    c = calls[0]
-    assert c["id"].startswith("call_") and c["name"] == call.function.name
-    assert json.loads(c["arguments"]) == json.loads(call.function.arguments)  # greedy: the same
+    cases = {"named": ([TIME, WEATHER], {"type": "function", "function": {"name": "get_weather"}}),
+             "required_one": ([WEATHER], "required"), "required_two": ([TIME, WEATHER], "required")}
+
+    def kw(case):
+        tools, tc = cases[case]
+        return dict(model="default", messages=msgs, tools=tools, tool_choice=tc, max_tokens=64,
+                    temperature=0)
+
+    calls = [lambda c=c: oc.chat.completions.create(**kw(c)) for c in cases]
+    calls += [lambda c=c: _streamed_calls(oc.chat.completions.create(**kw(c), stream=True))
+              for c in cases]
+    results = _concurrently(*calls)
+    for k, case in enumerate(cases):
+        tools = cases[case][0]
+        ch = results[k].choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None, case
+        (call,) = ch.message.tool_calls
+        tool = {t["function"]["name"]: t for t in tools}[call.function.name]
+        if case != "required_two":
+            assert tool is WEATHER
+        _args_ok(call, tool)
+        streamed, finish = results[len(cases) + k]
+        assert finish == "tool_calls" and list(streamed) == [0], case
+        c = streamed[0]
+        assert c["id"].startswith("call_") and c["name"] == call.function.name
+        assert json.loads(c["arguments"]) == json.loads(call.function.arguments)  # greedy
 
 
 def _post(server, path: str, body: dict) -> httpx.Response:
