@@ -32,7 +32,7 @@ from . import common
 from .common import now
 
 CPU_DEFAULTS = dict(model="default", requests=8, max_tokens=64, items=4)
-CUDA_DEFAULTS = dict(model="random:qwen3-0.6b", requests=256, max_tokens=256, items=40)
+CUDA_DEFAULTS = dict(model="random:qwen3-0.6b", requests=256, max_tokens=256, items=20)
 
 
 def schema(items: int) -> dict:

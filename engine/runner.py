@@ -311,7 +311,8 @@ class ModelRunner(RunnerSleep):
             processed = process(logits, sb)
             # the constrained rows' grammars: disallowed tokens -inf, before any sampling
             processed = self._owner[R.GRAMMAR_BITMASK].apply(
-                processed, _constrained(batch, sample_rows))
+                processed, _constrained(batch, sample_rows),
+                copy=processed is logits and bool(plp or any(r.params.logprobs for r, _ in batch)))
             if self.speculator is not None:
                 result = self.speculator.verify(batch, sample_rows, processed, sb)
             else:

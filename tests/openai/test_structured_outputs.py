@@ -166,6 +166,18 @@ def test_regex_choice_and_grammar_outputs(server):
     assert not bad, bad
 
 
+def test_logprobs_under_a_constraint_are_the_raw_distributions(server):
+    """Logprobs stay those of the model's raw distribution (the mask is applied to a copy):
+    a constrained greedy token may not be the raw top-1, and its logprob is finite."""
+    params = SamplingParams(max_tokens=6, logprobs=True, top_logprobs=3,
+                            structured=StructuredOutputs(regex="[0-9]{6}"))
+    (text, outs), = _run_all(server, [("The capital of France is", params)])
+    lps = [e for o in outs for e in (o.token_logprobs or [])]
+    assert re.fullmatch("[0-9]{6}", text) and len(lps) == 6
+    assert all(e.logprob is not None and e.logprob > -1e9 and len(e.top_ids) == 3 for e in lps)
+    assert any(e.top_ids[0] != e.token_id for e in lps)  # the raw top-1 is not a digit
+
+
 def test_unconstrained_requests_beside_constrained_ones_are_unchanged(server):
     plain = SamplingParams(max_tokens=8)
     (alone, _), = _run_all(server, [("The capital of France is", plain)])
