@@ -398,3 +398,23 @@ def test_drain_gives_every_constrained_request_one_terminal_output():
     assert all(sum(v) == 1 and v[-1] for v in ends.values()), ends
     with pytest.raises(BadRequestError):
         SamplingParams(structured=StructuredOutputs()).validate()
+
+
+def test_constraints_over_the_ipc_client():
+    """A frontend on an IPC client (as the HTTP processes run): the constraint crosses the wire,
+    a bad one comes back as a 400."""
+    async def main():
+        cfg = EngineConfig(model="random:tiny-llama", device="cpu", num_kv_blocks=128)
+        async with served(cfg, via="client") as s:
+            async with s.http() as c:
+                ok = await c.post("/v1/completions", json={
+                    "model": "random:tiny-llama", "prompt": "ab", "max_tokens": 16,
+                    "guided_regex": "[0-9]{3}x"})
+                bad = await c.post("/v1/completions", json={
+                    "model": "random:tiny-llama", "prompt": "ab", "max_tokens": 4,
+                    "structured_outputs": {"regex": "[0-9"}})
+        return ok, bad
+
+    ok, bad = anyio.run(main)
+    assert ok.status_code == 200 and re.fullmatch("[0-9]{3}x", ok.json()["choices"][0]["text"])
+    assert bad.status_code == 400 and "does not compile" in bad.json()["error"]["message"]
