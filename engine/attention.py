@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import triton_attention
+from . import triton_attention, triton_prefill
 
 
 @dataclasses.dataclass
@@ -52,6 +52,8 @@ class AttentionMetadata:
     context_groups: list[ContextGroup] = dataclasses.field(default_factory=list)
     # the torch decode path's [B, 1, 1, L] key mask: made by the first layer, reused by the rest
     decode_mask: Optional[torch.Tensor] = None
+    # every prefill chunk, for the paged Triton kernel (CUDA); then prefills/context_groups are empty
+    prefill_batch: Optional[triton_prefill.PrefillBatch] = None
 
 
 #: a group's padded queries stay within this factor of its real ones (plus a little slack)
@@ -114,6 +116,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     out = torch.empty_like(q)
     heads, kv_heads = q.shape[1], k.shape[1]
     gqa = heads // kv_heads
+    if meta.prefill_batch is not None:
+        triton_prefill.prefill_attention(q, cache, meta.prefill_batch, scale, out)
     if meta.context_groups:
         kf = cache[0].view(-1, kv_heads, k.shape[2])
         vf = cache[1].view(-1, kv_heads, k.shape[2])

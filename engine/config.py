@@ -52,6 +52,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     grammar_cache_entries: int = 256
     grammar_cache_bytes: int = 512 * 2**20
     cuda_graphs: bool = True  # capture decode-only steps as CUDA graphs (CUDA + Triton only)
+    # schedule and launch step N+1 before step N's tokens are read back (engine/core.py): the
+    # host's stop checks, detokenization and outputs of N run while the device runs N+1
+    overlap_scheduling: bool = True
     # Test hook: raise inside the model forward on this (1-based) step. Never set in production.
     fault_at_step: Optional[int] = None
 

@@ -55,6 +55,11 @@ class EngineCore:
         spec = runner.speculator
         self._spec = spec.stats_ if spec is not None else SpecStats()
         self.timings = EngineTimings()
+        # overlapped scheduling: the step launched but not yet applied, (batch, Launched)
+        self._inflight = None
+        self.deferred_steps = 0  # steps whose tokens were read back during the next one
+        self._overlap = (cfg.overlap_scheduling and runner.speculator is None
+                         and not runner.tensor_parallel)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -97,7 +102,7 @@ class EngineCore:
         return [o for rid in list(self.requests) if (o := self.abort(rid, reason)) is not None]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._inflight is not None or self.scheduler.has_work()
 
     def reset_kv(self) -> None:
         """The KV cache's contents are stale (new weights, or a cache rebuilt after a sleep):
@@ -110,24 +115,83 @@ class EngineCore:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, launch and apply one step. Overlapped (``overlap_scheduling``): when the
+        step before was deferred, this one is scheduled and launched *before* that one's
+        tokens are read back, so the device runs this step while the host applies the last
+        one (stop checks, detokenization, outputs): the outputs returned are the previous
+        step's, and this step's follow with the next call (``has_work`` stays true)."""
         t0 = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        prev = self._inflight
+        self._inflight = None
+        if prev is not None and self.scheduler.blocks_short():
+            # scheduling could preempt a request whose token is in flight: apply it first
+            outputs += self._complete(*prev)
+            prev = None
         if self.runner.speculator is not None:
             self.runner.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        self.timings.scheduled(batch)
-        result = self.runner.execute(batch)
-        outputs = self._update(batch, result)
+        launched = None
+        if batch:
+            self.timings.scheduled(batch)
+            defer = self._overlap and all(req.overlappable for req, _ in batch)
+            launched = self.runner.launch(batch, defer)
+        if prev is not None:
+            outputs += self._complete(*prev)
+        if launched is None:
+            return outputs
+        if launched.is_deferred:
+            self._defer(batch, launched)
+        else:
+            outputs += self._update(batch, launched.result)
         self._steps += 1
         self.timings.step_time.observe(time.perf_counter() - t0)
         if self.check_integrity:
             self.scheduler.check_integrity()
         return outputs
 
+    def _defer(self, batch, launched) -> None:
+        """A deferred step's bookkeeping that needs no token values: its computed tokens are
+        in the cache; a request that samples has one token in flight (``pending``) and is
+        held back from the next step if that token is certain to be its last."""
+        rows = launched.rows
+        for k, (req, n) in enumerate(batch):
+            if req.finished:  # finished while this step was being launched (the step before)
+                continue
+            self.scheduler.advance(req, req.num_computed_tokens + n)
+            if k in rows:
+                req.pending, req.pending_row = 1, rows[k]
+                req.hold = self._last_token_pending(req)
+        self._inflight = (batch, launched)
+        self.deferred_steps += 1
+
+    def _last_token_pending(self, req: Request) -> bool:
+        p = req.params
+        n = req.num_tokens + 1  # with the token in flight
+        return (n - req.num_prompt_tokens >= p.max_tokens or n >= self.runner.max_model_len
+                or blocks_needed(n + 1, self.runner.block_size) > self.blocks.num_blocks)
+
+    def _complete(self, batch, launched) -> list[RequestOutput]:
+        """Apply a deferred step: read its tokens back, then stop checks and outputs. Requests
+        that finished or were aborted since it was launched are skipped (their terminal
+        output was sent then)."""
+        result = self.runner.collect(launched)
+        outputs: list[RequestOutput] = []
+        for k, (req, _) in enumerate(batch):
+            new = result.tokens[k]
+            if not new or not req.pending:
+                continue
+            req.pending, req.hold = 0, False
+            if req.finished:
+                continue
+            outputs.append(self._append(req, new, None))
+        return outputs
+
     def _update(self, batch, result: StepResult) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for k, (req, n) in enumerate(batch):
+            if req.finished:  # by the deferred step applied just before this one
+                continue
             new = result.tokens[k]
             if k in result.prompt_lps:
                 req.prompt_lps.extend(self._lp(e) for e in result.prompt_lps[k])

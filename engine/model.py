@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fused_ops
 from .attention import AttentionMetadata, paged_attention, write_kv
 from .model_config import ModelConfig
 
@@ -102,6 +103,20 @@ class Attention(nn.Module):
         o = paged_attention(q, k, v, cache, meta, self.scale)
         return self.o_proj(o.reshape(t, -1))
 
+    def forward_fused(self, x, positions, rotary: Rotary, cache: torch.Tensor, meta: AttentionMetadata):
+        """As :meth:`forward`, with q/k norm, rotary and the KV write in one kernel."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        qw = self.q_norm.weight if self.qk_norm else None
+        kw = self.k_norm.weight if self.qk_norm else None
+        eps = self.q_norm.eps if self.qk_norm else 0.0
+        q, k = fused_ops.qk_norm_rope_write(q, k, v, qw, kw, eps, rotary.cos, rotary.sin,
+                                            positions, meta.slot_mapping, cache)
+        o = paged_attention(q, k, v, cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, -1))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -112,6 +127,9 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward_fused(self, x):
+        return self.down_proj(fused_ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -146,15 +164,42 @@ class CausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.packed_head = None  # a PackedLinear LM head on CPU (engine/cpu_weights.py)
+        #: the fused Triton path (engine/fused_ops.py): None = wherever it can run
+        self.use_fused: bool | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        fused = self.use_fused
+        if fused is None:
+            fused = fused_ops.usable(input_ids, self.config.head_dim)
+        if fused:
+            return self._forward_fused(input_ids, positions, kv, meta)
         m = self.model
         x = m.embed_tokens(input_ids)
         rot = m.rotary.tables(positions)
         for i, layer in enumerate(m.layers):
             x = layer(x, rot, m.rotary, kv[i], meta)
         return m.norm(x)
+
+    def _forward_fused(self, input_ids, positions, kv, meta) -> torch.Tensor:
+        """The same computation with the residual carried beside the hidden state: each
+        norm adds the previous block's output into it in the same kernel."""
+        m = self.model
+        x = m.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(m.layers):
+            norm = layer.input_layernorm
+            if residual is None:
+                residual = x
+                h = fused_ops.rms_norm(x, norm.weight, norm.eps)
+            else:
+                h = fused_ops.rms_norm(x, norm.weight, norm.eps, residual)
+            h = layer.self_attn.forward_fused(h, positions, m.rotary, kv[i], meta)
+            norm = layer.post_attention_layernorm
+            x = layer.mlp.forward_fused(fused_ops.rms_norm(h, norm.weight, norm.eps, residual))
+        if residual is None:
+            return m.norm(x)
+        return fused_ops.rms_norm(x, m.norm.weight, m.norm.eps, residual)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_head is not None:

@@ -19,6 +19,9 @@ class ModelState:
             "slot_mapping": torch.zeros(max_tokens, **long),
             "block_tables": torch.zeros((max_seqs, max_blocks_per_seq), **long),
             "context_lens": torch.zeros(max_seqs, **long),
+            # the tokens the last deferred step sampled, one row per sampling request: the next
+            # step reads a request's new token from here (overlapped scheduling, engine/core.py)
+            "sampled": torch.zeros(max_seqs, **long),
         }
         self.generators: dict[str, torch.Generator] = {}
 

@@ -23,6 +23,7 @@ class Request:
         "stop_ids", "sampling_row",
         "num_sealed_blocks", "block_hashes", "hash_root", "cache_epoch", "first_scheduled",
         "prompt_lps", "prompt_sent", "bad_words", "matcher",
+        "pending", "pending_row", "hold", "overlappable",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
@@ -58,6 +59,19 @@ class Request:
         # with params.structured: its grammar matcher (engine/structured/matcher.py), owned
         # here and gone with the request
         self.matcher = None
+        # overlapped scheduling (EngineCore): 1 while the token sampled for this request in
+        # the step in flight is still on the device (row ``pending_row`` of the runner's
+        # sampled-token buffer), not yet in ``token_ids``; ``hold``: that token is certain to
+        # be its last (a length limit), so it is not scheduled again
+        self.pending = 0
+        self.pending_row = -1
+        self.hold = False
+        # whether the next step may be scheduled before this one's token is known on the host:
+        # nothing that reads its tokens on the host or on the device before sampling (an
+        # output constraint's mask needs its matcher to have taken the last token)
+        self.overlappable = (not params.needs_logits_processing and not params.logprobs
+                             and params.prompt_logprobs is None and params.max_tokens > 0
+                             and params.structured is None)
 
     @property
     def num_tokens(self) -> int:

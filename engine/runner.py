@@ -274,6 +274,16 @@ class ModelRunner(RunnerSleep):
         """Run the scheduled ``(request, num_tokens)`` entries; sample where a request reaches
         the end of its known tokens. Speculative tokens in ``request.spec_token_ids`` are
         verified in the same forward."""
+        return self.collect(self.launch(batch, defer=False))
+
+    @torch.inference_mode()
+    def launch(self, batch: Sequence[tuple[Request, int]], defer: bool) -> "Launched":
+        """:meth:`execute` up to the point where the host needs the sampled tokens. With
+        ``defer`` (overlapped scheduling: no speculator, no logprobs, no logits processing in
+        the batch) the tokens stay on the device -- in the model state's ``sampled`` buffer,
+        for the next step's inputs -- and a pinned host copy is under way: :meth:`collect`
+        waits for that copy alone. A request whose new token is still in flight
+        (``req.pending``) gets it from that buffer, not from the host."""
         self.steps += 1
         if self.config.fault_at_step is not None and self.steps == self.config.fault_at_step:
             raise InjectedFault(f"injected fault at step {self.steps}")
@@ -283,12 +293,16 @@ class ModelRunner(RunnerSleep):
         seqs = []
         sample_rows: list[list[int]] = []  # per entry: rows whose logits are sampled
         row_starts: list[int] = []  # per entry: its first packed row
+        fill: list[tuple[int, int]] = []  # (packed row, sampled row) of in-flight tokens
         row = 0
         for req, n in batch:
             start = req.num_computed_tokens
-            ends = start + n == req.num_tokens
+            ends = start + n == req.num_tokens + req.pending
             spec = req.spec_token_ids if ends else []
             toks = req.token_ids[start:start + n] + spec
+            if req.pending and ends:  # its last token is on the device: a placeholder here
+                fill.append((row + len(toks), req.pending_row))
+                toks.append(0)
             # a decode plus its draft tokens: every row is a decode row (the graphable path)
             seqs.append((toks, start, req.block_ids, start > 0 and (len(toks) == 1 or bool(spec))))
             sample_rows.append(list(range(row + n - 1, row + len(toks))) if ends else [])
@@ -300,9 +314,9 @@ class ModelRunner(RunnerSleep):
         if self._tp is not None:  # the workers run the same forward (and logits rows) with us
             self._tp.step(seqs, idx)
         hidden = packed_forward(model, kv.tensor, state, self._owner.get(R.CUDA_GRAPHS),
-                                self.device, self.block_size, seqs)
+                                self.device, self.block_size, seqs, fill)
         if not idx:
-            return StepResult([[] for _ in batch], None)
+            return Launched(StepResult([[] for _ in batch], None))
         logits_all = self._logits(model, hidden, idx)
         logits = logits_all[: len(flat)]
         if flat:
@@ -315,6 +329,10 @@ class ModelRunner(RunnerSleep):
                 copy=processed is logits and bool(plp or any(r.params.logprobs for r, _ in batch)))
             if self.speculator is not None:
                 result = self.speculator.verify(batch, sample_rows, processed, sb)
+            elif defer:
+                tokens, _ = sample(processed, sb)
+                state.buffers["sampled"][: tokens.shape[0]].copy_(tokens)
+                return Launched.deferred(len(batch), owners, tokens)
             else:
                 result = self._sample(batch, owners, processed, sb)
         else:
@@ -323,12 +341,17 @@ class ModelRunner(RunnerSleep):
             result.token_lps, result.prompt_lps = logprobs.for_step(
                 batch, sample_rows, result.tokens, logits_all, plp)
             result.logprobs = [[e[1] for e in es] for es in result.token_lps]
-        return result
+        return Launched(result)
+
+    @staticmethod
+    def collect(launched: "Launched") -> StepResult:
+        """The step's result, waiting for its sampled tokens' host copy if it was deferred."""
+        return launched.wait()
 
     def _logits(self, model, hidden, idx: list[int]):
         if idx == list(range(len(idx))):
             return model.logits(hidden[: len(idx)])
-        return model.logits(hidden[torch.tensor(idx, device=self.device)])
+        return model.logits(hidden[torch.tensor(idx).to(self.device, non_blocking=True)])
 
     @torch.inference_mode()
     def replay(self, seqs, logits_rows: list[int]) -> None:
@@ -364,3 +387,43 @@ def _constrained(batch, sample_rows) -> list[tuple]:
             out.append((req.matcher, row, req.spec_token_ids if len(rows) > 1 else ()))
         row += len(rows)
     return out
+
+
+class Launched:
+    """A launched step: its :class:`StepResult`, or (deferred) the pinned host copy of its
+    sampled tokens under way, with the event that marks it done. Host memory only."""
+
+    __slots__ = ("result", "entries", "owners", "rows", "host", "event")
+
+    def __init__(self, result: Optional[StepResult]):
+        self.result = result
+
+    @classmethod
+    def deferred(cls, entries: int, owners: list[int], tokens: torch.Tensor) -> "Launched":
+        self = cls(None)
+        self.entries, self.owners = entries, owners
+        self.rows = {i: k for k, i in enumerate(owners)}  # entry -> its sampled row
+        if tokens.is_cuda:
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.event = tokens, None
+        return self
+
+    @property
+    def is_deferred(self) -> bool:
+        return self.result is None
+
+    def wait(self) -> StepResult:
+        if self.result is None:
+            if self.event is not None:
+                self.event.synchronize()
+            toks = self.host.tolist()
+            out: list[list[int]] = [[] for _ in range(self.entries)]
+            for k, i in enumerate(self.owners):
+                out[i].append(toks[k])
+            self.result = StepResult(out, None)
+            self.host = self.event = None
+        return self.result

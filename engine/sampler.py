@@ -40,22 +40,31 @@ class SamplingBatch:
     need_logprobs: bool  # the sampled tokens' logprobs from sample() (engine.logprobs does more)
     min_p: Optional[torch.Tensor] = None  # [N] float32, None when no row uses it
     plan: Optional[LogitsPlan] = None  # penalties, biases, allow-lists (engine.logits)
+    # whether any row uses top-k / top-p: known on the host (the rows' values are), so the
+    # sampler needs no device-to-host sync to skip the sort; None = look at the tensors
+    any_top_k: Optional[bool] = None
+    any_top_p: Optional[bool] = None
 
 
 def build_sampling_batch(reqs: Sequence, generators: dict, device: torch.device) -> SamplingBatch:
     """The batch for one row per request of ``reqs`` (each ``Request.sampling_row`` was prepared
     at admission; ``generators``: request id -> its seeded generator)."""
     rows = [r.sampling_row for r in reqs]
+    # one host tensor, one asynchronous copy: a blocking host-to-device copy would wait for
+    # the step in flight (overlapped scheduling)
+    vals = torch.tensor(rows, dtype=torch.float64).to(device, non_blocking=True)
     return SamplingBatch(
-        temperature=torch.tensor([r[0] for r in rows], dtype=torch.float32, device=device),
-        top_k=torch.tensor([r[1] for r in rows], dtype=torch.long, device=device),
-        top_p=torch.tensor([r[2] for r in rows], dtype=torch.float32, device=device),
+        temperature=vals[:, 0].float(),
+        top_k=vals[:, 1].long(),
+        top_p=vals[:, 2].float(),
         generators=[generators.get(r.request_id) for r in reqs],
         all_greedy=all(r[0] == 0 for r in rows),
         need_logprobs=False,
-        min_p=(torch.tensor([r.params.min_p for r in reqs], dtype=torch.float32, device=device)
+        min_p=(torch.tensor([r.params.min_p for r in reqs], dtype=torch.float32).to(device, non_blocking=True)
                if any(r.params.min_p for r in reqs) else None),
         plan=LogitsPlan.build(reqs),
+        any_top_k=any(r[1] > 0 for r in rows),
+        any_top_p=any(r[2] < 1.0 for r in rows),
     )
 
 
@@ -69,8 +78,8 @@ def apply_penalty_free_filters(logits: torch.Tensor, batch: SamplingBatch) -> to
     """Temperature, top-k, top-p and min-p applied to fp32 ``logits`` [N, V] (greedy rows untouched)."""
     temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
     logits = logits / temp[:, None]
-    use_k = bool((batch.top_k > 0).any())
-    use_p = bool((batch.top_p < 1.0).any())
+    use_k = bool((batch.top_k > 0).any()) if batch.any_top_k is None else batch.any_top_k
+    use_p = bool((batch.top_p < 1.0).any()) if batch.any_top_p is None else batch.any_top_p
     if use_k or use_p:
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
@@ -108,7 +117,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, Op
         if len(unseeded) == len(batch.generators):
             noise.exponential_()
         elif unseeded:
-            rows = torch.tensor(unseeded, device=logits.device)
+            rows = torch.tensor(unseeded).to(logits.device, non_blocking=True)
             noise[rows] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_()
         sampled = (probs / noise).argmax(-1)
         tokens = torch.where(batch.temperature > 0, sampled, greedy_tokens)

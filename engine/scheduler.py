@@ -58,7 +58,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.hold:  # its last token is in flight (overlapped scheduling)
+                i += 1
+                continue
+            n = min(req.num_tokens + req.pending - req.num_computed_tokens, budget)
             spec = len(req.spec_token_ids) if req.num_computed_tokens + n == req.num_tokens else 0
             if not self._reserve(req, n + spec, scheduled):
                 if req.status is not Status.RUNNING:  # it preempted itself
@@ -86,6 +89,21 @@ class Scheduler:
             out.append((req, n))
             budget -= n
         return out
+
+    def blocks_short(self) -> bool:
+        """Whether scheduling the running requests now could preempt one: their next tokens
+        (within the token budget, in schedule order) need more blocks than are free."""
+        budget, need = self.token_budget, 0
+        for req in self.running:
+            if budget <= 0:
+                break
+            if req.hold:
+                continue
+            n = min(req.num_tokens + req.pending - req.num_computed_tokens, budget)
+            need += max(0, blocks_needed(req.num_computed_tokens + n + len(req.spec_token_ids),
+                                         self.block_size) - len(req.block_ids))
+            budget -= n
+        return not self.blocks.can_allocate(need)
 
     def _reserve(self, req: Request, n: int, scheduled: set[int]) -> bool:
         """Make sure ``req`` has blocks for ``n`` more tokens, preempting the newest running

@@ -8,6 +8,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from . import triton_prefill
 from .attention import MAX_BATCHED_QUERIES, AttentionMetadata, PrefillSeq, context_groups
 from .kv_cache import blocks_needed
 
@@ -16,13 +17,18 @@ Seq = tuple[list[int], int, list[int], bool]
 
 
 def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
-                   block_size: int, seqs: Iterable[Seq]) -> torch.Tensor:
+                   block_size: int, seqs: Iterable[Seq],
+                   fill: Optional[list[tuple[int, int]]] = None) -> torch.Tensor:
     """Hidden states ``[T, hidden]`` for every token of ``seqs``, in order.
 
     A sequence computed "as decode rows" gives one batched decode row per token, each attending
     to its own prefix (all K/V of the step is written before attention, so this is exact); the
     others are prefill chunks. A step made only of decode rows replays a CUDA graph when
     ``graphs`` has a bucket for it: padded rows write to the graphs' scratch slot/block.
+
+    ``fill``: ``(packed row, sampled row)`` pairs whose token id is still on the device (a
+    placeholder in ``seqs``): taken from ``state``'s ``sampled`` buffer, written by the step
+    before (stream order makes it ready), without a round trip through the host.
     """
     bs = block_size
     ids: list[int] = []
@@ -33,6 +39,12 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
     dec_tables: list[list[int]] = []
     dec_lens: list[int] = []
     with_context: list[tuple[int, int, int, list[int]]] = []
+    # on CUDA every prefill chunk goes to one paged Triton kernel a layer (engine/triton_prefill.py);
+    # a model told ``use_fused = False`` runs the plain torch path throughout (the reference)
+    cfg = getattr(model, "config", None)
+    paged = (cfg is not None and getattr(model, "use_fused", None) is not False
+             and triton_prefill.usable(device, cfg.head_dim, bs))
+    chunks: list[tuple[int, int, int, list[int]]] = []
     for toks, start, blocks, as_decode in seqs:
         m = len(toks)
         row0 = len(ids)
@@ -45,6 +57,8 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
                 dec_rows.append(row0 + j)
                 dec_tables.append(blocks)
                 dec_lens.append(start + j + 1)
+        elif paged:
+            chunks.append((row0, m, start + m, blocks))
         elif 0 < start and m <= MAX_BATCHED_QUERIES:  # short, after context: batched
             with_context.append((row0, m, start + m, blocks))
         else:
@@ -52,7 +66,7 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
                 blocks[: blocks_needed(start + m, bs)], device=device)))
     t = len(ids)
     bucket: Optional[int] = None
-    if graphs is not None and not prefills and not with_context and len(dec_rows) == t:
+    if graphs is not None and not prefills and not with_context and not chunks and len(dec_rows) == t:
         bucket = graphs.bucket(t)
     if bucket is not None:
         pad = bucket - t
@@ -62,11 +76,16 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
         dec_lens += [1] * pad
         dec_tables += [[graphs.scratch_block]] * pad
     input_ids = state.load("input_ids", torch.tensor(ids))
+    if fill:
+        idx = torch.tensor(fill, dtype=torch.long).to(device, non_blocking=True)
+        input_ids.index_copy_(0, idx[:, 0], state.buffers["sampled"].index_select(0, idx[:, 1]))
     positions = state.load("positions", torch.tensor(pos))
     meta = AttentionMetadata(state.load("slot_mapping", torch.tensor(slots)), prefills,
                              None, None, None)
     if with_context:
         meta.context_groups = context_groups(with_context, bs, device)
+    if chunks:
+        meta.prefill_batch = triton_prefill.build(chunks, bs, device)
     if dec_rows:
         width = max(len(b) for b in dec_tables)
         table = torch.tensor([b + [0] * (width - len(b)) for b in dec_tables], dtype=torch.long)
@@ -74,7 +93,7 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
         meta.decode_context_lens = state.load("context_lens", torch.tensor(dec_lens))
         meta.decode_max_len = max(dec_lens)
         if bucket is None:
-            meta.decode_rows = torch.tensor(dec_rows, device=device)
+            meta.decode_rows = torch.tensor(dec_rows).to(device, non_blocking=True)
     if bucket is not None:
         return graphs.run(bucket, model, kv, state)[:t]
     return model(input_ids, positions, kv, meta)

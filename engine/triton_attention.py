@@ -51,7 +51,7 @@ def supported(q: torch.Tensor, cache: torch.Tensor) -> bool:
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])  # varies with the table width in eager steps
     def _decode_kernel(
         Q, K, V, Out, BT, CL, ROWS, PM, PL, PACC,
         scale_log2,

@@ -37,6 +37,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not reuse the KV cache of earlier prompts' full blocks")
+    p.add_argument("--no-overlap-scheduling", dest="overlap_scheduling", action="store_false",
+                   help="read each step's tokens back before scheduling the next one")
     p.add_argument("--speculator", choices=["none", "ngram", "draft"], default="none")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--draft-model", default=None)
@@ -64,7 +66,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         kv_cache_bytes=a.kv_cache_bytes,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len, enable_prefix_caching=a.enable_prefix_caching,
-        speculator=a.speculator,
+        overlap_scheduling=a.overlap_scheduling, speculator=a.speculator,
         num_speculative_tokens=a.num_speculative_tokens, draft_model=a.draft_model,
         max_logprobs=a.max_logprobs, tensor_parallel_size=a.tensor_parallel_size,
         nnodes=a.nnodes, node_rank=a.node_rank, master_addr=a.master_addr,

@@ -7,6 +7,13 @@
 #   PART=4  the engine modes alone, 2 interleaved rounds
 #   PART=5  decode-step profile (phases, kernels per step), roofline, engine modes (1 round),
 #           prefix caching on/off, sleep/wake identity (5 cycles)
+#   PART=6  fused kernels: GPU tests, kernels per step, decode profile, roofline, the bare
+#           loop with the fused path and with ENGINECORE_FUSED=0 (all logs in one file)
+#   PART=7  GPU tests, decode profile, roofline, engine modes in 2 interleaved rounds
+#           (qwen3-0.6b), one round on llama-3.2-1b, prefix caching on/off
+#   PART=8  sleep/wake (5 cycles), lifecycle (20 cycles), logprobs 20, structured outputs
+#   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
+#           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
 E=$((SECONDS + ${BUDGET:-560}))
 step() {  # step NAME CAP CMD...
@@ -14,8 +21,10 @@ step() {  # step NAME CAP CMD...
   local r=$((E - SECONDS)); ((r > c)) && r=$c
   ((r < 15)) && { echo "== $n skipped: no time left"; return; }
   echo "== $n (limit ${r}s) at ${SECONDS}s"
-  timeout -k 10 $r "$@" > "$OUT/$n.log" 2>&1  # stdout+stderr in one file: 8 files come back at most
-  echo "== $n rc=$? at ${SECONDS}s"; tail -n 25 "$OUT/$n.log"
+  local f="$OUT/$n.log"; [[ -n ${ONE_LOG:-} ]] && f="$OUT/$ONE_LOG"
+  echo "== $n" >> "$f"
+  timeout -k 10 $r "$@" >> "$f" 2>&1  # stdout+stderr in one file: 8 files come back at most
+  echo "== $n rc=$? at ${SECONDS}s"; tail -n ${TAIL:-25} "$f"
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 git rev-parse HEAD 2>/dev/null || true
@@ -38,6 +47,38 @@ elif [[ $PART == 5 ]]; then
     --modes bare,inproc,ipc --out "$OUT/throughput.json"
   step prefix 100 python3 -m bench.prefix --device cuda --out "$OUT/prefix.json"
   step sleep 90 python3 -m bench.sleep --device cuda --cycles 5 --out "$OUT/sleep.json"
+elif [[ $PART == 6 ]]; then
+  export ONE_LOG=run.log TAIL=12
+  step gpu_tests 170 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_fused.py \
+    tests/gpu/test_gpu_decode.py tests/gpu/test_gpu_release.py
+  ENGINECORE_CUDA_GRAPHS=0 step kernels 60 python3 scripts/gpu/profile_decode.py --batches 1 256 --steps 5 --kernels
+  step profile 70 python3 scripts/gpu/profile_decode.py --batches 1 64 256 --out "$OUT/profile.json"
+  step roofline 45 python3 -m bench.roofline --device cuda --no-progress --out "$OUT/roofline.json"
+  step bare_fused 70 python3 -m bench.throughput --device cuda --no-progress --repeat 1 --modes bare --out "$OUT/thr_fused.json"
+  ENGINECORE_FUSED=0 step bare_plain 70 python3 -m bench.throughput --device cuda --no-progress --repeat 1 --modes bare --out "$OUT/thr_plain.json"
+elif [[ $PART == 7 ]]; then
+  export ONE_LOG=run.log TAIL=12
+  step gpu_tests 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_fused.py \
+    tests/gpu/test_gpu_decode.py tests/gpu/test_gpu_release.py tests/gpu/test_gpu_sleep.py
+  step profile 40 python3 scripts/gpu/profile_decode.py --batches 1 64 256 --out "$OUT/profile.json"
+  step roofline 40 python3 -m bench.roofline --device cuda --no-progress --out "$OUT/roofline.json"
+  step throughput 230 python3 -m bench.throughput --device cuda --no-progress --repeat 2 --interleave \
+    --modes bare,inproc,ipc --out "$OUT/throughput.json"
+  step prefix 90 python3 -m bench.prefix --device cuda --out "$OUT/prefix.json"
+  step llama 110 python3 -m bench.throughput --device cuda --no-progress --repeat 1 \
+    --model random:llama-3.2-1b --modes bare,inproc,ipc --out "$OUT/throughput_llama.json"
+elif [[ $PART == 9 ]]; then
+  export ONE_LOG=run.log TAIL=12
+  step gpu_tests 130 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_overlap.py \
+    tests/gpu/test_gpu_fused.py tests/gpu/test_gpu_decode.py tests/gpu/test_gpu_release.py tests/gpu/test_gpu_sleep.py
+  step throughput 200 python3 -m bench.throughput --device cuda --no-progress --repeat 2 --interleave \
+    --modes bare,inproc,ipc --out "$OUT/throughput.json"
+  step bare_sync 45 python3 -m bench.throughput --device cuda --no-progress --repeat 1 --modes bare \
+    --engine-config '{"overlap_scheduling": false}' --out "$OUT/throughput_sync.json"
+  step llama 100 python3 -m bench.throughput --device cuda --no-progress --repeat 1 \
+    --model random:llama-3.2-1b --modes bare,inproc,ipc --out "$OUT/throughput_llama.json"
+  step prefix 60 python3 -m bench.prefix --device cuda --out "$OUT/prefix.json"
+  step sleep 70 python3 -m bench.sleep --device cuda --cycles 5 --out "$OUT/sleep.json"
 else
   step lifecycle 150 python3 -m bench.lifecycle --device cuda --no-progress --cycles 20 --out "$OUT/lifecycle.json"
   step gpu_tests 100 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu tests/test_speculative.py

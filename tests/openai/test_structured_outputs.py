@@ -159,7 +159,10 @@ def test_regex_choice_and_grammar_outputs(server):
     for p in _variants(StructuredOutputs(grammar=EBNF), 40):
         jobs.append(("An arithmetic expression:", p))
         checks.append(_parse_expr)
+    deferred = server.engine.core.deferred_steps
     results = _run_all(server, jobs)
+    # a constrained batch is never overlapped: each mask needs the token before it taken
+    assert server.engine.core.deferred_steps == deferred
     bad = [(p.structured, p.seed, t, outs[-1].finish_reason)
            for (_, p), (t, outs), ok in zip(jobs, results, checks)
            if not (outs[-1].finish_reason == "stop" and ok(t))]

@@ -1,0 +1,145 @@
+"""Paged prefill attention in Triton: every prefill chunk of a step in one launch per layer.
+
+A chunk is ``n`` query rows of one sequence (packed at ``q_start``) at positions
+``ctx - n .. ctx - 1``; its keys are the sequence's first ``ctx`` tokens, read straight from the
+paged cache through its block table (this step's K/V were written before attention). So a fresh
+prompt, the next chunk of a long prompt and a chunk after a prefix-cache hit are one case: no
+gather of the context into a dense copy, no per-sequence calls (on the H200 the per-sequence
+SDPA path cost ~8 launches a sequence a layer, which made the prefill steps host-bound).
+
+A program computes ``BLOCK_M`` query rows of one chunk for one query head, with an online
+softmax in fp32 over key tiles of ``BLOCK_N`` up to its last query's position (causal). The
+host builds the step's tile list once (``PrefillBatch``), not per layer.
+
+Why by hand: torch's flash-attention varlen entry point (``torch.nn.attention.varlen``) takes a
+paged block table only in releases newer than the 2.11 on the GPU machines, and its signature
+differs between them; this kernel runs on both and in Triton's CPU interpreter (tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from .triton_attention import HAVE_TRITON, tl, triton
+
+BLOCK_M = 64
+BLOCK_N = 64
+
+
+@dataclasses.dataclass
+class PrefillBatch:
+    """A step's prefill chunks, for :func:`prefill_attention` (all on the device)."""
+    tile_chunk: torch.Tensor  # [NT] int32: the chunk of each query tile
+    tile_m0: torch.Tensor  # [NT] int32: the tile's first query within its chunk
+    q_start: torch.Tensor  # [C] int32: the chunk's first packed row
+    q_len: torch.Tensor  # [C] int32
+    ctx_len: torch.Tensor  # [C] int32: keys the chunk's last query sees (context + chunk)
+    block_table: torch.Tensor  # [C, W] int32 (padded with 0)
+
+
+def usable(device: torch.device, head_dim: int, block_size: int) -> bool:
+    return (HAVE_TRITON and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+            and head_dim & (head_dim - 1) == 0 and 16 <= head_dim <= 256
+            and block_size & (block_size - 1) == 0)
+
+
+def build(chunks: list[tuple[int, int, int, list[int]]], block_size: int,
+          device: torch.device) -> PrefillBatch:
+    """``chunks``: ``(first packed row, queries n, ctx_len, block ids)`` of every prefill chunk."""
+    tc: list[int] = []
+    tm: list[int] = []
+    width = max(-(-c[2] // block_size) for c in chunks)
+    table = []
+    for j, (_, n, ctx, blocks) in enumerate(chunks):
+        for m0 in range(0, n, BLOCK_M):
+            tc.append(j)
+            tm.append(m0)
+        b = blocks[: -(-ctx // block_size)]
+        table.append(b + [0] * (width - len(b)))
+    i32 = dict(dtype=torch.int32)
+    host = torch.tensor([tc, tm], **i32)
+    per = torch.tensor([[c[0] for c in chunks], [c[1] for c in chunks], [c[2] for c in chunks]], **i32)
+    bt = torch.tensor(table, **i32)
+    host, per, bt = (t.to(device, non_blocking=True) for t in (host, per, bt))
+    return PrefillBatch(host[0], host[1], per[0], per[1], per[2], bt)
+
+
+if triton is not None:
+
+    # the block table's row stride is its width, which changes from step to step: not a
+    # specialization key (Triton would compile a variant for each divisibility class mid-run)
+    @triton.jit(do_not_specialize=["stride_bt"])
+    def _prefill_kernel(
+        Q, K, V, Out, TC, TM, QS, QL, CL, BT,
+        scale_log2,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_kt, stride_kh, stride_bt,
+        GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        tile = tl.program_id(0)
+        h = tl.program_id(1)
+        kvh = h // GQA
+        c = tl.load(TC + tile)
+        m0 = tl.load(TM + tile)
+        qs = tl.load(QS + c)
+        n = tl.load(QL + c)
+        ctx = tl.load(CL + c)
+        i = m0 + tl.arange(0, BLOCK_M)
+        qmask = i < n
+        qpos = ctx - n + i
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + (qs + i)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                    mask=qmask[:, None], other=0.0)
+        hi = tl.minimum(ctx, ctx - n + m0 + BLOCK_M)  # keys up to the tile's last query
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        nn = tl.arange(0, BLOCK_N)
+        for t0 in range(0, hi, BLOCK_N):
+            tok = t0 + nn
+            valid = tok < hi
+            phys = tl.load(BT + c * stride_bt + tok // BLOCK_SIZE, mask=valid, other=0)
+            off = phys.to(tl.int64) * stride_kb + (tok % BLOCK_SIZE) * stride_kt + kvh * stride_kh
+            k = tl.load(K + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            if IEEE:
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            see = valid[None, :] & (tok[None, :] <= qpos[:, None])
+            qk = tl.where(see, qk * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        o = acc / l_i[:, None]
+        tl.store(Out + (qs + i)[:, None] * stride_ot + h * stride_oh + d[None, :],
+                 o.to(Out.dtype.element_ty), mask=qmask[:, None])
+
+
+def prefill_attention(q: torch.Tensor, cache: torch.Tensor, batch: PrefillBatch, scale: float,
+                      out: torch.Tensor) -> None:
+    """Write attention of every prefill row of ``batch`` into ``out`` (q, out: ``[T, H, D]``;
+    cache: ``[2, num_blocks, block_size, Hkv, D]`` with this step's K/V already written)."""
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads, block_size = cache.shape[3], cache.shape[2]
+    k, v = cache[0], cache[1]
+    _prefill_kernel[(batch.tile_chunk.shape[0], heads)](
+        q, k, v, out, batch.tile_chunk, batch.tile_m0, batch.q_start, batch.q_len,
+        batch.ctx_len, batch.block_table,
+        scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k.stride(0), k.stride(1), k.stride(2), batch.block_table.stride(0),
+        GQA=heads // kv_heads, HEAD_DIM=dim, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+    )

@@ -1,0 +1,32 @@
+"""The fused Triton kernels of engine/fused_ops.py, run on CPU by Triton's interpreter.
+
+The interpreter executes the kernels' own code (indexing, masks, the residual carried in place,
+the q/k head split, the KV-cache write through the slot mapping) with numpy; in fp32 the fused
+path must then equal the plain torch path up to reduction order. (The interpreter rounds fp32 to
+bf16 by truncation, unlike CUDA, so the bf16 comparison is the GPU test's:
+tests/gpu/test_gpu_fused.py.) Skipped where Triton is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+
+@pytest.mark.parametrize("model", ["random:tiny-qwen3", "random:tiny-llama"])
+def test_fused_path_equals_plain_path_fp32(model):
+    env = dict(os.environ, TRITON_INTERPRET="1", ENGINECORE_FUSED="1")
+    out = subprocess.run([sys.executable, "-m", "engine.fused_check", model, "cpu", "float32"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["rows"] == 37 + 150 + 10 + 70 + 2  # every row of the three steps
+    assert res["logits_max_abs"] <= 1e-4 * max(1.0, res["logits_scale"]), res
+    assert res["kv_max_abs"] <= 1e-4, res
+    assert res["argmax_agree"] == 1.0, res

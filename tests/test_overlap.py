@@ -1,0 +1,104 @@
+"""Overlapped scheduling (``EngineConfig.overlap_scheduling``, engine/core.py): step N+1 is
+scheduled and launched before step N's tokens are read back. The outputs must be exactly those
+of the synchronous engine -- greedy and seeded sampling, stop tokens that end a request which
+was already scheduled into the next step, length limits, preemption pressure -- and every
+request gets exactly one terminal output, also when it is aborted while its token is in flight.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.params import SamplingParams
+from engine.runner import ModelRunner
+
+TINY = "random:tiny-llama"
+
+
+def _core(overlap: bool, **kw) -> EngineCore:
+    r = ModelRunner(EngineConfig(model=TINY, device="cpu", overlap_scheduling=overlap,
+                                 max_num_seqs=kw.pop("max_num_seqs", 16), seed=3, **kw))
+    r.load()
+    return EngineCore(r, check_integrity=True)
+
+
+def _requests(n: int, temperature: float, stop_ids=()):
+    for i in range(n):
+        prompt = [(i * 7 + j) % 400 + 5 for j in range(10 + i * 3)]
+        yield f"r{i}", prompt, SamplingParams(
+            max_tokens=5 + i, temperature=temperature, seed=i if temperature else None,
+            stop_token_ids=list(stop_ids))
+
+
+def _run(core: EngineCore, reqs, abort_after: dict | None = None):
+    tokens: dict[str, list[int]] = {}
+    final: dict[str, tuple] = {}
+    for rid, prompt, params in reqs:
+        core.add_request(rid, prompt, params)
+    steps = 0
+    while core.has_work():
+        for o in core.step():
+            assert o.request_id not in final, f"{o.request_id}: output after its terminal one"
+            tokens.setdefault(o.request_id, []).extend(o.token_ids)
+            if o.finished:
+                final[o.request_id] = (o.finish_reason, o.reason)
+        steps += 1
+        for rid in (abort_after or {}).get(steps, []):
+            o = core.abort(rid, "client")
+            if o is not None:
+                assert rid not in final
+                final[rid] = (o.finish_reason, o.reason)
+    assert not core.requests and core.scheduler.check_integrity() is None
+    assert core.blocks.num_free == core.blocks.num_blocks
+    core.runner.shutdown()
+    return tokens, final, steps
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_overlap_gives_the_synchronous_outputs(temperature):
+    sync = _run(_core(False), _requests(24, temperature))
+    core = _core(True)
+    over = _run(core, _requests(24, temperature))
+    assert over[0] == sync[0] and over[1] == sync[1]
+    assert core.deferred_steps > 0.8 * over[2]
+    assert len(over[1]) == 24
+
+
+def test_stop_tokens_end_requests_already_scheduled_again():
+    # the random model repeats a few tokens: stopping on them ends requests at varied steps,
+    # each while its next step is already in flight
+    probe = _run(_core(False), _requests(12, 0.0))[0]
+    common = sorted({t for toks in probe.values() for t in toks[1:3]})[:3]
+    sync = _run(_core(False), _requests(12, 0.0, common))
+    over = _run(_core(True), _requests(12, 0.0, common))
+    assert over[0] == sync[0] and over[1] == sync[1]
+    assert any(f == ("stop", None) for f in over[1].values())
+
+
+def test_preemption_pressure():
+    sync = _run(_core(False, num_kv_blocks=14), _requests(10, 0.0))
+    over_core = _core(True, num_kv_blocks=14)
+    over = _run(over_core, _requests(10, 0.0))
+    assert over[0] == sync[0] and over[1] == sync[1]
+    assert over_core.statistics().preemptions > 0 and over_core.deferred_steps > 0
+
+
+def test_abort_while_a_token_is_in_flight():
+    core = _core(True)
+    tokens, final, _ = _run(core, _requests(8, 0.0), abort_after={2: ["r5", "r6"], 4: ["r7"]})
+    assert final["r5"] == ("abort", "client") and final["r7"] == ("abort", "client")
+    assert len(final) == 8
+
+
+def test_overlap_off_for_requests_that_read_their_tokens():
+    core = _core(True)
+    core.add_request("p", [5, 6, 7, 8], SamplingParams(max_tokens=4, repetition_penalty=1.3))
+    core.add_request("q", [5, 6, 7, 8], SamplingParams(max_tokens=4))
+    core.step()
+    assert core._inflight is None  # a penalty reads the output so far: this step was applied
+    core.abort_all("done")
+    while core.has_work():
+        core.step()
+    core.runner.shutdown()
