@@ -8,8 +8,10 @@ A mixin, like :class:`engine.sleep.SleepAPI`: it uses the engine's ``lifecycle``
 
 A request with an output constraint whose grammar is not cached waits for its compile (on a
 worker thread, :class:`engine.structured.grammars.GrammarService`) *before* it reaches the
-core: it holds no batch slot meanwhile, and requests without constraints never wait for it. Producers (API calls, on the event loop or, for
-aborts, any thread) only append to the inbox; the consumer (``_apply_inbox``) runs on the loop.
+core: it holds no batch slot meanwhile, and requests without constraints never wait for it.
+
+Producers (API calls, on the event loop or, for aborts, any thread) only append to the inbox;
+the consumer (``_apply_inbox``) runs on the loop.
 """
 
 from __future__ import annotations
