@@ -3,7 +3,7 @@
 Only what the engine can honour is accepted: ``best_of`` other than ``n``, ``suffix``, legacy
 ``functions`` and ``tool_choice: "auto"`` are refused with a 400 naming the parameter, rather
 than silently ignored. Output constraints (``response_format``, ``structured_outputs``,
-``guided_*``) and forced tool calls are read by ``structured.py``.
+``guided_*``) and forced tool calls are read by ``structured.py`` (``attach``, after ``check``).
 Unknown fields are ignored (clients send new parameters before servers know them). Non-OpenAI
 extensions, as in vLLM (pass them with the ``openai`` client's ``extra_body``): ``top_k``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``min_p``, ``repetition_penalty``,
@@ -156,9 +156,6 @@ class _SamplingFields(_Body):
                 raise RequestError(f"logit_bias: token id {t} is out of vocabulary "
                                    f"(vocabulary size {vocab_size})", param="logit_bias")
             self._bias[t] = float(value)
-        from .structured import constraint_of
-
-        self._constraint = constraint_of(self)
 
     def sampling_params(self, max_tokens: int, **extra) -> SamplingParams:
         """The engine's SamplingParams (OpenAI defaults: temperature 1, top_p 1); every value
@@ -181,7 +178,7 @@ class _SamplingFields(_Body):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
                 bad_words=list(self.bad_words or []),
-                structured=getattr(self, "_constraint", None), **extra,
+                structured=getattr(self, "_constraint", None), **extra,  # structured.attach
             ).validate()
         except BadRequestError as exc:
             raise RequestError(str(exc)) from None
@@ -320,14 +317,6 @@ class ChatCompletionRequest(_SamplingFields):
         if self.functions:
             raise RequestError("functions (the legacy form) are not supported: use tools",
                                param="functions")
-        from .structured import tool_plan
-
-        constraint, self._tools = tool_plan(self.tools, self.tool_choice)
-        if constraint is not None:
-            if getattr(self, "_constraint", None) is not None:
-                raise RequestError("a forced tool call and an output constraint cannot be "
-                                   "combined", param="tool_choice")
-            self._constraint = constraint
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
                 for i, m in enumerate(self.messages)]
 

@@ -183,6 +183,22 @@ def tool_plan(tools: Optional[list], tool_choice: Any) -> tuple[Optional[Structu
                        param="tool_choice")
 
 
+def attach(body, chat: bool) -> None:
+    """Read ``body``'s output constraint (and, for chat, its forced tool call) after its
+    ``check``: what its ``sampling_params`` and the response then use."""
+    constraint = constraint_of(body)
+    tools = None
+    if chat:
+        forced, tools = tool_plan(body.tools, body.tool_choice)
+        if forced is not None:
+            if constraint is not None:
+                raise RequestError("a forced tool call and an output constraint cannot be "
+                                   "combined", param="tool_choice")
+            constraint = forced
+    body._constraint = constraint
+    body._tools = tools
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -205,4 +221,4 @@ def split_call(mode: ToolMode, text: str) -> Optional[tuple[str, str]]:
     return obj["name"], json.dumps(obj["arguments"], ensure_ascii=False, separators=(",", ":"))
 
 
-__all__ = ["ToolMode", "constraint_of", "tool_plan", "split_call", "new_call_id"]
+__all__ = ["ToolMode", "attach", "constraint_of", "tool_plan", "split_call", "new_call_id"]
