@@ -26,6 +26,7 @@ _EXPORTS = {
     "InvalidTransitionError": ".errors",
     "RequestOutput": ".params",
     "SamplingParams": ".params",
+    "StructuredOutputs": ".params",
     "ModelRunner": ".runner",
 }
 
@@ -38,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .errors import (BadRequestError, CheckpointError, EngineDeadError, EngineDrainingError,
                          EngineError, EngineShutdownError, EngineSleepingError,
                          InvalidTransitionError)
-    from .params import RequestOutput, SamplingParams
+    from .params import RequestOutput, SamplingParams, StructuredOutputs
     from .runner import ModelRunner
 
 

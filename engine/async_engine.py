@@ -35,6 +35,7 @@ from .runner import ModelRunner
 from .sleep import SleepAPI, SleepController
 from .intake import STEPPING, InboxItem, IntakeAPI
 from .stats import EngineStats, engine_stats, health_figures
+from .structured.grammars import GrammarCache, GrammarService
 
 log = logging.getLogger("enginecore.engine")
 
@@ -68,6 +69,11 @@ class AsyncEngine(IntakeAPI, SleepAPI):
         self._listeners: list[Callable[[State, State], None]] = []
         self.lifecycle.on_change(self._notify)
         self._sleep = SleepController(self)
+        #: output constraints compiled off the event loop, cached (engine/structured/)
+        self.grammars = GrammarService(
+            lambda: self.runner.tokenizer, lambda: self.runner.model_config.vocab_size,
+            compile_timeout=config.grammar_compile_timeout,
+            cache=GrammarCache(config.grammar_cache_entries, config.grammar_cache_bytes))
         self.lifecycle.describe_in_flight(self._in_flight)  # for the transition's log line
 
     # -- opening and closing ------------------------------------------------------------------
@@ -274,6 +280,7 @@ class AsyncEngine(IntakeAPI, SleepAPI):
                 if self.lifecycle.state is State.DRAINING:
                     if time.monotonic() >= self._drain_deadline:
                         self._dispatch(core.abort_all(self._drain_reason))
+                        self._abort_preparing(self._drain_reason)
                     if not core.has_work() and not self._tokenizing:
                         break
                 elif self.lifecycle.state is State.SLEEPING and await self._sleep.tick(core):
@@ -320,6 +327,7 @@ class AsyncEngine(IntakeAPI, SleepAPI):
             sink(err)
 
     async def _release(self) -> None:
+        self.grammars.close()
         await to_thread.run_sync(self.runner.shutdown)
         self.core = None
         self.lifecycle.trigger("shutdown")

@@ -46,6 +46,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    # Structured outputs (engine/structured/): a constraint that does not compile within this
+    # many seconds is refused (400); compiled grammars are cached, bounded in entries and bytes.
+    grammar_compile_timeout: float = 10.0
+    grammar_cache_entries: int = 256
+    grammar_cache_bytes: int = 512 * 2**20
     cuda_graphs: bool = True  # capture decode-only steps as CUDA graphs (CUDA + Triton only)
     # schedule and launch step N+1 before step N's tokens are read back (engine/core.py): the
     # host's stop checks, detokenization and outputs of N run while the device runs N+1.
@@ -84,6 +89,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise BadRequestError("num_speculative_tokens must be in [1, 16]")
         if not (0 <= self.max_logprobs <= 1024):
             raise BadRequestError("max_logprobs must be in [0, 1024]")
+        if not (0 < self.grammar_compile_timeout <= 3600):
+            raise BadRequestError("grammar_compile_timeout must be in (0, 3600] seconds")
+        if self.grammar_cache_entries < 0 or self.grammar_cache_bytes < 0:
+            raise BadRequestError("grammar_cache_entries and grammar_cache_bytes must be >= 0")
         self._validate_tp()
         self.resolved_dtype()
         from .cpu_weights import FORMATS

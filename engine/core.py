@@ -20,6 +20,7 @@ from .runner import ModelRunner
 from .sampler import StepResult
 from .scheduler import Scheduler
 from .speculative.base import SpecStats
+from .structured.matcher import advance, new_matcher
 from .stats import EngineTimings
 
 
@@ -64,13 +65,19 @@ class EngineCore:
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    params: SamplingParams) -> Request:
+                    params: SamplingParams, grammar=None) -> Request:
         """Validated input only (the async engine checks ids, params and length first).
 
         The request's per-request state is prepared here, once (``ModelRunner.admit``): if that
-        fails, nothing is added and the error is raised for this request alone."""
+        fails, nothing is added and the error is raised for this request alone. ``grammar``:
+        the compiled grammar of ``params.structured`` (the async engine compiled it); the
+        request gets its own matcher of it."""
         req = Request(request_id, list(prompt_token_ids), params)
         try:
+            if params.structured is not None:
+                if grammar is None:
+                    raise BadRequestError("a structured output needs its compiled grammar")
+                req.matcher = new_matcher(grammar)
             req.detok = IncrementalDetokenizer(self.tokenizer, req.token_ids, params.stop,
                                                params.skip_special_tokens,
                                                params.include_stop_str_in_output)
@@ -232,12 +239,18 @@ class EngineCore:
         if p.max_tokens == 0:  # scoring only: the prompt's logprobs, no token
             finish, new = "length", []
         for i, tok in enumerate(new):
+            if req.matcher is not None:  # the grammar's verdict: complete, or a dead end
+                finish, reason = advance(req.matcher, tok)
+                if finish == "error":
+                    break  # a token the grammar refuses is not part of the output
             req.token_ids.append(tok)
             accepted.append(tok)
             if p.logprobs and logprobs:
                 req.logprobs.append(logprobs[i])
             n_out = req.num_output_tokens
-            if n_out >= p.min_tokens and ((tok in self._eos and not p.ignore_eos)
+            if finish:
+                pass
+            elif n_out >= p.min_tokens and ((tok in self._eos and not p.ignore_eos)
                                           or tok in req.stop_ids):
                 finish = "stop"
             elif n_out >= p.max_tokens:

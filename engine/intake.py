@@ -4,8 +4,14 @@ inbox that carries both to the engine loop, which applies it between steps.
 A mixin, like :class:`engine.sleep.SleepAPI`: it uses the engine's ``lifecycle``, ``core``,
 ``admission``, ``_sinks`` (request id -> where its outputs go), ``_inbox``, ``_tokenizing``
 (accepted requests whose long prompt is tokenized on a worker thread -> abort reason),
-``_tg``, ``_loop_thread`` and ``_wake()``. Producers (API calls, on the event loop or, for
-aborts, any thread) only append to the inbox; the consumer (``_apply_inbox``) runs on the loop.
+``_tg``, ``_loop_thread``, ``grammars`` and ``_wake()``.
+
+A request with an output constraint whose grammar is not cached waits for its compile (on a
+worker thread, :class:`engine.structured.grammars.GrammarService`) *before* it reaches the
+core: it holds no batch slot meanwhile, and requests without constraints never wait for it.
+
+Producers (API calls, on the event loop or, for aborts, any thread) only append to the inbox;
+the consumer (``_apply_inbox``) runs on the loop.
 """
 
 from __future__ import annotations
@@ -29,10 +35,11 @@ STEPPING = (State.SERVING, State.SLEEPING, State.DRAINING)
 
 
 class _Add(NamedTuple):
-    """Inbox: add an accepted request (its prompt tokenized) to the core."""
+    """Inbox: add an accepted request (its prompt tokenized, its grammar compiled) to the core."""
     request_id: str
     ids: list[int]
     params: SamplingParams
+    grammar: object = None  # params.structured compiled (engine/structured/grammars.py)
 
 
 class _Abort(NamedTuple):
@@ -74,39 +81,55 @@ class IntakeAPI:
         waiting = len(self._sinks) - (core.num_running if core is not None else 0)
         self.admission.check(request_id, prompt, params, waiting)
         ids = self.admission.ids_now(prompt)
-        if ids is None:
+        if ids is not None:
+            ids = self.admission.check_ids(ids, params)
+        st = params.structured
+        grammar = self.grammars.cached(st) if st is not None else None
+        if ids is None or (st is not None and grammar is None):
             self._sinks[request_id] = sink
             self._tokenizing[request_id] = None
             assert self._tg is not None
-            self._tg.start_soon(self._tokenize_then_add, request_id, prompt, params)
-            return None
-        ids = self.admission.check_ids(ids, params)
+            self._tg.start_soon(self._prepare_then_add, request_id,
+                                prompt if ids is None else ids, params)
+            return None if ids is None else len(ids)
         self._sinks[request_id] = sink
-        self._accept(request_id, ids, params)
+        self._accept(request_id, ids, params, grammar)
         return len(ids)
 
-    def _accept(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+    def _accept(self, request_id: str, ids: list[int], params: SamplingParams,
+                grammar=None) -> None:
         self.admission.accepted(request_id, len(ids))
-        self._inbox.append(_Add(request_id, ids, params))
+        self._inbox.append(_Add(request_id, ids, params, grammar))
         self._wake()
 
-    async def _tokenize_then_add(self, request_id: str, text: str, params: SamplingParams) -> None:
+    async def _prepare_then_add(self, request_id: str, prompt: Union[str, list[int]],
+                                params: SamplingParams) -> None:
+        """Tokenize a long text prompt and compile the output constraint's grammar, off the
+        event loop; then add the request (or end it: an error, an abort meanwhile)."""
+        grammar = None
         try:
-            ids = await self.admission.tokenize(text)
+            if isinstance(prompt, str):
+                ids = await self.admission.tokenize(prompt)
+                if self._sinks.get(request_id) is None:
+                    return  # the engine died meanwhile: the sink already has its error
+                ids = self.admission.check_ids(ids, params)
+            else:
+                ids = prompt
+            if params.structured is not None and self._tokenizing.get(request_id) is None:
+                grammar = await self.grammars.compiled(params.structured)
             if self._sinks.get(request_id) is None:
-                return  # the engine died meanwhile: the sink already has its error
+                return  # ended meanwhile (the engine died, or a drain deadline aborted it)
             aborted = self._tokenizing.get(request_id)
             if aborted is not None:
                 self._dispatch([RequestOutput(request_id=request_id, finished=True,
                                               finish_reason="abort", reason=aborted)])
                 return
-            ids = self.admission.check_ids(ids, params)
         except Exception as exc:
             sink = self._sinks.pop(request_id, None)
             if sink is not None:
                 sink(exc)
         else:
-            self._accept(request_id, ids, params)
+            self._accept(request_id, ids, params, grammar)
         finally:
             self._tokenizing.pop(request_id, None)
             self._wake()
@@ -128,7 +151,7 @@ class IntakeAPI:
             item = self._inbox.popleft()
             if type(item) is _Add:
                 try:
-                    core.add_request(item.request_id, item.ids, item.params)
+                    core.add_request(item.request_id, item.ids, item.params, item.grammar)
                 except Exception as exc:  # this request's own input: it ends, the engine serves on
                     log.warning("request %s refused at admission: %s", item.request_id, exc)
                     self._dispatch([RequestOutput(
@@ -138,6 +161,14 @@ class IntakeAPI:
                 out = core.abort(item.request_id, item.reason)
                 if out is not None:
                     self._dispatch([out])
+
+    def _abort_preparing(self, reason: str) -> None:
+        """A drain's deadline: requests still tokenizing or waiting for their grammar end now
+        with "abort" (their worker finds the request gone and drops its result)."""
+        for rid in list(self._tokenizing):
+            self._tokenizing.pop(rid)
+            self._dispatch([RequestOutput(request_id=rid, finished=True, finish_reason="abort",
+                                          reason=reason)])
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         sinks = self._sinks

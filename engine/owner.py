@@ -57,6 +57,7 @@ class Resource(str, enum.Enum):
     KV_CACHE = "kv_cache"
     MODEL_STATE = "model_state"
     CUDA_GRAPHS = "cuda_graphs"
+    GRAMMAR_BITMASK = "grammar_bitmask"  # structured outputs' token bitmask (engine/structured/)
     SPECULATOR = "speculator"
 def format_bytes(n: int) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

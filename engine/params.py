@@ -10,6 +10,7 @@ from typing import Literal, Optional
 import msgspec
 
 from .errors import BadRequestError
+from .structured.spec import StructuredOutputs
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -67,6 +68,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: Optional[int] = None  # keep only the prompt's last k tokens
     bad_words: list[str] = []  # never in the output (engine.bad_words)
+    #: the output's one constraint (JSON schema, JSON object, regex, choice or grammar)
+    structured: Optional[StructuredOutputs] = None
 
     def validate(self) -> "SamplingParams":
         """Raise :class:`BadRequestError` naming the first invalid field; return self."""
@@ -135,6 +138,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
                        for w in bw)):
             raise bad(f"bad_words must be at most {MAX_BAD_WORDS} strings of 1 to {MAX_STOP_CHARS} "
                       f"characters, not only spaces")
+        st = self.structured
+        if st is not None:
+            if not isinstance(st, StructuredOutputs):
+                raise bad("structured must be StructuredOutputs")
+            st.validate()
 
     def check_vocab(self, vocab_size: int, max_logprobs: int = 20) -> None:
         """Token ids in the params must exist in the model's vocabulary; logprob counts are
@@ -159,7 +167,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     @property
     def output_dependent_logits(self) -> bool:
         """The logits processing depends on the tokens generated so far (penalties, bad words),
-        so a step's rows differ per position: such requests are not speculated."""
+        so a step's rows differ per position: such requests are not speculated. (An output
+        constraint is: its matcher fills each draft position's mask, engine/structured/.)"""
         return bool(self.presence_penalty or self.frequency_penalty or self.bad_words
                     or self.repetition_penalty != 1.0)
 
@@ -208,4 +217,4 @@ class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     top_tokens: list[bytes] = []
 
 
-__all__ = ["SamplingParams", "RequestOutput", "TokenLogprob", "FinishReason"]
+__all__ = ["SamplingParams", "RequestOutput", "TokenLogprob", "FinishReason", "StructuredOutputs"]

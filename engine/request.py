@@ -22,7 +22,7 @@ class Request:
         "num_preemptions", "first_token_time", "logprobs",
         "stop_ids", "sampling_row",
         "num_sealed_blocks", "block_hashes", "hash_root", "cache_epoch", "first_scheduled",
-        "prompt_lps", "prompt_sent", "bad_words",
+        "prompt_lps", "prompt_sent", "bad_words", "matcher",
         "pending", "pending_row", "hold", "overlappable",
     )
 
@@ -56,6 +56,9 @@ class Request:
         # (temperature, top_k, top_p) as the sampler's tensors take them; set by the runner
         # when the request is admitted (ModelRunner.admit)
         self.sampling_row: tuple[float, int, float] = (0.0, 0, 1.0)
+        # with params.structured: its grammar matcher (engine/structured/matcher.py), owned
+        # here and gone with the request
+        self.matcher = None
         # overlapped scheduling (EngineCore): 1 while the token sampled for this request in
         # the step in flight is still on the device (row ``pending_row`` of the runner's
         # sampled-token buffer), not yet in ``token_ids``; ``hold``: that token is certain to
@@ -64,9 +67,11 @@ class Request:
         self.pending_row = -1
         self.hold = False
         # whether the next step may be scheduled before this one's token is known on the host:
-        # nothing that reads its tokens on the host or on the device before sampling
+        # nothing that reads its tokens on the host or on the device before sampling (an
+        # output constraint's mask needs its matcher to have taken the last token)
         self.overlappable = (not params.needs_logits_processing and not params.logprobs
-                             and params.prompt_logprobs is None and params.max_tokens > 0)
+                             and params.prompt_logprobs is None and params.max_tokens > 0
+                             and params.structured is None)
 
     @property
     def num_tokens(self) -> int:

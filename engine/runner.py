@@ -1,7 +1,8 @@
 """``ModelRunner``: loads a model onto a device, runs one mixed prefill/decode step, releases.
 
 Every device allocation is adopted by ``self._owner`` (a :class:`DeviceOwner`) in creation
-order: weights, KV cache, model state, CUDA graphs (CUDA only), speculator. ``shutdown()``
+order: weights, KV cache, model state, CUDA graphs (CUDA only), the structured outputs' token
+bitmask, speculator. ``shutdown()``
 synchronizes and releases them in reverse. The runner refuses to hold a tensor or module as a
 plain attribute (see ``__setattr__``), so a new device attribute cannot be forgotten at shutdown.
 """
@@ -30,6 +31,7 @@ from .runner_sleep import RunnerSleep
 from . import logprobs
 from .sampler import SamplingBatch, StepResult, build_sampling_batch, process, sample
 from .step_inputs import packed_forward
+from .structured.bitmask import TokenBitmask
 
 log = logging.getLogger("enginecore.runner")
 
@@ -167,6 +169,10 @@ class ModelRunner(RunnerSleep):
             del part
             if should_stop():
                 return False
+        # one token bitmask row per sampled row (constrained requests are not speculated, but
+        # a row index can reach the batch's whole sampled width)
+        self._owner.adopt(R.GRAMMAR_BITMASK, TokenBitmask(
+            self.config.max_num_seqs * rows_per_seq, self.model_config.vocab_size, self.device))
         return True
 
     def _num_kv_blocks(self, cfg) -> int:
@@ -317,6 +323,10 @@ class ModelRunner(RunnerSleep):
             owners = [i for i, rows in enumerate(sample_rows) for _ in rows]
             sb = build_sampling_batch([batch[i][0] for i in owners], state.generators, self.device)
             processed = process(logits, sb)
+            # the constrained rows' grammars: disallowed tokens -inf, before any sampling
+            processed = self._owner[R.GRAMMAR_BITMASK].apply(
+                processed, _constrained(batch, sample_rows),
+                copy=processed is logits and bool(plp or any(r.params.logprobs for r, _ in batch)))
             if self.speculator is not None:
                 result = self.speculator.verify(batch, sample_rows, processed, sb)
             elif defer:
@@ -365,6 +375,18 @@ class ModelRunner(RunnerSleep):
                 lps[i].append(lp_list[k])
         return StepResult(out, lps)
 
+
+
+def _constrained(batch, sample_rows) -> list[tuple]:
+    """(matcher, first sampled row, drafts) of each constrained entry that samples this step;
+    rows count in the sampled logits (entries' rows in order)."""
+    out = []
+    row = 0
+    for (req, _), rows in zip(batch, sample_rows):
+        if rows and req.matcher is not None:
+            out.append((req.matcher, row, req.spec_token_ids if len(rows) > 1 else ()))
+        row += len(rows)
+    return out
 
 
 class Launched:

@@ -28,8 +28,8 @@ log = logging.getLogger("enginecore.runner")
 class RunnerSleep:
     # -- sleep mode (engine/sleep.py drives it) ----------------------------------------------
     def sleep(self, level: int) -> int:
-        """Free the device, with no request in flight: the speculator, CUDA graphs, model state
-        and KV cache are released through the owner (reverse creation order); the weights are
+        """Free the device, with no request in flight: the speculator, the grammar bitmask, CUDA
+        graphs, model state and KV cache are released through the owner (reverse creation order); the weights are
         offloaded to host memory (level 1; page-locked on CUDA) or released too (level 2).
         Returns the bytes kept in host memory."""
         if level not in (1, 2):
@@ -43,7 +43,7 @@ class RunnerSleep:
                 held += own.offload(R.SPECULATOR, pin)
             else:
                 own.release(R.SPECULATOR)
-        for name in (R.CUDA_GRAPHS, R.MODEL_STATE, R.KV_CACHE):
+        for name in (R.GRAMMAR_BITMASK, R.CUDA_GRAPHS, R.MODEL_STATE, R.KV_CACHE):
             if name in own:
                 own.release(name)
         t.append(time.perf_counter())

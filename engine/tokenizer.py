@@ -97,6 +97,12 @@ class Tokenizer:
             return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def special_token_ids(self) -> list[int]:
+        """Ids of the special (control) tokens: BOS, EOS, chat markers -- never text."""
+        if self._backend is None:
+            return sorted(self.special_tokens.values())
+        return sorted(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
+
     def token_bytes(self, i: int) -> bytes:
         """The bytes token ``i`` stands for (its UTF-8 text may be a partial character)."""
         table = self.byte_table

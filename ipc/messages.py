@@ -41,7 +41,10 @@ Each message is one frame::
   = 0, prompt_logprobs: int | nil, echo: bool, presence_penalty, frequency_penalty: float = 0,
   repetition_penalty: float = 1, min_p: float = 0, logit_bias: {int: float}, allowed_token_ids:
   [int], skip_special_tokens: bool = true, include_stop_str_in_output: bool,
-  truncate_prompt_tokens: int | nil, bad_words: [str]} (unknown keys rejected); RequestOutput {request_id: str,
+  truncate_prompt_tokens: int | nil, bad_words: [str], structured: StructuredOutputs | nil}
+  (unknown keys rejected); a StructuredOutputs (engine/structured/spec.py) is a map with exactly
+  one of json_schema: str (the schema's JSON text, <= 64 KiB), json_object: true, regex: str
+  (<= 16 KiB), choice: [str] (<= 256 of <= 1 KiB), grammar: str (EBNF, <= 16 KiB); RequestOutput {request_id: str,
   token_ids: [int] (new tokens), text: str (new text), num_prompt_tokens: int, num_output_tokens:
   int (cumulative), finished: bool, finish_reason: "stop" | "length" | "abort" | "error" | nil,
   reason: str | nil, logprobs: [float] | nil, token_logprobs: [TokenLogprob] | nil,

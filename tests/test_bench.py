@@ -125,3 +125,15 @@ def test_prefix_caching_on_and_off(tmp_path):
     assert rows["on"]["hit_ratio"] > 0.3 and rows["off"]["prefix_cache_hits"] == 0
     assert rows["on"]["computed_prompt_tokens"] < rows["off"]["computed_prompt_tokens"]
     assert "hit ratio" in p.stdout and "ttft_p50 off/on" in p.stdout
+
+
+def test_structured_outputs_bench(tmp_path):
+    out = tmp_path / "s.json"
+    p = _bench("structured", "--device", "cpu", "--model", "random:tiny-llama", "--no-progress",
+               "--requests", "2", "--max-tokens", "96", "--items", "1", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [m["constrained"] for m in res["modes"]] == ["0 %", "50 %", "100 %"]
+    assert all(m["tok_s"] > 0 for m in res["modes"])
+    assert res["modes"][-1]["valid"] == "2/2"  # random weights: the mask alone makes it JSON
+    assert {c["schema"] for c in res["compile"]} == {"person", "order", "json_object"}

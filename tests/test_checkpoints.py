@@ -215,4 +215,4 @@ def test_good_checkpoints_load(good):
         runner = ModelRunner(EngineConfig(model=str(path), device="cpu", num_kv_blocks=4))
         runner.load()
         assert runner.loaded
-        assert runner.shutdown() == ["model_state", "kv_cache", "weights"]
+        assert runner.shutdown() == ["grammar_bitmask", "model_state", "kv_cache", "weights"]

@@ -24,7 +24,7 @@ from states import State
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 CFG = dict(device="cpu", num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=32)
-ORDER = ["model_state", "kv_cache", "weights"]
+ORDER = ["grammar_bitmask", "model_state", "kv_cache", "weights"]
 
 
 def collect_refs(runner: ModelRunner) -> dict[str, weakref.ref]:
@@ -167,5 +167,5 @@ def test_async_engine_releases_runner(caplog):
     assert engine.state is State.SHUTDOWN and engine.core is None
     assert release_problems(engine.runner, out["refs"]) == []
     assert reachable_tensors(engine) == []
-    assert "released model_state, kv_cache, weights" in [
+    assert "released grammar_bitmask, model_state, kv_cache, weights" in [
         r.getMessage() for r in caplog.records if r.name == "enginecore.runner"]

@@ -83,7 +83,7 @@ async def test_sleep_level1_frees_cache_keeps_weights_in_host_memory() -> None:
         assert eng._sleep.host_bytes >= held > 0
         await eng.wake_up()
         assert await greedy(eng) == before
-        assert eng.runner._owner.names() == ["weights", "kv_cache", "model_state"]
+        assert eng.runner._owner.names() == ["weights", "kv_cache", "model_state", "grammar_bitmask"]
 
 
 async def test_draft_speculator_sleeps_and_wakes_with_the_target() -> None:
@@ -101,7 +101,7 @@ async def test_draft_speculator_sleeps_and_wakes_with_the_target() -> None:
                 assert res.kv is None and res.state is None
             await eng.wake_up()
             assert await greedy(eng) == before
-        assert eng.runner._owner.names() == ["weights", "kv_cache", "model_state", "speculator"]
+        assert eng.runner._owner.names() == ["weights", "kv_cache", "model_state", "grammar_bitmask", "speculator"]
 
 
 async def test_default_model_wakes_with_identical_greedy_outputs() -> None:

@@ -424,7 +424,7 @@ def test_release_draft_first_and_completely():
     runner.speculator.propose(core.scheduler.running)
     del core, pending
     order = runner.shutdown()
-    assert order == ["speculator", "model_state", "kv_cache", "weights"]
+    assert order == ["speculator", "grammar_bitmask", "model_state", "kv_cache", "weights"]
     assert reachable_tensors(runner) == []
     gc.collect()
     assert model_ref() is None
@@ -435,7 +435,7 @@ def test_no_speculator_owns_nothing_extra():
     runner = ModelRunner(EngineConfig(model=MODEL, device="cpu", speculator="ngram"))
     runner.load()
     assert isinstance(runner.speculator, NgramSpeculator)
-    assert runner.shutdown() == ["model_state", "kv_cache", "weights"]
+    assert runner.shutdown() == ["grammar_bitmask", "model_state", "kv_cache", "weights"]
     assert reachable_tensors(runner) == []
 
 

@@ -15,6 +15,8 @@ from typing import NamedTuple, Optional, Union
 
 from engine.params import RequestOutput, SamplingParams
 
+from .structured import ToolMode, new_call_id, split_call
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -86,8 +88,12 @@ def prompt_logprobs(entries) -> list[Optional[dict]]:
 class ChoiceState:
     """One choice as its outputs arrive: the pieces it streams, and the whole at the end."""
 
-    def __init__(self, chat: bool, job: Job, echo: bool, want_prompt_lps: bool) -> None:
+    def __init__(self, chat: bool, job: Job, echo: bool, want_prompt_lps: bool,
+                 tools: Optional[ToolMode] = None) -> None:
         self.chat = chat
+        self.tools = tools if chat else None  # the output is a forced tool call's
+        self.call_id = new_call_id() if self.tools is not None else ""
+        self._call_opened = False
         self.job = job
         self.echo = echo
         self.want_prompt_lps = want_prompt_lps
@@ -143,15 +149,52 @@ class ChoiceState:
                 merged[key].extend(frag[key])
         return merged
 
+    # -- forced tool calls (structured.py) --------------------------------------------------
+    def _call(self, name: str, arguments: str) -> dict:
+        return {"index": 0, "id": self.call_id, "type": "function",
+                "function": {"name": name, "arguments": arguments}}
+
+    def tool_piece(self, text: str, finished: bool) -> Optional[list]:
+        """The ``tool_calls`` delta of a streamed piece (None: nothing to send yet). A known
+        name opens the call at once and streams the arguments; a name chosen by the output is
+        sent with the whole call when it is complete."""
+        mode = self.tools
+        assert mode is not None
+        if mode.name is not None:
+            if not self._call_opened:
+                self._call_opened = True
+                return [self._call(mode.name, text)]
+            return [{"index": 0, "function": {"arguments": text}}] if text else None
+        if not finished:
+            return None
+        split = split_call(mode, "".join(self.text))
+        return [self._call(*split)] if split is not None else None
+
+    @property
+    def finish_reason(self) -> str:
+        """As answered: a forced call whose grammar completed ends with "tool_calls"."""
+        finish = self.finish or "stop"
+        if self.tools is not None and finish == "stop":
+            return "tool_calls"
+        return finish
+
     def whole(self) -> dict:
         text = "".join(self.text)
         body: dict = {"index": self.index}
+        finish = self.finish_reason
         if self.chat:
-            body["message"] = {"role": "assistant", "content": text}
+            split = split_call(self.tools, text) if self.tools is not None else None
+            if split is not None:
+                body["message"] = {"role": "assistant", "content": None,
+                                   "tool_calls": [self._call(*split)]}
+                body["message"]["tool_calls"][0].pop("index")
+            else:
+                body["message"] = {"role": "assistant", "content": text}
+                finish = self.finish or "stop"
         else:
             body["text"] = text
         body["logprobs"] = self.whole_logprobs()
-        body["finish_reason"] = self.finish or "stop"
+        body["finish_reason"] = finish
         if self.prompt_lps is not None and not self.chat:
             body["prompt_logprobs"] = self.prompt_lps
         return body
@@ -177,6 +220,7 @@ class Kind:
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage
         self.best: Optional[tuple[int, bool]] = None
+        self.tools: Optional[ToolMode] = None  # chat: the output is a forced tool call
 
     def keep_best(self, n: int, show_logprobs: bool) -> None:
         """best_of: answer with the ``n`` candidates of each prompt of highest summed logprob."""
@@ -206,13 +250,16 @@ class Kind:
         return body
 
     def chunk(self, index: int, text: Optional[str], logprobs, finish: Optional[str],
-              role: bool = False, use: Optional[dict] = None, extra: Optional[dict] = None) -> dict:
+              role: bool = False, use: Optional[dict] = None, extra: Optional[dict] = None,
+              tool_calls: Optional[list] = None) -> dict:
         if self.chat:
             delta: dict = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if tool_calls is not None:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta,
                       "logprobs": {"content": logprobs} if logprobs is not None else None,
                       "finish_reason": finish}

@@ -14,6 +14,7 @@ from .choices import Job, Kind, new_id
 from .context import Frontend
 from .errors import error_response
 from .serving import serve_request
+from .structured import attach
 
 
 def _continuous(body: P._SamplingFields) -> bool:
@@ -27,6 +28,7 @@ async def completions(fe: Frontend, request: Request, parse_body) -> Response:
         fe.check_model(body.model)
         info = fe.engine.tokenizer_info()
         prompts = body.check(info.vocab_size, info.max_logprobs)
+        attach(body, chat=False)
         limit = fe.max_model_len
         for p in prompts:
             if isinstance(p, str):
@@ -56,6 +58,7 @@ async def chat_completions(fe: Frontend, request: Request, parse_body) -> Respon
         fe.check_prompt_chars(sum(m.chars() for m in body.messages), "messages")
         info = fe.engine.tokenizer_info()
         messages = body.check(info.vocab_size, info.max_logprobs)
+        attach(body, chat=True)
         n = body.requested_max_tokens
         max_tokens = n if n is not None else fe.default_max_tokens(chat=True)
         jobs = [Job(c, 0, "", body.engine_params(max_tokens, c)) for c in range(body.num_choices)]
@@ -64,6 +67,7 @@ async def chat_completions(fe: Frontend, request: Request, parse_body) -> Respon
     except Exception as exc:
         return error_response(exc, fe.metrics)
     kind = Kind(True, new_id("chatcmpl"), fe.model, body.include_usage, _continuous(body))
+    kind.tools = body.tool_mode
     return await serve_request(fe, request, body, jobs, kind, arrival,
                                want_prompt_lps=body.prompt_logprobs is not None)
 

@@ -1,7 +1,9 @@
 """OpenAI-compatible request and response bodies (pydantic models) and the error body.
 
-Only what the engine can honour is accepted: ``best_of`` other than ``n``, ``suffix``, tools and
-JSON response formats are refused with a 400 naming the parameter, rather than silently ignored.
+Only what the engine can honour is accepted: ``best_of`` other than ``n``, ``suffix``, legacy
+``functions`` and ``tool_choice: "auto"`` are refused with a 400 naming the parameter, rather
+than silently ignored. Output constraints (``response_format``, ``structured_outputs``,
+``guided_*``) and forced tool calls are read by ``structured.py`` (``attach``, after ``check``).
 Unknown fields are ignored (clients send new parameters before servers know them). Non-OpenAI
 extensions, as in vLLM (pass them with the ``openai`` client's ``extra_body``): ``top_k``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``min_p``, ``repetition_penalty``,
@@ -87,6 +89,14 @@ class StreamOptions(_Body):
     continuous_usage_stats: StrictBool = False
 
 
+class ResponseFormat(_Body):
+    type: _str(64) = "text"
+    json_schema: Optional[Opaque] = None  # {"name", "schema", "strict", "description"}
+
+
+_Choice = Annotated[list[Annotated[str, Field(strict=True, max_length=1024)]], Field(max_length=256)]
+
+
 class _SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -116,6 +126,13 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: StrictBool = False
     truncate_prompt_tokens: Optional[_int(ge=1)] = None
     bad_words: Optional[Annotated[list[StopString], Field(max_length=MAX_BAD_WORDS)]] = None
+    # output constraints (structured.py): OpenAI's and vLLM's ways of asking for one
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[Opaque] = None
+    guided_json: Optional[Opaque] = None
+    guided_regex: Optional[_str(16 * 1024)] = None
+    guided_choice: Optional[_Choice] = None
+    guided_grammar: Optional[_str(16 * 1024)] = None
 
     def check_common(self, vocab_size: int, max_logprobs: int) -> None:
         """What the schema cannot tell: token ids against the vocabulary, logprob counts
@@ -160,7 +177,8 @@ class _SamplingFields(_Body):
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
-                bad_words=list(self.bad_words or []), **extra,
+                bad_words=list(self.bad_words or []),
+                structured=getattr(self, "_constraint", None), **extra,  # structured.attach
             ).validate()
         except BadRequestError as exc:
             raise RequestError(str(exc)) from None
@@ -281,10 +299,6 @@ class ChatMessage(_Body):
         return "".join(parts)
 
 
-class ResponseFormat(_Body):
-    type: _str(64) = "text"
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Optional[_int(ge=1)] = None
@@ -293,7 +307,6 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[Annotated[list[Opaque], Field(max_length=128)]] = None
     tool_choice: Optional[Opaque] = None
     functions: Optional[Annotated[list[Opaque], Field(max_length=128)]] = None
-    response_format: Optional[ResponseFormat] = None
 
     def check(self, vocab_size: int = 0, max_logprobs: int = 20) -> list[dict]:
         """Validate what the schema cannot tell; return the messages for the chat template."""
@@ -301,13 +314,9 @@ class ChatCompletionRequest(_SamplingFields):
         check_logprobs_k("top_logprobs", self.top_logprobs, max_logprobs)
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
-        if self.tools or self.functions:
-            raise RequestError("tools are not supported", param="tools")
-        if self.tool_choice not in (None, "none"):
-            raise RequestError("tool_choice is not supported", param="tool_choice")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise RequestError("only response_format type 'text' is supported",
-                               param="response_format")
+        if self.functions:
+            raise RequestError("functions (the legacy form) are not supported: use tools",
+                               param="functions")
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
                 for i, m in enumerate(self.messages)]
 
@@ -318,6 +327,11 @@ class ChatCompletionRequest(_SamplingFields):
         if params.seed is not None and index:
             params.seed = (params.seed + index) % 2**63
         return params
+
+    @property
+    def tool_mode(self):
+        """How the output becomes a tool call (structured.ToolMode), or None."""
+        return getattr(self, "_tools", None)
 
     @property
     def requested_max_tokens(self) -> Optional[int]:

@@ -161,7 +161,7 @@ class _Request:
         single = len(jobs) == 1
         self.runs = [_Run(fe, fe.metrics.tracker(arrival),
                           kind.rid if single else f"{kind.rid}-{j.index}") for j in jobs]
-        self.states = [ChoiceState(kind.chat, j, echo, want_prompt_lps) for j in jobs]
+        self.states = [ChoiceState(kind.chat, j, echo, want_prompt_lps, kind.tools) for j in jobs]
 
     async def start(self) -> None:
         firsts = [k for k, j in enumerate(self.jobs) if j.index == self._first_of(j)]
@@ -270,6 +270,16 @@ async def _stream(req: _Request, recv) -> AsyncIterator[bytes]:
             st = states[k]
             first = st.first
             text, lps = st.piece(item)
+            if st.tools is not None:  # a forced tool call: its deltas, not content
+                use = total_usage(states) if kind.continuous_usage else None
+                calls = st.tool_piece(text, item.finished)
+                if calls is not None or lps:
+                    yield _sse(kind.chunk(st.job.index, None, lps, None, use=use,
+                                          tool_calls=calls))
+                if item.finished:
+                    left -= 1
+                    yield _sse(kind.chunk(st.job.index, None, None, st.finish_reason, use=use))
+                continue
             extra = ({"prompt_logprobs": st.prompt_lps}
                      if first and st.prompt_lps is not None else None)
             use = total_usage(states) if kind.continuous_usage else None

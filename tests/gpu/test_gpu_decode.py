@@ -180,6 +180,6 @@ def test_release_with_graphs_returns_every_byte():
         print(f"cycle {cycle}: captured {info['captured']}, released {info['order']}; after "
               f"shutdown allocated {after[0]} B, reserved {after[1]} B")
         assert len(info["captured"]) >= 3
-        assert info["order"] == ["cuda_graphs", "model_state", "kv_cache", "weights"]
+        assert info["order"] == ["grammar_bitmask", "cuda_graphs", "model_state", "kv_cache", "weights"]
         assert after[0] == base[0], f"allocated {after[0] - base[0]:+d} B"
         assert after[1] == base[1], f"reserved {after[1] - base[1]:+d} B"

@@ -88,7 +88,7 @@ def test_core_cycles_return_every_byte(baseline):
         print(f"cycle {cycle}: loaded {_fmt(info['loaded'])}; KV {info['kv'] / MiB:.0f} MiB; "
               f"peak allocated {info['peak'] / MiB:.1f} MiB over {info['steps']} steps; "
               f"released {info['order']}; after shutdown {_fmt(after)}")
-        assert info["order"] == ["cuda_graphs", "model_state", "kv_cache", "weights"]
+        assert info["order"] == ["grammar_bitmask", "cuda_graphs", "model_state", "kv_cache", "weights"]
         assert info["loaded"][0] - baseline[0] > 8 * 2**30  # the 8 GiB cache and the weights
         assert info["peak"] > info["loaded"][0]  # the steps allocated activations
         assert after[0] == baseline[0], f"cycle {cycle}: allocated {after[0] - baseline[0]:+d} B"

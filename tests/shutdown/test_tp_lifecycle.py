@@ -152,7 +152,7 @@ async def test_sigterm_under_load_releases_every_rank(tmp_path, hf_checkpoint) -
     for state, toks, last in results.values():
         assert state == "done" and last.finished and last.finish_reason == "abort"
     for rank in (0, 1):  # each rank's weakref check, reported to (and logged by) the driver
-        assert f"rank {rank} released model_state, kv_cache, weights: 0 tensors alive (0 B), " \
+        assert f"rank {rank} released grammar_bitmask, model_state, kv_cache, weights: 0 tensors alive (0 B), " \
                f"0 reachable" in sp.log, sp.log
     assert not any(pid_alive(p) for p in workers)
 

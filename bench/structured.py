@@ -1,0 +1,182 @@
+"""Structured outputs: throughput with 0 %, 50 % and 100 % of the requests constrained by a JSON
+schema, and grammar compile time, cold and cached.
+
+    python -m bench.structured --device cpu     # the default model (SmolLM2-135M GGUF), 8 requests
+    python -m bench.structured --device cuda    # random:qwen3-0.6b bf16, 256 requests
+
+Workload: ``--requests`` text prompts (the same prompt with a number, so the prefix cache plays
+the same part in every mode), all submitted at once; greedy; unconstrained requests run
+``--max-tokens`` tokens (``ignore_eos``); constrained ones are held to :data:`SCHEMA` (an object
+with an array of ``--items`` short strings: long enough to keep them decoding, bounded so each
+ends), and end when the grammar completes or at ``--max-tokens``. On random weights the mask
+alone keeps the output valid. Modes: the fraction of requests constrained (``--fractions``),
+one after the other on one engine; the schema's grammar is compiled (and cached) before the timed
+runs, so every timed constrained request finds it cached. Reported per mode: output tokens,
+wall time, output tok/s, engine steps and how many of them were overlapped (scheduled before the
+step before's tokens were read back: ``overlap_scheduling``; a batch with a constrained request
+is never overlapped, since its mask needs the matcher to have taken the token before -- so the
+50 % mode shows what losing the overlap for the whole batch costs), mean time per step, valid outputs (constrained ones that
+``json.loads(strict=False)``, and with ``strict``: xgrammar 0.2.8 lets a string with
+``minLength``/``maxLength`` hold raw control characters, which random weights do pick); and the compile times: the first compile of each schema of
+:data:`COMPILE_SCHEMAS` (cold) and a second request for it (cached). JSON:
+``bench/results/structured.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import anyio
+
+from . import common
+from .common import now
+
+CPU_DEFAULTS = dict(model="default", requests=8, max_tokens=64, items=4)
+CUDA_DEFAULTS = dict(model="random:qwen3-0.6b", requests=256, max_tokens=256, items=20)
+
+
+def schema(items: int) -> dict:
+    return {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 12},
+        "tags": {"type": "array", "minItems": items, "maxItems": items,
+                 "items": {"type": "string", "minLength": 1, "maxLength": 6}},
+        "score": {"type": "integer", "minimum": 0, "maximum": 100}},
+        "required": ["title", "tags", "score"]}
+
+
+#: schemas whose compile time is reported (cold, then cached)
+COMPILE_SCHEMAS: dict[str, Any] = {
+    "person": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                                "age": {"type": "integer", "minimum": 0}},
+               "required": ["name", "age"]},
+    "order": {"type": "object", "properties": {"id": {"type": "integer"}, "items": {
+        "type": "array", "maxItems": 8, "items": {"type": "object", "properties": {
+            "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
+            "qty": {"type": "integer", "minimum": 1}}, "required": ["sku", "qty"]}}},
+        "required": ["id", "items"]},
+    "json_object": None,  # response_format json_object
+}
+
+
+async def compile_times(eng) -> list[dict]:
+    from engine import StructuredOutputs
+
+    rows = []
+    for name, s in COMPILE_SCHEMAS.items():
+        c = (StructuredOutputs(json_object=True) if s is None
+             else StructuredOutputs(json_schema=s))
+        t0 = now()
+        await eng.grammars.compiled(c)
+        cold = now() - t0
+        t0 = now()
+        await eng.grammars.compiled(StructuredOutputs(json_object=True) if s is None
+                                    else StructuredOutputs(json_schema=s))
+        rows.append({"schema": name, "cold_ms": 1e3 * cold, "cached_us": 1e6 * (now() - t0)})
+    return rows
+
+
+async def run_mode(eng, args, fraction: float, constraint) -> dict:
+    from engine import SamplingParams
+
+    n = args.requests
+    k = round(fraction * n)
+    params = [SamplingParams(max_tokens=args.max_tokens, ignore_eos=True,
+                             structured=constraint if i < k else None) for i in range(n)]
+    texts: list[str] = [""] * n
+    tokens = [0] * n
+    steps0 = eng.statistics().steps
+    deferred0 = eng.core.deferred_steps
+
+    async def one(i: int) -> None:
+        async for out in eng.generate(f"Request {i}: describe a product as JSON.\n", params[i]):
+            texts[i] += out.text
+            tokens[i] = out.num_output_tokens
+
+    common.sync(args.device)
+    t0 = now()
+    async with anyio.create_task_group() as tg:
+        for i in range(n):
+            tg.start_soon(one, i)
+    common.sync(args.device)
+    wall = now() - t0
+    steps = eng.statistics().steps - steps0
+    deferred = eng.core.deferred_steps - deferred0
+    valid = strict = 0
+    for t in texts[:k]:
+        try:
+            json.loads(t, strict=False)
+            valid += 1
+            json.loads(t)
+            strict += 1
+        except ValueError:
+            pass
+    out = sum(tokens)
+    return {"constrained": f"{100 * fraction:.0f} %", "requests": n, "output_tokens": out,
+            "wall_s": wall, "tok_s": out / wall, "steps": steps, "overlapped": deferred,
+            "ms_per_step": 1e3 * wall / steps if steps else None,
+            "valid": f"{valid}/{k}" if k else "-", "valid_strict": f"{strict}/{k}" if k else "-"}
+
+
+async def bench(args) -> dict:
+    from engine import AsyncEngine, SamplingParams, StructuredOutputs
+
+    cfg = common.engine_config(args, max_num_seqs=max(args.requests, 1))
+    async with AsyncEngine.open(cfg) as eng:
+        # warm-up, untimed: an unconstrained request and the schema's compile (then cached)
+        async for _ in eng.generate("warm up", SamplingParams(max_tokens=4)):
+            pass
+        constraint = StructuredOutputs(json_schema=schema(args.items))
+        t0 = now()
+        await eng.grammars.compiled(constraint)
+        first_compile_ms = 1e3 * (now() - t0)  # includes the tokenizer info, built once
+        compiles = await compile_times(eng)
+        if args.device == "cuda":  # CUDA graphs are captured lazily: one untimed pass
+            await run_mode(eng, args, 0.5, constraint)
+        modes = [await run_mode(eng, args, f, constraint) for f in args.fractions]
+    base = modes[0]["tok_s"] if modes and args.fractions[0] == 0 else None
+    for m in modes:
+        m["vs_unconstrained"] = m["tok_s"] / base if base else None
+    return {"modes": modes, "compile": compiles, "first_compile_ms": first_compile_ms}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common.add_common_args(ap, default_cpu_model=CPU_DEFAULTS["model"],
+                           default_cuda_model=CUDA_DEFAULTS["model"])
+    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--items", type=int, default=None, help="strings in the schema's array")
+    ap.add_argument("--fractions", type=lambda s: [float(x) for x in s.split(",")],
+                    default=[0.0, 0.5, 1.0])
+    args = common.finish_common_args(ap.parse_args(argv), "structured")
+    defaults = CUDA_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
+    for key in ("requests", "max_tokens", "items"):
+        if getattr(args, key) is None:
+            setattr(args, key, defaults[key])
+    t0 = time.time()
+    res = anyio.run(bench, args)
+    table = common.print_table(
+        f"structured outputs: {args.model} on {args.device}, {args.requests} requests, "
+        f"max_tokens {args.max_tokens}",
+        [("constrained", "constrained", ""), ("output_tokens", "out tok", ""),
+         ("wall_s", "wall s", ".2f"), ("tok_s", "tok/s", ".1f"),
+         ("vs_unconstrained", "vs 0 %", ".3f"), ("steps", "steps", ""),
+         ("overlapped", "overlapped", ""),
+         ("ms_per_step", "ms/step", ".2f"), ("valid", "valid JSON", ""),
+         ("valid_strict", "strict", "")], res["modes"])
+    common.print_table("grammar compile (the schema of the timed runs: "
+                       f"{res['first_compile_ms']:.0f} ms, with the vocabulary's tokenizer info)",
+                       [("schema", "schema", ""), ("cold_ms", "cold ms", ".1f"),
+                        ("cached_us", "cached us", ".1f")], res["compile"])
+    common.write_json(args.out, {"benchmark": "structured", "args": {
+        k: v for k, v in vars(args).items() if not k.startswith("_")},
+        "environment": common.environment(args.device), **res, "table": table,
+        "elapsed_s": time.time() - t0})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,211 @@
+"""``GrammarService``: constraints compiled into xgrammar grammars, off the event loop, cached.
+
+* The vocabulary xgrammar masks over is built once, lazily (on the first constrained request),
+  from our own tokenizer's byte table (:func:`tokenizer_info`): every token's exact bytes, so
+  byte-level BPE tokens (SmolLM2's GPT-2 alphabet) and byte-fallback tokens both decode right.
+* :meth:`GrammarService.compiled` runs the compile on a worker thread (xgrammar releases the GIL
+  while it compiles, measured) with a deadline: a constraint that does not compile, or does not
+  within ``compile_timeout`` seconds, is a :class:`BadRequestError` naming the problem. A compile
+  past its deadline cannot be interrupted; it finishes on its thread and its result is dropped,
+  and at most ``compile_threads`` compiles run at once, so hostile constraints cost bounded CPU.
+* :class:`GrammarCache` keeps compiled grammars by constraint hash, least recently used first
+  out, bounded in entries and in bytes (xgrammar's own ``memory_size_bytes``). Equal constraints
+  arriving together share one compile.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import OrderedDict
+from typing import Callable, Optional
+
+import anyio
+from anyio import to_thread
+
+from ..errors import BadRequestError
+from .spec import StructuredOutputs
+
+log = logging.getLogger("enginecore.structured")
+
+#: the "[time] file.cc:line: " prefix of xgrammar's messages (not the user's business)
+_SOURCE = re.compile(r"^\[[\d:.]+\] [^ ]+:\d+: ")
+#: JSON as the grammar emits it: compact (no whitespace runs a small model can loop on).
+_SEPARATORS = (",", ":")
+
+
+def tokenizer_info(tokenizer, vocab_size: int):
+    """xgrammar's view of ``tokenizer``: each id's bytes (``VocabType.RAW``: the entries are the
+    bytes themselves, already decoded from the GPT-2 alphabet / ``<0xNN>`` spellings by
+    :attr:`Tokenizer.byte_table`). Special tokens are given as empty strings, which xgrammar
+    treats as special: never allowed by a grammar, except the EOS ids, which end it."""
+    import xgrammar as xgr
+
+    table = tokenizer.byte_table
+    special = set(getattr(tokenizer, "special_token_ids", lambda: ())())
+    vocab = [b"" if i in special else table[i] if i < len(table) else b""
+             for i in range(vocab_size)]
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
+                             stop_token_ids=sorted(tokenizer.eos_token_ids))
+
+
+class GrammarCache:
+    """Compiled grammars by constraint key, bounded in entries and bytes (LRU)."""
+
+    def __init__(self, max_entries: int = 256, max_bytes: int = 512 * 2**20) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[str, tuple[object, int]] = OrderedDict()
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: str):
+        item = self._items.get(key)
+        if item is None:
+            self.misses += 1
+            return None
+        self._items.move_to_end(key)
+        self.hits += 1
+        return item[0]
+
+    def put(self, key: str, grammar, nbytes: int) -> None:
+        if key in self._items or nbytes > self.max_bytes:
+            return  # too large to keep: used by its request, compiled again next time
+        self._items[key] = (grammar, nbytes)
+        self.nbytes += nbytes
+        while len(self._items) > self.max_entries or self.nbytes > self.max_bytes:
+            _, (_, n) = self._items.popitem(last=False)
+            self.nbytes -= n
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def clear(self) -> None:
+        self._items.clear()
+        self.nbytes = 0
+
+
+class _Pending:
+    """A compile in flight that later requests for the same constraint wait on."""
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.grammar = None
+        self.error: Optional[BaseException] = None
+
+
+class GrammarService:
+    def __init__(self, tokenizer: Callable[[], object], vocab_size: Callable[[], int], *,
+                 compile_timeout: float = 10.0, compile_threads: int = 2,
+                 cache: Optional[GrammarCache] = None) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self.compile_timeout = compile_timeout
+        self._limiter = anyio.CapacityLimiter(compile_threads)
+        self._info_lock = anyio.Lock()
+        self._compiler = None
+        self.cache = cache or GrammarCache()
+        self._pending: dict[str, _Pending] = {}
+        self.compile_seconds: list[float] = []  # of the compiles finished (bench reads them)
+
+    def cached(self, c: StructuredOutputs):
+        """The compiled grammar if it is cached (never blocks), else None."""
+        return self.cache.get(c.key)
+
+    async def compiled(self, c: StructuredOutputs):
+        """The compiled grammar of ``c``; :class:`BadRequestError` if it does not compile in time."""
+        key = c.key
+        grammar = self.cache.get(key)
+        if grammar is not None:
+            return grammar
+        pending = self._pending.get(key)
+        if pending is not None:
+            await pending.done.wait()
+            if pending.error is not None:
+                raise BadRequestError(str(pending.error))
+            return pending.grammar
+        pending = self._pending[key] = _Pending()
+        try:
+            compiler = await self._compiler_now()
+            # NOTE: the pending entry's compile runs on a thread; past the deadline the thread
+            # is abandoned (it cannot be stopped) but still holds its limiter slot until done.
+            with anyio.fail_after(self.compile_timeout):
+                grammar, seconds = await to_thread.run_sync(
+                    _compile, compiler, c, abandon_on_cancel=True, limiter=self._limiter)
+        except TimeoutError:
+            pending.error = BadRequestError(
+                f"invalid structured output: the {c.kind} constraint did not compile within "
+                f"{self.compile_timeout:g} s (too large or too complex)")
+            raise pending.error from None
+        except BadRequestError as exc:
+            pending.error = exc
+            raise
+        finally:
+            pending.done.set()
+            del self._pending[key]
+        self.compile_seconds.append(seconds)
+        self.cache.put(key, grammar, int(grammar.memory_size_bytes))
+        pending.grammar = grammar
+        return grammar
+
+    async def _compiler_now(self):
+        async with self._info_lock:
+            if self._compiler is None:
+                tok, vocab = self._tokenizer(), self._vocab_size()
+                self._compiler = await to_thread.run_sync(_new_compiler, tok, vocab)
+        return self._compiler
+
+    def close(self) -> None:
+        self.cache.clear()
+        self._compiler = None
+
+
+def _new_compiler(tokenizer, vocab_size: int):
+    import xgrammar as xgr
+
+    t0 = time.perf_counter()
+    # its own cache is off: ours is keyed by the constraint and bounded in entries and bytes
+    compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size), max_threads=1,
+                                   cache_enabled=False)
+    log.info("grammar compiler ready (vocabulary of %d tokens, %.0f ms)", vocab_size,
+             1e3 * (time.perf_counter() - t0))
+    return compiler
+
+
+def _choice_grammar(choices: list[str]) -> str:
+    """EBNF whose only sentences are ``choices`` (JSON string escapes are EBNF escapes)."""
+    import json
+
+    return "root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in choices)
+
+
+def _compile(compiler, c: StructuredOutputs):
+    """Compile ``c`` (on a worker thread); (grammar, seconds)."""
+    t0 = time.perf_counter()
+    kind = c.kind
+    try:
+        if kind == "json_schema":
+            g = compiler.compile_json_schema(c.json_schema, any_whitespace=False,
+                                             separators=_SEPARATORS)
+        elif kind == "json_object":
+            g = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                             separators=_SEPARATORS)
+        elif kind == "regex":
+            g = compiler.compile_regex(c.regex)
+        elif kind == "choice":
+            g = compiler.compile_grammar(_choice_grammar(c.choice))
+        else:
+            g = compiler.compile_grammar(c.grammar)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        # xgrammar raises RuntimeError / its own ValueError subclasses, with the parser's
+        # message; the message may be long: the first line names the problem
+        lines = str(exc).strip().splitlines()
+        msg = _SOURCE.sub("", lines[0])[:500] if lines else type(exc).__name__
+        raise BadRequestError(f"invalid structured output: the {kind} constraint does not "
+                              f"compile: {msg}") from None
+    return g, time.perf_counter() - t0
+
+
+__all__ = ["GrammarService", "GrammarCache", "tokenizer_info"]
