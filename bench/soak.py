@@ -128,9 +128,9 @@ async def _post_raw(base: str, body: bytes, timeout: float = 30) -> int:
         return r.status_code
 
 
-async def attack_http(base: str, stats: Stats, stop: anyio.Event, rate: float) -> None:
-    """Hostile bodies, one every 1/rate seconds, cycling through the kinds."""
-    kinds = [
+def _http_kinds() -> list:
+    """The hostile bodies of :func:`attack_http`: (name, a function making the body)."""
+    return [
         ("huge_top_k", lambda: json.dumps({"model": MODEL[0], "prompt": "x", "max_tokens": 2,
                                            "top_k": 2**63}).encode()),
         ("huge_seed", lambda: json.dumps({"model": MODEL[0], "prompt": "x", "seed": 2**64 - 1}).encode()),
@@ -144,6 +144,18 @@ async def attack_http(base: str, stats: Stats, stop: anyio.Event, rate: float) -
         ("bad_json", lambda: b'{"model": MODEL[0], "prompt": '),
         ("oversized_body", lambda: b'{"prompt": "' + b"a" * (64 * 2**20) + b'"}'),
     ]
+
+
+HTTP_KINDS = tuple(name for name, _ in _http_kinds())
+ATTACKS = ("http", "vanishing", "slowloris", "ipc")
+
+
+async def attack_http(base: str, stats: Stats, stop: anyio.Event, rate: float,
+                      only: tuple = HTTP_KINDS) -> None:
+    """Hostile bodies, one every 1/rate seconds, cycling through the kinds in ``only``."""
+    kinds = [(name, make) for name, make in _http_kinds() if name in only]
+    if not kinds:
+        return
     i = 0
     while not stop.is_set():
         name, make = kinds[i % len(kinds)]
@@ -308,10 +320,15 @@ async def run(args) -> dict:
                 stop_attack = anyio.Event()
                 if attack:
                     async with anyio.create_task_group() as atg:
-                        atg.start_soon(attack_http, base, stats, stop_attack, args.attack_rate)
-                        atg.start_soon(attack_vanishing, base, stats, stop_attack)
-                        atg.start_soon(attack_slowloris, port, stats, stop_attack, args.slowloris)
-                        atg.start_soon(attack_ipc, sock, stats, stop_attack, args.ipc_bare)
+                        if "http" in args.attacks:
+                            atg.start_soon(attack_http, base, stats, stop_attack, args.attack_rate,
+                                           args.http_kinds)
+                        if "vanishing" in args.attacks:
+                            atg.start_soon(attack_vanishing, base, stats, stop_attack)
+                        if "slowloris" in args.attacks:
+                            atg.start_soon(attack_slowloris, port, stats, stop_attack, args.slowloris)
+                        if "ipc" in args.attacks:
+                            atg.start_soon(attack_ipc, sock, stats, stop_attack, args.ipc_bare)
                         await anyio.sleep(secs)
                         stop_attack.set()
                         atg.cancel_scope.deadline = anyio.current_time() + 60
@@ -342,6 +359,17 @@ def _print(result: dict) -> None:
         print(f"          fds last {ph.get('fds_last')}  max {ph.get('fds_max')}")
 
 
+def _names(allowed: tuple):
+    """An argparse type: a comma-separated subset of ``allowed`` (empty: none)."""
+    def parse(text: str) -> tuple:
+        names = tuple(n for n in text.split(",") if n)
+        bad = [n for n in names if n not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {','.join(allowed)}")
+        return names
+    return parse
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -352,6 +380,11 @@ def main(argv=None) -> int:
     ap.add_argument("--api-servers", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--attack-rate", type=float, default=2.0, help="hostile HTTP bodies per second")
+    ap.add_argument("--attacks", type=_names(ATTACKS), default=ATTACKS,
+                    help=f"comma-separated attackers to run (default all: {','.join(ATTACKS)})")
+    ap.add_argument("--http-kinds", type=_names(HTTP_KINDS), default=HTTP_KINDS,
+                    help=f"the hostile bodies the http attacker sends (default all: "
+                         f"{','.join(HTTP_KINDS)})")
     ap.add_argument("--slowloris", type=int, default=300)
     ap.add_argument("--ipc-bare", type=int, default=300)
     ap.add_argument("--request-timeout", type=float, default=120.0)
