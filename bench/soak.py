@@ -70,6 +70,16 @@ def _rss_mb(pid: int) -> float:
     return 0.0
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds the process has used so far."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _fds(pid: int) -> int:
     try:
         return len(os.listdir(f"/proc/{pid}/fd"))
@@ -265,7 +275,8 @@ async def sampler(base: str, pids: list[int], stats: Stats, stop: anyio.Event, e
                 health = 0
             stats.samples.append({"t": time.monotonic(), "phase": stats.phase, "health": health,
                                   "rss_mb": {p: round(_rss_mb(p), 1) for p in pids},
-                                  "fds": {p: _fds(p) for p in pids}})
+                                  "fds": {p: _fds(p) for p in pids},
+                                  "cpu_s": {p: round(_cpu_s(p), 2) for p in pids}})
             if health != 200:
                 stats.add(f"health_{health}")
             with anyio.move_on_after(every):
@@ -280,6 +291,7 @@ def _phase_summary(stats: Stats, phase: str, pids: list[int]) -> dict:
         out["rss_mb_max"] = {str(p): max(r["rss_mb"][p] for r in rows) for p in pids}
         out["fds_last"] = {str(p): rows[-1]["fds"][p] for p in pids}
         out["fds_max"] = {str(p): max(r["fds"][p] for r in rows) for p in pids}
+        out["cpu_s_last"] = {str(p): rows[-1]["cpu_s"][p] for p in pids}
     return out
 
 
@@ -357,6 +369,7 @@ def _print(result: dict) -> None:
             print(f"          attacks: { {k: v for k, v in counts.items() if k.startswith('attack_')} }")
         print(f"          rss MB last {ph.get('rss_mb_last')}  max {ph.get('rss_mb_max')}")
         print(f"          fds last {ph.get('fds_last')}  max {ph.get('fds_max')}")
+        print(f"          cpu s so far {ph.get('cpu_s_last')}")
 
 
 def _names(allowed: tuple):
