@@ -11,8 +11,13 @@ prompts of millions of characters, oversized bodies, unparseable JSON, slowloris
 that never finish their headers, clients that vanish mid-stream, and on the engine's IPC socket:
 bare connections that never say Hello, garbage frames and wrong tokens.
 
+``--attacks http,slowloris`` runs only those attackers and ``--http-kinds huge_stop_ids`` only
+those hostile bodies (to find which one grows a process).
+
 Reported per phase: good requests served / refused (retryable) / failed / lost (no answer at
-all), the engine's health, and the RSS and open fds of the engine and frontend processes.
+all), the engine's health, and the RSS, open fds and CPU seconds of the engine and frontend
+processes. The *before* figures are the last sample of the before phase: after the good
+clients' first requests, before the first attack.
 Everything targets 127.0.0.1 and a private Unix socket only.
 """
 
