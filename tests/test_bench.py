@@ -91,3 +91,17 @@ def test_prefix_caching_on_and_off(tmp_path):
     assert rows["on"]["hit_ratio"] > 0.3 and rows["off"]["prefix_cache_hits"] == 0
     assert rows["on"]["computed_prompt_tokens"] < rows["off"]["computed_prompt_tokens"]
     assert "hit ratio" in p.stdout and "ttft_p50 off/on" in p.stdout
+
+
+def test_soak_picks_attackers_by_name():
+    import argparse
+
+    import pytest
+
+    from bench import soak
+
+    parse = soak._names(soak.ATTACKS)
+    assert parse("") == () and parse("http,ipc") == ("http", "ipc")
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse("http,nope")
+    assert "huge_stop_ids" in soak.HTTP_KINDS
