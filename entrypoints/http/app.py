@@ -8,7 +8,8 @@ while the engine is alive), ``GET /ready`` (200 only while it is SERVING), ``GET
 ``sleep_mode``, the admin endpoints of ``admin.py`` (``/sleep``, ``/wake_up``, ...).
 
 A request passes, in order: the in-flight limit and the body limits (``guards.py``, before the
-body is read), the JSON schema (``protocol.py``: strict types, every number and list bounded;
+body is read), the short lists' sizes in bytes (``protocol.check_list_sizes``, before the body
+becomes objects), the JSON schema (``protocol.py``: strict types, every number and list bounded;
 a large body is parsed on a worker thread), the prompt's size in characters, then the chat
 template (rendered off the event loop by the engine's async ``apply_chat_template``) and the
 engine. Every refusal is an OpenAI-shaped error (``errors.py``).
