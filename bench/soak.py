@@ -11,8 +11,13 @@ prompts of millions of characters, oversized bodies, unparseable JSON, slowloris
 that never finish their headers, clients that vanish mid-stream, and on the engine's IPC socket:
 bare connections that never say Hello, garbage frames and wrong tokens.
 
+``--attacks http,slowloris`` runs only those attackers and ``--http-kinds huge_stop_ids`` only
+those hostile bodies (to find which one grows a process).
+
 Reported per phase: good requests served / refused (retryable) / failed / lost (no answer at
-all), the engine's health, and the RSS and open fds of the engine and frontend processes.
+all), the engine's health, and the RSS, open fds and CPU seconds of the engine and frontend
+processes. The *before* figures are the last sample of the before phase: after the good
+clients' first requests, before the first attack.
 Everything targets 127.0.0.1 and a private Unix socket only.
 """
 
@@ -68,6 +73,16 @@ def _rss_mb(pid: int) -> float:
     except OSError:
         pass
     return 0.0
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds the process has used so far."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def _fds(pid: int) -> int:
@@ -128,9 +143,9 @@ async def _post_raw(base: str, body: bytes, timeout: float = 30) -> int:
         return r.status_code
 
 
-async def attack_http(base: str, stats: Stats, stop: anyio.Event, rate: float) -> None:
-    """Hostile bodies, one every 1/rate seconds, cycling through the kinds."""
-    kinds = [
+def _http_kinds() -> list:
+    """The hostile bodies of :func:`attack_http`: (name, a function making the body)."""
+    return [
         ("huge_top_k", lambda: json.dumps({"model": MODEL[0], "prompt": "x", "max_tokens": 2,
                                            "top_k": 2**63}).encode()),
         ("huge_seed", lambda: json.dumps({"model": MODEL[0], "prompt": "x", "seed": 2**64 - 1}).encode()),
@@ -143,7 +158,23 @@ async def attack_http(base: str, stats: Stats, stop: anyio.Event, rate: float) -
                                              "max_tokens": 2}).encode()),
         ("bad_json", lambda: b'{"model": MODEL[0], "prompt": '),
         ("oversized_body", lambda: b'{"prompt": "' + b"a" * (64 * 2**20) + b'"}'),
+        # not in the default set (the soak's workload stays what sessions 4-7 measured)
+        ("many_prompts", lambda: json.dumps({"model": MODEL[0], "prompt": [[5]] * 300_000,
+                                             "max_tokens": 2}).encode()),
     ]
+
+
+HTTP_KINDS = tuple(name for name, _ in _http_kinds())
+DEFAULT_HTTP_KINDS = tuple(k for k in HTTP_KINDS if k != "many_prompts")
+ATTACKS = ("http", "vanishing", "slowloris", "ipc")
+
+
+async def attack_http(base: str, stats: Stats, stop: anyio.Event, rate: float,
+                      only: tuple = DEFAULT_HTTP_KINDS) -> None:
+    """Hostile bodies, one every 1/rate seconds, cycling through the kinds in ``only``."""
+    kinds = [(name, make) for name, make in _http_kinds() if name in only]
+    if not kinds:
+        return
     i = 0
     while not stop.is_set():
         name, make = kinds[i % len(kinds)]
@@ -253,7 +284,8 @@ async def sampler(base: str, pids: list[int], stats: Stats, stop: anyio.Event, e
                 health = 0
             stats.samples.append({"t": time.monotonic(), "phase": stats.phase, "health": health,
                                   "rss_mb": {p: round(_rss_mb(p), 1) for p in pids},
-                                  "fds": {p: _fds(p) for p in pids}})
+                                  "fds": {p: _fds(p) for p in pids},
+                                  "cpu_s": {p: round(_cpu_s(p), 2) for p in pids}})
             if health != 200:
                 stats.add(f"health_{health}")
             with anyio.move_on_after(every):
@@ -268,6 +300,7 @@ def _phase_summary(stats: Stats, phase: str, pids: list[int]) -> dict:
         out["rss_mb_max"] = {str(p): max(r["rss_mb"][p] for r in rows) for p in pids}
         out["fds_last"] = {str(p): rows[-1]["fds"][p] for p in pids}
         out["fds_max"] = {str(p): max(r["fds"][p] for r in rows) for p in pids}
+        out["cpu_s_last"] = {str(p): rows[-1]["cpu_s"][p] for p in pids}
     return out
 
 
@@ -308,10 +341,15 @@ async def run(args) -> dict:
                 stop_attack = anyio.Event()
                 if attack:
                     async with anyio.create_task_group() as atg:
-                        atg.start_soon(attack_http, base, stats, stop_attack, args.attack_rate)
-                        atg.start_soon(attack_vanishing, base, stats, stop_attack)
-                        atg.start_soon(attack_slowloris, port, stats, stop_attack, args.slowloris)
-                        atg.start_soon(attack_ipc, sock, stats, stop_attack, args.ipc_bare)
+                        if "http" in args.attacks:
+                            atg.start_soon(attack_http, base, stats, stop_attack, args.attack_rate,
+                                           args.http_kinds)
+                        if "vanishing" in args.attacks:
+                            atg.start_soon(attack_vanishing, base, stats, stop_attack)
+                        if "slowloris" in args.attacks:
+                            atg.start_soon(attack_slowloris, port, stats, stop_attack, args.slowloris)
+                        if "ipc" in args.attacks:
+                            atg.start_soon(attack_ipc, sock, stats, stop_attack, args.ipc_bare)
                         await anyio.sleep(secs)
                         stop_attack.set()
                         atg.cancel_scope.deadline = anyio.current_time() + 60
@@ -340,6 +378,18 @@ def _print(result: dict) -> None:
             print(f"          attacks: { {k: v for k, v in counts.items() if k.startswith('attack_')} }")
         print(f"          rss MB last {ph.get('rss_mb_last')}  max {ph.get('rss_mb_max')}")
         print(f"          fds last {ph.get('fds_last')}  max {ph.get('fds_max')}")
+        print(f"          cpu s so far {ph.get('cpu_s_last')}")
+
+
+def _names(allowed: tuple):
+    """An argparse type: a comma-separated subset of ``allowed`` (empty: none)."""
+    def parse(text: str) -> tuple:
+        names = tuple(n for n in text.split(",") if n)
+        bad = [n for n in names if n not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {','.join(allowed)}")
+        return names
+    return parse
 
 
 def main(argv=None) -> int:
@@ -352,6 +402,11 @@ def main(argv=None) -> int:
     ap.add_argument("--api-servers", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--attack-rate", type=float, default=2.0, help="hostile HTTP bodies per second")
+    ap.add_argument("--attacks", type=_names(ATTACKS), default=ATTACKS,
+                    help=f"comma-separated attackers to run (default all: {','.join(ATTACKS)})")
+    ap.add_argument("--http-kinds", type=_names(HTTP_KINDS), default=DEFAULT_HTTP_KINDS,
+                    help=f"the hostile bodies the http attacker sends, of {','.join(HTTP_KINDS)} "
+                         f"(default all but many_prompts)")
     ap.add_argument("--slowloris", type=int, default=300)
     ap.add_argument("--ipc-bare", type=int, default=300)
     ap.add_argument("--request-timeout", type=float, default=120.0)

@@ -137,3 +137,17 @@ def test_structured_outputs_bench(tmp_path):
     assert all(m["tok_s"] > 0 for m in res["modes"])
     assert res["modes"][-1]["valid"] == "2/2"  # random weights: the mask alone makes it JSON
     assert {c["schema"] for c in res["compile"]} == {"person", "order", "json_object"}
+
+
+def test_soak_picks_attackers_by_name():
+    import argparse
+
+    import pytest
+
+    from bench import soak
+
+    parse = soak._names(soak.ATTACKS)
+    assert parse("") == () and parse("http,ipc") == ("http", "ipc")
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse("http,nope")
+    assert "huge_stop_ids" in soak.HTTP_KINDS

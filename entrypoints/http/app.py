@@ -8,7 +8,8 @@ while the engine is alive), ``GET /ready`` (200 only while it is SERVING), ``GET
 ``sleep_mode``, the admin endpoints of ``admin.py`` (``/sleep``, ``/wake_up``, ...).
 
 A request passes, in order: the in-flight limit and the body limits (``guards.py``, before the
-body is read), the JSON schema (``protocol.py``: strict types, every number and list bounded;
+body is read), the short lists' sizes in bytes (``protocol.check_list_sizes``, before the body
+becomes objects), the JSON schema (``protocol.py``: strict types, every number and list bounded;
 a large body is parsed on a worker thread), the prompt's size in characters, then the chat
 template (rendered off the event loop by the engine's async ``apply_chat_template``) and the
 engine. Every refusal is an OpenAI-shaped error (``errors.py``).
@@ -41,13 +42,21 @@ async def parse_body(request: Request, model: type[Body], fe: Frontend) -> Body:
     """The request's JSON body as ``model`` (``RequestError`` if it is not one). The guard has
     bounded its size; a large one is parsed on a worker thread."""
     raw = await request.body()
+    parse = _checked(model) if issubclass(model, P._SamplingFields) else model.model_validate_json
     try:
         if len(raw) <= INLINE_PARSE_BYTES:
-            return model.model_validate_json(raw)
-        return await anyio.to_thread.run_sync(model.model_validate_json, raw,
-                                              limiter=fe.parse_limiter)
+            return parse(raw)
+        return await anyio.to_thread.run_sync(parse, raw, limiter=fe.parse_limiter)
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+def _checked(model: type[Body]):
+    """``model.model_validate_json`` after the short lists' sizes (``P.check_list_sizes``)."""
+    def parse(raw: bytes) -> Body:
+        P.check_list_sizes(raw)
+        return model.model_validate_json(raw)
+    return parse
 
 
 def create_app(engine: Engine, *, model_name: Union[str, Sequence[str], None] = None,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Optional, Union
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from engine.errors import BadRequestError
@@ -57,6 +58,7 @@ MAX_N = 128
 MAX_PROMPTS = 128
 MAX_CHOICES = 256
 MAX_ALLOWED = 1 << 17
+MAX_LOGIT_BIAS = 300
 
 
 def _int(ge: int = 0, le: int = MAX_INT):
@@ -111,7 +113,8 @@ class _SamplingFields(_Body):
     stream_options: Optional[StreamOptions] = None
     presence_penalty: Optional[_num(-2.0, 2.0)] = None
     frequency_penalty: Optional[_num(-2.0, 2.0)] = None
-    logit_bias: Optional[Annotated[dict[_str(32), _num(-100.0, 100.0)], Field(max_length=300)]] = None
+    logit_bias: Optional[Annotated[dict[_str(32), _num(-100.0, 100.0)],
+                                   Field(max_length=MAX_LOGIT_BIAS)]] = None
     user: Optional[_str(1024)] = None
     # extensions (vLLM-style); top_k -1 or 0: disabled
     top_k: Optional[_int(ge=-1)] = None
@@ -190,6 +193,53 @@ class _SamplingFields(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class _RawLists(msgspec.Struct):
+    """The JSON of the short bounded lists, unparsed: ``msgspec.Raw`` is a view of the body,
+    so reading this makes no Python object per entry."""
+
+    stop: msgspec.Raw = msgspec.Raw()
+    stop_token_ids: msgspec.Raw = msgspec.Raw()
+    bad_words: msgspec.Raw = msgspec.Raw()
+    logit_bias: msgspec.Raw = msgspec.Raw()
+
+
+def _raw_bound(entries: int, entry_bytes: int) -> int:
+    """The most JSON bytes ``entries`` entries of at most ``entry_bytes`` bytes can take, with
+    up to 16 bytes of separators and whitespace around each (and 4 KiB around the whole)."""
+    return entries * (entry_bytes + 16) + 4096
+
+
+_CHAR_BYTES = 12  # one character of a JSON string at its longest: a \uXXXX\uXXXX surrogate pair
+#: the most JSON bytes of each short bounded list (:class:`_RawLists`)
+RAW_LIST_BYTES = {
+    "stop": _raw_bound(MAX_STOP, MAX_STOP_CHARS * _CHAR_BYTES + 2),
+    "stop_token_ids": _raw_bound(MAX_STOP_TOKEN_IDS, len(str(MAX_INT))),
+    "bad_words": _raw_bound(MAX_BAD_WORDS, MAX_STOP_CHARS * _CHAR_BYTES + 2),
+    "logit_bias": _raw_bound(MAX_LOGIT_BIAS, 32 * _CHAR_BYTES + 2 + 32 + 1),
+}
+_raw_lists = msgspec.json.Decoder(_RawLists)
+
+
+def check_list_sizes(raw: bytes) -> None:
+    """Refuse (400 naming the parameter) a body whose short bounded list is longer in bytes
+    than :data:`RAW_LIST_BYTES` allows, before the schema parses it.
+
+    Why: pydantic refuses a too-long list only after turning all of it into Python objects
+    for the error's input value: a refused 200,000-entry ``stop_token_ids`` list (1.3 MB of
+    JSON) became 200,000 ints (7.6 MB) and took 9-19 ms here; this check reads the body once
+    in C (1 ms for 1.5 MB) and makes no object per entry. A body that is not a JSON object,
+    or not JSON, is left to the schema (its own error)."""
+    try:
+        lists = _raw_lists.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return
+    for name, bound in RAW_LIST_BYTES.items():
+        size = len(getattr(lists, name))
+        if size > bound:
+            raise RequestError(f"{name}: {size} bytes of JSON is more than any valid value "
+                               f"needs (at most {bound})", param=name)
 
 
 def check_logprobs_k(param: str, k: Optional[int], max_logprobs: int) -> None:

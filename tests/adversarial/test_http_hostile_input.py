@@ -54,7 +54,8 @@ HOSTILE = [
     ("logprobs", 2**63), ("best_of", 2**40), ("presence_penalty", 1e9),
     ("stop", ["x"] * 17), ("stop", "s" * 513), ("stop", [""]), ("stop", ["ok", "s" * 10_000]),
     ("stop_token_ids", [2**31]), ("stop_token_ids", [-1]), ("stop_token_ids", [1] * 1025),
-    ("stop_token_ids", [2**63]),
+    ("stop_token_ids", [2**63]), ("stop_token_ids", list(range(200_000))),  # refused from its size
+    ("bad_words", ["ab"] * 100_000),
 ]
 
 
