@@ -299,20 +299,44 @@ class ModelRunner(RunnerSleep):
             return StepResult([[] for _ in batch], None)
         logits_all = self._logits(model, hidden, idx)
         logits = logits_all[: len(flat)]
+        tokens = None  # the sampled tokens, still on the device (no speculator)
+        result = StepResult([[] for _ in batch], None)
+        owners = [i for i, rows in enumerate(sample_rows) for _ in rows]
         if flat:
-            owners = [i for i, rows in enumerate(sample_rows) for _ in rows]
             sb = build_sampling_batch([batch[i][0] for i in owners], state.generators, self.device)
             processed = process(logits, sb)
             if self.speculator is not None:
                 result = self.speculator.verify(batch, sample_rows, processed, sb)
             else:
-                result = self._sample(batch, owners, processed, sb)
-        else:
-            result = StepResult([[] for _ in batch], None)
+                tokens, _ = sample(processed, sb)
+        lp_plan = None
         if plp or any(req.params.logprobs for req, _ in batch):
-            result.token_lps, result.prompt_lps = logprobs.for_step(
-                batch, sample_rows, result.tokens, logits_all, plp)
-            result.logprobs = [[e[1] for e in es] for es in result.token_lps]
+            counts = ([len(r) for r in sample_rows] if tokens is not None
+                      else [len(t) for t in result.tokens])
+            lp_plan = logprobs.plan(batch, sample_rows, counts, plp, logits_all.shape[1])
+        if lp_plan is None:
+            if tokens is not None:
+                result = self._per_entry(batch, owners, tokens.tolist())
+            return result
+        out_rows = lp_plan.rows[: lp_plan.n_out]
+        if tokens is not None:
+            chosen = tokens if out_rows == list(range(len(flat))) else tokens[
+                torch.tensor(out_rows, dtype=torch.long, device=self.device)]
+        else:
+            chosen = torch.tensor([t for i, a, b, _ in lp_plan.spans if a < lp_plan.n_out
+                                   for t in result.tokens[i]], dtype=torch.long, device=self.device)
+        rows = logprobs.device_rows(logits_all, lp_plan, chosen)
+        # One device->host copy per step for the sampled tokens and every logprob row (a
+        # blocking copy: the host reads them at once, so a non_blocking one would be followed
+        # by a synchronize anyway); on CPU it copies nothing.
+        flat_host = (torch.cat([tokens.int(), rows.flatten()]) if tokens is not None
+                     else rows.flatten()).cpu().numpy()
+        n_tok = len(flat) if tokens is not None else 0
+        if tokens is not None:
+            result = self._per_entry(batch, owners, flat_host[:n_tok].tolist())
+        words = flat_host[n_tok:].reshape(len(lp_plan.rows), -1)
+        result.token_lps, result.prompt_lps, result.logprobs = logprobs.unpack(
+            words, lp_plan, len(batch))
         return result
 
     def _logits(self, model, hidden, idx: list[int]):
@@ -330,15 +354,10 @@ class ModelRunner(RunnerSleep):
         if logits_rows:
             self._logits(self._owner[R.WEIGHTS], hidden, logits_rows)
 
-    def _sample(self, batch, owners, logits, sb: SamplingBatch) -> StepResult:
-        tokens, logprobs = sample(logits, sb)
-        tok_list = tokens.tolist()
-        lp_list = logprobs.tolist() if logprobs is not None else None
+    @staticmethod
+    def _per_entry(batch, owners, tok_list: list[int]) -> StepResult:
+        """The sampled tokens (one per sample row, in row order) grouped by entry."""
         out: list[list[int]] = [[] for _ in batch]
-        lps: Optional[list[list[float]]] = [[] for _ in batch] if lp_list is not None else None
         for k, i in enumerate(owners):
             out[i].append(tok_list[k])
-            if lps is not None:
-                lps[i].append(lp_list[k])
-        return StepResult(out, lps)
-
+        return StepResult(out, None)
