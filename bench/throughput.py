@@ -2,6 +2,7 @@
 
     python -m bench.throughput --device cpu                       # scaled down, 70-150 s on 2 busy cores
     python -m bench.throughput --device cuda                      # nano-vllm: 256 req, [100, 1024]
+    python -m bench.throughput --device cpu --modes bare,inproc --repeat 4 --logprobs-compare 20
 
 Workload (nano-vllm's bench.py): N requests (default 256), prompt lengths and output lengths
 uniform in [min, max] (cuda default [100, 1024] for both, as nano-vllm; cpu default prompts
@@ -282,6 +283,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="run each mode (each round) in a fresh process (default: on)")
     ap.add_argument("--logprobs", type=int, default=None, metavar="K",
                     help="every request asks for logprobs with the top K (engine max_logprobs: 20)")
+    ap.add_argument("--logprobs-compare", type=int, default=None, metavar="K",
+                    help="run every engine mode without and with --logprobs K, alternating, "
+                         "--repeat rounds; print the per-round ratios and their median")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = common.finish_common_args(ap.parse_args(argv), "throughput")
     global LOGPROBS
@@ -328,6 +332,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     hf = None
     runners = {"bare": run_bare, "inproc": run_inproc, "ipc": run_ipc}
+    if args.logprobs_compare is not None and not args.child:
+        return _compare_logprobs(args, argv if argv is not None else sys.argv[1:], work, runners,
+                                 [m for m in modes if m in runners], result)
     engine_modes = [m for m in modes if m in runners]
     # --interleave: round r runs every engine mode once (fresh engine each), so slow drifts in
     # machine load hit all modes alike; otherwise each mode runs its --repeat runs in one engine.
@@ -390,6 +397,30 @@ def main(argv: Optional[list[str]] = None) -> int:
             if result.get(key):
                 print(f"ratios ({label}): " + ", ".join(f"{k} = {v:.3f}" for k, v in result[key].items()))
         print("CPU targets: inproc/bare >= 0.90; ipc/inproc >= 0.97 at 256 concurrent streams")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _compare_logprobs(args, argv: list[str], work, runners, modes: list[str], result: dict) -> int:
+    from .throughput_logprobs import child_argv, compare, print_table
+
+    one = argparse.Namespace(**{**vars(args), "repeat": 1})
+
+    def run(mode: str, k: Optional[int]) -> dict:
+        global LOGPROBS
+        if args.isolate:
+            return run_isolated(child_argv(argv, k), mode, 1)
+        LOGPROBS = k
+        try:
+            return runners[mode](one, work)
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            traceback.print_exc()
+            return {"mode": mode, "error": repr(exc)}
+
+    res = compare(modes, args.repeat, args.logprobs_compare, run)
+    result["logprobs_compare"] = {"k": args.logprobs_compare, "rounds": args.repeat, "modes": res}
+    common.write_json(args.out, result)
+    print_table(res, args.logprobs_compare)
     print(f"wrote {args.out}")
     return 0
 
