@@ -27,7 +27,8 @@ same process took up to 10x the page faults:
                (``init_continuous_batching`` / ``add_request(max_new_tokens=...)``) when the
                installed transformers has one.
 
-Reported per mode: output tok/s, total (prompt + output) tok/s, TTFT p50/p99 and inter-token
+Reported per mode: output tok/s, total (prompt + output) tok/s, the process's CPU seconds in the
+timed region (``cpu_s``; bare and inproc: all of the engine's threads), TTFT p50/p99 and inter-token
 latency p50/p99 (time between consecutive streamed tokens of one request; a piece carrying k
 tokens counts as k gaps of 1/k), plus the ratios inproc/bare and ipc/inproc. Model load and a
 short warm-up are outside the timed region. JSON goes to ``bench/results/throughput.json``
@@ -115,6 +116,7 @@ def run_bare(args, work) -> dict[str, Any]:
             with common.progress(sum(o for _, o in work), _desc("bare", r, args), "tok", args.no_progress) as bar:
                 rec = Recorder(work, bar)
                 index = {}
+                cpu0 = time.process_time()
                 rec.t0 = now()
                 for i, (p, o) in enumerate(work):
                     rid = f"r{i}"
@@ -133,9 +135,11 @@ def run_bare(args, work) -> dict[str, Any]:
                         last_bar = t
                 common.sync(args.device)
                 rec.t1 = now()
+                cpu_s = time.process_time() - cpu0
                 rec.flush_bar()
             st = core.statistics()
-            runs.append(rec.summary("bare", steps=st.steps, preemptions=st.preemptions))
+            runs.append(rec.summary("bare", steps=st.steps, preemptions=st.preemptions,
+                                    cpu_s=cpu_s))
         return _best(runs, load_s=load_s, kv_blocks=runner.num_blocks)
     finally:
         runner.shutdown()
@@ -195,10 +199,12 @@ def run_inproc(args, work) -> dict[str, Any]:
                 with common.progress(sum(o for _, o in work), _desc("inproc", r, args), "tok",
                                      args.no_progress) as bar:
                     rec = Recorder(work, bar)
+                    cpu0 = time.process_time()
                     await _stream_all(eng.generate, work, args.temperature, rec)
+                    cpu_s = time.process_time() - cpu0
                 s1 = eng.statistics()
                 runs.append(rec.summary("inproc", steps=s1.steps - s0.steps,
-                                        preemptions=s1.preemptions - s0.preemptions))
+                                        preemptions=s1.preemptions - s0.preemptions, cpu_s=cpu_s))
             result.update(_best(runs, load_s=load_s))
 
     anyio.run(main, backend="asyncio", backend_options=_backend_options(args))
