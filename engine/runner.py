@@ -28,7 +28,7 @@ from .owner import Resource as R
 from .request import Request
 from .runner_sleep import RunnerSleep
 from . import logprobs
-from .sampler import SamplingBatch, StepResult, build_sampling_batch, process, sample
+from .sampler import StepResult, build_sampling_batch, process, sample
 from .step_inputs import packed_forward
 
 log = logging.getLogger("enginecore.runner")
@@ -315,15 +315,20 @@ class ModelRunner(RunnerSleep):
                       else [len(t) for t in result.tokens])
             lp_plan = logprobs.plan(batch, sample_rows, counts, plp, logits_all.shape[1])
         if lp_plan is None:
-            if tokens is not None:
-                result = self._per_entry(batch, owners, tokens.tolist())
-            return result
+            return result if tokens is None else self._per_entry(batch, owners, tokens.tolist())
+        return self._with_logprobs(batch, owners, len(flat), tokens, result, logits_all, lp_plan)
+
+    def _with_logprobs(self, batch, owners, n_flat: int, tokens, result: StepResult, logits_all,
+                       lp_plan: "logprobs.Plan") -> StepResult:
+        """The step's logprob rows computed on the device and brought to the host in one copy,
+        with the sampled ``tokens`` (still on the device; None: a speculator's ``result`` has
+        them on the host already)."""
         out_rows = lp_plan.rows[: lp_plan.n_out]
         if tokens is not None:
-            chosen = tokens if out_rows == list(range(len(flat))) else tokens[
+            chosen = tokens if out_rows == list(range(n_flat)) else tokens[
                 torch.tensor(out_rows, dtype=torch.long, device=self.device)]
         else:
-            chosen = torch.tensor([t for i, a, b, _ in lp_plan.spans if a < lp_plan.n_out
+            chosen = torch.tensor([t for i, a, _, _ in lp_plan.spans if a < lp_plan.n_out
                                    for t in result.tokens[i]], dtype=torch.long, device=self.device)
         rows = logprobs.device_rows(logits_all, lp_plan, chosen)
         # One device->host copy per step for the sampled tokens and every logprob row (a
@@ -331,7 +336,7 @@ class ModelRunner(RunnerSleep):
         # by a synchronize anyway); on CPU it copies nothing.
         flat_host = (torch.cat([tokens.int(), rows.flatten()]) if tokens is not None
                      else rows.flatten()).cpu().numpy()
-        n_tok = len(flat) if tokens is not None else 0
+        n_tok = n_flat if tokens is not None else 0
         if tokens is not None:
             result = self._per_entry(batch, owners, flat_host[:n_tok].tolist())
         words = flat_host[n_tok:].reshape(len(lp_plan.rows), -1)
