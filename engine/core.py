@@ -162,11 +162,9 @@ class EngineCore:
         text = ""
         if p.max_tokens == 0:  # scoring only: the prompt's logprobs, no token
             finish, new = "length", []
-        for i, tok in enumerate(new):
+        for tok in new:
             req.token_ids.append(tok)
             accepted.append(tok)
-            if p.logprobs and logprobs:
-                req.logprobs.append(logprobs[i])
             n_out = req.num_output_tokens
             if n_out >= p.min_tokens and ((tok in self._eos and not p.ignore_eos)
                                           or tok in req.stop_ids):
@@ -187,8 +185,9 @@ class EngineCore:
                 break
         self._gen_tokens += len(accepted)
         out = RequestOutput(request_id=req.request_id, token_ids=accepted, text=text)
-        if p.logprobs:
-            out.logprobs = req.logprobs[len(req.logprobs) - len(accepted):]
+        if p.logprobs:  # the accepted tokens' (a prefix of the step's new tokens)
+            lps = logprobs or []
+            out.logprobs = lps if len(lps) == len(accepted) else lps[: len(accepted)]
         if not req.prompt_sent and (p.prompt_logprobs is not None or p.echo):
             self._first_output(req, out)
         if finish:

@@ -56,13 +56,14 @@ def plan(batch, sample_rows, counts: Sequence[int], plp, vocab_size: int) -> Opt
     tokens) and of ``plp`` (:func:`prompt_rows`); None when no row is asked for."""
     rows: list[int] = []
     spans = []
-    c = 0
+    c = n_out = 0
     for i, (req, _) in enumerate(batch):
-        if req.params.logprobs and counts[i]:
-            spans.append((i, len(rows), len(rows) + counts[i], req.params.top_logprobs))
-            rows.extend(range(c, c + counts[i]))
+        n = counts[i]
+        if n and req.params.logprobs:
+            spans.append((i, n_out, n_out + n, req.params.top_logprobs))
+            rows.extend(range(c, c + n))
+            n_out += n
         c += len(sample_rows[i])
-    n_out = len(rows)
     for m, (i, _, _) in enumerate(plp):
         if spans and spans[-1][0] == i and spans[-1][1] >= n_out:
             spans[-1] = (i, spans[-1][1], n_out + m + 1, spans[-1][3])
@@ -103,10 +104,10 @@ def device_rows(logits: torch.Tensor, p: Plan, sampled: torch.Tensor) -> torch.T
 def unpack(words: np.ndarray, p: Plan, num_entries: int) -> tuple[list, dict, list]:
     """From the host copy of :func:`device_rows` ([rows, 3 + 2k] int32): per entry its new
     tokens' :class:`Logprobs` (None if it asked for none), ``{entry: prompt Logprobs}``, and
-    per entry the new tokens' logprobs as floats (``RequestOutput.logprobs``)."""
+    per entry the new tokens' logprobs as floats (``RequestOutput.logprobs``; None likewise)."""
     K = p.k
     out: list[Optional[Logprobs]] = [None] * num_entries
-    floats: list[list[float]] = [[] for _ in range(num_entries)]
+    floats: list[Optional[list[float]]] = [None] * num_entries
     prompt: dict[int, Logprobs] = {}
     words = words.astype("<i4", copy=False)
     chosen = words[: p.n_out, 1].view("<f4").tolist()
