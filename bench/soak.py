@@ -271,7 +271,9 @@ async def attack_ipc(path: str, stats: Stats, stop: anyio.Event, n_bare: int) ->
 def _hello_with_token(token: str) -> bytes:
     import msgspec
 
-    body = msgspec.msgpack.encode({"t": "Hello", "protocol_version": 1, "token": token})
+    from ipc.messages import PROTOCOL_VERSION
+
+    body = msgspec.msgpack.encode({"t": "Hello", "protocol_version": PROTOCOL_VERSION, "token": token})
     return struct.pack(">I", len(body)) + body
 
 

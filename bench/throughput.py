@@ -2,6 +2,7 @@
 
     python -m bench.throughput --device cpu                       # scaled down, 70-150 s on 2 busy cores
     python -m bench.throughput --device cuda                      # nano-vllm: 256 req, [100, 1024]
+    python -m bench.throughput --device cpu --modes bare,inproc --repeat 4 --logprobs-compare 20
 
 Workload (nano-vllm's bench.py): N requests (default 256), prompt lengths and output lengths
 uniform in [min, max] (cuda default [100, 1024] for both, as nano-vllm; cpu default prompts
@@ -26,7 +27,8 @@ same process took up to 10x the page faults:
                (``init_continuous_batching`` / ``add_request(max_new_tokens=...)``) when the
                installed transformers has one.
 
-Reported per mode: output tok/s, total (prompt + output) tok/s, TTFT p50/p99 and inter-token
+Reported per mode: output tok/s, total (prompt + output) tok/s, the process's CPU seconds in the
+timed region (``cpu_s``; bare and inproc: all of the engine's threads), TTFT p50/p99 and inter-token
 latency p50/p99 (time between consecutive streamed tokens of one request; a piece carrying k
 tokens counts as k gaps of 1/k), plus the ratios inproc/bare and ipc/inproc. Model load and a
 short warm-up are outside the timed region. JSON goes to ``bench/results/throughput.json``
@@ -126,6 +128,7 @@ def run_bare(args, work) -> dict[str, Any]:
             with common.progress(sum(o for _, o in work), _desc("bare", r, args), "tok", args.no_progress) as bar:
                 rec = Recorder(work, bar)
                 index = {}
+                cpu0 = time.process_time()
                 rec.t0 = now()
                 for i, (p, o) in enumerate(work):
                     rid = f"r{i}"
@@ -144,9 +147,11 @@ def run_bare(args, work) -> dict[str, Any]:
                         last_bar = t
                 common.sync(args.device)
                 rec.t1 = now()
+                cpu_s = time.process_time() - cpu0
                 rec.flush_bar()
             st = core.statistics()
-            runs.append(rec.summary("bare", steps=st.steps, preemptions=st.preemptions))
+            runs.append(rec.summary("bare", steps=st.steps, preemptions=st.preemptions,
+                                    cpu_s=cpu_s))
         return _best(runs, load_s=load_s, kv_blocks=runner.num_blocks)
     finally:
         runner.shutdown()
@@ -206,10 +211,12 @@ def run_inproc(args, work) -> dict[str, Any]:
                 with common.progress(sum(o for _, o in work), _desc("inproc", r, args), "tok",
                                      args.no_progress) as bar:
                     rec = Recorder(work, bar)
+                    cpu0 = time.process_time()
                     await _stream_all(eng.generate, work, args.temperature, rec)
+                    cpu_s = time.process_time() - cpu0
                 s1 = eng.statistics()
                 runs.append(rec.summary("inproc", steps=s1.steps - s0.steps,
-                                        preemptions=s1.preemptions - s0.preemptions))
+                                        preemptions=s1.preemptions - s0.preemptions, cpu_s=cpu_s))
             result.update(_best(runs, load_s=load_s))
 
     anyio.run(main, backend="asyncio", backend_options=_backend_options(args))
@@ -324,6 +331,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="every request asks for logprobs with the top K (engine max_logprobs: 20)")
     ap.add_argument("--copy-mib", type=int, default=None,
                     help="bandwidth copy size for roof %% (default 2048 cuda, 512 cpu)")
+    ap.add_argument("--logprobs-compare", type=int, default=None, metavar="K",
+                    help="run every engine mode without and with --logprobs K, alternating, "
+                         "--repeat rounds; print the per-round ratios and their median")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = common.finish_common_args(ap.parse_args(argv), "throughput")
     global LOGPROBS
@@ -370,6 +380,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     hf = None
     runners = {"bare": run_bare, "inproc": run_inproc, "ipc": run_ipc}
+    if args.logprobs_compare is not None and not args.child:
+        return _compare_logprobs(args, argv if argv is not None else sys.argv[1:], work, runners,
+                                 [m for m in modes if m in runners], result)
     engine_modes = [m for m in modes if m in runners]
     # --interleave: round r runs every engine mode once (fresh engine each), so slow drifts in
     # machine load hit all modes alike; otherwise each mode runs its --repeat runs in one engine.
@@ -443,6 +456,30 @@ def main(argv: Optional[list[str]] = None) -> int:
             if result.get(key):
                 print(f"ratios ({label}): " + ", ".join(f"{k} = {v:.3f}" for k, v in result[key].items()))
         print("CPU targets: inproc/bare >= 0.90; ipc/inproc >= 0.97 at 256 concurrent streams")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _compare_logprobs(args, argv: list[str], work, runners, modes: list[str], result: dict) -> int:
+    from .throughput_logprobs import child_argv, compare, print_table
+
+    one = argparse.Namespace(**{**vars(args), "repeat": 1})
+
+    def run(mode: str, k: Optional[int]) -> dict:
+        global LOGPROBS
+        if args.isolate:
+            return run_isolated(child_argv(argv, k), mode, 1)
+        LOGPROBS = k
+        try:
+            return runners[mode](one, work)
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            traceback.print_exc()
+            return {"mode": mode, "error": repr(exc)}
+
+    res = compare(modes, args.repeat, args.logprobs_compare, run)
+    result["logprobs_compare"] = {"k": args.logprobs_compare, "rounds": args.repeat, "modes": res}
+    common.write_json(args.out, result)
+    print_table(res, args.logprobs_compare)
     print(f"wrote {args.out}")
     return 0
 

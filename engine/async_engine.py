@@ -218,6 +218,12 @@ class AsyncEngine(IntakeAPI, SleepAPI):
             self._raise_unavailable("detokenize")
         return await self.admission.detokenize(ids, each)
 
+    async def token_bytes(self) -> list[bytes]:
+        """Every token's bytes, by id (the tokenizer's table, built once)."""
+        if self.runner.tokenizer is None or self.lifecycle.state in (State.INIT, State.SHUTDOWN, State.FAILED):
+            self._raise_unavailable("token_bytes")
+        return self.runner.tokenizer.byte_table
+
     def tokenizer_info(self) -> TokenizerInfo:
         """The tokenizer's description (all unknown until the model is loaded)."""
         tok = self.runner.tokenizer

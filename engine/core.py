@@ -14,7 +14,7 @@ from .bad_words import bad_word_sequences
 from .detokenizer import IncrementalDetokenizer
 from .errors import BadRequestError
 from .kv_cache import blocks_needed
-from .params import RequestOutput, SamplingParams, TokenLogprob
+from .params import Logprobs, RequestOutput, SamplingParams
 from .request import Request
 from .runner import ModelRunner
 from .sampler import StepResult
@@ -196,7 +196,9 @@ class EngineCore:
                 continue
             new = result.tokens[k]
             if k in result.prompt_lps:
-                req.prompt_lps.extend(self._lp(e) for e in result.prompt_lps[k])
+                chunk = result.prompt_lps[k]
+                req.prompt_lps.append(chunk)
+                req.num_prompt_lps += len(chunk)
             req.spec_token_ids = []
             if not new:
                 self.scheduler.advance(req, req.num_computed_tokens + n)
@@ -205,26 +207,21 @@ class EngineCore:
             self.scheduler.advance(req, req.num_computed_tokens + n + len(new) - 1)
             out = self._append(req, new, result.logprobs[k] if result.logprobs else None)
             if result.token_lps is not None and req.params.logprobs:
-                got = result.token_lps[k][: len(out.token_ids)]
-                out.token_logprobs = [self._lp(e) for e in got]
+                got = result.token_lps[k]  # a row per new token; a stop drops those after it
+                if got is not None:
+                    out.token_logprobs = got if len(out.token_ids) == len(new) else got[: len(out.token_ids)]
             outputs.append(out)
         return outputs
-
-    def _lp(self, e) -> TokenLogprob:
-        """A TokenLogprob from an ``engine.logprobs`` entry (with the tokens' bytes)."""
-        tb = self.tokenizer.byte_table  # ids come from the model: all inside the vocabulary
-        tok, lp, rank, ids, lps = e
-        return TokenLogprob(tok, tb[tok], lp, rank, ids, lps, list(map(tb.__getitem__, ids)))
 
     def _first_output(self, req: Request, out: RequestOutput) -> None:
         """The prompt's logprobs and text go with a request's first output."""
         p = req.params
         req.prompt_sent = True
         if p.prompt_logprobs is not None:
-            first = req.token_ids[0]
-            out.prompt_logprobs = [TokenLogprob(token_id=first,
-                                                token=self.tokenizer.token_bytes(first))]
-            out.prompt_logprobs += req.prompt_lps[: req.num_prompt_tokens - 1]
+            k = min(p.prompt_logprobs, self.runner.model_config.vocab_size)
+            first = Logprobs.first_prompt_token(req.token_ids[0], k)
+            rows = Logprobs.join([first, *req.prompt_lps])
+            out.prompt_logprobs = rows[: req.num_prompt_tokens]
         if p.echo:
             out.prompt_text = self.tokenizer.decode(req.token_ids[: req.num_prompt_tokens])
 
@@ -238,15 +235,13 @@ class EngineCore:
         text = ""
         if p.max_tokens == 0:  # scoring only: the prompt's logprobs, no token
             finish, new = "length", []
-        for i, tok in enumerate(new):
+        for tok in new:
             if req.matcher is not None:  # the grammar's verdict: complete, or a dead end
                 finish, reason = advance(req.matcher, tok)
                 if finish == "error":
                     break  # a token the grammar refuses is not part of the output
             req.token_ids.append(tok)
             accepted.append(tok)
-            if p.logprobs and logprobs:
-                req.logprobs.append(logprobs[i])
             n_out = req.num_output_tokens
             if finish:
                 pass
@@ -269,8 +264,9 @@ class EngineCore:
                 break
         self._gen_tokens += len(accepted)
         out = RequestOutput(request_id=req.request_id, token_ids=accepted, text=text)
-        if p.logprobs:
-            out.logprobs = req.logprobs[len(req.logprobs) - len(accepted):]
+        if p.logprobs:  # the accepted tokens' (a prefix of the step's new tokens)
+            lps = logprobs or []
+            out.logprobs = lps if len(lps) == len(accepted) else lps[: len(accepted)]
         if not req.prompt_sent and (p.prompt_logprobs is not None or p.echo):
             self._first_output(req, out)
         if finish:

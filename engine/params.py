@@ -5,9 +5,10 @@ Both are msgspec Structs so the IPC layer carries them unchanged.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Annotated, Iterator, Literal, NamedTuple, Optional, Sequence
 
 import msgspec
+import numpy as np
 
 from .errors import BadRequestError
 from .structured.spec import StructuredOutputs
@@ -195,26 +196,108 @@ class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     reason: Optional[str] = None
     logprobs: Optional[list[float]] = None
     # -- appended (older frames decode with these defaults) --------------------------------
-    #: with ``params.logprobs``: one entry per new token (its logprob, bytes, top alternatives)
-    token_logprobs: Optional[list["TokenLogprob"]] = None
-    #: with ``params.prompt_logprobs`` or ``params.echo``, on the first output only: one entry
-    #: per prompt token (the first has no logprob: nothing predicts it)
-    prompt_logprobs: Optional[list["TokenLogprob"]] = None
+    #: with ``params.logprobs``: one row per new token (its logprob, its top alternatives),
+    #: packed (:class:`Logprobs`; token ids only -- the bytes are the tokenizer's)
+    token_logprobs: Optional["Logprobs"] = None
+    #: with ``params.prompt_logprobs`` (or ``params.echo`` with ``logprobs``), on the first output
+    #: only: one row per prompt token (the first has no logprob: nothing predicts it)
+    prompt_logprobs: Optional["Logprobs"] = None
     #: with ``params.echo``, on the first output only: the prompt as text
     prompt_text: Optional[str] = None
 
 
-class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """One token's logprob (natural log, of the model's raw distribution), its bytes, its rank
-    (1 = most likely; prompt tokens only) and the ``top`` most likely tokens with theirs."""
+class TokenLogprob(NamedTuple):
+    """One token's logprob (natural log, of the model's raw distribution; None for the first
+    prompt token, which nothing predicts), its rank (1 = most likely; prompt tokens only, else
+    None) and the most likely tokens with theirs. A view that :class:`Logprobs` unpacks."""
 
     token_id: int
-    token: bytes
-    logprob: Optional[float] = None
-    rank: Optional[int] = None
-    top_ids: list[int] = []
-    top_logprobs: list[float] = []
-    top_tokens: list[bytes] = []
+    logprob: Optional[float]
+    rank: Optional[int]
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
-__all__ = ["SamplingParams", "RequestOutput", "TokenLogprob", "FinishReason", "StructuredOutputs"]
+_ROW_HEAD = 3  # token id, logprob, rank; then k top ids, then k top logprobs
+
+
+class Logprobs(msgspec.Struct, array_like=True, gc=False):
+    """The logprobs of consecutive tokens, packed as the engine produced them: ``rows`` holds
+    one row of ``3 + 2k`` little-endian 4-byte words per token -- token id (int32), logprob
+    (float32; NaN: none), rank (int32; 0: not computed), ``k`` top ids (int32), ``k`` top
+    logprobs (float32). One bytes object per output, so an output costs no Python object per
+    alternative until something renders it, and crosses the wire as one binary blob."""
+
+    k: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] = 0
+    rows: bytes = b""
+
+    @property
+    def width(self) -> int:
+        return _ROW_HEAD + 2 * self.k
+
+    def __len__(self) -> int:
+        return len(self.rows) // (4 * self.width)
+
+    def _words(self) -> "np.ndarray":
+        return np.frombuffer(self.rows, dtype="<i4").reshape(-1, self.width)
+
+    def __getitem__(self, index):
+        """A slice (step 1): the :class:`Logprobs` of those tokens; an int: one token's
+        :class:`TokenLogprob`."""
+        if not isinstance(index, slice):
+            n = len(self)
+            i = index + n if index < 0 else index
+            if not 0 <= i < n:
+                raise IndexError("Logprobs index out of range")
+            return self[i:i + 1].entries()[0]
+        start, stop, step = index.indices(len(self))
+        if step != 1:
+            raise ValueError("Logprobs slices take step 1")
+        w = 4 * self.width
+        return Logprobs(self.k, self.rows[start * w: max(start, stop) * w])
+
+    @classmethod
+    def join(cls, parts: "Sequence[Logprobs]") -> "Logprobs":
+        """``parts`` one after another (all with the same ``k``)."""
+        parts = [p for p in parts if p.rows]
+        if not parts:
+            return cls()
+        k = parts[0].k
+        if any(p.k != k for p in parts):
+            raise ValueError("Logprobs.join: parts with different k")
+        return cls(k, b"".join(p.rows for p in parts))
+
+    @classmethod
+    def first_prompt_token(cls, token_id: int, k: int) -> "Logprobs":
+        """The row of a prompt's first token: no logprob, no alternatives."""
+        row = np.zeros(_ROW_HEAD + 2 * k, dtype="<i4")
+        row[0] = token_id
+        row[1:2].view("<f4")[0] = np.nan
+        return cls(k, row.tobytes())
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._words()[:, 0].tolist()
+
+    @property
+    def logprobs(self) -> list[Optional[float]]:
+        return [None if v != v else v for v in self._words()[:, 1].view("<f4").tolist()]
+
+    def entries(self) -> list[TokenLogprob]:
+        """Every token's :class:`TokenLogprob` (plain Python values)."""
+        a = self._words()
+        k = self.k
+        ids, ranks = a[:, 0].tolist(), a[:, 2].tolist()
+        lps = a[:, 1].view("<f4").tolist()
+        top_ids = a[:, _ROW_HEAD:_ROW_HEAD + k].tolist()
+        top_lps = a[:, _ROW_HEAD + k:].view("<f4").tolist()
+        return [TokenLogprob(t, None, None, [], []) if lp != lp else
+                TokenLogprob(t, lp, r or None, ti, tl)
+                for t, lp, r, ti, tl in zip(ids, lps, ranks, top_ids, top_lps)]
+
+    def __iter__(self) -> "Iterator[TokenLogprob]":
+        return iter(self.entries())
+
+
+__all__ = ["SamplingParams", "RequestOutput", "Logprobs", "TokenLogprob", "FinishReason",
+           "StructuredOutputs"]

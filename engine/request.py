@@ -19,10 +19,10 @@ class Request:
     __slots__ = (
         "request_id", "params", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_ids", "status", "arrival", "finish_reason", "reason", "detok", "spec_token_ids",
-        "num_preemptions", "first_token_time", "logprobs",
+        "num_preemptions", "first_token_time",
         "stop_ids", "sampling_row",
         "num_sealed_blocks", "block_hashes", "hash_root", "cache_epoch", "first_scheduled",
-        "prompt_lps", "prompt_sent", "bad_words", "matcher",
+        "prompt_lps", "num_prompt_lps", "prompt_sent", "bad_words", "matcher",
         "pending", "pending_row", "hold", "overlappable",
     )
 
@@ -46,12 +46,12 @@ class Request:
         self.num_preemptions = 0
         self.first_token_time: Optional[float] = None
         self.first_scheduled: Optional[float] = None  # monotonic time it was first scheduled
-        self.logprobs: list[float] = []
         self.stop_ids = frozenset(params.stop_token_ids)
         self.bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
-        # prompt_logprobs: TokenLogprob of prompt positions 1.. as prefill chunks compute them;
-        # sent (with the echo) on the first output
+        # prompt_logprobs: the rows (engine.params.Logprobs) of prompt positions 1.., one chunk
+        # per prefill step that computed some, and how many rows; sent on the first output
         self.prompt_lps: list = []
+        self.num_prompt_lps = 0
         self.prompt_sent = False
         # (temperature, top_k, top_p) as the sampler's tensors take them; set by the runner
         # when the request is admitted (ModelRunner.admit)

@@ -29,7 +29,7 @@ from .owner import Resource as R
 from .request import Request
 from .runner_sleep import RunnerSleep
 from . import logprobs
-from .sampler import SamplingBatch, StepResult, build_sampling_batch, process, sample
+from .sampler import StepResult, build_sampling_batch, process, sample
 from .step_inputs import packed_forward
 from .structured.bitmask import TokenBitmask
 
@@ -319,8 +319,10 @@ class ModelRunner(RunnerSleep):
             return Launched(StepResult([[] for _ in batch], None))
         logits_all = self._logits(model, hidden, idx)
         logits = logits_all[: len(flat)]
+        tokens = None  # the sampled tokens, still on the device (no speculator)
+        result = StepResult([[] for _ in batch], None)
+        owners = [i for i, rows in enumerate(sample_rows) for _ in rows]
         if flat:
-            owners = [i for i, rows in enumerate(sample_rows) for _ in rows]
             sb = build_sampling_batch([batch[i][0] for i in owners], state.generators, self.device)
             processed = process(logits, sb)
             # the constrained rows' grammars: disallowed tokens -inf, before any sampling
@@ -334,19 +336,48 @@ class ModelRunner(RunnerSleep):
                 state.buffers["sampled"][: tokens.shape[0]].copy_(tokens)
                 return Launched.deferred(len(batch), owners, tokens)
             else:
-                result = self._sample(batch, owners, processed, sb)
-        else:
-            result = StepResult([[] for _ in batch], None)
+                tokens, _ = sample(processed, sb)
+        lp_plan = None
         if plp or any(req.params.logprobs for req, _ in batch):
-            result.token_lps, result.prompt_lps = logprobs.for_step(
-                batch, sample_rows, result.tokens, logits_all, plp)
-            result.logprobs = [[e[1] for e in es] for es in result.token_lps]
-        return Launched(result)
+            counts = ([len(r) for r in sample_rows] if tokens is not None
+                      else [len(t) for t in result.tokens])
+            lp_plan = logprobs.plan(batch, sample_rows, counts, plp, logits_all.shape[1])
+        if lp_plan is None:
+            return Launched(result if tokens is None
+                            else self._per_entry(batch, owners, tokens.tolist()))
+        return Launched(self._with_logprobs(batch, owners, len(flat), tokens, result, logits_all,
+                                            lp_plan))
 
     @staticmethod
     def collect(launched: "Launched") -> StepResult:
         """The step's result, waiting for its sampled tokens' host copy if it was deferred."""
         return launched.wait()
+
+    def _with_logprobs(self, batch, owners, n_flat: int, tokens, result: StepResult, logits_all,
+                       lp_plan: "logprobs.Plan") -> StepResult:
+        """The step's logprob rows computed on the device and brought to the host in one copy,
+        with the sampled ``tokens`` (still on the device; None: a speculator's ``result`` has
+        them on the host already)."""
+        out_rows = lp_plan.rows[: lp_plan.n_out]
+        if tokens is not None:
+            chosen = tokens if out_rows == list(range(n_flat)) else tokens[
+                torch.tensor(out_rows, dtype=torch.long, device=self.device)]
+        else:
+            chosen = torch.tensor([t for i, a, _, _ in lp_plan.spans if a < lp_plan.n_out
+                                   for t in result.tokens[i]], dtype=torch.long, device=self.device)
+        rows = logprobs.device_rows(logits_all, lp_plan, chosen)
+        # One device->host copy per step for the sampled tokens and every logprob row (a
+        # blocking copy: the host reads them at once, so a non_blocking one would be followed
+        # by a synchronize anyway); on CPU it copies nothing.
+        flat_host = (torch.cat([tokens.int(), rows.flatten()]) if tokens is not None
+                     else rows.flatten()).cpu().numpy()
+        n_tok = n_flat if tokens is not None else 0
+        if tokens is not None:
+            result = self._per_entry(batch, owners, flat_host[:n_tok].tolist())
+        words = flat_host[n_tok:].reshape(len(lp_plan.rows), -1)
+        result.token_lps, result.prompt_lps, result.logprobs = logprobs.unpack(
+            words, lp_plan, len(batch))
+        return result
 
     def _logits(self, model, hidden, idx: list[int]):
         if idx == list(range(len(idx))):
@@ -363,18 +394,13 @@ class ModelRunner(RunnerSleep):
         if logits_rows:
             self._logits(self._owner[R.WEIGHTS], hidden, logits_rows)
 
-    def _sample(self, batch, owners, logits, sb: SamplingBatch) -> StepResult:
-        tokens, logprobs = sample(logits, sb)
-        tok_list = tokens.tolist()
-        lp_list = logprobs.tolist() if logprobs is not None else None
+    @staticmethod
+    def _per_entry(batch, owners, tok_list: list[int]) -> StepResult:
+        """The sampled tokens (one per sample row, in row order) grouped by entry."""
         out: list[list[int]] = [[] for _ in batch]
-        lps: Optional[list[list[float]]] = [[] for _ in batch] if lp_list is not None else None
         for k, i in enumerate(owners):
             out[i].append(tok_list[k])
-            if lps is not None:
-                lps[i].append(lp_list[k])
-        return StepResult(out, lps)
-
+        return StepResult(out, None)
 
 
 def _constrained(batch, sample_rows) -> list[tuple]:

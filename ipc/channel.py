@@ -80,6 +80,7 @@ class ClientChannel:
         self._cause: Optional[BaseException] = None  # what ended the connection, if it broke
         self._death_reason = ""  # for DEAD: "engine failed" or "lost the connection ..."
         self.process: Optional["EngineProcess"] = None  # set by spawn()
+        self._token_bytes: Optional[list[bytes]] = None  # EngineClient.token_bytes, once asked
 
     # ------------------------------------------------------------------ opening
 

@@ -42,7 +42,7 @@ from states import State
 from .channel import ClientChannel, ConnState
 from .handshake import client_handshake
 from .messages import (MAX_PATH_LEN, MAX_REQUEST_ID_LEN, Abort, Detokenize, Drain, Health,
-                       HealthRequest, Shutdown, Sleep, Tokenize, UpdateWeights, WakeUp)
+                       HealthRequest, Shutdown, Sleep, Tokenize, UpdateWeights, Vocabulary, WakeUp)
 from .requests import join_outputs
 from .streams import RemoteStream
 from .transport import connect as open_stream
@@ -220,6 +220,13 @@ class EngineClient(ClientChannel):
         msg = await self._call("detokenize", lambda cid: Detokenize(call_id=cid, ids=list(ids),
                                                                      each=bool(each)))
         return list(msg.texts)
+
+    async def token_bytes(self) -> list[bytes]:
+        """Every token's bytes, by id (asked once, then kept: the tokenizer does not change)."""
+        if self._token_bytes is None:
+            msg = await self._call("token_bytes", lambda cid: Vocabulary(call_id=cid))
+            self._token_bytes = list(msg.pieces)
+        return self._token_bytes
 
     # ------------------------------------------------------------------ sleep mode
 

@@ -47,9 +47,12 @@ Each message is one frame::
   (<= 16 KiB), choice: [str] (<= 256 of <= 1 KiB), grammar: str (EBNF, <= 16 KiB); RequestOutput {request_id: str,
   token_ids: [int] (new tokens), text: str (new text), num_prompt_tokens: int, num_output_tokens:
   int (cumulative), finished: bool, finish_reason: "stop" | "length" | "abort" | "error" | nil,
-  reason: str | nil, logprobs: [float] | nil, token_logprobs: [TokenLogprob] | nil,
-  prompt_logprobs: [TokenLogprob] | nil, prompt_text: str | nil}; a TokenLogprob: [token_id, token
-  (bytes), logprob | nil, rank | nil, top_ids, top_logprobs, top_tokens].
+  reason: str | nil, logprobs: [float] | nil, token_logprobs: Logprobs | nil,
+  prompt_logprobs: Logprobs | nil, prompt_text: str | nil}; a Logprobs: [k: int (0..1024), rows:
+  bin], ``rows`` one row of 3 + 2k little-endian 4-byte words per token: token id (int32), logprob
+  (float32; NaN: none), rank (int32; 0: not computed), k top ids (int32), k top logprobs
+  (float32). Token ids only: a client that shows tokens as text takes their bytes from
+  :class:`Vocabulary` once.
 * Example: ``Hello(protocol_version=1, client_name="cli")`` is the header ``00 00 00 2b``
   (43) followed by the 43-byte body ``{"t": "Hello", "protocol_version": 1, "client_name":
   "cli"}``: ``83 a1 74 a5 48 65 6c 6c 6f b0 70 72 6f 74 6f 63 6f 6c 5f 76 65 72 73 69 6f 6e 01
@@ -107,7 +110,8 @@ Client -> engine:
   loads a checkpoint while asleep (refused: ``BAD_REQUEST``, the old weights stay). A Drain or
   Shutdown while sleeping releases what is left; a call in the wrong state: ``INVALID_TRANSITION``.
 * :class:`Tokenize` / :class:`Detokenize` (appended too) ask the engine's tokenizer: :class:`Tokens` (``ids``
-  / ``texts``) or an ``Error`` answers, with their ``call_id``.
+  / ``texts``) or an ``Error`` answers, with their ``call_id``. :class:`Vocabulary` (appended in
+  version 2) asks for every token's bytes, by id: :class:`Tokens` (``pieces``).
 
 Correlation: every client message but Hello and Generate takes an optional ``call_id``
 (client-chosen integer). With it, the engine answers with a message carrying the same
@@ -144,8 +148,9 @@ from states import State
 
 from .errors import ErrorKind
 
-#: Bumped on any incompatible change of the messages below.
-PROTOCOL_VERSION = 1
+#: Bumped on any incompatible change of the messages below (2: ``RequestOutput``'s logprobs are
+#: packed ``Logprobs``; ``Vocabulary`` appended).
+PROTOCOL_VERSION = 2
 #: Largest frame body (bytes) unless configured otherwise; told in ``Welcome.max_frame``.
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 #: Largest frame the engine accepts before the handshake is done.
@@ -159,6 +164,8 @@ MAX_NAME_LEN = 256
 MAX_ERROR_MESSAGE_LEN = 8192
 MAX_CHAT_TEMPLATE_LEN = 1024 * 1024
 MAX_PATH_LEN = 4096  # Linux's PATH_MAX
+MAX_VOCAB = 1 << 21  # tokens in a Vocabulary answer
+MAX_PIECE_LEN = 1024  # bytes of one token
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -223,6 +230,11 @@ class Detokenize(_Message, tag="Detokenize"):
     call_id: CallId
     ids: Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKENS)]
     each: bool = False
+
+
+class Vocabulary(_Message, tag="Vocabulary"):
+    """Ask for every token's bytes, by id (answered by :class:`Tokens` with ``pieces``)."""
+    call_id: CallId
 
 
 class HealthRequest(_Message, tag="HealthRequest"):
@@ -324,10 +336,12 @@ class StateChanged(_Message, tag="StateChanged"):
 
 
 class Tokens(_Message, tag="Tokens"):
-    """The answer to a Tokenize (``ids``) / a Detokenize (``texts``)."""
+    """The answer to a Tokenize (``ids``) / a Detokenize (``texts``) / a Vocabulary (``pieces``)."""
     call_id: CallId
     ids: Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKENS)] = []
     texts: Annotated[list[str], Meta(max_length=MAX_PROMPT_TOKENS)] = []
+    pieces: Annotated[list[Annotated[bytes, Meta(max_length=MAX_PIECE_LEN)]],
+                      Meta(max_length=MAX_VOCAB)] = []
 
 
 class Ack(_Message, tag="Ack"):
@@ -339,12 +353,12 @@ class Ack(_Message, tag="Ack"):
 
 
 ClientMessage = Union[Hello, Generate, Abort, HealthRequest, Drain, Shutdown, Sleep, WakeUp, UpdateWeights,
-                      Tokenize, Detokenize]
+                      Tokenize, Detokenize, Vocabulary]
 EngineMessage = Union[Welcome, Outputs, Health, Error, StateChanged, Ack, Tokens]
 Message = Union[ClientMessage, EngineMessage]
 
 CLIENT_MESSAGES: tuple[type, ...] = (Hello, Generate, Abort, HealthRequest, Drain, Shutdown, Sleep,
-                                     WakeUp, UpdateWeights, Tokenize, Detokenize)
+                                     WakeUp, UpdateWeights, Tokenize, Detokenize, Vocabulary)
 ENGINE_MESSAGES: tuple[type, ...] = (Welcome, Outputs, Health, Error, StateChanged, Ack, Tokens)
 ALL_MESSAGES: tuple[type, ...] = CLIENT_MESSAGES + ENGINE_MESSAGES
 
@@ -356,7 +370,7 @@ __all__ = [
     "PROTOCOL_VERSION", "DEFAULT_MAX_FRAME", "HANDSHAKE_MAX_FRAME", "ErrorKind", "FATAL_KINDS",
     "Hello", "Generate", "Abort", "HealthRequest", "Drain", "Shutdown", "Sleep", "WakeUp", "UpdateWeights",
     "Welcome", "Outputs", "Health", "Error", "StateChanged", "Ack",
-    "Tokenize", "Detokenize", "Tokens",
+    "Tokenize", "Detokenize", "Vocabulary", "Tokens",
     "ClientMessage", "EngineMessage", "Message",
     "CLIENT_MESSAGES", "ENGINE_MESSAGES", "ALL_MESSAGES",
     "SamplingParams", "RequestOutput", "State",

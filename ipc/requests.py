@@ -9,7 +9,7 @@ import msgspec
 
 from engine.errors import BadRequestError
 from engine.mailbox import Mailbox
-from engine.params import RequestOutput, SamplingParams
+from engine.params import Logprobs, RequestOutput, SamplingParams
 
 from .errors import FrameTooLargeError
 from .framing import HEADER_SIZE, FrameCodec
@@ -115,6 +115,8 @@ async def join_outputs(stream: Any) -> RequestOutput:
     text: list[str] = []
     ids: list[int] = []
     logprobs: Optional[list[float]] = None
+    rows: list[Logprobs] = []
+    prompt: Optional[Logprobs] = None
     last: Optional[RequestOutput] = None
     try:
         async for out in stream:
@@ -122,11 +124,16 @@ async def join_outputs(stream: Any) -> RequestOutput:
             ids.extend(out.token_ids)
             if out.logprobs is not None:
                 logprobs = (logprobs or []) + list(out.logprobs)
+            if out.token_logprobs is not None:
+                rows.append(out.token_logprobs)
+            if prompt is None:
+                prompt = out.prompt_logprobs
             last = out
     finally:
         stream.cancel()
     assert last is not None and last.finished
-    return _replace(last, token_ids=ids, text="".join(text), logprobs=logprobs)
+    return _replace(last, token_ids=ids, text="".join(text), logprobs=logprobs,
+                    token_logprobs=Logprobs.join(rows) if rows else None, prompt_logprobs=prompt)
 
 
 __all__ = ["RequestTable", "GenerateEncoder", "join_outputs"]

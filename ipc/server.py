@@ -45,7 +45,7 @@ from .errors import ConnectionClosed, ProtocolError
 from .framing import FrameCodec, FrameReader
 from .handshake import describe_model, hello_error
 from .messages import (DEFAULT_MAX_FRAME, HANDSHAKE_MAX_FRAME, PROTOCOL_VERSION, Abort, Ack, ClientMessage, Detokenize, Drain,
-                       Error, ErrorKind, Generate, HealthRequest, Shutdown, Sleep, StateChanged, Tokenize, Tokens, UpdateWeights, WakeUp, Welcome)
+                       Error, ErrorKind, Generate, HealthRequest, Shutdown, Sleep, StateChanged, Tokenize, Tokens, UpdateWeights, Vocabulary, WakeUp, Welcome)
 from .wire_errors import error_to_message
 from .transport import (check_token, listener_address, open_listener, parse_address, peer_of,
                         remove_socket, socket_inode)
@@ -326,6 +326,8 @@ class IPCServer:
                        answer="ids")
         elif t is Detokenize:
             self._call(conn, msg.call_id, self.engine.detokenize, msg.ids, msg.each, answer="texts")
+        elif t is Vocabulary:
+            self._call(conn, msg.call_id, self.engine.token_bytes, answer="pieces")
         else:  # a second Hello
             conn.fail(ProtocolError(f"unexpected {t.__name__} after the handshake"))
 

@@ -69,7 +69,6 @@ def _check_logprobs(ref, ids, outs, score) -> None:
         assert e.top_ids == top.indices.tolist()
         assert e.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-4)
         assert e.rank == int((row > row[ids[j]]).sum()) + 1
-        assert e.token == ref.tokenizer.token_bytes(ids[j])
     entries = [e for o in outs for e in o.token_logprobs]
     assert [e.token_id for e in entries] == gen
     assert [x for o in outs for x in o.logprobs] == [e.logprob for e in entries]
@@ -78,7 +77,6 @@ def _check_logprobs(ref, ids, outs, score) -> None:
         assert gen[m] == int(row.argmax())  # greedy
         assert e.logprob == pytest.approx(row[gen[m]].item(), abs=1e-4)
         assert e.top_ids == row.topk(5).indices.tolist()
-        assert e.top_tokens == [ref.tokenizer.token_bytes(t) for t in e.top_ids]
     # scoring only: one output, no token, the prompt's logprobs
     assert len(score) == 1 and score[0].token_ids == [] and score[0].finish_reason == "length"
     assert score[0].num_output_tokens == 0

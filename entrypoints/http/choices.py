@@ -31,8 +31,21 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def tok_str(b: bytes) -> str:
-    return b.decode("utf-8", errors="replace")
+class TokenTable:
+    """Token ids as the bodies show them: each token's text (its bytes as UTF-8, a partial
+    character as U+FFFD) and its bytes. Made once per frontend from the engine's byte table, so
+    rendering a logprob is a list lookup. Ids past the tokenizer's table (a model's padded
+    vocabulary) read as empty."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+        self.texts = [b.decode("utf-8", errors="replace") for b in pieces]
+
+    def text(self, token_id: int) -> str:
+        return self.texts[token_id] if token_id < len(self.texts) else ""
+
+    def piece(self, token_id: int) -> bytes:
+        return self.pieces[token_id] if token_id < len(self.pieces) else b""
 
 
 class Job(NamedTuple):
@@ -44,18 +57,20 @@ class Job(NamedTuple):
     params: SamplingParams
 
 
-def completion_logprobs(entries, offset: int) -> tuple[dict, int]:
-    """The completions ``logprobs`` object of ``entries`` (TokenLogprob); text offsets count
-    from ``offset``. Each top dict holds the top k and the chosen token (as vLLM does)."""
+def completion_logprobs(entries, offset: int, table: TokenTable) -> tuple[dict, int]:
+    """The completions ``logprobs`` object of ``entries`` (``engine.params.TokenLogprob``); text
+    offsets count from ``offset``. Each top dict holds the top k and the chosen token (as vLLM
+    does)."""
+    text = table.text
     tokens, lps, tops, offs = [], [], [], []
     for e in entries:
-        s = tok_str(e.token)
+        s = text(e.token_id)
         tokens.append(s)
         lps.append(e.logprob)
         if e.logprob is None:
             tops.append(None)
         else:
-            d = {tok_str(t): lp for t, lp in zip(e.top_tokens, e.top_logprobs)}
+            d = {text(t): lp for t, lp in zip(e.top_ids, e.top_logprobs)}
             d.setdefault(s, e.logprob)
             tops.append(d)
         offs.append(offset)
@@ -63,24 +78,26 @@ def completion_logprobs(entries, offset: int) -> tuple[dict, int]:
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}, offset
 
 
-def chat_logprobs(entries) -> list[dict]:
-    return [{"token": tok_str(e.token), "logprob": e.logprob, "bytes": list(e.token),
-             "top_logprobs": [{"token": tok_str(t), "logprob": lp, "bytes": list(t)}
-                              for t, lp in zip(e.top_tokens, e.top_logprobs)]}
+def chat_logprobs(entries, table: TokenTable) -> list[dict]:
+    text, piece = table.text, table.piece
+    return [{"token": text(e.token_id), "logprob": e.logprob, "bytes": list(piece(e.token_id)),
+             "top_logprobs": [{"token": text(t), "logprob": lp, "bytes": list(piece(t))}
+                              for t, lp in zip(e.top_ids, e.top_logprobs)]}
             for e in entries]
 
 
-def prompt_logprobs(entries) -> list[Optional[dict]]:
+def prompt_logprobs(entries, table: TokenTable) -> list[Optional[dict]]:
     """vLLM's ``prompt_logprobs``: per prompt token ``{token id: {logprob, rank, decoded_token}}``
     (the prompt token and the top k), the first ``None``."""
+    text = table.text
     out: list[Optional[dict]] = []
     for e in entries:
         if e.logprob is None:
             out.append(None)
             continue
-        d = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": tok_str(e.token)}}
-        for r, (t, lp, b) in enumerate(zip(e.top_ids, e.top_logprobs, e.top_tokens), 1):
-            d.setdefault(str(t), {"logprob": lp, "rank": r, "decoded_token": tok_str(b)})
+        d = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": text(e.token_id)}}
+        for r, (t, lp) in enumerate(zip(e.top_ids, e.top_logprobs), 1):
+            d.setdefault(str(t), {"logprob": lp, "rank": r, "decoded_token": text(t)})
         out.append(d)
     return out
 
@@ -108,21 +125,30 @@ class ChoiceState:
         self.cum_logprob = 0.0  # of the generated tokens (ranks best_of candidates)
         self.show_logprobs = bool(job.params.logprobs)
         self.index = job.index  # in the response (best_of renumbers the kept ones)
+        #: how token ids are shown (set before the first output of a job with logprobs)
+        self.table: Optional[TokenTable] = None
+
+    @property
+    def needs_table(self) -> bool:
+        p = self.job.params
+        return bool(p.logprobs) or (self.want_prompt_lps and p.prompt_logprobs is not None)
 
     def piece(self, out: RequestOutput) -> tuple[str, Optional[object]]:
         """(text, logprobs fragment) of ``out``; remembered for :meth:`whole`."""
         text = out.text
-        entries = list(out.token_logprobs or [])
-        self.cum_logprob += sum(e.logprob for e in entries)
+        entries = out.token_logprobs.entries() if out.token_logprobs is not None else []
+        if out.logprobs:
+            self.cum_logprob += sum(out.logprobs)
         if self.first:
             self.first = False
+            plp = out.prompt_logprobs.entries() if out.prompt_logprobs is not None else None
             if self.echo:
                 prompt = self.job.prompt
                 text = (prompt if isinstance(prompt, str) else (out.prompt_text or "")) + text
-                if self.job.params.logprobs and out.prompt_logprobs:
-                    entries = list(out.prompt_logprobs) + entries
-            if self.want_prompt_lps and out.prompt_logprobs is not None:
-                self.prompt_lps = prompt_logprobs(out.prompt_logprobs)
+                if self.job.params.logprobs and plp:
+                    entries = plp + entries
+            if self.want_prompt_lps and plp is not None:
+                self.prompt_lps = prompt_logprobs(plp, self.table)
         self.num_prompt = out.num_prompt_tokens or self.num_prompt
         self.num_output = out.num_output_tokens or self.num_output
         if out.finished:
@@ -131,10 +157,10 @@ class ChoiceState:
         frag: Optional[object] = None
         if self.job.params.logprobs:
             if self.chat:
-                frag = chat_logprobs(entries)
+                frag = chat_logprobs(entries, self.table)
                 self.lps.extend(frag)
             else:
-                frag, self.offset = completion_logprobs(entries, self.offset)
+                frag, self.offset = completion_logprobs(entries, self.offset, self.table)
                 self.lps.append(frag)
         return text, frag
 
@@ -281,4 +307,4 @@ class Kind:
         return body
 
 
-__all__ = ["ChoiceState", "Job", "Kind", "new_id", "now", "usage", "total_usage"]
+__all__ = ["ChoiceState", "Job", "Kind", "TokenTable", "new_id", "now", "usage", "total_usage"]

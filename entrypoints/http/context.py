@@ -25,7 +25,7 @@ from engine.hf_hub import display_name
 from engine.interface import Engine, Health, RequestStreamLike
 from engine.params import SamplingParams
 from . import protocol as P
-from .choices import now
+from .choices import TokenTable, now
 from .limits import HttpLimits
 from .metrics import Metrics
 
@@ -57,6 +57,7 @@ class Frontend:
         self.failed = engine.state is State.FAILED
         engine.on_state_change(self._on_state_change)
         self._parse_limiter: Optional[anyio.CapacityLimiter] = None
+        self._token_table: Optional[TokenTable] = None
 
     def _on_state_change(self, old: State, new: State) -> None:
         if new is State.FAILED:
@@ -73,6 +74,12 @@ class Frontend:
         if self._parse_limiter is None:
             self._parse_limiter = anyio.CapacityLimiter(PARSE_THREADS)
         return self._parse_limiter
+
+    async def token_table(self) -> TokenTable:
+        """How logprobs show token ids: the engine's byte table, asked for once."""
+        if self._token_table is None:
+            self._token_table = TokenTable(await self.engine.token_bytes())
+        return self._token_table
 
     @property
     def max_model_len(self) -> Optional[int]:

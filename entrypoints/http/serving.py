@@ -156,6 +156,7 @@ class _Request:
 
     def __init__(self, fe: Frontend, jobs: list[Job], kind: Kind, arrival: float,
                  echo: bool, want_prompt_lps: bool) -> None:
+        self.fe = fe
         self.jobs = jobs
         self.kind = kind
         single = len(jobs) == 1
@@ -164,6 +165,10 @@ class _Request:
         self.states = [ChoiceState(kind.chat, j, echo, want_prompt_lps, kind.tools) for j in jobs]
 
     async def start(self) -> None:
+        if any(st.needs_table for st in self.states):
+            table = await self.fe.token_table()
+            for st in self.states:
+                st.table = table
         firsts = [k for k, j in enumerate(self.jobs) if j.index == self._first_of(j)]
         rest = [k for k in range(len(self.jobs)) if k not in set(firsts)]
         for group in (firsts, rest):

@@ -70,6 +70,9 @@ class FakeEngine:
             return [chr(t) for t in ids]
         return ["".join(chr(t) for t in ids)]
 
+    async def token_bytes(self) -> list[bytes]:
+        return [bytes([i]) for i in range(256)]
+
     async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         from engine.tokenizer import render_chat_template
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import struct
+
 from hypothesis import strategies as st
 
-from engine.params import RequestOutput, SamplingParams
+from engine.params import Logprobs, RequestOutput, SamplingParams
 from ipc.messages import (
     Abort,
     Ack,
@@ -24,6 +26,7 @@ from ipc.messages import (
     Detokenize,
     Tokenize,
     Tokens,
+    Vocabulary,
     Welcome,
 )
 from states import State
@@ -39,7 +42,9 @@ def sample_messages() -> list:
                       num_output_tokens=1),
         RequestOutput(request_id="r2", token_ids=[7, 8], text="ok", num_prompt_tokens=3,
                       num_output_tokens=16, finished=True, finish_reason="length",
-                      logprobs=[-0.5, -1.25]),
+                      logprobs=[-0.5, -1.25],
+                      token_logprobs=Logprobs(1, struct.pack("<ifiif", 7, -0.5, 0, 9, -0.25)
+                                              + struct.pack("<ifiif", 8, -1.25, 0, 8, -1.25))),
         RequestOutput(request_id="r3", finished=True, finish_reason="abort", reason="client gone"),
     ]
     return [
@@ -65,6 +70,8 @@ def sample_messages() -> list:
         Detokenize(call_id=5, ids=[1, 2, 3], each=True),
         Tokens(call_id=4, ids=[7, 8]),
         Tokens(call_id=5, texts=["a", "b"]),
+        Vocabulary(call_id=6),
+        Tokens(call_id=6, pieces=[b"a", b"\xe2\x82", b""]),
         Welcome(protocol_version=1, state=State.SERVING, max_frame=1 << 20, client_id=4,
                 model="random:tiny-llama"),
         Outputs(outputs=outs),

@@ -277,6 +277,18 @@ async def test_tokenize_detokenize_version_models(via):
         assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
         r = await c.post("/tokenize", json={})
         assert r.status_code == 400
+        # logprobs show token ids through the engine's byte table (asked for over IPC once)
+        g = await c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3, "logprobs": 2})
+        lp = g.json()["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == 3 and all(len(t) <= 2 + 1 for t in lp["top_logprobs"])
+        g = await c.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True,
+            "top_logprobs": 2})
+        content = g.json()["choices"][0]["logprobs"]["content"]
+        table = await s.engine.token_bytes()
+        assert len(content) == 3
+        for e in [e for x in content for e in (x, *x["top_logprobs"])]:
+            assert bytes(e["bytes"]) in table and e["token"] == bytes(e["bytes"]).decode("utf-8", "replace")
         r = await c.get("/version")
         assert r.status_code == 200 and r.json()["version"]
         r = await c.get("/v1/models")
