@@ -12,6 +12,10 @@
 #   PART=7  GPU tests, decode profile, roofline, engine modes in 2 interleaved rounds
 #           (qwen3-0.6b), one round on llama-3.2-1b, prefix caching on/off
 #   PART=8  sleep/wake (5 cycles), lifecycle (20 cycles), logprobs 20, structured outputs
+#   PART=10 structured outputs and TP on one GPU (GPU tests), engine modes with roof %,
+#           logprobs 20 against none, structured-output throughput, lifecycle (20 cycles),
+#           an eager step's host time by op
+#           (needs xgrammar and apache-tvm-ffi wheels in .whl, pydantic's in .whl/pyd)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -79,6 +83,17 @@ elif [[ $PART == 9 ]]; then
     --model random:llama-3.2-1b --modes bare,inproc,ipc --out "$OUT/throughput_llama.json"
   step prefix 60 python3 -m bench.prefix --device cuda --out "$OUT/prefix.json"
   step sleep 70 python3 -m bench.sleep --device cuda --cycles 5 --out "$OUT/sleep.json"
+elif [[ $PART == 10 ]]; then
+  export ONE_LOG=run.log TAIL=14
+  step gpu_tests 80 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_structured.py \
+    tests/gpu/test_gpu_tp.py
+  step throughput 95 python3 -m bench.throughput --device cuda --no-progress --repeat 1 \
+    --modes bare,inproc,ipc --out "$OUT/throughput.json"
+  step structured 65 python3 -m bench.structured --device cuda --out "$OUT/structured.json"
+  step logprobs 70 python3 -m bench.throughput --device cuda --no-progress --modes bare --repeat 1 \
+    --logprobs-compare 20 --out "$OUT/lp20.json"
+  step lifecycle 50 python3 -m bench.lifecycle --device cuda --no-progress --cycles 20 --out "$OUT/lifecycle.json"
+  ENGINECORE_CUDA_GRAPHS=0 step cpu_table 30 python3 scripts/gpu/profile_decode.py --batches 256 --steps 3 --kernels --cpu-table
 else
   step lifecycle 150 python3 -m bench.lifecycle --device cuda --no-progress --cycles 20 --out "$OUT/lifecycle.json"
   step gpu_tests 100 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu tests/test_speculative.py
