@@ -23,12 +23,12 @@ def compare(model: str, device: str, dtype: str) -> dict:
     r.load()
     try:
         lm, kv, st = r.resource(R.WEIGHTS), r.resource(R.KV_CACHE), r.resource(R.MODEL_STATE)
-        b = list(range(4, 18))  # 14 blocks: 224 tokens at block size 16
+        b = list(range(4, 15))  # 11 blocks: 176 tokens at block size 16
         steps = [
-            [(list(range(5, 42)), 0, [1, 2, 3], False), (list(range(9, 159)), 0, b, False)],
+            [(list(range(5, 42)), 0, [1, 2, 3], False), (list(range(9, 109)), 0, b, False)],
             # chunks after context (a cached prefix, a long prompt's next chunk): > 64 queries
-            [(list(range(50, 60)), 37, [1, 2, 3], False), (list(range(200, 270)), 150, b, False)],
-            [([7], 47, [1, 2, 3], True), ([8], 220, b, True)],  # decodes
+            [(list(range(50, 60)), 37, [1, 2, 3], False), (list(range(200, 270)), 100, b, False)],
+            [([7], 47, [1, 2, 3], True), ([8], 170, b, True)],  # decodes
         ]
 
         def run(fused: bool):
