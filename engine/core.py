@@ -180,13 +180,14 @@ class EngineCore:
         result = self.runner.collect(launched)
         outputs: list[RequestOutput] = []
         for k, (req, _) in enumerate(batch):
-            new = result.tokens[k]
-            if not new or not req.pending:
-                continue
-            req.pending, req.hold = 0, False
             if req.finished:
+                req.pending, req.hold = 0, False
                 continue
-            outputs.append(self._append(req, new, None))
+            new = result.tokens[k]
+            self._prompt_lps(req, k, result)
+            if new and req.pending:
+                req.pending, req.hold = 0, False
+                outputs.append(self._output(req, k, new, result))
         return outputs
 
     def _update(self, batch, result: StepResult) -> list[RequestOutput]:
@@ -195,23 +196,30 @@ class EngineCore:
             if req.finished:  # by the deferred step applied just before this one
                 continue
             new = result.tokens[k]
-            if k in result.prompt_lps:
-                chunk = result.prompt_lps[k]
-                req.prompt_lps.append(chunk)
-                req.num_prompt_lps += len(chunk)
+            self._prompt_lps(req, k, result)
             req.spec_token_ids = []
             if not new:
                 self.scheduler.advance(req, req.num_computed_tokens + n)
                 continue
             # accepted drafts are in the cache too; blocks only rejected ones used go back
             self.scheduler.advance(req, req.num_computed_tokens + n + len(new) - 1)
-            out = self._append(req, new, result.logprobs[k] if result.logprobs else None)
-            if result.token_lps is not None and req.params.logprobs:
-                got = result.token_lps[k]  # a row per new token; a stop drops those after it
-                if got is not None:
-                    out.token_logprobs = got if len(out.token_ids) == len(new) else got[: len(out.token_ids)]
-            outputs.append(out)
+            outputs.append(self._output(req, k, new, result))
         return outputs
+
+    @staticmethod
+    def _prompt_lps(req: Request, k: int, result: StepResult) -> None:
+        if k in result.prompt_lps:
+            chunk = result.prompt_lps[k]
+            req.prompt_lps.append(chunk)
+            req.num_prompt_lps += len(chunk)
+
+    def _output(self, req: Request, k: int, new: list[int], result: StepResult) -> RequestOutput:
+        out = self._append(req, new, result.logprobs[k] if result.logprobs else None)
+        if result.token_lps is not None and req.params.logprobs:
+            got = result.token_lps[k]  # a row per new token; a stop drops those after it
+            if got is not None:
+                out.token_logprobs = got if len(out.token_ids) == len(new) else got[: len(out.token_ids)]
+        return out
 
     def _first_output(self, req: Request, out: RequestOutput) -> None:
         """The prompt's logprobs and text go with a request's first output."""

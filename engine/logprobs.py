@@ -84,11 +84,13 @@ def device_rows(logits: torch.Tensor, p: Plan, sampled: torch.Tensor) -> torch.T
     over the raw logits (the same order), no [N, V] tensor written."""
     dev = logits.device
     rows = p.rows
-    sel = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, device=dev)]
+    # host-to-device index copies are asynchronous: a blocking one would wait for the step in
+    # flight (overlapped scheduling)
+    sel = logits if rows == list(range(logits.shape[0])) else logits[_to(rows, dev)]
     sel = sel.float()
     toks = sampled
     if p.prompt_tokens:
-        toks = torch.cat([sampled, torch.tensor(p.prompt_tokens, device=dev, dtype=torch.long)])
+        toks = torch.cat([sampled, _to(p.prompt_tokens, dev)])
     lse = sel.logsumexp(-1, keepdim=True)
     raw = sel.gather(1, toks[:, None])
     rank = torch.zeros((len(rows), 1), dtype=torch.int32, device=dev)
@@ -99,6 +101,10 @@ def device_rows(logits: torch.Tensor, p: Plan, sampled: torch.Tensor) -> torch.T
         vals, idx = _topk_cpu(sel, p.k) if sel.device.type == "cpu" else sel.topk(p.k, dim=-1)
         parts += [idx.int(), (vals - lse).view(torch.int32)]
     return torch.cat(parts, 1)
+
+
+def _to(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
 def _topk_cpu(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -69,8 +69,7 @@ class Request:
         # whether the next step may be scheduled before this one's token is known on the host:
         # nothing that reads its tokens on the host or on the device before sampling (an
         # output constraint's mask needs its matcher to have taken the last token)
-        self.overlappable = (not params.needs_logits_processing and not params.logprobs
-                             and params.prompt_logprobs is None and params.max_tokens > 0
+        self.overlappable = (not params.needs_logits_processing and params.max_tokens > 0
                              and params.structured is None)
 
     @property

@@ -334,7 +334,6 @@ class ModelRunner(RunnerSleep):
             elif defer:
                 tokens, _ = sample(processed, sb)
                 state.buffers["sampled"][: tokens.shape[0]].copy_(tokens)
-                return Launched.deferred(len(batch), owners, tokens)
             else:
                 tokens, _ = sample(processed, sb)
         lp_plan = None
@@ -342,11 +341,25 @@ class ModelRunner(RunnerSleep):
             counts = ([len(r) for r in sample_rows] if tokens is not None
                       else [len(t) for t in result.tokens])
             lp_plan = logprobs.plan(batch, sample_rows, counts, plp, logits_all.shape[1])
+        if defer and tokens is not None:  # the host copy (tokens, logprob rows) under way
+            packed = tokens if lp_plan is None else self._packed_rows(tokens, logits_all, lp_plan)
+            return Launched.deferred(len(batch), owners, packed, len(flat), lp_plan)
         if lp_plan is None:
             return Launched(result if tokens is None
                             else self._per_entry(batch, owners, tokens.tolist()))
         return Launched(self._with_logprobs(batch, owners, len(flat), tokens, result, logits_all,
                                             lp_plan))
+
+    def _packed_rows(self, tokens, logits_all, lp_plan: "logprobs.Plan") -> torch.Tensor:
+        """The sampled tokens and the step's logprob rows as one int32 device tensor."""
+        rows = logprobs.device_rows(logits_all, lp_plan, self._chosen(tokens, lp_plan))
+        return torch.cat([tokens.int(), rows.flatten()])
+
+    def _chosen(self, tokens, lp_plan: "logprobs.Plan") -> torch.Tensor:
+        out_rows = lp_plan.rows[: lp_plan.n_out]
+        if out_rows == list(range(tokens.shape[0])):
+            return tokens
+        return tokens[torch.tensor(out_rows, dtype=torch.long).to(self.device, non_blocking=True)]
 
     @staticmethod
     def collect(launched: "Launched") -> StepResult:
@@ -358,10 +371,8 @@ class ModelRunner(RunnerSleep):
         """The step's logprob rows computed on the device and brought to the host in one copy,
         with the sampled ``tokens`` (still on the device; None: a speculator's ``result`` has
         them on the host already)."""
-        out_rows = lp_plan.rows[: lp_plan.n_out]
         if tokens is not None:
-            chosen = tokens if out_rows == list(range(n_flat)) else tokens[
-                torch.tensor(out_rows, dtype=torch.long, device=self.device)]
+            chosen = self._chosen(tokens, lp_plan)
         else:
             chosen = torch.tensor([t for i, a, _, _ in lp_plan.spans if a < lp_plan.n_out
                                    for t in result.tokens[i]], dtype=torch.long, device=self.device)
@@ -417,25 +428,29 @@ def _constrained(batch, sample_rows) -> list[tuple]:
 
 class Launched:
     """A launched step: its :class:`StepResult`, or (deferred) the pinned host copy of its
-    sampled tokens under way, with the event that marks it done. Host memory only."""
+    sampled tokens (and logprob rows) under way, with the event that marks it done. Host
+    memory only."""
 
-    __slots__ = ("result", "entries", "owners", "rows", "host", "event")
+    __slots__ = ("result", "entries", "owners", "rows", "host", "event", "n_tok", "lp_plan")
 
     def __init__(self, result: Optional[StepResult]):
         self.result = result
 
     @classmethod
-    def deferred(cls, entries: int, owners: list[int], tokens: torch.Tensor) -> "Launched":
+    def deferred(cls, entries: int, owners: list[int], packed: torch.Tensor, n_tok: int,
+                 lp_plan=None) -> "Launched":
+        """``packed``: the ``n_tok`` sampled tokens, then (with ``lp_plan``) the step's logprob
+        rows as int32 words (``ModelRunner._packed_rows``)."""
         self = cls(None)
-        self.entries, self.owners = entries, owners
+        self.entries, self.owners, self.n_tok, self.lp_plan = entries, owners, n_tok, lp_plan
         self.rows = {i: k for k, i in enumerate(owners)}  # entry -> its sampled row
-        if tokens.is_cuda:
-            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host.copy_(tokens, non_blocking=True)
+        if packed.is_cuda:
+            self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self.host.copy_(packed, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
         else:
-            self.host, self.event = tokens, None
+            self.host, self.event = packed, None
         return self
 
     @property
@@ -446,10 +461,15 @@ class Launched:
         if self.result is None:
             if self.event is not None:
                 self.event.synchronize()
-            toks = self.host.tolist()
+            flat = self.host.numpy()
+            toks = flat[: self.n_tok].tolist()
             out: list[list[int]] = [[] for _ in range(self.entries)]
             for k, i in enumerate(self.owners):
                 out[i].append(toks[k])
             self.result = StepResult(out, None)
-            self.host = self.event = None
+            if self.lp_plan is not None:
+                words = flat[self.n_tok:].reshape(len(self.lp_plan.rows), -1)
+                self.result.token_lps, self.result.prompt_lps, self.result.logprobs = \
+                    logprobs.unpack(words, self.lp_plan, self.entries)
+            self.host = self.event = self.lp_plan = None
         return self.result

@@ -32,7 +32,7 @@ def _requests(n: int, temperature: float, stop_ids=()):
             stop_token_ids=list(stop_ids))
 
 
-def _run(core: EngineCore, reqs, abort_after: dict | None = None):
+def _run(core: EngineCore, reqs, abort_after: dict | None = None, lps: dict | None = None):
     tokens: dict[str, list[int]] = {}
     final: dict[str, tuple] = {}
     for rid, prompt, params in reqs:
@@ -42,6 +42,11 @@ def _run(core: EngineCore, reqs, abort_after: dict | None = None):
         for o in core.step():
             assert o.request_id not in final, f"{o.request_id}: output after its terminal one"
             tokens.setdefault(o.request_id, []).extend(o.token_ids)
+            if lps is not None:
+                got = lps.setdefault(o.request_id, [[], [], []])
+                got[0] += [tuple(e) for e in (o.token_logprobs or [])]
+                got[1] += list(o.logprobs or [])
+                got[2] += [tuple(e) for e in (o.prompt_logprobs or [])]
             if o.finished:
                 final[o.request_id] = (o.finish_reason, o.reason)
         steps += 1
@@ -90,6 +95,27 @@ def test_abort_while_a_token_is_in_flight():
     tokens, final, _ = _run(core, _requests(8, 0.0), abort_after={2: ["r5", "r6"], 4: ["r7"]})
     assert final["r5"] == ("abort", "client") and final["r7"] == ("abort", "client")
     assert len(final) == 8
+
+
+def _lp_requests(n: int):
+    for rid, prompt, params in _requests(n, 0.7):
+        i = int(rid[1:])
+        yield rid, prompt, SamplingParams(
+            max_tokens=params.max_tokens, temperature=0.7, seed=i, logprobs=i % 2 == 0,
+            top_logprobs=5 if i % 4 == 0 else 0, prompt_logprobs=3 if i % 3 == 0 else None)
+
+
+def test_logprobs_and_prompt_logprobs_overlap_too():
+    # a small token budget chunks the prompts: prompt logprobs arrive over several deferred steps
+    sync_lps: dict = {}
+    sync = _run(_core(False, max_num_batched_tokens=48), _lp_requests(12), lps=sync_lps)
+    core = _core(True, max_num_batched_tokens=48)
+    over_lps: dict = {}
+    over = _run(core, _lp_requests(12), lps=over_lps)
+    assert over[0] == sync[0] and over[1] == sync[1]
+    assert over_lps == sync_lps
+    assert any(v[0] for v in over_lps.values()) and any(v[2] for v in over_lps.values())
+    assert core.deferred_steps > 0.8 * over[2]
 
 
 def test_overlap_off_for_requests_that_read_their_tokens():
