@@ -52,8 +52,38 @@ def compare(model: str, device: str, dtype: str) -> dict:
         r.shutdown()
 
 
+def compare_decode(device: str = "cpu") -> float:
+    """The Triton paged decode kernel against the torch decode path on random caches (GQA 4
+    and 1, contexts from 1 token to more than one split); the largest absolute difference."""
+    from . import triton_attention as ta
+    from .attention import AttentionMetadata, decode_attention_torch
+
+    if device == "cpu":  # Triton's interpreter: no device properties to size the grid from
+        ta._sm_count = lambda dev: 4
+    g = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for heads, kv_heads, dim, lens in [(8, 2, 64, [17, 100, 700]), (4, 4, 32, [1, 33])]:
+        bs, nb = 16, 160
+        cache = torch.randn(2, nb, bs, kv_heads, dim, generator=g).to(device)
+        width = max(-(-n // bs) for n in lens)
+        bt = (torch.randperm(nb - 1, generator=g)[: len(lens) * width] + 1).view(len(lens), width)
+        q = torch.randn(len(lens), heads, dim, generator=g).to(device)
+        rows, cl, bt = (torch.arange(len(lens)).to(device), torch.tensor(lens).to(device),
+                        bt.to(device))
+        out, ref = torch.zeros_like(q), torch.zeros_like(q)
+        ta.decode_attention(q, cache, rows, bt, cl, dim ** -0.5, out)
+        meta = AttentionMetadata(torch.zeros(len(lens), dtype=torch.long), [], rows, bt, cl,
+                                 max(lens))
+        decode_attention_torch(q, cache, meta, dim ** -0.5, ref)
+        worst = max(worst, (out - ref).abs().max().item())
+    return worst
+
+
 if __name__ == "__main__":  # python -m engine.fused_check MODEL DEVICE DTYPE -> one JSON line
-    import json
+    import json                # python -m engine.fused_check decode DEVICE
     import sys
 
-    print(json.dumps(compare(*sys.argv[1:4])))
+    if sys.argv[1] == "decode":
+        print(json.dumps({"decode_max_abs": compare_decode(sys.argv[2])}))
+    else:
+        print(json.dumps(compare(*sys.argv[1:4])))

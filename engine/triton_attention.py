@@ -51,6 +51,28 @@ def supported(q: torch.Tensor, cache: torch.Tensor) -> bool:
 
 if triton is not None:
 
+    @triton.jit
+    def attend_tile(q, K, V, off, d, valid, see, scale_log2, m_i, l_i, acc, IEEE: tl.constexpr):
+        """One key tile of an online softmax: ``off`` the tile's K/V row offsets, ``valid`` the
+        keys that exist, ``see`` the [queries, keys] (or [1, keys]) mask of the keys each query
+        attends to; returns the new (max, sum, acc). Shared by the decode and prefill kernels."""
+        k = tl.load(K + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(see, qk * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc * alpha[:, None] + pv
+
     @triton.jit(do_not_specialize=["num_splits"])  # varies with the table width in eager steps
     def _decode_kernel(
         Q, K, V, Out, BT, CL, ROWS, PM, PL, PACC,
@@ -85,23 +107,8 @@ if triton is not None:
                 valid = tok < tok1
                 phys = tl.load(BT + b * stride_bt + tok // BLOCK_SIZE, mask=valid, other=0)
                 off = phys * stride_kb + (tok % BLOCK_SIZE) * stride_kt + kvh * stride_kh
-                k = tl.load(K + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-                if IEEE:
-                    qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    qk = tl.dot(q, tl.trans(k))
-                qk = tl.where(valid[None, :], qk * scale_log2, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(qk - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(V + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-                if IEEE:
-                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    pv = tl.dot(p.to(v.dtype), v)
-                acc = acc * alpha[:, None] + pv
-                m_i = m_new
+                m_i, l_i, acc = attend_tile(q, K, V, off, d, valid, valid[None, :], scale_log2,
+                                            m_i, l_i, acc, IEEE)
             if ctx <= SPLIT:  # one piece: final output
                 o = acc / l_i[:, None]
                 tl.store(Out + row * stride_ot + heads[:, None] * stride_oh + d[None, :],

@@ -25,6 +25,9 @@ import torch
 
 from .triton_attention import HAVE_TRITON, tl, triton
 
+if triton is not None:
+    from .triton_attention import attend_tile
+
 BLOCK_M = 64
 BLOCK_N = 64
 
@@ -104,24 +107,9 @@ if triton is not None:
             valid = tok < hi
             phys = tl.load(BT + c * stride_bt + tok // BLOCK_SIZE, mask=valid, other=0)
             off = phys.to(tl.int64) * stride_kb + (tok % BLOCK_SIZE) * stride_kt + kvh * stride_kh
-            k = tl.load(K + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            if IEEE:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
             see = valid[None, :] & (tok[None, :] <= qpos[:, None])
-            qk = tl.where(see, qk * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = attend_tile(q, K, V, off, d, valid, see, scale_log2, m_i, l_i, acc,
+                                        IEEE)
         o = acc / l_i[:, None]
         tl.store(Out + (qs + i)[:, None] * stride_ot + h * stride_oh + d[None, :],
                  o.to(Out.dtype.element_ty), mask=qmask[:, None])

@@ -1,4 +1,5 @@
-"""The fused Triton kernels of engine/fused_ops.py, run on CPU by Triton's interpreter.
+"""The Triton kernels (engine/fused_ops.py, triton_prefill.py, triton_attention.py), run on CPU
+by Triton's interpreter.
 
 The interpreter executes the kernels' own code (indexing, masks, the residual carried in place,
 the q/k head split, the KV-cache write through the slot mapping) with numpy; in fp32 the fused
@@ -30,3 +31,11 @@ def test_fused_path_equals_plain_path_fp32(model):
     assert res["logits_max_abs"] <= 1e-4 * max(1.0, res["logits_scale"]), res
     assert res["kv_max_abs"] <= 1e-4, res
     assert res["argmax_agree"] == 1.0, res
+
+
+def test_paged_decode_kernel_equals_torch_decode_fp32():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-m", "engine.fused_check", "decode", "cpu"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["decode_max_abs"] <= 1e-5
