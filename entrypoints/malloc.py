@@ -1,9 +1,7 @@
 """glibc malloc settings for enginecore's processes. Process-wide, so only entry points call
 them, never the library: entrypoints/cli.py :func:`tune_malloc` (the engine process) and
-entrypoints/http/frontend.py :func:`one_arena` (an HTTP frontend process) and
-:func:`frontend_allocator` (the environment the engine process starts its HTTP frontends with:
-CPython's objects on glibc's malloc). The HTTP frontends' :class:`Trimmer` gives freed memory
-back after large request bodies.
+entrypoints/http/frontend.py :func:`one_arena` (an HTTP frontend process). The HTTP frontends'
+:class:`Trimmer` gives freed memory back after large request bodies.
 
 NOTE: written by hand because no library does it: one ``mallopt(M_TOP_PAD)`` call through ctypes.
 Why: each step allocates and frees large temporaries (logits, a prefill chunk's activations) on
@@ -154,30 +152,3 @@ async def trim_every(interval: float) -> None:
     while True:
         await anyio.sleep(interval)
         trim()
-
-
-#: The environment variable that picks CPython's allocator (read once, at interpreter start).
-PYTHONMALLOC = "PYTHONMALLOC"
-
-
-def frontend_allocator(env: dict) -> bool:
-    """Make the process started with ``env`` (an HTTP frontend's) allocate Python objects
-    with glibc's malloc instead of pymalloc (``PYTHONMALLOC=malloc`` added to ``env``);
-    True if added.
-
-    Why: a frontend refusing hostile bodies makes bursts of small transient objects (pydantic
-    turns a refused 200,000-entry ``stop_token_ids`` list into 200,000 ints for the error's
-    input value) while the event loop keeps allocating the good requests' objects beside them.
-    pymalloc gives an arena (1 MiB) back only when every object in it is gone, so each burst
-    left arenas pinned by a few long-lived objects: measured under the soak (bench.soak, 2
-    minutes of every attack) 26 -> 33 arenas with the same bytes in use, frontend RSS 55.0 ->
-    62.5 MB (+13.6 %). glibc's ``malloc_trim`` (the frontend trims every 10 s) returns every
-    free page, also inside the heap: the same soak with malloc, 56.7 -> 58.4 MB (+3.0 %).
-    Not when disabled (``ENGINECORE_MALLOC_TUNING=0``), when the user chose an allocator
-    (``PYTHONMALLOC`` set: theirs wins), or off glibc (no ``malloc_trim``)."""
-    if env.get(PYTHONMALLOC) or env.get("ENGINECORE_MALLOC_TUNING", "1") == "0":
-        return False
-    if not (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"):
-        return False
-    env[PYTHONMALLOC] = "malloc"
-    return True

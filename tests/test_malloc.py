@@ -141,33 +141,3 @@ def test_trim_every_keeps_trimming():
 
     anyio.run(main)
     assert len(calls) >= 3
-
-
-def test_frontend_allocator_is_malloc_unless_the_user_chose():
-    """HTTP frontends run CPython on glibc's malloc (freed pages go back at the next trim;
-    pymalloc arenas stayed pinned under the soak); the user's PYTHONMALLOC and the off switch win."""
-    from entrypoints.malloc import frontend_allocator
-
-    on_glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
-    env: dict = {}
-    assert frontend_allocator(env) is on_glibc
-    assert env == ({"PYTHONMALLOC": "malloc"} if on_glibc else {})
-    for theirs in ({"PYTHONMALLOC": "pymalloc"}, {"ENGINECORE_MALLOC_TUNING": "0"}):
-        env = dict(theirs)
-        assert frontend_allocator(env) is False
-        assert env == theirs
-
-
-@glibc
-def test_frontends_are_started_with_it(monkeypatch):
-    from entrypoints.http.frontend import _frontend_env
-
-    monkeypatch.delenv("PYTHONMALLOC", raising=False)
-    monkeypatch.delenv("ENGINECORE_MALLOC_TUNING", raising=False)
-    assert _frontend_env(None)["PYTHONMALLOC"] == "malloc"
-    monkeypatch.setenv("PYTHONMALLOC", "pymalloc_debug")
-    assert _frontend_env(None)["PYTHONMALLOC"] == "pymalloc_debug"
-    callers = sorted(str(p.relative_to(ROOT)) for pkg in ("engine", "ipc", "states", "bench", "entrypoints")
-                     for p in (ROOT / pkg).rglob("*.py")
-                     if "frontend_allocator(" in p.read_text() and p.name != "malloc.py")
-    assert callers == ["entrypoints/http/frontend.py"]

@@ -238,7 +238,6 @@ def bind_http(spec: str, backlog: int = 2048) -> socket.socket:
 
 
 def _frontend_env(token: Optional[str], metrics_dir: Optional[str] = None) -> dict:
-    from ..malloc import frontend_allocator
     from .metrics import MULTIPROC_ENV
 
     env = dict(os.environ)
@@ -248,7 +247,6 @@ def _frontend_env(token: Optional[str], metrics_dir: Optional[str] = None) -> di
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if root not in paths:
         env["PYTHONPATH"] = os.pathsep.join([root, *paths])
-    frontend_allocator(env)  # PYTHONMALLOC=malloc, unless the user chose (entrypoints/malloc.py)
     if token:
         env[TOKEN_ENV] = token
     else:
