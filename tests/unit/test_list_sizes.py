@@ -41,3 +41,25 @@ def test_too_long_is_refused_without_an_object_per_entry(name, value):
 @pytest.mark.parametrize("raw", [b"[1, 2]", b"{", b"", b'{"stop": 5}', b"[" * 100_000])
 def test_anything_else_is_left_to_the_schema(raw):
     P.check_list_sizes(raw)
+
+
+@pytest.mark.parametrize("prompt", [[[5]] * 300_000, ["a"] * 300_000, ['\\"'] * 300_000])
+def test_a_huge_batch_of_prompts_is_refused_before_the_schema(prompt):
+    body = json.dumps({"model": "m", "prompt": prompt}).encode()
+    tracemalloc.start()
+    try:
+        with pytest.raises(P.RequestError) as info:
+            P.check_list_sizes(body)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert info.value.param == "prompt" and "at most 128" in str(info.value)
+    assert peak < 64 * 1024 + len(body), peak  # pydantic alone: ~290 MB for [[5]] * 300,000
+
+
+@pytest.mark.parametrize("prompt", [
+    [[5, 6, 7]] * P.MAX_PROMPTS, ['a [ " \\ ] "quoted"'] * P.MAX_PROMPTS, "one [ prompt", [1, 2, 3]])
+def test_valid_prompts_pass_the_batch_count(prompt):
+    body = json.dumps({"model": "m", "prompt": prompt}, indent=4).encode()
+    P.check_list_sizes(body)
+    P.CompletionRequest.model_validate_json(body)
