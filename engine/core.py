@@ -168,10 +168,18 @@ class EngineCore:
         self.deferred_steps += 1
 
     def _last_token_pending(self, req: Request) -> bool:
-        p = req.params
-        n = req.num_tokens + 1  # with the token in flight
-        return (n - req.num_prompt_tokens >= p.max_tokens or n >= self.runner.max_model_len
-                or blocks_needed(n + 1, self.runner.block_size) > self.blocks.num_blocks)
+        return self._length_limit(req, req.num_known_tokens)[0]
+
+    def _length_limit(self, req: Request, num_tokens: int) -> tuple[bool, Optional[str]]:
+        """Whether ``req`` with ``num_tokens`` tokens ends by length, and the reason given
+        (None: its own max_tokens)."""
+        if num_tokens - req.num_prompt_tokens >= req.params.max_tokens:
+            return True, None
+        if num_tokens >= self.runner.max_model_len:
+            return True, "context limit"
+        if blocks_needed(num_tokens + 1, self.runner.block_size) > self.blocks.num_blocks:
+            return True, "KV cache capacity"
+        return False, None
 
     def _complete(self, batch, launched) -> list[RequestOutput]:
         """Apply a deferred step: read its tokens back, then stop checks and outputs. Requests
@@ -256,12 +264,8 @@ class EngineCore:
             elif n_out >= p.min_tokens and ((tok in self._eos and not p.ignore_eos)
                                           or tok in req.stop_ids):
                 finish = "stop"
-            elif n_out >= p.max_tokens:
-                finish = "length"
-            elif req.num_tokens >= self.runner.max_model_len:
-                finish, reason = "length", "context limit"
-            elif blocks_needed(req.num_tokens + 1, self.runner.block_size) > self.blocks.num_blocks:
-                finish, reason = "length", "KV cache capacity"
+            elif (limit := self._length_limit(req, req.num_tokens))[0]:
+                finish, reason = "length", limit[1]
             # token by token, so a stop string ends the output where it would without
             # speculation (accepted drafts after it are dropped)
             if not (tok in self._eos and finish == "stop"):

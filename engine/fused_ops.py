@@ -30,11 +30,13 @@ except Exception:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
     AVAILABLE = False
+#: Triton's CPU interpreter (tests): the kernels may run on CPU tensors
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def usable(x: torch.Tensor, head_dim: int) -> bool:
     """Whether the fused path can run this forward (else the plain torch path)."""
-    return (AVAILABLE and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    return (AVAILABLE and (x.is_cuda or INTERPRET)
             and head_dim & (head_dim - 1) == 0 and 16 <= head_dim <= 256)
 
 

@@ -91,11 +91,15 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.scale = self.head_dim ** -0.5
 
+    def _qkv(self, x):
+        t = x.shape[0]
+        return (self.q_proj(x).view(t, self.heads, self.head_dim),
+                self.k_proj(x).view(t, self.kv_heads, self.head_dim),
+                self.v_proj(x).view(t, self.kv_heads, self.head_dim))
+
     def forward(self, x, positions, rotary: Rotary, cache: torch.Tensor, meta: AttentionMetadata):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        q, k, v = self._qkv(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, positions), rotary(k, positions)
@@ -106,9 +110,7 @@ class Attention(nn.Module):
     def forward_fused(self, x, positions, rotary: Rotary, cache: torch.Tensor, meta: AttentionMetadata):
         """As :meth:`forward`, with q/k norm, rotary and the KV write in one kernel."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        q, k, v = self._qkv(x)
         qw = self.q_norm.weight if self.qk_norm else None
         kw = self.k_norm.weight if self.qk_norm else None
         eps = self.q_norm.eps if self.qk_norm else 0.0

@@ -77,6 +77,11 @@ class Request:
         return len(self.token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Its tokens, counting one still in flight (overlapped scheduling)."""
+        return len(self.token_ids) + self.pending
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 

@@ -22,6 +22,7 @@ from .errors import BadRequestError
 from .block_manager import BlockManager
 from .device_stack import device_stack
 from .kv_cache import KVCache
+from .launched import Launched, by_entry
 from .loader import LoadStopped, create_model, fill_model, resolve_source
 from .model_state import ModelState
 from .owner import DeviceOwner, reachable_tensors
@@ -297,7 +298,7 @@ class ModelRunner(RunnerSleep):
         row = 0
         for req, n in batch:
             start = req.num_computed_tokens
-            ends = start + n == req.num_tokens + req.pending
+            ends = start + n == req.num_known_tokens
             spec = req.spec_token_ids if ends else []
             toks = req.token_ids[start:start + n] + spec
             if req.pending and ends:  # its last token is on the device: a placeholder here
@@ -346,7 +347,7 @@ class ModelRunner(RunnerSleep):
             return Launched.deferred(len(batch), owners, packed, len(flat), lp_plan)
         if lp_plan is None:
             return Launched(result if tokens is None
-                            else self._per_entry(batch, owners, tokens.tolist()))
+                            else by_entry(len(batch), owners, tokens.tolist()))
         return Launched(self._with_logprobs(batch, owners, len(flat), tokens, result, logits_all,
                                             lp_plan))
 
@@ -384,7 +385,7 @@ class ModelRunner(RunnerSleep):
                      else rows.flatten()).cpu().numpy()
         n_tok = n_flat if tokens is not None else 0
         if tokens is not None:
-            result = self._per_entry(batch, owners, flat_host[:n_tok].tolist())
+            result = by_entry(len(batch), owners, flat_host[:n_tok].tolist())
         words = flat_host[n_tok:].reshape(len(lp_plan.rows), -1)
         result.token_lps, result.prompt_lps, result.logprobs = logprobs.unpack(
             words, lp_plan, len(batch))
@@ -405,14 +406,6 @@ class ModelRunner(RunnerSleep):
         if logits_rows:
             self._logits(self._owner[R.WEIGHTS], hidden, logits_rows)
 
-    @staticmethod
-    def _per_entry(batch, owners, tok_list: list[int]) -> StepResult:
-        """The sampled tokens (one per sample row, in row order) grouped by entry."""
-        out: list[list[int]] = [[] for _ in batch]
-        for k, i in enumerate(owners):
-            out[i].append(tok_list[k])
-        return StepResult(out, None)
-
 
 def _constrained(batch, sample_rows) -> list[tuple]:
     """(matcher, first sampled row, drafts) of each constrained entry that samples this step;
@@ -424,52 +417,3 @@ def _constrained(batch, sample_rows) -> list[tuple]:
             out.append((req.matcher, row, req.spec_token_ids if len(rows) > 1 else ()))
         row += len(rows)
     return out
-
-
-class Launched:
-    """A launched step: its :class:`StepResult`, or (deferred) the pinned host copy of its
-    sampled tokens (and logprob rows) under way, with the event that marks it done. Host
-    memory only."""
-
-    __slots__ = ("result", "entries", "owners", "rows", "host", "event", "n_tok", "lp_plan")
-
-    def __init__(self, result: Optional[StepResult]):
-        self.result = result
-
-    @classmethod
-    def deferred(cls, entries: int, owners: list[int], packed: torch.Tensor, n_tok: int,
-                 lp_plan=None) -> "Launched":
-        """``packed``: the ``n_tok`` sampled tokens, then (with ``lp_plan``) the step's logprob
-        rows as int32 words (``ModelRunner._packed_rows``)."""
-        self = cls(None)
-        self.entries, self.owners, self.n_tok, self.lp_plan = entries, owners, n_tok, lp_plan
-        self.rows = {i: k for k, i in enumerate(owners)}  # entry -> its sampled row
-        if packed.is_cuda:
-            self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            self.host.copy_(packed, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host, self.event = packed, None
-        return self
-
-    @property
-    def is_deferred(self) -> bool:
-        return self.result is None
-
-    def wait(self) -> StepResult:
-        if self.result is None:
-            if self.event is not None:
-                self.event.synchronize()
-            flat = self.host.numpy()
-            toks = flat[: self.n_tok].tolist()
-            out: list[list[int]] = [[] for _ in range(self.entries)]
-            for k, i in enumerate(self.owners):
-                out[i].append(toks[k])
-            self.result = StepResult(out, None)
-            if self.lp_plan is not None:
-                words = flat[self.n_tok:].reshape(len(self.lp_plan.rows), -1)
-                self.result.token_lps, self.result.prompt_lps, self.result.logprobs = \
-                    logprobs.unpack(words, self.lp_plan, self.entries)
-            self.host = self.event = self.lp_plan = None
-        return self.result

@@ -61,7 +61,7 @@ class Scheduler:
             if req.hold:  # its last token is in flight (overlapped scheduling)
                 i += 1
                 continue
-            n = min(req.num_tokens + req.pending - req.num_computed_tokens, budget)
+            n = min(req.num_known_tokens - req.num_computed_tokens, budget)
             spec = len(req.spec_token_ids) if req.num_computed_tokens + n == req.num_tokens else 0
             if not self._reserve(req, n + spec, scheduled):
                 if req.status is not Status.RUNNING:  # it preempted itself
@@ -99,7 +99,7 @@ class Scheduler:
                 break
             if req.hold:
                 continue
-            n = min(req.num_tokens + req.pending - req.num_computed_tokens, budget)
+            n = min(req.num_known_tokens - req.num_computed_tokens, budget)
             need += max(0, blocks_needed(req.num_computed_tokens + n + len(req.spec_token_ids),
                                          self.block_size) - len(req.block_ids))
             budget -= n

@@ -19,10 +19,10 @@ differs between them; this kernel runs on both and in Triton's CPU interpreter (
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
+from .fused_ops import INTERPRET
 from .triton_attention import HAVE_TRITON, tl, triton
 
 if triton is not None:
@@ -44,7 +44,7 @@ class PrefillBatch:
 
 
 def usable(device: torch.device, head_dim: int, block_size: int) -> bool:
-    return (HAVE_TRITON and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+    return (HAVE_TRITON and (device.type == "cuda" or INTERPRET)
             and head_dim & (head_dim - 1) == 0 and 16 <= head_dim <= 256
             and block_size & (block_size - 1) == 0)
 

@@ -8,7 +8,7 @@ while the engine is alive), ``GET /ready`` (200 only while it is SERVING), ``GET
 ``sleep_mode``, the admin endpoints of ``admin.py`` (``/sleep``, ``/wake_up``, ...).
 
 A request passes, in order: the in-flight limit and the body limits (``guards.py``, before the
-body is read), the short lists' sizes in bytes (``protocol.check_list_sizes``, before the body
+body is read), the short lists' sizes in bytes (``raw_limits.check_list_sizes``, before the body
 becomes objects), the JSON schema (``protocol.py``: strict types, every number and list bounded;
 a large body is parsed on a worker thread), the prompt's size in characters, then the chat
 template (rendered off the event loop by the engine's async ``apply_chat_template``) and the
@@ -28,6 +28,7 @@ from states import State
 
 from engine.interface import Engine
 from . import protocol as P
+from .raw_limits import check_list_sizes
 from ..malloc import Trimmer
 from .context import Frontend
 from .errors import install_handlers, validation_error
@@ -52,9 +53,9 @@ async def parse_body(request: Request, model: type[Body], fe: Frontend) -> Body:
 
 
 def _checked(model: type[Body]):
-    """``model.model_validate_json`` after the short lists' sizes (``P.check_list_sizes``)."""
+    """``model.model_validate_json`` after the short lists' sizes (``raw_limits.check_list_sizes``)."""
     def parse(raw: bytes) -> Body:
-        P.check_list_sizes(raw)
+        check_list_sizes(raw)
         return model.model_validate_json(raw)
     return parse
 

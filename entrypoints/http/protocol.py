@@ -21,10 +21,8 @@ frontend against its ``max_prompt_chars`` (``limits.py``).
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Optional, Union
 
-import msgspec
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from engine.errors import BadRequestError
@@ -194,82 +192,6 @@ class _SamplingFields(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
-
-
-class _RawLists(msgspec.Struct):
-    """The JSON of the short bounded lists, unparsed: ``msgspec.Raw`` is a view of the body,
-    so reading this makes no Python object per entry."""
-
-    stop: msgspec.Raw = msgspec.Raw()
-    stop_token_ids: msgspec.Raw = msgspec.Raw()
-    bad_words: msgspec.Raw = msgspec.Raw()
-    logit_bias: msgspec.Raw = msgspec.Raw()
-    prompt: msgspec.Raw = msgspec.Raw()
-
-
-def _batch_entries(raw: bytes) -> int:
-    """A lower bound on the number of prompts in a batch ``prompt`` (a list of token-id lists
-    or of strings), counted in C without parsing or copying; 0 for a single prompt. Token ids
-    hold no brackets, so a list of lists has ``count("[") - 1`` entries; a list of strings at
-    least half its unescaped quotes (an escaped backslash before a closing quote is counted as
-    an escape, so the count can only come out low: a valid batch is never refused by it)."""
-    i = _SPACE.match(raw).end()
-    if raw[i:i + 1] != b"[":
-        return 0
-    j = _SPACE.match(raw, i + 1).end()
-    first = raw[j:j + 1]
-    if first == b"[":
-        return raw.count(b"[", i) - 1
-    if first == b'"':
-        return (raw.count(b'"', i) - raw.count(b'\\"', i)) // 2
-    return 0
-
-
-_SPACE = re.compile(rb"\s*")
-
-
-def _raw_bound(entries: int, entry_bytes: int) -> int:
-    """The most JSON bytes ``entries`` entries of at most ``entry_bytes`` bytes can take, with
-    up to 16 bytes of separators and whitespace around each (and 4 KiB around the whole)."""
-    return entries * (entry_bytes + 16) + 4096
-
-
-_CHAR_BYTES = 12  # one character of a JSON string at its longest: a \uXXXX\uXXXX surrogate pair
-#: the most JSON bytes of each short bounded list (:class:`_RawLists`)
-RAW_LIST_BYTES = {
-    "stop": _raw_bound(MAX_STOP, MAX_STOP_CHARS * _CHAR_BYTES + 2),
-    "stop_token_ids": _raw_bound(MAX_STOP_TOKEN_IDS, len(str(MAX_INT))),
-    "bad_words": _raw_bound(MAX_BAD_WORDS, MAX_STOP_CHARS * _CHAR_BYTES + 2),
-    "logit_bias": _raw_bound(MAX_LOGIT_BIAS, 32 * _CHAR_BYTES + 2 + 32 + 1),
-}
-_raw_lists = msgspec.json.Decoder(_RawLists)
-
-
-def check_list_sizes(raw: bytes) -> None:
-    """Refuse (400 naming the parameter) a body whose short bounded list is longer in bytes
-    than :data:`RAW_LIST_BYTES` allows, before the schema parses it.
-
-    Why: pydantic refuses a too-long list only after turning all of it into Python objects
-    for the error's input value: a refused 200,000-entry ``stop_token_ids`` list (1.3 MB of
-    JSON) became 200,000 ints (7.6 MB) and took 9-19 ms here; this check reads the body once
-    in C (1 ms for 1.5 MB) and makes no object per entry. A body that is not a JSON object,
-    or not JSON, is left to the schema (its own error)."""
-    try:
-        lists = _raw_lists.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-        return
-    for name, bound in RAW_LIST_BYTES.items():
-        size = len(getattr(lists, name))
-        if size > bound:
-            raise RequestError(f"{name}: {size} bytes of JSON is more than any valid value "
-                               f"needs (at most {bound})", param=name)
-    # a batch of prompts past MAX_PROMPTS: pydantic would build every entry (and an error per
-    # entry, per member of the prompt union) before refusing it -- 300,000 one-token prompts
-    # (1.5 MB) took the frontend to ~290 MB and 0.6-2.7 s (soak, helper soak12)
-    n = _batch_entries(bytes(lists.prompt))
-    if n > MAX_PROMPTS:
-        raise RequestError(f"prompt: a batch of at least {n} prompts; at most {MAX_PROMPTS}",
-                           param="prompt")
 
 
 def check_logprobs_k(param: str, k: Optional[int], max_logprobs: int) -> None:
