@@ -17,10 +17,23 @@ from .runner import ModelRunner
 from .step_inputs import packed_forward
 
 
-def compare(model: str, device: str, dtype: str) -> dict:
+def _runner(model: str, device: str, dtype: str) -> ModelRunner:
     r = ModelRunner(EngineConfig(model=model, device=device, dtype=dtype, kv_cache_bytes=2**26,
                                  max_num_seqs=8, cuda_graphs=False, enable_prefix_caching=False))
     r.load()
+    return r
+
+
+def _agree(a: torch.Tensor, b: torch.Tensor) -> float:
+    # counted, not a float mean: a mean of ones on CUDA can come back as 0.99999994
+    return int((a.argmax(-1) == b.argmax(-1)).sum().item()) / a.shape[0]
+
+
+def compare(model: str, device: str, dtype: str, reference: bool = False) -> dict:
+    """With ``reference``, both paths are also measured against the plain path in float32 on
+    the same (``dtype``-rounded) weights: ``plain_vs_fp32`` / ``fused_vs_fp32`` say whether the
+    fused path's rounding is of the plain path's size."""
+    r = _runner(model, device, dtype)
     try:
         lm, kv, st = r.resource(R.WEIGHTS), r.resource(R.KV_CACHE), r.resource(R.MODEL_STATE)
         b = list(range(4, 15))  # 11 blocks: 176 tokens at block size 16
@@ -31,23 +44,37 @@ def compare(model: str, device: str, dtype: str) -> dict:
             [([7], 47, [1, 2, 3], True), ([8], 170, b, True)],  # decodes
         ]
 
-        def run(fused: bool):
-            lm.use_fused = fused
-            kv.tensor.zero_()
+        def run(fused: bool, runner: ModelRunner = r):
+            m, cache = runner.resource(R.WEIGHTS), runner.resource(R.KV_CACHE).tensor
+            m.use_fused = fused
+            cache.zero_()
             outs = []
             with torch.inference_mode():
                 for seqs in steps:
-                    h = packed_forward(lm, kv.tensor, st, None, r.device, r.block_size, seqs)
-                    outs.append(lm.logits(h).float())
-            return torch.cat(outs), kv.tensor.float().clone()
+                    h = packed_forward(m, cache, runner.resource(R.MODEL_STATE), None,
+                                       runner.device, runner.block_size, seqs)
+                    outs.append(m.logits(h).float())
+            m.use_fused = None
+            return torch.cat(outs), cache.float().clone()
 
         (la, ka), (lb, kb) = run(False), run(True)
-        lm.use_fused = None
-        return {"logits_max_abs": (la - lb).abs().max().item(),
-                "logits_scale": la.abs().max().item(),
-                "kv_max_abs": (ka - kb).abs().max().item(),
-                "argmax_agree": (la.argmax(-1) == lb.argmax(-1)).float().mean().item(),
-                "rows": la.shape[0]}
+        res = {"logits_max_abs": (la - lb).abs().max().item(),
+               "logits_scale": la.abs().max().item(),
+               "kv_max_abs": (ka - kb).abs().max().item(),
+               "argmax_agree": _agree(la, lb),
+               "rows": la.shape[0]}
+        if reference:
+            ref = _runner(model, device, "float32")
+            try:
+                with torch.no_grad():
+                    for pr, pb in zip(ref.resource(R.WEIGHTS).parameters(), lm.parameters()):
+                        pr.copy_(pb.float())
+                lr, _ = run(False, ref)
+            finally:
+                ref.shutdown()
+            res["plain_vs_fp32"] = (la - lr).abs().max().item()
+            res["fused_vs_fp32"] = (lb - lr).abs().max().item()
+        return res
     finally:
         r.shutdown()
 

@@ -16,6 +16,7 @@
 #           logprobs 20 against none, structured-output throughput, lifecycle (20 cycles),
 #           an eager step's host time by op
 #           (needs xgrammar and apache-tvm-ffi wheels in .whl, pydantic's in .whl/pyd)
+#   PART=11 all GPU tests, logprobs 20 against none, engine modes (1 round), structured outputs
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -94,6 +95,14 @@ elif [[ $PART == 10 ]]; then
     --logprobs-compare 20 --out "$OUT/lp20.json"
   step lifecycle 50 python3 -m bench.lifecycle --device cuda --no-progress --cycles 20 --out "$OUT/lifecycle.json"
   ENGINECORE_CUDA_GRAPHS=0 step cpu_table 30 python3 scripts/gpu/profile_decode.py --batches 256 --steps 3 --kernels --cpu-table
+elif [[ $PART == 11 ]]; then
+  export ONE_LOG=run.log TAIL=14
+  step gpu_tests 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu
+  step logprobs 80 python3 -m bench.throughput --device cuda --no-progress --modes bare --repeat 1 \
+    --logprobs-compare 20 --out "$OUT/lp20.json"
+  step throughput 130 python3 -m bench.throughput --device cuda --no-progress --repeat 1 \
+    --modes bare,inproc,ipc --out "$OUT/throughput.json"
+  step structured 65 python3 -m bench.structured --device cuda --out "$OUT/structured.json"
 else
   step lifecycle 150 python3 -m bench.lifecycle --device cuda --no-progress --cycles 20 --out "$OUT/lifecycle.json"
   step gpu_tests 100 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu tests/test_speculative.py

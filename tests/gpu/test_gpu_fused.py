@@ -27,9 +27,12 @@ pytestmark = [
 
 @pytest.mark.parametrize("model", ["random:qwen3-0.6b", "random:llama-3.2-1b"])
 def test_fused_logits_match_plain_bf16(model):
-    res = compare(model, "cuda", "bfloat16")
+    res = compare(model, "cuda", "bfloat16", reference=True)
     print(f"\n{model}: {res}")
-    assert res["logits_max_abs"] <= 0.03 * max(1.0, res["logits_scale"]), res
+    # bf16 rounding differs between the paths: the fused path must be no further from float32
+    # (on the same weights) than the plain path is, within a margin
+    assert res["fused_vs_fp32"] <= 1.5 * res["plain_vs_fp32"] + 1e-3, res
+    assert res["logits_max_abs"] <= 0.05 * max(1.0, res["logits_scale"]), res
     assert res["argmax_agree"] >= 0.9, res
 
 
