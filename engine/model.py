@@ -90,12 +90,19 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.scale = self.head_dim ** -0.5
+        #: q, k and v in one packed CPU linear (engine/cpu_weights.py), replacing the three
+        self.qkv_proj = None
+        self.qkv_sizes = (self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                          self.kv_heads * self.head_dim)
 
     def _qkv(self, x):
         t = x.shape[0]
-        return (self.q_proj(x).view(t, self.heads, self.head_dim),
-                self.k_proj(x).view(t, self.kv_heads, self.head_dim),
-                self.v_proj(x).view(t, self.kv_heads, self.head_dim))
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return (q.view(t, self.heads, self.head_dim), k.view(t, self.kv_heads, self.head_dim),
+                v.view(t, self.kv_heads, self.head_dim))
 
     def forward(self, x, positions, rotary: Rotary, cache: torch.Tensor, meta: AttentionMetadata):
         t = x.shape[0]
@@ -126,8 +133,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        #: gate and up in one packed CPU linear (engine/cpu_weights.py), replacing the two
+        self.gate_up_proj = None
 
     def forward(self, x):
+        if self.gate_up_proj is not None:
+            g, u = self.gate_up_proj(x).chunk(2, -1)
+            return self.down_proj(F.silu(g).mul_(u))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def forward_fused(self, x):
@@ -166,6 +178,8 @@ class CausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.packed_head = None  # a PackedLinear LM head on CPU (engine/cpu_weights.py)
+        #: tied embeddings looked up in the int8 packed head: the float table is dropped
+        self.embed_from_head = False
         #: the fused Triton path (engine/fused_ops.py): None = wherever it can run
         self.use_fused: bool | None = None
 
@@ -177,7 +191,7 @@ class CausalLM(nn.Module):
         if fused:
             return self._forward_fused(input_ids, positions, kv, meta)
         m = self.model
-        x = m.embed_tokens(input_ids)
+        x = self.packed_head.rows(input_ids) if self.embed_from_head else m.embed_tokens(input_ids)
         rot = m.rotary.tables(positions)
         for i, layer in enumerate(m.layers):
             x = layer(x, rot, m.rotary, kv[i], meta)

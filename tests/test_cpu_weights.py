@@ -22,6 +22,10 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 # max |packed - float| / max |float| of the last prompt position's logits, per format
 LOGIT_TOL = {"fbgemm_fp16": 5e-3, "woq": 5e-2}
+# greedy agreement with the fp32 path, share of positions. woq computes with bf16 weights and
+# activations inside torch's kernels: on 32 prompts x 32 tokens (bench.cpu_agreement) it agreed
+# on 74 %, the whole model in bf16 on 79 %, fbgemm fp16 on 99 % (bench/RESULTS.md, session 8)
+MIN_AGREE = {"fbgemm_fp16": 0.9, "woq": 0.6}
 PROMPTS = [list(range(100, 140)), [1, 520, 3001, 77, 9, 14000, 250], list(range(4000, 4100, 3))]
 
 
@@ -46,6 +50,31 @@ def test_packed_linear_matches_float(kind, tol):
     assert set(KINDS) >= {kind}
 
 
+def test_int4_bf16_dense_prefill_path_matches_the_kernel():
+    """From DENSE_ROWS rows a bf16 int4 linear dequantizes its weight (exactly the kernel's grid)
+    and runs the dense GEMM: the same result within bf16 rounding, and the weight back exactly."""
+    from engine.packed_linear import DENSE_ROWS
+
+    w = _q4_1_weight(96, 128)
+    lin = PackedLinear(w, "int4", torch.bfloat16)
+    assert ((lin.dense_weight().float() - w).abs().max() / w.abs().max()).item() < 1e-2  # bf16
+    x = torch.randn(DENSE_ROWS + 3, 128, generator=torch.Generator().manual_seed(2))
+    dense = lin(x)
+    kernel = torch.cat([lin(x[i:i + 8]) for i in range(0, x.shape[0], 8)])  # < DENSE_ROWS rows
+    ref = x @ w.T
+    assert _rel(dense, ref) < 2e-2 and _rel(kernel, ref) < 2e-2 and _rel(dense, kernel) < 2e-2
+
+
+def test_int8_rows_are_the_head_dequantized():
+    w = torch.randn(50, 64, generator=torch.Generator().manual_seed(3))
+    lin = PackedLinear(w, "int8", torch.bfloat16)
+    ids = torch.tensor([0, 7, 49, 7])
+    eye = torch.eye(64)
+    dense = lin(eye).T  # [50, 64]: each output row of the head is that row's weight
+    assert torch.allclose(lin.rows(ids), dense[ids], rtol=1e-2, atol=1e-3)
+    assert _rel(lin.rows(ids), w[ids]) < 2e-2
+
+
 def test_format_choice():
     q = {"model.layers.0.mlp.up_proj.weight": "Q4_1"}
     assert choose_format(torch.device("cpu"), "float32", "auto", q)[0] == "float"  # today's path
@@ -55,7 +84,9 @@ def test_format_choice():
     assert choose_format(torch.device("cpu"), "auto", "woq", q) == ("woq", "--cpu-weights woq")
     fmt, why = choose_format(torch.device("cpu"), "auto", "auto", q)
     cap = cpu_capability()
-    assert fmt == ("fbgemm_fp16" if cap.startswith("AVX512") or cap == "AVX2" else "float")
+    bf16 = torch.cpu._is_avx512_bf16_supported()
+    assert fmt == ("woq" if cap.startswith("AVX512") and bf16 else
+                   "fbgemm_fp16" if cap.startswith("AVX512") or cap == "AVX2" else "float")
     assert cap in why
     with pytest.raises(Exception, match="cpu_weights"):
         EngineConfig(cpu_weights="int3").validate()
@@ -95,6 +126,11 @@ def test_pack_model_every_kind_on_a_tiny_model():
             types = {**{n: "Q4_1" for n in names}, head: "Q8_0"}
             assert pack_model(model, fmt, types) == len(names) + 1 and is_packed(model)
             assert not any(n.endswith("proj.weight") for n, _ in model.named_parameters())
+            attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+            assert isinstance(attn.qkv_proj, PackedLinear) and not hasattr(attn, "q_proj")
+            assert isinstance(mlp.gate_up_proj, PackedLinear) and not hasattr(mlp, "up_proj")
+            # woq's int8 head doubles as the embedding table (the float table is dropped)
+            assert model.embed_from_head == (fmt == "woq" and model.config.tie_word_embeddings)
             assert _rel(_last_logits(runner, ids), ref) < tol, fmt
         finally:
             runner.shutdown()
@@ -139,7 +175,7 @@ def test_default_model_packed_logits_and_greedy_agree(default_pair):
     same = sum(x == y for k in a for x, y in zip(a[k], b[k]))
     total = sum(len(v) for v in a.values())
     print(f"greedy agreement {fast.weight_format} vs float: {same}/{total}")
-    assert same >= 0.9 * total
+    assert same >= MIN_AGREE[fast.weight_format] * total
 
 
 def test_packed_weights_release_and_update(default_pair):
