@@ -13,8 +13,10 @@ from engine.step_inputs import packed_forward
 
 class Reference:
     def __init__(self, model: str = "default") -> None:
-        self.runner = ModelRunner(EngineConfig(model=model, num_kv_blocks=64, max_num_seqs=2,
-                                               enable_prefix_caching=False, cuda_graphs=False))
+        # float32: the exact path (the engines these logits check pin it too)
+        self.runner = ModelRunner(EngineConfig(model=model, dtype="float32", num_kv_blocks=64,
+                                               max_num_seqs=2, enable_prefix_caching=False,
+                                               cuda_graphs=False))
         self.runner.load()
         self.tokenizer = self.runner.tokenizer
 

@@ -37,7 +37,8 @@ def test_logprobs_penalties_and_biases_match_the_model(ref):
     pids = ref.tokenizer.encode(PEN_PROMPT)
 
     async def main():
-        cfg = EngineConfig(model="default", max_num_batched_tokens=8, block_size=4)
+        cfg = EngineConfig(model="default", dtype="float32", max_num_batched_tokens=8,
+                           block_size=4)
         async with AsyncEngine.open(cfg) as eng:
             await _run(eng, ids, max_tokens=2)  # fills the prefix cache with this prompt
             outs = await _run(eng, ids, max_tokens=5, logprobs=True, top_logprobs=5,

@@ -54,7 +54,7 @@ def test_openai_client_on_the_default_model(ref):
     ids = tok.encode(PROMPT)
 
     async def main():
-        async with served(EngineConfig(model="default")) as s:
+        async with served(EngineConfig(model="default", dtype="float32")) as s:
             oc = s.openai()
             res = {}
             res["cmpl"] = await oc.completions.create(model="default", prompt=PROMPT, max_tokens=4,

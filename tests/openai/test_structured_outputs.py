@@ -29,7 +29,7 @@ from schemas import SCHEMAS  # noqa: E402
 from engine import AsyncEngine, EngineConfig, SamplingParams, StructuredOutputs  # noqa: E402
 from engine.errors import BadRequestError  # noqa: E402
 
-CONFIG = EngineConfig(model="default", max_num_seqs=128, max_num_batched_tokens=2048)
+CONFIG = EngineConfig(model="default", dtype="float32", max_num_seqs=128, max_num_batched_tokens=2048)
 SEEDS = (1, 2, 3)
 FORMATS = jsonschema.FormatChecker()
 
