@@ -40,6 +40,9 @@ _QUANTIZED = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _QKV, _GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 _FUSED = {"qkv_proj": _QKV, "gate_up_proj": _GATE_UP}
+#: an int8 LM head in bf16 computes this many logits of each row exactly (PackedLinear): more
+#: than the most logprobs a request may ask for (20)
+HEAD_TOP = 32
 
 
 def _act_dtype(fmt: str) -> torch.dtype:
@@ -141,7 +144,7 @@ def pack_model(model: nn.Module, fmt: str, gguf_types: Mapping[str, str]) -> int
         kind = _kind(fmt, gguf_types.get(head_name))
         if kind is not None:
             w = model.model.embed_tokens.weight if cfg.tie_word_embeddings else model.lm_head.weight
-            model.packed_head = PackedLinear(w, kind, act)
+            model.packed_head = PackedLinear(w, kind, act, head_top=HEAD_TOP)
             if not cfg.tie_word_embeddings:
                 del model.lm_head
             elif kind == "int8":  # one table for the head and the lookup (Q8_0: 113 MB fp32)

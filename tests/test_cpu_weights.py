@@ -75,6 +75,30 @@ def test_int8_rows_are_the_head_dequantized():
     assert _rel(lin.rows(ids), w[ids]) < 2e-2
 
 
+def test_int8_head_top_logits_are_exact():
+    """An int8 bf16 head (head_top): the logits it ranks best in each row are the float32
+    product with the exact int8 groups, the argmax is the dequantized head's; the others stay
+    within the per-row grid's approximation. Rows past _HEAD_ROWS too."""
+    from engine import packed_linear
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(3000, 64, generator=g) * torch.rand(3000, 2, 1, generator=g).repeat_interleave(32, 1).view(3000, 64)
+    head = PackedLinear(w, "int8", torch.bfloat16, head_top=8)
+    exact = head.rows(torch.arange(3000))  # the int8 groups dequantized in float32
+    x = torch.randn(packed_linear._HEAD_ROWS + 5, 64, generator=g)
+    ref = x @ exact.T
+    got = head(x)
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    # well inside the 8 recomputed: exact (at the edge an approximate one may outrank them)
+    best = got.topk(4, -1)
+    assert torch.equal(best.indices, ref.topk(4, -1).indices)
+    assert torch.allclose(best.values, ref.gather(1, best.indices), rtol=1e-5, atol=1e-5)
+    assert _rel(got, ref) < 5e-2
+    assert _rel(head.rows(torch.tensor([5, 2999])), w[[5, 2999]]) < 1e-2
+    assert PackedLinear(w, "int8", torch.float32, head_top=8).head_top == 0  # bf16 only
+
+
 def test_format_choice():
     q = {"model.layers.0.mlp.up_proj.weight": "Q4_1"}
     assert choose_format(torch.device("cpu"), "float32", "auto", q)[0] == "float"  # today's path
