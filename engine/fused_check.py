@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from . import fused_linears
 from .config import EngineConfig
 from .owner import Resource as R
 from .runner import ModelRunner
@@ -62,7 +63,9 @@ def compare(model: str, device: str, dtype: str, reference: bool = False) -> dic
                "logits_scale": la.abs().max().item(),
                "kv_max_abs": (ka - kb).abs().max().item(),
                "argmax_agree": _agree(la, lb),
-               "rows": la.shape[0]}
+               "rows": la.shape[0],
+               # checkpoint tensors living in fused q/k/v, gate/up weights (fused_linears)
+               "fused_views": len(fused_linears.views(lm))}
         if reference:
             ref = _runner(model, device, "float32")
             try:

@@ -61,11 +61,13 @@ if triton is not None:
         tl.store(Y + row * stride_y + cols, y, mask=mask)
 
     @triton.jit(do_not_specialize=["n"])  # n varies with the batch: one compiled variant
-    def _silu_mul_kernel(G, U, O, n, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(G, U, O, n, width, stride_in, BLOCK: tl.constexpr):
+        # O is [n / width, width], contiguous; G and U rows are ``stride_in`` apart
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(U + offs, mask=mask, other=0.0)
+        src = (offs // width) * stride_in + offs % width
+        g = tl.load(G + src, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + src, mask=mask, other=0.0)
         s = (g / (1.0 + tl.exp(-g))).to(U.dtype.element_ty)
         tl.store(O + offs, (s.to(tl.float32) * u.to(tl.float32)).to(O.dtype.element_ty), mask=mask)
 
@@ -142,11 +144,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up`` in one pass (contiguous inputs of one shape)."""
     out = torch.empty_like(up)
-    n = up.numel()
+    _silu_mul(gate, up, out, up.shape[-1], up.shape[-1])
+    return out
+
+
+def silu_mul_halves(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(g) * u`` for ``g, u = gate_up.chunk(2, -1)`` (``gate_up`` [T, 2I], rows
+    contiguous: a fused gate/up projection's output), in one pass -> [T, I]."""
+    t, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((t, width), dtype=gate_up.dtype, device=gate_up.device)
+    _silu_mul(gate_up, gate_up[:, width:], out, width, gate_up.stride(0))
+    return out
+
+
+def _silu_mul(gate, up, out, width: int, stride_in: int) -> None:
+    n = out.numel()
     if n:
         block = 1024
-        _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=4)
-    return out
+        _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, width, stride_in,
+                                                   BLOCK=block, num_warps=4)
 
 
 def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -90,7 +90,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.scale = self.head_dim ** -0.5
-        #: q, k and v in one packed CPU linear (engine/cpu_weights.py), replacing the three
+        #: q, k and v in one linear replacing the three: packed on CPU (engine/cpu_weights.py),
+        #: float where the fused Triton path runs (engine/fused_linears.py)
         self.qkv_proj = None
         self.qkv_sizes = (self.heads * self.head_dim, self.kv_heads * self.head_dim,
                           self.kv_heads * self.head_dim)
@@ -133,7 +134,8 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        #: gate and up in one packed CPU linear (engine/cpu_weights.py), replacing the two
+        #: gate and up in one linear replacing the two: packed on CPU (engine/cpu_weights.py),
+        #: float where the fused Triton path runs (engine/fused_linears.py)
         self.gate_up_proj = None
 
     def forward(self, x):
@@ -143,6 +145,8 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def forward_fused(self, x):
+        if self.gate_up_proj is not None:
+            return self.down_proj(fused_ops.silu_mul_halves(self.gate_up_proj(x)))
         return self.down_proj(fused_ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import cuda_graphs
+from . import cuda_graphs, fused_linears, fused_ops
 from .config import EngineConfig
 from .cpu_weights import choose_format, pack_model
 from .errors import BadRequestError
@@ -150,6 +150,9 @@ class ModelRunner(RunnerSleep):
         n = pack_model(model, fmt, types or {})
         self.weight_format = fmt if n else "float"
         log.info("weights: %s, %d linears packed (%s)", self.weight_format, n, why)
+        if not n and self._tp is None and fused_ops.AVAILABLE and (
+                self.device.type == "cuda" or fused_ops.INTERPRET):
+            log.info("q/k/v and gate/up fused: %d linears", fused_linears.fuse(model))
 
     def _build_stack(self, should_stop=lambda: False) -> bool:
         """KV cache, model state and (CUDA) graphs, each adopted as it is made; False if

@@ -35,6 +35,7 @@ except Exception:  # pragma: no cover - depends on the environment
 
 SPLIT_TOKENS = 512  # tokens per split (a multiple of the tile below)
 TILE_TOKENS = 64  # tokens per loop iteration (several KV blocks when block_size < 64)
+NUM_WARPS, NUM_STAGES = 4, 2  # the decode kernel's launch (scripts/gpu/sweep_decode_attn.py)
 
 
 def supported(q: torch.Tensor, cache: torch.Tensor) -> bool:
@@ -201,7 +202,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
         k.stride(0), k.stride(1), k.stride(2), block_tables.stride(0),
         heads, splits,
         GQA=gqa, GP=gp, HEAD_DIM=dim, BLOCK_SIZE=block_size, TILE=tile,
-        SPLIT=SPLIT_TOKENS, IEEE=ieee, num_warps=4, num_stages=2,
+        SPLIT=SPLIT_TOKENS, IEEE=ieee, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if splits > 1:
         _reduce_kernel[(bsz, heads)](

@@ -16,6 +16,7 @@ from typing import Iterable, Mapping, Union
 import torch
 from torch import nn
 
+from . import fused_linears
 from .errors import BadRequestError, CheckpointError
 from .model import CausalLM
 from .model_config import ModelConfig
@@ -123,6 +124,8 @@ def validated(spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]], named: Na
 def copy_into(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
     """Copy validated ``tensors`` into ``module``'s parameters, wherever their storage is."""
     params = dict(module.named_parameters())
+    if any(name not in params for name in tensors):  # q/k/v, gate/up fused (fused_linears)
+        params.update(fused_linears.views(module))
     with torch.no_grad():
         for name, t in tensors.items():
             p = params[name]

@@ -28,6 +28,7 @@ def test_fused_path_equals_plain_path_fp32(model):
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["rows"] == 37 + 100 + 10 + 70 + 2  # every row of the three steps
+    assert res["fused_views"] >= 2 * 5  # q/k/v and gate/up fused in both layers
     assert res["logits_max_abs"] <= 1e-4 * max(1.0, res["logits_scale"]), res
     assert res["kv_max_abs"] <= 1e-4, res
     assert res["argmax_agree"] == 1.0, res
