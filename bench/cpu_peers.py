@@ -1,17 +1,21 @@
 """enginecore against llama.cpp and transformers on the same GGUF, on this CPU.
 
-    python -m bench.cpu_peers [--engines enginecore,llamacpp,hf] [--busy] [--threads N]
+    python -m bench.cpu_peers [--engines enginecore,enginecore_http,llamacpp,llamacpp_native,hf]
+        [--busy] [--threads N]
 
-Each engine runs in its own process (its RSS after load is its own; a crash is one row), on the
+Engines: ``enginecore`` in-process (``AsyncEngine``), ``enginecore_http`` (``enginecore serve
+--http``, streamed ``/v1/completions`` with token-id prompts; RSS is the server's process tree),
+``llamacpp`` and ``llamacpp_native`` (two builds, below), ``hf`` (transformers, fp32). Each engine runs in its own process (its RSS after load is its own; a crash is one row), on the
 default SmolLM2-135M Q4_1 GGUF unless ``--gguf``: 1-stream greedy decode tok/s, TTFT of a 128-
 and a 1,000-token prompt, aggregate tok/s of 8 and 32 concurrent streams, RSS after load, and with
 ``--busy`` the 1-stream figure again beside a competing spin loop (bounded: it exits by itself).
 
 llama.cpp comes from ``llama-cpp-python`` built from source into its own venv (``--venv``, made on
-first use; ~4 min on 2 idle cores, longer on a busy box). Build options: ``CMAKE_ARGS`` below.
-GGML_NATIVE=ON (the field notes) segfaulted on multi-token batches; the AVX2 set with NATIVE off
-is what this bench builds. llama-cpp-python's high-level API runs one sequence, so llama.cpp's
-multi-stream rows are not measured here.
+first use; ~4 min on 2 idle cores, longer on a busy box). Build options: :func:`cmake_args`
+(``llamacpp``: NATIVE off, the CPU's AVX2 / AVX-512 set; ``llamacpp_native``: GGML_NATIVE=ON in
+``--venv-native``, prompts fed one token a call because its batched path segfaults).
+llama-cpp-python's high-level API runs one sequence, so llama.cpp's multi-stream rows are not
+measured here.
 
 This file imports only the standard library at module level: the llama.cpp worker runs under the
 venv's Python, which has no torch.
@@ -30,9 +34,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMACPP_VERSION = "0.3.36"
-CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
-              "-DGGML_AVX512=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
-              "-DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF")
+_NO_EXTRAS = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF"
+
+
+def cmake_args(native: bool) -> str:
+    """llama.cpp's build options. ``native`` (GGML_NATIVE=ON: -march=native, AMX on Sapphire
+    Rapids) decodes fastest but segfaulted on any multi-token batch on both boxes tried (prompts
+    then go one token a call: ``llamacpp_native`` runs with n_batch=1). Otherwise the vector set
+    this CPU has: AVX2, plus AVX-512 F/VBMI/VNNI/BF16 where the CPU has them (no AMX): batched
+    prompts work (checked at n_batch=512 on the AMD EPYC AVX2 box and the Xeon AVX-512 box)."""
+    if native:
+        return "-DGGML_NATIVE=ON " + _NO_EXTRAS
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    avx512 = " avx512f " in flags and " avx512_bf16 " in flags
+    return ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+            + ("-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON "
+               if avx512 else "-DGGML_AVX512=OFF ") + _NO_EXTRAS)
 
 
 def rss_mib() -> float:
@@ -108,12 +125,117 @@ def work_enginecore(a) -> dict:
     return out
 
 
+def _tree_rss_mib(pid: int) -> float:
+    """RSS of ``pid`` and its children (the serve process and its engine process)."""
+    pids = [pid]
+    try:
+        pids += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        pass
+    total = 0.0
+    for p in pids:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) / 1024
+        except OSError:
+            pass
+    return total
+
+
+def work_enginecore_http(a) -> dict:
+    """``enginecore serve --http`` in its own process group; streamed /v1/completions with the
+    prompt as token ids (what benchmark clients send), timed at each SSE chunk."""
+    import socket
+
+    import anyio
+    import httpx
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    argv = [sys.executable, "-m", "entrypoints.cli", "serve", "--model", a.gguf, "--device", "cpu",
+            "--dtype", a.dtype, "--cpu-weights", a.cpu_weights, "--threads", str(a.threads),
+            "--max-num-seqs", "64", "--max-model-len", "2048", "--no-prefix-caching",
+            "--http", f"127.0.0.1:{port}", "--disable-log-stats", "--log-level", "warning"]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
+    out: dict = {}
+    base = f"http://127.0.0.1:{port}"
+
+    async def stream(c, ids, n):
+        body = {"model": model[0], "prompt": ids, "max_tokens": n, "temperature": 0.0,
+                "ignore_eos": True, "stream": True}
+        t0, first, last, count = time.perf_counter(), None, None, 0
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                    continue
+                now = time.perf_counter()
+                first = now if first is None else first
+                last, count = now, count + 1
+        return t0, first, last, count
+
+    model = [a.gguf]
+
+    async def main():
+        t = time.perf_counter()
+        async with httpx.AsyncClient(base_url=base, timeout=600) as c:
+            with anyio.fail_after(300):
+                while True:
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"serve exited with {proc.returncode}")
+                    try:
+                        if (await c.get("/ready")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    await anyio.sleep(0.2)
+            out["load_s"] = time.perf_counter() - t
+            out["rss_after_load_mib"] = _tree_rss_mib(proc.pid)
+            model[0] = (await c.get("/v1/models")).json()["data"][0]["id"]
+            await stream(c, prompt_ids(16, 0), 8)  # warm-up
+            _, first, last, n = await stream(c, prompt_ids(16, 1), a.tokens)
+            out["decode_1_tok_s"] = (n - 1) / (last - first)
+            for plen in (128, 1000):
+                t0, first, _, _ = await stream(c, prompt_ids(plen, plen), 1)
+                out[f"ttft_{plen}_ms"] = (first - t0) * 1e3
+            for st in a.streams:
+                t0 = time.perf_counter()
+                res = []
+                async with anyio.create_task_group() as tg:
+                    for i in range(st):
+                        async def one(i=i):
+                            res.append(await stream(c, prompt_ids(16, 100 + i), a.tokens))
+                        tg.start_soon(one)
+                out[f"aggregate_{st}_tok_s"] = sum(r[3] for r in res) / (time.perf_counter() - t0)
+            if a.busy:
+                with busy_neighbour(a.busy_seconds):
+                    _, first, last, n = await stream(c, prompt_ids(16, 2), a.tokens)
+                out["decode_1_busy_tok_s"] = (n - 1) / (last - first)
+
+    try:
+        anyio.run(main)
+    finally:
+        proc.terminate()  # SIGTERM: the server drains and exits
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    return out
+
+
 def work_llamacpp(a) -> dict:
     from llama_cpp import Llama
 
     out: dict = {}
     t = time.perf_counter()
-    llm = Llama(model_path=a.gguf, n_ctx=2048, n_batch=512, n_threads=a.threads,
+    nb = 1 if a.worker == "llamacpp_native" else 512  # the native build's batched path segfaults here
+    llm = Llama(model_path=a.gguf, n_ctx=2048, n_batch=nb, n_ubatch=nb, n_threads=a.threads,
                 n_threads_batch=a.threads, verbose=False, seed=0)
     out["load_s"] = time.perf_counter() - t
     out["rss_after_load_mib"] = rss_mib()
@@ -191,17 +313,18 @@ class busy_neighbour:
         self.proc.wait()
 
 
-WORKERS = {"enginecore": work_enginecore, "llamacpp": work_llamacpp, "hf": work_hf}
+WORKERS = {"enginecore": work_enginecore, "enginecore_http": work_enginecore_http,
+           "llamacpp": work_llamacpp, "llamacpp_native": work_llamacpp, "hf": work_hf}
 
 
 # -- driver -----------------------------------------------------------------------------------------
-def ensure_llamacpp(venv: Path) -> Path:
+def ensure_llamacpp(venv: Path, native: bool = False) -> Path:
     py = venv / "bin" / "python"
     if py.exists() and subprocess.run([str(py), "-c", "import llama_cpp"], capture_output=True).returncode == 0:
         return py
     print(f"building llama-cpp-python {LLAMACPP_VERSION} into {venv} (minutes) ...", flush=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    env = {**os.environ, "CMAKE_ARGS": CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
+    env = {**os.environ, "CMAKE_ARGS": cmake_args(native), "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
     subprocess.run([str(py), "-m", "pip", "install", "--no-cache-dir", "--no-binary", "llama-cpp-python",
                     f"llama-cpp-python=={LLAMACPP_VERSION}"], check=True, env=env)
     return py
@@ -223,7 +346,7 @@ def run_worker(name: str, a, python: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cpu_peers", description=__doc__.split("\n")[0])
-    ap.add_argument("--engines", default="enginecore,llamacpp,hf")
+    ap.add_argument("--engines", default="enginecore,enginecore_http,llamacpp,llamacpp_native,hf")
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--threads", type=int, default=None, help="default: the CPUs this process may use")
     ap.add_argument("--tokens", type=int, default=64)
@@ -233,6 +356,7 @@ def main(argv=None) -> int:
     ap.add_argument("--busy", action="store_true", help="also 1-stream decode beside a spinning process")
     ap.add_argument("--busy-seconds", type=float, default=120.0)
     ap.add_argument("--venv", type=Path, default=Path("/tmp/llamacpp-venv"))
+    ap.add_argument("--venv-native", type=Path, default=Path("/tmp/llamacpp-native"))
     ap.add_argument("--timeout", type=float, default=1200.0, help="per engine, seconds")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu_peers.json")
     ap.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
@@ -246,7 +370,9 @@ def main(argv=None) -> int:
     names = [n for n in a.engines.split(",") if n]
     rows = []
     for name in names:
-        python = str(ensure_llamacpp(a.venv)) if name == "llamacpp" else sys.executable
+        python = (str(ensure_llamacpp(a.venv)) if name == "llamacpp" else
+                  str(ensure_llamacpp(a.venv_native, native=True)) if name == "llamacpp_native"
+                  else sys.executable)
         print(f"{name} ...", flush=True)
         rows.append(run_worker(name, a, python))
         print("  " + json.dumps(rows[-1]), flush=True)

@@ -92,8 +92,8 @@ def compare_decode(device: str = "cpu") -> float:
         ta._sm_count = lambda dev: 4
     g = torch.Generator().manual_seed(0)
     worst = 0.0
-    for heads, kv_heads, dim, lens in [(8, 2, 64, [17, 100, 700]), (4, 4, 32, [1, 33])]:
-        bs, nb = 16, 160
+    for heads, kv_heads, dim, lens in [(8, 2, 64, [17, 100, 1100]), (4, 4, 32, [1, 33])]:
+        bs, nb = 16, 240  # 1,100 tokens: more than one split (SPLIT_TOKENS)
         cache = torch.randn(2, nb, bs, kv_heads, dim, generator=g).to(device)
         width = max(-(-n // bs) for n in lens)
         bt = (torch.randperm(nb - 1, generator=g)[: len(lens) * width] + 1).view(len(lens), width)
