@@ -34,11 +34,13 @@ from torch import nn
 
 KINDS = ("int4", "int8", "fbgemm_fp16")
 GROUP = 32  # GGUF's block size for Q4_0/Q4_1/Q8_0, and the int4 kernel's group size here
-#: from this many rows (a prefill chunk) a bf16 int4 linear dequantizes its weight and runs the
-#: dense bf16 GEMM (oneDNN: AMX / AVX512-BF16) instead of the weight-only kernel. Measured on the
-#: 2-core Xeon, one thread, 1,000 rows x 3072x576: int4 kernel 39.7 ms, dequantize 3.9 + dense
-#: 4.1 ms; at 64 rows x 1536x576 the kernel took 1.2 ms against ~1 ms of dequantizing.
-DENSE_ROWS = 64
+#: from this many rows (a prefill chunk, a batch of 16+ decodes) a bf16 int4 linear runs the dense
+#: bf16 GEMM (oneDNN: AMX / AVX512-BF16) on its weight dequantized once at load (``dense``: +2
+#: bytes a weight) instead of the weight-only kernel, which is compute-bound from ~4 rows here.
+#: Measured on the 2-core Xeon, one thread, 3072x576, us: kernel at 8 / 16 / 64 rows 398 / 780 /
+#: 3,089, dense 392 / 508 / 843; at 1,000 rows 39.7 ms against 4.1 ms. Dequantizing per call
+#: instead (what this replaced) cost 3.9 ms a matrix, ~230 ms per 1,000-token prefill chunk.
+DENSE_ROWS = 16
 #: inputs per int8 scale (each chunk is one kernel call): GGUF Q8_0's own groups of 32, so a
 #: Q8_0 tensor is kept as it is (up to the scales' rounding to the activation dtype). One scale
 #: per row (576 inputs of the default model's head) was 2.7 ms a step faster at batch 1, but
@@ -60,6 +62,16 @@ def _int4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     zero = lo + 8 * scale
     sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()  # [K/32, N, 2]
     return q.reshape(n, k), sz
+
+
+def _dequantize(q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """int4 values [N, K] and scales/zeros [K/32, N, 2] -> ``q * scale + zero - 8 * scale``
+    [N, K] in ``sz``'s dtype, computed in it (what the kernel computes)."""
+    n, k = q.shape
+    sz = sz.transpose(0, 1)  # [N, K/32, 2]
+    scale = sz[..., :1]
+    w = q.view(n, k // GROUP, GROUP).to(sz.dtype)
+    return w.mul_(scale).add_(sz[..., 1:] - 8 * scale).view(n, k).contiguous()
 
 
 def _int8_rows(w: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,11 +112,8 @@ class PackedLinear(nn.Module):
                 q, sz = _int4_groups(weight)
                 self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
                 self.register_buffer("scales_zeros", sz.to(act_dtype))
-                if act_dtype == torch.bfloat16:
-                    # the same 4-bit values two to a byte, for the dense prefill path (the
-                    # kernel's packed layout is its own): +0.5 byte a weight
-                    q8 = q.to(torch.uint8)
-                    self.register_buffer("nibbles", q8[:, 0::2] | (q8[:, 1::2] << 4))
+                if act_dtype == torch.bfloat16:  # the dense path's weight (DENSE_ROWS)
+                    self.register_buffer("dense", _dequantize(q, sz.to(act_dtype)))
             elif kind == "int8":
                 chunk = INT8_CHUNK if self.in_features % INT8_CHUNK == 0 else self.in_features
                 q, scale = _int8_rows(weight, chunk)
@@ -120,14 +129,8 @@ class PackedLinear(nn.Module):
                 self.packed_nbytes = weight.numel() * 2  # nominal: fbgemm pads, see cpu_weights
 
     def dense_weight(self) -> torch.Tensor:
-        """The int4 weight dequantized to ``[N, K]`` in the activation dtype (``w = q * scale +
-        zero - 8 * scale``, what the kernel computes)."""
-        n, k = self.out_features, self.in_features
-        nib = self.nibbles
-        q = torch.stack((nib & 15, nib >> 4), -1).view(n, k // GROUP, GROUP).to(self.act_dtype)
-        sz = self.scales_zeros.transpose(0, 1)  # [N, K/32, 2]
-        scale = sz[..., :1]
-        return q.mul_(scale).add_(sz[..., 1:] - 8 * scale).view(n, k)
+        """The int4 weight dequantized to ``[N, K]`` in the activation dtype."""
+        return self.dense
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the int8 weight, dequantized to float32: an embedding lookup on the
@@ -139,7 +142,7 @@ class PackedLinear(nn.Module):
         kind = self.kind
         if self.head_top:
             return self._head(x)
-        if kind == "int4" and x.shape[0] >= DENSE_ROWS and hasattr(self, "nibbles"):
+        if kind == "int4" and x.shape[0] >= DENSE_ROWS and hasattr(self, "dense"):
             return F.linear(x.to(self.act_dtype), self.dense_weight()).to(x.dtype)
         if kind == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.act_dtype), self.qweight,

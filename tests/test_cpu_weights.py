@@ -51,8 +51,8 @@ def test_packed_linear_matches_float(kind, tol):
 
 
 def test_int4_bf16_dense_prefill_path_matches_the_kernel():
-    """From DENSE_ROWS rows a bf16 int4 linear dequantizes its weight (exactly the kernel's grid)
-    and runs the dense GEMM: the same result within bf16 rounding, and the weight back exactly."""
+    """From DENSE_ROWS rows a bf16 int4 linear runs the dense GEMM on its weight dequantized at
+    load (the kernel's grid): the same result within bf16 rounding, and the weight back."""
     from engine.packed_linear import DENSE_ROWS
 
     w = _q4_1_weight(96, 128)
