@@ -58,6 +58,9 @@ class EngineCore:
         # overlapped scheduling: the step launched but not yet applied, (batch, Launched)
         self._inflight = None
         self.deferred_steps = 0  # steps whose tokens were read back during the next one
+        # steps sampled only after the step before was applied (a constrained request's token
+        # was in flight: EngineCore.step)
+        self.late_sampled_steps = 0
         overlap = cfg.overlap_scheduling
         if overlap is None:
             overlap = runner.device.type == "cuda"
@@ -121,7 +124,10 @@ class EngineCore:
         step before was deferred, this one is scheduled and launched *before* that one's
         tokens are read back, so the device runs this step while the host applies the last
         one (stop checks, detokenization, outputs): the outputs returned are the previous
-        step's, and this step's follow with the next call (``has_work`` stays true)."""
+        step's, and this step's follow with the next call (``has_work`` stays true). A step
+        with a constrained request whose token is in flight is launched in two halves: the
+        forward, then -- once the step before is applied and its matchers took their tokens --
+        the grammar masks and the sampling (``runner.forward`` / ``runner.sample_step``)."""
         t0 = time.perf_counter()
         outputs: list[RequestOutput] = []
         prev = self._inflight
@@ -137,7 +143,18 @@ class EngineCore:
         if batch:
             self.timings.scheduled(batch)
             defer = self._overlap and all(req.overlappable for req, _ in batch)
-            launched = self.runner.launch(batch, defer)
+            if prev is not None and any(r.pending and r.matcher is not None for r, _ in batch):
+                # a constrained request's mask needs its matcher to have taken the token in
+                # flight: the forward first, then (while the device runs it) the step before is
+                # applied, and only then are the masks filled and the step sampled
+                fwd = self.runner.forward(batch)
+                outputs += self._complete(*prev)
+                prev = None
+                launched = self.runner.sample_step(fwd, defer)
+                del fwd
+                self.late_sampled_steps += 1
+            else:
+                launched = self.runner.launch(batch, defer)
         if prev is not None:
             outputs += self._complete(*prev)
         if launched is None:
