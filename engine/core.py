@@ -143,14 +143,18 @@ class EngineCore:
         if batch:
             self.timings.scheduled(batch)
             defer = self._overlap and all(req.overlappable for req, _ in batch)
-            if prev is not None and any(r.pending and r.matcher is not None for r, _ in batch):
+            if prev is not None and any(r.matcher is not None for r, _ in batch):
                 # a constrained request's mask needs its matcher to have taken the token in
-                # flight: the forward first, then (while the device runs it) the step before is
-                # applied, and only then are the masks filled and the step sampled
+                # flight (and the step before's copy of the mask rows to be done): the forward
+                # first; while the device runs it, the step before is read back, its matchers
+                # take their tokens, the masks are filled in the background while the rest of
+                # that step is applied; then the masks go on and the step is sampled
                 fwd = self.runner.forward(batch)
-                outputs += self._complete(*prev)
+                verdicts = self._advance_matchers(*prev)
+                masks = self.runner.fill_masks(fwd)
+                outputs += self._complete(*prev, verdicts)
                 prev = None
-                launched = self.runner.sample_step(fwd, defer)
+                launched = self.runner.sample_step(fwd, defer, masks)
                 del fwd
                 self.late_sampled_steps += 1
             else:
@@ -198,10 +202,11 @@ class EngineCore:
             return True, "KV cache capacity"
         return False, None
 
-    def _complete(self, batch, launched) -> list[RequestOutput]:
+    def _complete(self, batch, launched, verdicts: Optional[dict] = None) -> list[RequestOutput]:
         """Apply a deferred step: read its tokens back, then stop checks and outputs. Requests
         that finished or were aborted since it was launched are skipped (their terminal
-        output was sent then)."""
+        output was sent then). ``verdicts``: entry -> its matcher's verdict on its token,
+        when :meth:`_advance_matchers` fed them already."""
         result = self.runner.collect(launched)
         outputs: list[RequestOutput] = []
         for k, (req, _) in enumerate(batch):
@@ -212,8 +217,22 @@ class EngineCore:
             self._prompt_lps(req, k, result)
             if new and req.pending:
                 req.pending, req.hold = 0, False
-                outputs.append(self._output(req, k, new, result))
+                outputs.append(self._output(req, k, new, result,
+                                            verdicts.get(k) if verdicts else None))
         return outputs
+
+    def _advance_matchers(self, batch, launched) -> dict[int, tuple]:
+        """A deferred step's tokens read back and fed to the constrained requests' matchers
+        (before the rest of the step is applied, so the next masks can be filled meanwhile):
+        entry -> the verdict (``structured.matcher.advance``) that ``_append`` then uses."""
+        result = self.runner.collect(launched)
+        verdicts = {}
+        for k, (req, _) in enumerate(batch):
+            if req.matcher is not None and req.pending and not req.finished:
+                new = result.tokens[k]
+                if new and req.params.max_tokens > 0:
+                    verdicts[k] = advance(req.matcher, new[0])
+        return verdicts
 
     def _update(self, batch, result: StepResult) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -238,8 +257,9 @@ class EngineCore:
             req.prompt_lps.append(chunk)
             req.num_prompt_lps += len(chunk)
 
-    def _output(self, req: Request, k: int, new: list[int], result: StepResult) -> RequestOutput:
-        out = self._append(req, new, result.logprobs[k] if result.logprobs else None)
+    def _output(self, req: Request, k: int, new: list[int], result: StepResult,
+                verdict: Optional[tuple] = None) -> RequestOutput:
+        out = self._append(req, new, result.logprobs[k] if result.logprobs else None, verdict)
         if result.token_lps is not None and req.params.logprobs:
             got = result.token_lps[k]  # a row per new token; a stop drops those after it
             if got is not None:
@@ -258,7 +278,9 @@ class EngineCore:
         if p.echo:
             out.prompt_text = self.tokenizer.decode(req.token_ids[: req.num_prompt_tokens])
 
-    def _append(self, req: Request, new: list[int], logprobs) -> RequestOutput:
+    def _append(self, req: Request, new: list[int], logprobs,
+                verdict: Optional[tuple] = None) -> RequestOutput:
+        """``verdict``: the matcher's on ``new[0]``, when it was fed that token already."""
         p = req.params
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
@@ -270,7 +292,8 @@ class EngineCore:
             finish, new = "length", []
         for tok in new:
             if req.matcher is not None:  # the grammar's verdict: complete, or a dead end
-                finish, reason = advance(req.matcher, tok)
+                finish, reason = verdict or advance(req.matcher, tok)
+                verdict = None
                 if finish == "error":
                     break  # a token the grammar refuses is not part of the output
             req.token_ids.append(tok)

@@ -32,7 +32,7 @@ from .runner_sleep import RunnerSleep
 from . import logprobs
 from .sampler import SamplingBatch, StepResult, build_sampling_batch, process, sample
 from .step_inputs import packed_forward
-from .structured.bitmask import TokenBitmask
+from .structured.bitmask import Filling, TokenBitmask
 
 log = logging.getLogger("enginecore.runner")
 
@@ -336,12 +336,23 @@ class ModelRunner(RunnerSleep):
             processed = process(logits, sb)
         return Forwarded(batch, sample_rows, plp, owners, logits_all, logits, sb, processed)
 
+    def fill_masks(self, fwd: "Forwarded") -> Filling:
+        """Start filling the grammar masks of ``fwd``'s constrained rows in the background
+        (the matchers' states now; they must be left alone until :meth:`sample_step`)."""
+        bitmask: TokenBitmask = self._owner[R.GRAMMAR_BITMASK]
+        return bitmask.fill(_constrained(fwd.batch, fwd.sample_rows), background=True)
+
     @torch.inference_mode()
-    def sample_step(self, fwd: "Forwarded", defer: bool) -> "Launched":
+    def sample_step(self, fwd: "Forwarded", defer: bool,
+                    masks: Optional[Filling] = None) -> "Launched":
         """The rest of :meth:`launch` after :meth:`forward`: the constrained rows' grammar masks
-        (the matchers' states now), sampling, logprob rows, the tokens' copy."""
+        (``masks`` from :meth:`fill_masks`, or filled now from the matchers' states), sampling,
+        logprob rows, the tokens' copy."""
         batch, sample_rows, plp, owners, logits_all, logits, sb, processed = fwd
+        bitmask: TokenBitmask = self._owner[R.GRAMMAR_BITMASK]
         if logits_all is None:
+            if masks is not None:
+                masks.rows()
             return Launched(StepResult([[] for _ in batch], None))
         state: ModelState = self._owner[R.MODEL_STATE]
         n_flat = len(owners)
@@ -349,8 +360,10 @@ class ModelRunner(RunnerSleep):
         result = StepResult([[] for _ in batch], None)
         if n_flat:
             # the constrained rows' grammars: disallowed tokens -inf, before any sampling
-            processed = self._owner[R.GRAMMAR_BITMASK].apply(
-                processed, _constrained(batch, sample_rows),
+            if masks is None:
+                masks = bitmask.fill(_constrained(batch, sample_rows))
+            processed = bitmask.mask(
+                processed, masks,
                 copy=processed is logits and bool(plp or any(r.params.logprobs for r, _ in batch)))
             if self.speculator is not None:
                 result = self.speculator.verify(batch, sample_rows, processed, sb)
