@@ -61,6 +61,10 @@ class EngineCore:
         # steps sampled only after the step before was applied (a constrained request's token
         # was in flight: EngineCore.step)
         self.late_sampled_steps = 0
+        # their host time by part: the forward's launch; reading the step before back and
+        # feeding its tokens to the matchers; applying it (the masks fill meanwhile); waiting
+        # for the masks, masking and launching the sampling
+        self.late_seconds = dict.fromkeys(("forward", "read_back", "apply", "mask_sample"), 0.0)
         overlap = cfg.overlap_scheduling
         if overlap is None:
             overlap = runner.device.type == "cuda"
@@ -149,14 +153,21 @@ class EngineCore:
                 # first; while the device runs it, the step before is read back, its matchers
                 # take their tokens, the masks are filled in the background while the rest of
                 # that step is applied; then the masks go on and the step is sampled
+                t = [time.perf_counter()]
                 fwd = self.runner.forward(batch)
+                t.append(time.perf_counter())
                 verdicts = self._advance_matchers(*prev)
                 masks = self.runner.fill_masks(fwd)
+                t.append(time.perf_counter())
                 outputs += self._complete(*prev, verdicts)
                 prev = None
+                t.append(time.perf_counter())
                 launched = self.runner.sample_step(fwd, defer, masks)
                 del fwd
+                t.append(time.perf_counter())
                 self.late_sampled_steps += 1
+                for part, a, b in zip(self.late_seconds, t, t[1:]):
+                    self.late_seconds[part] += b - a
             else:
                 launched = self.runner.launch(batch, defer)
         if prev is not None:
