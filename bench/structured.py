@@ -12,10 +12,19 @@ ends), and end when the grammar completes or at ``--max-tokens``. On random weig
 alone keeps the output valid. Modes: the fraction of requests constrained (``--fractions``),
 one after the other on one engine; the schema's grammar is compiled (and cached) before the timed
 runs, so every timed constrained request finds it cached. Reported per mode: output tokens,
-wall time, output tok/s, engine steps and how many of them were overlapped (scheduled before the
-step before's tokens were read back: ``overlap_scheduling``; a batch with a constrained request
-is never overlapped, since its mask needs the matcher to have taken the token before -- so the
-50 % mode shows what losing the overlap for the whole batch costs), mean time per step, valid outputs (constrained ones that
+wall time, output tok/s, engine steps and how many of them were overlapped (scheduled and their
+forward launched before the step before's tokens were read back: ``overlap_scheduling``).
+Constrained requests keep the overlap, at a price: a step with a constrained request is
+sampled "late" -- its forward is launched, then the step before is read back, its matchers take
+their tokens, the next masks are filled (on a helper thread, while the rest of the step before
+is applied), and only then are the masks applied and the step sampled -- so the host work of
+applying a step and filling the masks runs beside the forward but no longer beside the
+sampling, and whatever of it outlasts the forward is device idle time. Columns ``late``
+(such steps) and, per late step, the host's ms by part: ``fwd`` (launching the forward),
+``read`` (waiting for the step before's tokens, feeding them to the matchers, starting the
+fill), ``apply`` (stop checks, detokenization, outputs of the step before), ``mask`` (waiting
+for the fill, masking, launching the sampling: what the fill costs beyond ``apply``).
+Then mean time per step, valid outputs (constrained ones that
 ``json.loads(strict=False)``, and with ``strict``: xgrammar 0.2.8 lets a string with
 ``minLength``/``maxLength`` hold raw control characters, which random weights do pick); and the compile times: the first compile of each schema of
 :data:`COMPILE_SCHEMAS` (cold) and a second request for it (cached). JSON:
@@ -89,6 +98,7 @@ async def run_mode(eng, args, fraction: float, constraint) -> dict:
     tokens = [0] * n
     steps0 = eng.statistics().steps
     deferred0 = eng.core.deferred_steps
+    late0, split0 = eng.core.late_sampled_steps, dict(eng.core.late_seconds)
 
     async def one(i: int) -> None:
         async for out in eng.generate(f"Request {i}: describe a product as JSON.\n", params[i]):
@@ -104,6 +114,9 @@ async def run_mode(eng, args, fraction: float, constraint) -> dict:
     wall = now() - t0
     steps = eng.statistics().steps - steps0
     deferred = eng.core.deferred_steps - deferred0
+    late = eng.core.late_sampled_steps - late0
+    split = {f"late_{part}_ms": 1e3 * (v - split0[part]) / late if late else None
+             for part, v in eng.core.late_seconds.items()}
     valid = strict = 0
     for t in texts[:k]:
         try:
@@ -116,6 +129,7 @@ async def run_mode(eng, args, fraction: float, constraint) -> dict:
     out = sum(tokens)
     return {"constrained": f"{100 * fraction:.0f} %", "requests": n, "output_tokens": out,
             "wall_s": wall, "tok_s": out / wall, "steps": steps, "overlapped": deferred,
+            "late": late, **split,
             "ms_per_step": 1e3 * wall / steps if steps else None,
             "valid": f"{valid}/{k}" if k else "-", "valid_strict": f"{strict}/{k}" if k else "-"}
 
@@ -164,7 +178,9 @@ def main(argv=None) -> int:
         [("constrained", "constrained", ""), ("output_tokens", "out tok", ""),
          ("wall_s", "wall s", ".2f"), ("tok_s", "tok/s", ".1f"),
          ("vs_unconstrained", "vs 0 %", ".3f"), ("steps", "steps", ""),
-         ("overlapped", "overlapped", ""),
+         ("overlapped", "overlapped", ""), ("late", "late", ""),
+         ("late_forward_ms", "fwd", ".2f"), ("late_read_back_ms", "read", ".2f"),
+         ("late_apply_ms", "apply", ".2f"), ("late_mask_sample_ms", "mask", ".2f"),
          ("ms_per_step", "ms/step", ".2f"), ("valid", "valid JSON", ""),
          ("valid_strict", "strict", "")], res["modes"])
     common.print_table("grammar compile (the schema of the timed runs: "

@@ -58,6 +58,13 @@ class EngineCore:
         # overlapped scheduling: the step launched but not yet applied, (batch, Launched)
         self._inflight = None
         self.deferred_steps = 0  # steps whose tokens were read back during the next one
+        # steps sampled only after the step before was applied (a constrained request's token
+        # was in flight: EngineCore.step)
+        self.late_sampled_steps = 0
+        # their host time by part: the forward's launch; reading the step before back and
+        # feeding its tokens to the matchers; applying it (the masks fill meanwhile); waiting
+        # for the masks, masking and launching the sampling
+        self.late_seconds = dict.fromkeys(("forward", "read_back", "apply", "mask_sample"), 0.0)
         overlap = cfg.overlap_scheduling
         if overlap is None:
             overlap = runner.device.type == "cuda"
@@ -121,7 +128,10 @@ class EngineCore:
         step before was deferred, this one is scheduled and launched *before* that one's
         tokens are read back, so the device runs this step while the host applies the last
         one (stop checks, detokenization, outputs): the outputs returned are the previous
-        step's, and this step's follow with the next call (``has_work`` stays true)."""
+        step's, and this step's follow with the next call (``has_work`` stays true). A step
+        with a constrained request whose token is in flight is launched in two halves: the
+        forward, then -- once the step before is applied and its matchers took their tokens --
+        the grammar masks and the sampling (``runner.forward`` / ``runner.sample_step``)."""
         t0 = time.perf_counter()
         outputs: list[RequestOutput] = []
         prev = self._inflight
@@ -137,7 +147,29 @@ class EngineCore:
         if batch:
             self.timings.scheduled(batch)
             defer = self._overlap and all(req.overlappable for req, _ in batch)
-            launched = self.runner.launch(batch, defer)
+            if prev is not None and any(r.matcher is not None for r, _ in batch):
+                # a constrained request's mask needs its matcher to have taken the token in
+                # flight (and the step before's copy of the mask rows to be done): the forward
+                # first; while the device runs it, the step before is read back, its matchers
+                # take their tokens, the masks are filled in the background while the rest of
+                # that step is applied; then the masks go on and the step is sampled
+                t = [time.perf_counter()]
+                fwd = self.runner.forward(batch)
+                t.append(time.perf_counter())
+                verdicts = self._advance_matchers(*prev)
+                masks = self.runner.fill_masks(fwd)
+                t.append(time.perf_counter())
+                outputs += self._complete(*prev, verdicts)
+                prev = None
+                t.append(time.perf_counter())
+                launched = self.runner.sample_step(fwd, defer, masks)
+                del fwd
+                t.append(time.perf_counter())
+                self.late_sampled_steps += 1
+                for part, a, b in zip(self.late_seconds, t, t[1:]):
+                    self.late_seconds[part] += b - a
+            else:
+                launched = self.runner.launch(batch, defer)
         if prev is not None:
             outputs += self._complete(*prev)
         if launched is None:
@@ -181,10 +213,11 @@ class EngineCore:
             return True, "KV cache capacity"
         return False, None
 
-    def _complete(self, batch, launched) -> list[RequestOutput]:
+    def _complete(self, batch, launched, verdicts: Optional[dict] = None) -> list[RequestOutput]:
         """Apply a deferred step: read its tokens back, then stop checks and outputs. Requests
         that finished or were aborted since it was launched are skipped (their terminal
-        output was sent then)."""
+        output was sent then). ``verdicts``: entry -> its matcher's verdict on its token,
+        when :meth:`_advance_matchers` fed them already."""
         result = self.runner.collect(launched)
         outputs: list[RequestOutput] = []
         for k, (req, _) in enumerate(batch):
@@ -195,8 +228,22 @@ class EngineCore:
             self._prompt_lps(req, k, result)
             if new and req.pending:
                 req.pending, req.hold = 0, False
-                outputs.append(self._output(req, k, new, result))
+                outputs.append(self._output(req, k, new, result,
+                                            verdicts.get(k) if verdicts else None))
         return outputs
+
+    def _advance_matchers(self, batch, launched) -> dict[int, tuple]:
+        """A deferred step's tokens read back and fed to the constrained requests' matchers
+        (before the rest of the step is applied, so the next masks can be filled meanwhile):
+        entry -> the verdict (``structured.matcher.advance``) that ``_append`` then uses."""
+        result = self.runner.collect(launched)
+        verdicts = {}
+        for k, (req, _) in enumerate(batch):
+            if req.matcher is not None and req.pending and not req.finished:
+                new = result.tokens[k]
+                if new and req.params.max_tokens > 0:
+                    verdicts[k] = advance(req.matcher, new[0])
+        return verdicts
 
     def _update(self, batch, result: StepResult) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -221,8 +268,9 @@ class EngineCore:
             req.prompt_lps.append(chunk)
             req.num_prompt_lps += len(chunk)
 
-    def _output(self, req: Request, k: int, new: list[int], result: StepResult) -> RequestOutput:
-        out = self._append(req, new, result.logprobs[k] if result.logprobs else None)
+    def _output(self, req: Request, k: int, new: list[int], result: StepResult,
+                verdict: Optional[tuple] = None) -> RequestOutput:
+        out = self._append(req, new, result.logprobs[k] if result.logprobs else None, verdict)
         if result.token_lps is not None and req.params.logprobs:
             got = result.token_lps[k]  # a row per new token; a stop drops those after it
             if got is not None:
@@ -241,7 +289,9 @@ class EngineCore:
         if p.echo:
             out.prompt_text = self.tokenizer.decode(req.token_ids[: req.num_prompt_tokens])
 
-    def _append(self, req: Request, new: list[int], logprobs) -> RequestOutput:
+    def _append(self, req: Request, new: list[int], logprobs,
+                verdict: Optional[tuple] = None) -> RequestOutput:
+        """``verdict``: the matcher's on ``new[0]``, when it was fed that token already."""
         p = req.params
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
@@ -253,7 +303,8 @@ class EngineCore:
             finish, new = "length", []
         for tok in new:
             if req.matcher is not None:  # the grammar's verdict: complete, or a dead end
-                finish, reason = advance(req.matcher, tok)
+                finish, reason = verdict or advance(req.matcher, tok)
+                verdict = None
                 if finish == "error":
                     break  # a token the grammar refuses is not part of the output
             req.token_ids.append(tok)

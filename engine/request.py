@@ -68,9 +68,9 @@ class Request:
         self.hold = False
         # whether the next step may be scheduled before this one's token is known on the host:
         # nothing that reads its tokens on the host or on the device before sampling (an
-        # output constraint's mask needs its matcher to have taken the last token)
-        self.overlappable = (not params.needs_logits_processing and params.max_tokens > 0
-                             and params.structured is None)
+        # output constraint's mask needs its matcher to have taken the last token, but only
+        # for the sampling: EngineCore.step launches the forward first and samples later)
+        self.overlappable = not params.needs_logits_processing and params.max_tokens > 0
 
     @property
     def num_tokens(self) -> int:

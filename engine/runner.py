@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -30,9 +30,9 @@ from .owner import Resource as R
 from .request import Request
 from .runner_sleep import RunnerSleep
 from . import logprobs
-from .sampler import StepResult, build_sampling_batch, process, sample
+from .sampler import SamplingBatch, StepResult, build_sampling_batch, process, sample
 from .step_inputs import packed_forward
-from .structured.bitmask import TokenBitmask
+from .structured.bitmask import Filling, TokenBitmask
 
 log = logging.getLogger("enginecore.runner")
 
@@ -283,11 +283,18 @@ class ModelRunner(RunnerSleep):
     @torch.inference_mode()
     def launch(self, batch: Sequence[tuple[Request, int]], defer: bool) -> "Launched":
         """:meth:`execute` up to the point where the host needs the sampled tokens. With
-        ``defer`` (overlapped scheduling: no speculator, no logprobs, no logits processing in
-        the batch) the tokens stay on the device -- in the model state's ``sampled`` buffer,
-        for the next step's inputs -- and a pinned host copy is under way: :meth:`collect`
-        waits for that copy alone. A request whose new token is still in flight
-        (``req.pending``) gets it from that buffer, not from the host."""
+        ``defer`` (overlapped scheduling: no speculator, no logits processing in the batch) the
+        tokens stay on the device -- in the model state's ``sampled`` buffer, for the next
+        step's inputs -- and a pinned host copy is under way: :meth:`collect` waits for that
+        copy alone. A request whose new token is still in flight (``req.pending``) gets it from
+        that buffer, not from the host. :meth:`forward` then :meth:`sample_step`."""
+        return self.sample_step(self.forward(batch), defer)
+
+    @torch.inference_mode()
+    def forward(self, batch: Sequence[tuple[Request, int]]) -> "Forwarded":
+        """The step's forward and logits launched on the device; nothing sampled yet, no grammar
+        mask read. Overlapped scheduling with output constraints (EngineCore.step): between this
+        and :meth:`sample_step` the host applies the step before (its matchers take their tokens)."""
         self.steps += 1
         if self.config.fault_at_step is not None and self.steps == self.config.fault_at_step:
             raise InjectedFault(f"injected fault at step {self.steps}")
@@ -320,18 +327,46 @@ class ModelRunner(RunnerSleep):
         hidden = packed_forward(model, kv.tensor, state, self._owner.get(R.CUDA_GRAPHS),
                                 self.device, self.block_size, seqs, fill)
         if not idx:
-            return Launched(StepResult([[] for _ in batch], None))
+            return Forwarded(batch, sample_rows, plp, [], None, None, None, None)
         logits_all = self._logits(model, hidden, idx)
-        logits = logits_all[: len(flat)]
-        tokens = None  # the sampled tokens, still on the device (no speculator)
-        result = StepResult([[] for _ in batch], None)
         owners = [i for i, rows in enumerate(sample_rows) for _ in rows]
+        logits = logits_all[: len(flat)]
+        sb = processed = None
         if flat:
+            # the rows' sampling values and seeded generators are taken now: a request that
+            # finishes before sample_step() (the step before, applied in between) keeps them
             sb = build_sampling_batch([batch[i][0] for i in owners], state.generators, self.device)
             processed = process(logits, sb)
+        return Forwarded(batch, sample_rows, plp, owners, logits_all, logits, sb, processed)
+
+    def fill_masks(self, fwd: "Forwarded") -> Filling:
+        """Start filling the grammar masks of ``fwd``'s constrained rows in the background
+        (the matchers' states now; they must be left alone until :meth:`sample_step`)."""
+        bitmask: TokenBitmask = self._owner[R.GRAMMAR_BITMASK]
+        return bitmask.fill(_constrained(fwd.batch, fwd.sample_rows), background=True)
+
+    @torch.inference_mode()
+    def sample_step(self, fwd: "Forwarded", defer: bool,
+                    masks: Optional[Filling] = None) -> "Launched":
+        """The rest of :meth:`launch` after :meth:`forward`: the constrained rows' grammar masks
+        (``masks`` from :meth:`fill_masks`, or filled now from the matchers' states), sampling,
+        logprob rows, the tokens' copy."""
+        batch, sample_rows, plp, owners, logits_all, logits, sb, processed = fwd
+        bitmask: TokenBitmask = self._owner[R.GRAMMAR_BITMASK]
+        if logits_all is None:
+            if masks is not None:
+                masks.rows()
+            return Launched(StepResult([[] for _ in batch], None))
+        state: ModelState = self._owner[R.MODEL_STATE]
+        n_flat = len(owners)
+        tokens = None  # the sampled tokens, still on the device (no speculator)
+        result = StepResult([[] for _ in batch], None)
+        if n_flat:
             # the constrained rows' grammars: disallowed tokens -inf, before any sampling
-            processed = self._owner[R.GRAMMAR_BITMASK].apply(
-                processed, _constrained(batch, sample_rows),
+            if masks is None:
+                masks = bitmask.fill(_constrained(batch, sample_rows))
+            processed = bitmask.mask(
+                processed, masks,
                 copy=processed is logits and bool(plp or any(r.params.logprobs for r, _ in batch)))
             if self.speculator is not None:
                 result = self.speculator.verify(batch, sample_rows, processed, sb)
@@ -347,11 +382,11 @@ class ModelRunner(RunnerSleep):
             lp_plan = logprobs.plan(batch, sample_rows, counts, plp, logits_all.shape[1])
         if defer and tokens is not None:  # the host copy (tokens, logprob rows) under way
             packed = tokens if lp_plan is None else self._packed_rows(tokens, logits_all, lp_plan)
-            return Launched.deferred(len(batch), owners, packed, len(flat), lp_plan)
+            return Launched.deferred(len(batch), owners, packed, n_flat, lp_plan)
         if lp_plan is None:
             return Launched(result if tokens is None
                             else by_entry(len(batch), owners, tokens.tolist()))
-        return Launched(self._with_logprobs(batch, owners, len(flat), tokens, result, logits_all,
+        return Launched(self._with_logprobs(batch, owners, n_flat, tokens, result, logits_all,
                                             lp_plan))
 
     def _packed_rows(self, tokens, logits_all, lp_plan: "logprobs.Plan") -> torch.Tensor:
@@ -408,6 +443,21 @@ class ModelRunner(RunnerSleep):
                                 seqs)
         if logits_rows:
             self._logits(self._owner[R.WEIGHTS], hidden, logits_rows)
+
+
+class Forwarded(NamedTuple):
+    """A step between :meth:`ModelRunner.forward` and :meth:`ModelRunner.sample`: the host's
+    plan of it and its logits on the device. Transient: made and consumed within one
+    ``EngineCore.step`` call, never kept (the device tensors are the step's activations)."""
+
+    batch: Sequence[tuple[Request, int]]
+    sample_rows: list[list[int]]  # per entry: its sampled rows
+    plp: list  # prompt-logprob rows (engine.logprobs.prompt_rows)
+    owners: list[int]  # per sampled row: its entry
+    logits_all: Optional[torch.Tensor]  # sampled rows, then prompt-logprob rows; None: no row
+    logits: Optional[torch.Tensor]  # the sampled rows of logits_all
+    sb: Optional[SamplingBatch]
+    processed: Optional[torch.Tensor]  # the sampled rows' logits after logits processing
 
 
 def _constrained(batch, sample_rows) -> list[tuple]:

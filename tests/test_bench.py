@@ -130,11 +130,16 @@ def test_prefix_caching_on_and_off(tmp_path):
 def test_structured_outputs_bench(tmp_path):
     out = tmp_path / "s.json"
     p = _bench("structured", "--device", "cpu", "--model", "random:tiny-llama", "--no-progress",
-               "--requests", "2", "--max-tokens", "96", "--items", "1", "--out", str(out))
+               "--requests", "2", "--max-tokens", "96", "--items", "1", "--out", str(out),
+               "--engine-config", '{"overlap_scheduling": true}')
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     assert [m["constrained"] for m in res["modes"]] == ["0 %", "50 %", "100 %"]
     assert all(m["tok_s"] > 0 for m in res["modes"])
+    # constrained requests keep the overlap; their steps are sampled late, timed by part
+    last = res["modes"][-1]
+    assert last["overlapped"] > 0.8 * last["steps"] and last["late"] > 0.8 * last["steps"]
+    assert last["late_mask_sample_ms"] >= 0 and res["modes"][0]["late"] == 0
     assert res["modes"][-1]["valid"] == "2/2"  # random weights: the mask alone makes it JSON
     assert {c["schema"] for c in res["compile"]} == {"person", "order", "json_object"}
 

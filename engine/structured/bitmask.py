@@ -6,30 +6,52 @@ Each step, every constrained row's matcher fills its row of the host bitmask (xg
 per draft position: its matcher fills the first row, takes draft 1, fills the next, ... and is
 rolled back to where it was; at the first draft the grammar refuses it stops (that row's mask
 refuses the draft, so verification rejects it there; the rows after it are never used). On CUDA
-the filled rows are copied to the device buffer in one transfer; then ``apply_token_bitmask_inplace`` sets the disallowed logits to -inf on the logits'
+the filled rows are copied to the device buffer in one transfer (pinned host rows, non-blocking);
+then ``apply_token_bitmask_inplace`` sets the disallowed logits to -inf on the logits'
 device (xgrammar's own kernels: Triton on CUDA, its C++ path on CPU), once for the whole batch,
 before sampling -- so greedy, temperature, top-k/top-p and seeds all sample from the allowed set.
 Rows without a constraint are left untouched (``indices``). The rows of the matchers' current
 states are filled together on xgrammar's own threads (``BatchGrammarMatcher``). The logits are
 copied first only when the step reports logprobs (they are those of the raw distribution).
+
+Overlapped scheduling (engine/core.py) fills in the background: ``fill(background=True)`` runs
+the fill on this bitmask's one helper thread while the step thread applies the step before
+(detokenization, stop checks, outputs); xgrammar releases the GIL while it fills (both
+``fill_next_token_bitmask`` and ``batch_fill_next_token_bitmask``: a Python loop beside a fill
+loop ran at 0.5-0.65x its own speed, not stalled), so the two host costs overlap. ``mask``
+waits for the rows, then copies and applies them. NOTE: the host rows are reused every step;
+a fill may only start once the step before has been read back (its copy of them is done).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
 
 def _fill_threads() -> int:
     """Threads xgrammar may use to fill a batch's rows: the CPUs this process may use, less
-    one (the step's own thread), at most 8."""
+    two (the step's own thread, the event loop's), at most 16."""
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         n = os.cpu_count() or 1
-    return max(1, min(8, n - 1))
+    return max(1, min(16, n - 2))
+
+
+class Filling(NamedTuple):
+    """Rows of a :class:`TokenBitmask` being filled: on its helper thread (``future``) or
+    done (``done``)."""
+
+    future: Optional[Future]
+    done: Optional[list[int]]
+
+    def rows(self) -> list[int]:
+        """The rows filled (waits for a background fill; re-raises its error)."""
+        return self.done if self.future is None else self.future.result()
 
 
 class TokenBitmask:
@@ -42,6 +64,7 @@ class TokenBitmask:
         self.dev = torch.full((max_rows, words), -1, dtype=torch.int32, device=self.device) \
             if cuda else self.host
         self._batch = None  # xgrammar's BatchGrammarMatcher (host threads), made on first use
+        self._pool: Optional[ThreadPoolExecutor] = None  # the background fill's one thread
 
     @property
     def max_rows(self) -> int:
@@ -52,14 +75,45 @@ class TokenBitmask:
         """Mask ``logits`` [N, V] for ``entries``: ``(matcher, first row, drafts)`` per
         constrained request (its rows are ``first row .. first row + len(drafts)``). Returns
         ``logits`` masked in place, or with ``copy`` a masked copy (the raw logits kept for
-        logprobs); ``logits`` itself when nothing is constrained."""
+        logprobs); ``logits`` itself when nothing is constrained. :meth:`fill` then
+        :meth:`mask`."""
+        return self.mask(logits, self.fill(entries), copy)
+
+    def fill(self, entries: Sequence[tuple], background: bool = False) -> "Filling":
+        """Fill the host rows of ``entries`` (the matchers' current states). With
+        ``background`` the fill runs on this bitmask's helper thread (xgrammar releases the
+        GIL while it fills, so the caller's Python runs meanwhile; it must leave these
+        matchers alone until :meth:`mask`)."""
         live = [e for e in entries if not e[0].is_terminated()]
         for _, row, drafts in live:
             if row + len(drafts) >= self.max_rows:
                 raise RuntimeError(f"sampled row {row + len(drafts)}; the bitmask has "
                                    f"{self.max_rows}")
         if not live:
+            return Filling(None, [])
+        if not background:
+            return Filling(None, self._fill(live))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
+        return Filling(self._pool.submit(self._fill, live), None)
+
+    def mask(self, logits: torch.Tensor, filling: "Filling", copy: bool = True) -> torch.Tensor:
+        """Apply the rows of ``filling`` (waiting for it) to ``logits``: see :meth:`apply`."""
+        rows = filling.rows()
+        if not rows:
             return logits
+        from xgrammar import apply_token_bitmask_inplace
+
+        n = max(rows) + 1
+        if self.dev is not self.host:
+            self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        out = logits.clone() if copy else logits
+        apply_token_bitmask_inplace(out, self.dev[:n], vocab_size=min(self.vocab_size,
+                                                                       out.shape[-1]),
+                                    indices=rows)
+        return out
+
+    def _fill(self, live: list[tuple]) -> list[int]:
         rows = [row for _, row, _ in live]
         if len(live) == 1:
             live[0][0].fill_next_token_bitmask(self.host, rows[0])
@@ -72,16 +126,7 @@ class TokenBitmask:
         for matcher, row, drafts in live:
             if drafts:
                 rows.extend(self._fill_drafts(matcher, row, drafts))
-        from xgrammar import apply_token_bitmask_inplace
-
-        n = max(rows) + 1
-        if self.dev is not self.host:
-            self.dev[:n].copy_(self.host[:n], non_blocking=True)
-        out = logits.clone() if copy else logits
-        apply_token_bitmask_inplace(out, self.dev[:n], vocab_size=min(self.vocab_size,
-                                                                       out.shape[-1]),
-                                    indices=rows)
-        return out
+        return rows
 
     def _fill_drafts(self, matcher, row: int, drafts: Sequence[int]) -> list[int]:
         """``row`` is filled: fill one row per draft the grammar takes after it; the matcher
@@ -108,6 +153,9 @@ class TokenBitmask:
 
     def close(self) -> None:
         """Give both buffers back (the owner's one release path calls this)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         self._batch = None
         with torch.no_grad():
             if self.dev is not self.host:
@@ -115,4 +163,4 @@ class TokenBitmask:
             self.host.set_()
 
 
-__all__ = ["TokenBitmask"]
+__all__ = ["TokenBitmask", "Filling"]
