@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import triton_attention, triton_prefill
+from .host_arrays import long_tensor, padded_rows
 
 
 @dataclasses.dataclass
@@ -80,12 +81,10 @@ def context_groups(chunks: list[tuple[int, int, int, list[int]]], block_size: in
             groups.append([c])
     out = []
     for g in groups:
-        row0 = torch.tensor([x[0] for x in g])
-        n = torch.tensor([x[1] for x in g])
-        ctx = torch.tensor([x[2] for x in g])
+        row0, n, ctx = long_tensor([x[i] for i in range(3) for x in g]).view(3, -1)
         n_max, c_max = int(n[0]), int(ctx.max())
         width = -(-c_max // block_size)
-        table = torch.tensor([x[3][:width] + [0] * (width - len(x[3][:width])) for x in g])
+        table = padded_rows([x[3] for x in g], width)
         i = torch.arange(n_max)
         q_rows = row0[:, None] + torch.minimum(i[None, :], n[:, None] - 1)
         p = torch.arange(c_max)

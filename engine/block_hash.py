@@ -24,9 +24,12 @@ def root_hash(weights_version: int, epoch: int, block_size: int) -> bytes:
 def chain_hashes(parent: bytes, token_ids: Sequence[int], block_size: int) -> list[bytes]:
     """Hashes of the full blocks of ``token_ids`` (a trailing partial block is ignored), each
     chained to the one before, the first to ``parent``."""
+    n = len(token_ids) // block_size
+    tokens = array("i", token_ids[: n * block_size])  # one conversion for all blocks
+    data, step = tokens.tobytes(), block_size * tokens.itemsize
     out: list[bytes] = []
-    for i in range(0, len(token_ids) - block_size + 1, block_size):
-        tokens = array("i", token_ids[i:i + block_size]).tobytes()
-        parent = hashlib.blake2b(parent + tokens, digest_size=_DIGEST).digest()
+    blake2b = hashlib.blake2b
+    for i in range(0, n * step, step):
+        parent = blake2b(parent + data[i:i + step], digest_size=_DIGEST).digest()
         out.append(parent)
     return out

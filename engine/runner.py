@@ -21,6 +21,7 @@ from .cpu_weights import choose_format, pack_model
 from .errors import BadRequestError
 from .block_manager import BlockManager
 from .device_stack import device_stack
+from .host_arrays import long_tensor
 from .kv_cache import KVCache
 from .launched import Launched, by_entry
 from .loader import LoadStopped, create_model, fill_model, resolve_source
@@ -432,7 +433,7 @@ class ModelRunner(RunnerSleep):
     def _logits(self, model, hidden, idx: list[int]):
         if idx == list(range(len(idx))):
             return model.logits(hidden[: len(idx)])
-        return model.logits(hidden[torch.tensor(idx).to(self.device, non_blocking=True)])
+        return model.logits(hidden[long_tensor(idx).to(self.device, non_blocking=True)])
 
     @torch.inference_mode()
     def replay(self, seqs, logits_rows: list[int]) -> None:

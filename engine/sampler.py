@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from .logits import LogitsPlan
@@ -52,7 +53,8 @@ def build_sampling_batch(reqs: Sequence, generators: dict, device: torch.device)
     rows = [r.sampling_row for r in reqs]
     # one host tensor, one asynchronous copy: a blocking host-to-device copy would wait for
     # the step in flight (overlapped scheduling)
-    vals = torch.tensor(rows, dtype=torch.float64).to(device, non_blocking=True)
+    vals = torch.from_numpy(np.array(rows, dtype=np.float64).reshape(-1, 3))
+    vals = vals.to(device, non_blocking=True)
     return SamplingBatch(
         temperature=vals[:, 0].float(),
         top_k=vals[:, 1].long(),

@@ -9,6 +9,7 @@ from typing import Iterable, Optional
 import torch
 
 from . import triton_prefill
+from .host_arrays import long_tensor, padded_rows
 from .attention import MAX_BATCHED_QUERIES, AttentionMetadata, PrefillSeq, context_groups
 from .kv_cache import blocks_needed
 
@@ -49,9 +50,8 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
         m = len(toks)
         row0 = len(ids)
         ids.extend(toks)
-        for p in range(start, start + m):
-            pos.append(p)
-            slots.append(blocks[p // bs] * bs + p % bs)
+        pos.extend(range(start, start + m))
+        _extend_slots(slots, blocks, start, start + m, bs)
         if as_decode:
             for j in range(m):
                 dec_rows.append(row0 + j)
@@ -62,8 +62,8 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
         elif 0 < start and m <= MAX_BATCHED_QUERIES:  # short, after context: batched
             with_context.append((row0, m, start + m, blocks))
         else:
-            prefills.append(PrefillSeq(row0, row0 + m, start + m, torch.tensor(
-                blocks[: blocks_needed(start + m, bs)], device=device)))
+            prefills.append(PrefillSeq(row0, row0 + m, start + m, long_tensor(
+                blocks[: blocks_needed(start + m, bs)]).to(device)))
     t = len(ids)
     bucket: Optional[int] = None
     if graphs is not None and not prefills and not with_context and not chunks and len(dec_rows) == t:
@@ -75,12 +75,12 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
         slots += [graphs.scratch_slot] * pad
         dec_lens += [1] * pad
         dec_tables += [[graphs.scratch_block]] * pad
-    input_ids = state.load("input_ids", torch.tensor(ids))
+    input_ids = state.load("input_ids", long_tensor(ids))
     if fill:
-        idx = torch.tensor(fill, dtype=torch.long).to(device, non_blocking=True)
+        idx = long_tensor(fill).to(device, non_blocking=True)
         input_ids.index_copy_(0, idx[:, 0], state.buffers["sampled"].index_select(0, idx[:, 1]))
-    positions = state.load("positions", torch.tensor(pos))
-    meta = AttentionMetadata(state.load("slot_mapping", torch.tensor(slots)), prefills,
+    positions = state.load("positions", long_tensor(pos))
+    meta = AttentionMetadata(state.load("slot_mapping", long_tensor(slots)), prefills,
                              None, None, None)
     if with_context:
         meta.context_groups = context_groups(with_context, bs, device)
@@ -88,12 +88,21 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
         meta.prefill_batch = triton_prefill.build(chunks, bs, device)
     if dec_rows:
         width = max(len(b) for b in dec_tables)
-        table = torch.tensor([b + [0] * (width - len(b)) for b in dec_tables], dtype=torch.long)
-        meta.decode_block_tables = state.load("block_tables", table)
-        meta.decode_context_lens = state.load("context_lens", torch.tensor(dec_lens))
+        meta.decode_block_tables = state.load("block_tables", padded_rows(dec_tables, width))
+        meta.decode_context_lens = state.load("context_lens", long_tensor(dec_lens))
         meta.decode_max_len = max(dec_lens)
         if bucket is None:
-            meta.decode_rows = torch.tensor(dec_rows).to(device, non_blocking=True)
+            meta.decode_rows = long_tensor(dec_rows).to(device, non_blocking=True)
     if bucket is not None:
         return graphs.run(bucket, model, kv, state)[:t]
     return model(input_ids, positions, kv, meta)
+
+
+def _extend_slots(slots: list[int], blocks: list[int], lo: int, hi: int, bs: int) -> None:
+    """Append the KV slots of positions ``lo..hi-1`` (a run of consecutive slots per block)."""
+    while lo < hi:
+        j, off = divmod(lo, bs)
+        end = min(hi, lo - off + bs)
+        base = blocks[j] * bs - (lo - off)
+        slots.extend(range(base + lo, base + end))
+        lo = end

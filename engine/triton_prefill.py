@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from .fused_ops import INTERPRET
+from .host_arrays import int32_tensor, padded_rows
 from .triton_attention import HAVE_TRITON, tl, triton
 
 if triton is not None:
@@ -55,17 +57,13 @@ def build(chunks: list[tuple[int, int, int, list[int]]], block_size: int,
     tc: list[int] = []
     tm: list[int] = []
     width = max(-(-c[2] // block_size) for c in chunks)
-    table = []
-    for j, (_, n, ctx, blocks) in enumerate(chunks):
-        for m0 in range(0, n, BLOCK_M):
-            tc.append(j)
-            tm.append(m0)
-        b = blocks[: -(-ctx // block_size)]
-        table.append(b + [0] * (width - len(b)))
-    i32 = dict(dtype=torch.int32)
-    host = torch.tensor([tc, tm], **i32)
-    per = torch.tensor([[c[0] for c in chunks], [c[1] for c in chunks], [c[2] for c in chunks]], **i32)
-    bt = torch.tensor(table, **i32)
+    for j, (_, n, _, _) in enumerate(chunks):
+        tm.extend(range(0, n, BLOCK_M))
+        tc.extend([j] * (len(tm) - len(tc)))
+    host = int32_tensor(tc + tm).view(2, -1)
+    per = int32_tensor([c[i] for i in range(3) for c in chunks]).view(3, -1)
+    # the blocks each chunk's context reaches; a chunk's table is cut at its own context
+    bt = padded_rows([c[3][: -(-c[2] // block_size)] for c in chunks], width, np.int32)
     host, per, bt = (t.to(device, non_blocking=True) for t in (host, per, bt))
     return PrefillBatch(host[0], host[1], per[0], per[1], per[2], bt)
 

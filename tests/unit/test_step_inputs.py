@@ -1,0 +1,117 @@
+"""A step's host-side inputs (engine/step_inputs.py, engine/host_arrays.py, the paged prefill's
+tile lists, the prefix cache's block hashes) equal the per-token / per-block definitions they
+replace: positions, KV slots, padded block tables, chained hashes."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from array import array
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import triton_prefill
+from engine.block_hash import chain_hashes
+from engine.host_arrays import int32_tensor, long_tensor, padded_rows
+from engine.model_state import ModelState
+from engine.step_inputs import _extend_slots, packed_forward
+
+
+def _slot(blocks, p, bs):
+    return blocks[p // bs] * bs + p % bs
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([1, 2, 4, 16]), st.integers(0, 70), st.integers(0, 70), st.randoms())
+def test_slots_are_the_per_token_formula(bs, start, m, rnd):
+    blocks = rnd.sample(range(1000), -(-(start + m) // bs) + 1)
+    got: list[int] = []
+    _extend_slots(got, blocks, start, start + m, bs)
+    assert got == [_slot(blocks, p, bs) for p in range(start, start + m)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2**31 - 1), max_size=12), max_size=6),
+       st.integers(0, 14))
+def test_padded_rows(rows, width):
+    want = torch.tensor([r[:width] + [0] * (width - len(r[:width])) for r in rows],
+                        dtype=torch.long).reshape(len(rows), width)
+    got = padded_rows(rows, width)
+    assert got.dtype == torch.long and torch.equal(got, want)
+    assert torch.equal(long_tensor([r[0] for r in rows if r]),
+                       torch.tensor([r[0] for r in rows if r], dtype=torch.long))
+    assert int32_tensor([5, -1]).dtype == torch.int32
+
+
+def _chain_reference(parent, token_ids, bs):
+    out = []
+    for i in range(0, len(token_ids) - bs + 1, bs):
+        parent = hashlib.blake2b(parent + array("i", token_ids[i:i + bs]).tobytes(),
+                                 digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 2**31 - 1), max_size=100), st.sampled_from([1, 4, 16]))
+def test_chain_hashes_are_blake2b_over_parent_and_int32_tokens(tokens, bs):
+    root = b"r" * 16
+    assert chain_hashes(root, tokens, bs) == _chain_reference(root, tokens, bs)
+
+
+def test_prefill_tiles_and_tables():
+    rng = random.Random(0)
+    bs = 16
+    chunks, row = [], 0
+    for n, ctx in [(1, 1), (64, 64), (65, 1000), (130, 131), (7, 300)]:
+        blocks = rng.sample(range(5000), -(-ctx // bs) + rng.randint(0, 2))
+        chunks.append((row, n, ctx, blocks))
+        row += n
+    got = triton_prefill.build(chunks, bs, torch.device("cpu"))
+    tiles = [(j, m0) for j, (_, n, _, _) in enumerate(chunks)
+             for m0 in range(0, n, triton_prefill.BLOCK_M)]
+    assert got.tile_chunk.tolist() == [j for j, _ in tiles]
+    assert got.tile_m0.tolist() == [m for _, m in tiles]
+    assert got.q_start.tolist() == [c[0] for c in chunks]
+    assert got.q_len.tolist() == [c[1] for c in chunks]
+    assert got.ctx_len.tolist() == [c[2] for c in chunks]
+    width = max(-(-c[2] // bs) for c in chunks)
+    for c, r in zip(chunks, got.block_table.tolist()):
+        b = c[3][: -(-c[2] // bs)]
+        assert r == b + [0] * (width - len(b))
+    assert all(t.dtype == torch.int32 for t in (got.tile_chunk, got.q_len, got.block_table))
+
+
+class _Capture:
+    config = None  # no paged prefill: the torch paths' metadata
+
+    def __call__(self, input_ids, positions, kv, meta):
+        self.seen = (input_ids.clone(), positions.clone(), meta)
+        return torch.zeros(input_ids.shape[0], 4)
+
+
+def test_packed_forward_inputs():
+    bs = 4
+    state = ModelState(max_tokens=256, max_seqs=8, max_blocks_per_seq=64,
+                       device=torch.device("cpu"))
+    rng = random.Random(1)
+    # (tokens, start, blocks, as decode rows): decodes, a fresh prompt, a chunk after context
+    seqs = []
+    for m, start, as_decode in [(1, 37, True), (1, 5, True), (40, 0, False), (9, 23, False),
+                                (3, 10, True)]:
+        blocks = rng.sample(range(200), -(-(start + m) // bs) + 1)
+        seqs.append(([rng.randint(0, 99) for _ in range(m)], start, blocks, as_decode))
+    model = _Capture()
+    packed_forward(model, torch.zeros(1), state, None, torch.device("cpu"), bs, seqs)
+    ids, pos, meta = model.seen
+    assert ids.tolist() == [t for s in seqs for t in s[0]]
+    assert pos.tolist() == [p for t, s, _, _ in seqs for p in range(s, s + len(t))]
+    assert meta.slot_mapping.tolist() == [_slot(b, p, bs) for t, s, b, _ in seqs
+                                          for p in range(s, s + len(t))]
+    dec = [(b, s + j + 1) for t, s, b, d in seqs if d for j in range(len(t))]
+    width = max(len(b) for b, _ in dec)
+    assert meta.decode_block_tables.tolist() == [b + [0] * (width - len(b)) for b, _ in dec]
+    assert meta.decode_context_lens.tolist() == [n for _, n in dec]
+    assert meta.decode_rows.tolist() == [0, 1, 51, 52, 53]
