@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Callable, Union
 
 from .mailbox import Mailbox
+from .output_merge import merge_outputs
 from .params import RequestOutput
 
 #: Where the engine loop delivers a request's outputs (or the error that ends it).
@@ -14,7 +15,10 @@ Sink = Callable[[Union[RequestOutput, BaseException]], None]
 
 class RequestStream:
     """Async iterator of one request's outputs. Leaving it early (``break``, ``aclose()``, or
-    dropping it) aborts the request and frees its blocks."""
+    dropping it) aborts the request and frees its blocks.
+
+    A consumer that fell behind gets what is pending as one piece (:func:`merge_outputs`): the
+    same tokens and text in the same order, in fewer pieces; the terminal one is always last."""
 
     def __init__(self, request_id: str, abort: Callable[[str, str], None]):
         """``abort(request_id, reason)``: how to abort the request if it is left early (the
@@ -35,10 +39,18 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        item = await self._box.get()  # the engine always sends a terminal item or an error
+        items = self._box.items
+        if not items:
+            await self._box.wait()  # the engine always sends a terminal item or an error
+        item = items.popleft()
         if isinstance(item, BaseException):
             self._close()
             raise item
+        if items and not isinstance(items[0], BaseException):  # fell behind: one piece for all
+            parts = [item]
+            while items and not isinstance(items[0], BaseException):
+                parts.append(items.popleft())
+            item = merge_outputs(parts)
         if item.finished:
             self._close()
         return item
