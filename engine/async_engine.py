@@ -301,7 +301,7 @@ class AsyncEngine(IntakeAPI, SleepAPI):
                 # (StepThread hands it over without a trip through the event loop): their
                 # time overlaps the step's wherever the step leaves the GIL. Their aborts are
                 # applied before the step after.
-                self._dispatch(await self._stepper.run(core.step))
+                self._dispatch(await self._on_device(core.step))
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await self._die(exc)
@@ -333,10 +333,17 @@ class AsyncEngine(IntakeAPI, SleepAPI):
         for sink in sinks.values():
             sink(err)
 
+    async def _on_device(self, fn: Callable, *args):
+        """``fn(*args)`` on the step thread, where every step runs (device work after the load:
+        steps, sleep/wake, weight updates, the release), one at a time."""
+        return await self._stepper.run(partial(fn, *args) if args else fn)
+
     async def _release(self) -> None:
-        self._stepper.close()
         self.grammars.close()
-        await to_thread.run_sync(self.runner.shutdown)
+        try:
+            await self._on_device(self.runner.shutdown)
+        finally:
+            self._stepper.close()
         self.core = None
         self.lifecycle.trigger("shutdown")
         self._stopped.set()
@@ -344,11 +351,11 @@ class AsyncEngine(IntakeAPI, SleepAPI):
     async def _die(self, exc: BaseException) -> None:
         log.error("engine failed: %r", exc)
         self._fail_streams(exc)
-        self._stepper.close()
         try:
-            # the limiter waits for a step still running on the worker thread
-            await to_thread.run_sync(self.runner.shutdown, limiter=self._limiter)
+            # after a step still running on the step thread (they take turns there)
+            await self._on_device(self.runner.shutdown)
         finally:
+            self._stepper.close()
             self.core = None
             self.lifecycle.trigger("shutdown")
             self._stopped.set()

@@ -3,6 +3,7 @@ iterator, fed by the engine loop through a sink that does not keep the stream al
 
 from __future__ import annotations
 
+from asyncio import get_running_loop
 from typing import Callable, Union
 
 from .mailbox import Mailbox
@@ -39,9 +40,15 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        items = self._box.items
-        if not items:
-            await self._box.wait()  # the engine always sends a terminal item or an error
+        box = self._box
+        items = box.items
+        while not items:  # the engine always sends a terminal item or an error
+            try:
+                future = box._waiter = get_running_loop().create_future()
+            except RuntimeError:  # pragma: no cover - not asyncio (trio)
+                await box.wait()
+            else:
+                await future
         item = items.popleft()
         if isinstance(item, BaseException):
             self._close()

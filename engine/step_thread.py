@@ -1,5 +1,6 @@
-"""``StepThread``: the one worker thread that runs :class:`engine.AsyncEngine`'s steps, handed
-each step without first yielding to the event loop.
+"""``StepThread``: the one worker thread that runs :class:`engine.AsyncEngine`'s steps (and its
+other device work after the load: sleep/wake, weight updates, the release), handed each call
+without first yielding to the event loop.
 
 Why not ``anyio.to_thread.run_sync``: it yields to the event loop twice before the worker gets
 the call (a checkpoint, then the limiter's). After a step, the engine loop dispatches the
@@ -9,7 +10,7 @@ every step. Handed over at once, the next step runs on this thread while the con
 the event loop (whenever the step leaves the GIL: model kernels, device waits).
 
 asyncio only (the step's result comes back through ``loop.call_soon_threadsafe``); on another
-backend ``run`` falls back to ``to_thread.run_sync``. The thread is started on the first step
+backend ``run`` falls back to ``to_thread.run_sync``. The thread is started on the first call
 and ended by :meth:`close`.
 """
 
@@ -30,8 +31,7 @@ class StepThread:
         and the release wait for a step still running)."""
         self._limiter = limiter
         self._name = name
-        self._jobs: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
+        self._jobs: "Optional[queue.SimpleQueue[Optional[tuple]]]" = None  # while the thread runs
 
     async def run(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` on the step thread; its result (or its exception). Cancellation waits for
@@ -42,40 +42,44 @@ class StepThread:
             return await to_thread.run_sync(fn, limiter=self._limiter)
         try:
             self._limiter.acquire_nowait()
-        except anyio.WouldBlock:  # something else holds the device: wait for it, as to_thread would
-            return await to_thread.run_sync(fn, limiter=self._limiter)
+        except anyio.WouldBlock:  # the device is busy (a load): wait for it
+            await self._limiter.acquire()
         try:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
-                self._thread.start()
+            jobs = self._jobs
+            if jobs is None:
+                jobs = self._jobs = queue.SimpleQueue()
+                threading.Thread(target=_work, args=(jobs,), name=self._name, daemon=True).start()
             future = loop.create_future()
-            self._jobs.put((fn, future, loop))
+            jobs.put((fn, future, loop))
             with anyio.CancelScope(shield=True):
                 return await future
         finally:
             self._limiter.release()
 
     def close(self) -> None:
-        """End the thread once its current step (if any) returns. Idempotent."""
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread = None
+        """End the thread once its current call (if any) returns. Idempotent; a later ``run``
+        starts a new thread."""
+        jobs, self._jobs = self._jobs, None
+        if jobs is not None:
+            jobs.put(None)
 
-    def _work(self) -> None:
-        jobs = self._jobs
-        while True:
-            job = jobs.get()
-            if job is None:
-                return
-            fn, future, loop = job
-            result = None
-            try:
-                result = fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
-                loop.call_soon_threadsafe(_settle, future, None, exc)
-            else:
-                loop.call_soon_threadsafe(_settle, future, result, None)
-            del job, fn, future, loop, result
+
+def _work(jobs: "queue.SimpleQueue[Optional[tuple]]") -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        fn, future, loop = job
+        result, error = None, None
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            error = exc
+        try:
+            loop.call_soon_threadsafe(_settle, future, result, error)
+        except RuntimeError:  # pragma: no cover - the event loop is closed: no one is waiting
+            pass
+        del job, fn, future, loop, result, error
 
 
 def _settle(future: "asyncio.Future", result: Any, exc: Optional[BaseException]) -> None:
