@@ -52,6 +52,7 @@ class AsyncEngine(IntakeAPI, SleepAPI):
         self.core: Optional[EngineCore] = None
         self._check_integrity = check_integrity
         self._sinks: dict[str, Sink] = {}
+        self._pending: list = []  # outputs held for the step thread's next device wait (_hold)
         self._inbox: deque[InboxItem] = deque()
         self.admission = Admission(self.runner, max_waiting_requests=config.max_waiting_requests,
                                    max_queued_tokens=config.max_queued_tokens)
@@ -280,6 +281,13 @@ class AsyncEngine(IntakeAPI, SleepAPI):
     async def _loop(self) -> None:
         core = self.core
         assert core is not None
+        post = self._stepper.poster(self._flush_pending)
+
+        def launched() -> None:  # on the step thread: the next step is launched
+            if self._pending:
+                post()
+
+        step = partial(core.step, launched) if post is not None else core.step
         try:
             while True:
                 if self._rank_error is not None:
@@ -298,10 +306,16 @@ class AsyncEngine(IntakeAPI, SleepAPI):
                     self._wakeup = anyio.Event()
                     continue
                 # NOTE: the consumers woken by a step's outputs run while the next step runs
-                # (StepThread hands it over without a trip through the event loop): their
-                # time overlaps the step's wherever the step leaves the GIL. Their aborts are
-                # applied before the step after.
-                self._dispatch(await self._on_device(core.step))
+                # (StepThread hands it over without a trip through the event loop). Overlapped,
+                # the outputs are held until that step is launched and the step thread waits
+                # for the device (``launched``): the consumers then use the wait instead of
+                # delaying the launch, and hold the GIL while the step thread does not need it.
+                # Their aborts are applied before the step after.
+                outputs = await self._on_device(step)
+                if post is not None and core.in_flight:
+                    self._hold(outputs)
+                else:
+                    self._dispatch(outputs)
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await self._die(exc)
@@ -323,7 +337,9 @@ class AsyncEngine(IntakeAPI, SleepAPI):
         self._wake()
 
     def _fail_streams(self, exc: BaseException) -> None:
-        """FAILED, and every stream in flight gets ``EngineDeadError`` (once: the sinks go)."""
+        """FAILED, and every stream in flight gets ``EngineDeadError`` (once: the sinks go),
+        after the outputs it was due."""
+        self._flush_pending()
         self._death = exc
         if self.lifecycle.may("fail"):
             self.lifecycle.trigger("fail")

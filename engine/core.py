@@ -8,7 +8,7 @@ between steps, so nothing here needs a lock.
 from __future__ import annotations
 
 import time
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 from .bad_words import bad_word_sequences
 from .detokenizer import IncrementalDetokenizer
@@ -106,6 +106,11 @@ class EngineCore:
     def has_work(self) -> bool:
         return self._inflight is not None or self.scheduler.has_work()
 
+    @property
+    def in_flight(self) -> bool:
+        """A deferred step is launched and not yet applied: the next ``step()`` waits for it."""
+        return self._inflight is not None
+
     def reset_kv(self) -> None:
         """The KV cache's contents are stale (new weights, or a cache rebuilt after a sleep):
         nothing cached may be reused. Only with no request in the engine, so it frees nothing
@@ -116,12 +121,15 @@ class EngineCore:
         self.blocks.check_integrity([])
 
     # -- the step -----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_launched: Optional[Callable[[], None]] = None) -> list[RequestOutput]:
         """Schedule, launch and apply one step. Overlapped (``overlap_scheduling``): when the
         step before was deferred, this one is scheduled and launched *before* that one's
         tokens are read back, so the device runs this step while the host applies the last
         one (stop checks, detokenization, outputs): the outputs returned are the previous
-        step's, and this step's follow with the next call (``has_work`` stays true)."""
+        step's, and this step's follow with the next call (``has_work`` stays true).
+
+        ``on_launched()`` is called (on this thread) once this step is launched, when the host
+        is about to wait for the step before's tokens: the moment to let other host work run."""
         t0 = time.perf_counter()
         outputs: list[RequestOutput] = []
         prev = self._inflight
@@ -139,6 +147,8 @@ class EngineCore:
             defer = self._overlap and all(req.overlappable for req, _ in batch)
             launched = self.runner.launch(batch, defer)
         if prev is not None:
+            if on_launched is not None:
+                on_launched()
             outputs += self._complete(*prev)
         if launched is None:
             return outputs

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from functools import partial
 from typing import Any, Callable, Optional
 
 import anyio
@@ -55,6 +56,16 @@ class StepThread:
                 return await future
         finally:
             self._limiter.release()
+
+    @staticmethod
+    def poster(fn: Callable[[], None]) -> Optional[Callable[[], None]]:
+        """A callable for the step thread that has ``fn()`` run on this event loop (None when
+        the backend is not asyncio). Call it from the loop's thread."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # pragma: no cover - not asyncio (trio)
+            return None
+        return partial(loop.call_soon_threadsafe, fn)
 
     def close(self) -> None:
         """End the thread once its current call (if any) returns. Idempotent; a later ``run``

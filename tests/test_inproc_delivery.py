@@ -151,3 +151,45 @@ async def test_cancelling_a_step_waits_for_it() -> None:
         release.set()
         timer.cancel()
         step.close()
+
+
+@pytest.mark.asyncio
+async def test_overlapped_engine_delivers_the_same_streams() -> None:
+    """Overlapped (outputs held until the next step is launched): every stream gets the same
+    pieces' tokens as without overlap, in order, with one terminal output last; an abort and a
+    drain deadline still end their requests."""
+
+    async def run(overlap: bool):
+        cfg = EngineConfig(model=TINY, overlap_scheduling=overlap, max_num_seqs=8, seed=1)
+        got: dict = {}
+        async with AsyncEngine.open(cfg) as eng:
+            async def one(i: int) -> None:
+                params = SamplingParams(max_tokens=4 + 3 * i, ignore_eos=True,
+                                        temperature=0.0 if i % 2 else 0.8, seed=i)
+                pieces = [out async for out in eng.generate([3 + i, 7, 11 + i, 40], params)]
+                got[i] = pieces
+
+            async with anyio.create_task_group() as tg:
+                for i in range(12):
+                    tg.start_soon(one, i)
+            stream = eng.generate([9, 9, 9], SamplingParams(max_tokens=500, ignore_eos=True))
+            first = await stream.__anext__()
+            await eng.abort(stream.request_id, "stop here")
+            rest = [out async for out in stream]
+            tail = eng.generate([8, 8], SamplingParams(max_tokens=1000, ignore_eos=True))
+            await tail.__anext__()
+            await eng.drain(0, reason="deadline")
+            ended = [out async for out in tail]
+        return got, first, rest, ended
+
+    plain, overlapped = await run(False), await run(True)
+    for got in (plain[0], overlapped[0]):
+        for pieces in got.values():
+            assert [p.finished for p in pieces].count(True) == 1 and pieces[-1].finished
+    for i in range(12):
+        a, b = merge_outputs(plain[0][i]), merge_outputs(overlapped[0][i])
+        assert a.token_ids == b.token_ids and a.text == b.text and len(a.token_ids) == 4 + 3 * i
+    for _, first, rest, ended in (plain, overlapped):
+        assert not first.finished and rest[-1].finish_reason == "abort"
+        assert rest[-1].reason == "stop here" and sum(p.finished for p in rest) == 1
+        assert ended[-1].finish_reason == "abort" and ended[-1].reason == "deadline"
