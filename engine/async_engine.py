@@ -33,6 +33,7 @@ from .interface import Health, TokenizerInfo, unavailable_error
 from .request_stream import Sink
 from .runner import ModelRunner
 from .sleep import SleepAPI, SleepController
+from .step_thread import StepThread
 from .intake import STEPPING, InboxItem, IntakeAPI
 from .stats import EngineStats, engine_stats, health_figures
 from .structured.grammars import GrammarCache, GrammarService
@@ -51,6 +52,7 @@ class AsyncEngine(IntakeAPI, SleepAPI):
         self.core: Optional[EngineCore] = None
         self._check_integrity = check_integrity
         self._sinks: dict[str, Sink] = {}
+        self._pending: list = []  # outputs held for the step thread's next device wait (_hold)
         self._inbox: deque[InboxItem] = deque()
         self.admission = Admission(self.runner, max_waiting_requests=config.max_waiting_requests,
                                    max_queued_tokens=config.max_queued_tokens)
@@ -60,6 +62,7 @@ class AsyncEngine(IntakeAPI, SleepAPI):
         self._wakeup = anyio.Event()
         self._stopped = anyio.Event()
         self._limiter = anyio.CapacityLimiter(1)
+        self._stepper = StepThread(self._limiter)
         self._death: Optional[BaseException] = None
         self._rank_error: Optional[BaseException] = None  # tensor parallel: a rank died
         self._drain_deadline = math.inf
@@ -278,6 +281,13 @@ class AsyncEngine(IntakeAPI, SleepAPI):
     async def _loop(self) -> None:
         core = self.core
         assert core is not None
+        post = self._stepper.poster(self._flush_pending)
+
+        def launched() -> None:  # on the step thread: the next step is launched
+            if self._pending:
+                post()
+
+        step = partial(core.step, launched) if post is not None else core.step
         try:
             while True:
                 if self._rank_error is not None:
@@ -295,12 +305,18 @@ class AsyncEngine(IntakeAPI, SleepAPI):
                     await self._wakeup.wait()
                     self._wakeup = anyio.Event()
                     continue
-                outputs = await to_thread.run_sync(core.step, limiter=self._limiter)
-                self._dispatch(outputs)
-                # NOTE: let the consumers woken by this step run *before* the next step starts.
-                # Run concurrently, they fight the worker thread for the GIL (5 ms switch
-                # interval) and the step stalls; this also lets drain deadlines and aborts in.
-                await anyio.lowlevel.checkpoint()
+                # NOTE: overlapped, a step's outputs are held until the next step is launched
+                # and the step thread waits for the device (``launched``): the consumers they
+                # wake run in that wait, while the step thread needs no GIL, instead of before
+                # the launch. Otherwise the consumers run *before* the next step starts: run
+                # beside it, they fight the step thread for the GIL (5 ms switch interval; on
+                # CPU, measured 3-5 % slower). Their aborts are applied before the step after.
+                outputs = await self._on_device(step)
+                if post is not None and core.in_flight:
+                    self._hold(outputs)
+                else:
+                    self._dispatch(outputs)
+                    await anyio.lowlevel.checkpoint()
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await self._die(exc)
@@ -322,7 +338,9 @@ class AsyncEngine(IntakeAPI, SleepAPI):
         self._wake()
 
     def _fail_streams(self, exc: BaseException) -> None:
-        """FAILED, and every stream in flight gets ``EngineDeadError`` (once: the sinks go)."""
+        """FAILED, and every stream in flight gets ``EngineDeadError`` (once: the sinks go),
+        after the outputs it was due."""
+        self._flush_pending()
         self._death = exc
         if self.lifecycle.may("fail"):
             self.lifecycle.trigger("fail")
@@ -332,9 +350,17 @@ class AsyncEngine(IntakeAPI, SleepAPI):
         for sink in sinks.values():
             sink(err)
 
+    async def _on_device(self, fn: Callable, *args):
+        """``fn(*args)`` on the step thread, where every step runs (device work after the load:
+        steps, sleep/wake, weight updates, the release), one at a time."""
+        return await self._stepper.run(partial(fn, *args) if args else fn)
+
     async def _release(self) -> None:
         self.grammars.close()
-        await to_thread.run_sync(self.runner.shutdown)
+        try:
+            await self._on_device(self.runner.shutdown)
+        finally:
+            self._stepper.close()
         self.core = None
         self.lifecycle.trigger("shutdown")
         self._stopped.set()
@@ -343,9 +369,10 @@ class AsyncEngine(IntakeAPI, SleepAPI):
         log.error("engine failed: %r", exc)
         self._fail_streams(exc)
         try:
-            # the limiter waits for a step still running on the worker thread
-            await to_thread.run_sync(self.runner.shutdown, limiter=self._limiter)
+            # after a step still running on the step thread (they take turns there)
+            await self._on_device(self.runner.shutdown)
         finally:
+            self._stepper.close()
             self.core = None
             self.lifecycle.trigger("shutdown")
             self._stopped.set()

@@ -8,7 +8,7 @@ between steps, so nothing here needs a lock.
 from __future__ import annotations
 
 import time
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 from .bad_words import bad_word_sequences
 from .detokenizer import IncrementalDetokenizer
@@ -113,6 +113,11 @@ class EngineCore:
     def has_work(self) -> bool:
         return self._inflight is not None or self.scheduler.has_work()
 
+    @property
+    def in_flight(self) -> bool:
+        """A deferred step is launched and not yet applied: the next ``step()`` waits for it."""
+        return self._inflight is not None
+
     def reset_kv(self) -> None:
         """The KV cache's contents are stale (new weights, or a cache rebuilt after a sleep):
         nothing cached may be reused. Only with no request in the engine, so it frees nothing
@@ -123,7 +128,7 @@ class EngineCore:
         self.blocks.check_integrity([])
 
     # -- the step -----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_launched: Optional[Callable[[], None]] = None) -> list[RequestOutput]:
         """Schedule, launch and apply one step. Overlapped (``overlap_scheduling``): when the
         step before was deferred, this one is scheduled and launched *before* that one's
         tokens are read back, so the device runs this step while the host applies the last
@@ -131,7 +136,11 @@ class EngineCore:
         step's, and this step's follow with the next call (``has_work`` stays true). A step
         with a constrained request whose token is in flight is launched in two halves: the
         forward, then -- once the step before is applied and its matchers took their tokens --
-        the grammar masks and the sampling (``runner.forward`` / ``runner.sample_step``)."""
+        the grammar masks and the sampling (``runner.forward`` / ``runner.sample_step``).
+
+        ``on_launched()`` is called (on this thread) once this step is launched (its forward,
+        in two halves), when the host is about to wait for the step before's tokens: the moment
+        to let other host work run."""
         t0 = time.perf_counter()
         outputs: list[RequestOutput] = []
         prev = self._inflight
@@ -156,6 +165,8 @@ class EngineCore:
                 t = [time.perf_counter()]
                 fwd = self.runner.forward(batch)
                 t.append(time.perf_counter())
+                if on_launched is not None:
+                    on_launched()
                 verdicts = self._advance_matchers(*prev)
                 masks = self.runner.fill_masks(fwd)
                 t.append(time.perf_counter())
@@ -171,6 +182,8 @@ class EngineCore:
             else:
                 launched = self.runner.launch(batch, defer)
         if prev is not None:
+            if on_launched is not None:
+                on_launched()
             outputs += self._complete(*prev)
         if launched is None:
             return outputs

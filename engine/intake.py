@@ -2,7 +2,8 @@
 inbox that carries both to the engine loop, which applies it between steps.
 
 A mixin, like :class:`engine.sleep.SleepAPI`: it uses the engine's ``lifecycle``, ``core``,
-``admission``, ``_sinks`` (request id -> where its outputs go), ``_inbox``, ``_tokenizing``
+``admission``, ``_sinks`` (request id -> where its outputs go), ``_pending`` (outputs held
+until the step thread waits for the device, see ``_hold``), ``_inbox``, ``_tokenizing``
 (accepted requests whose long prompt is tokenized on a worker thread -> abort reason),
 ``_tg``, ``_loop_thread``, ``grammars`` and ``_wake()``.
 
@@ -170,7 +171,23 @@ class IntakeAPI:
             self._dispatch([RequestOutput(request_id=rid, finished=True, finish_reason="abort",
                                           reason=reason)])
 
+    def _hold(self, outputs: list[RequestOutput]) -> None:
+        """Keep ``outputs`` until ``_flush_pending`` (the loop has it run once the next step is
+        launched and the step thread waits for the device) or the next ``_dispatch``."""
+        self._flush_pending()
+        self._pending = outputs
+
+    def _flush_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        if pending:
+            self._deliver(pending)
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        if self._pending:  # held outputs are older: they go first
+            self._flush_pending()
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
         sinks = self._sinks
         for out in outputs:
             sink = sinks.get(out.request_id)

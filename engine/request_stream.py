@@ -3,9 +3,11 @@ iterator, fed by the engine loop through a sink that does not keep the stream al
 
 from __future__ import annotations
 
+from asyncio import get_running_loop
 from typing import Callable, Union
 
 from .mailbox import Mailbox
+from .output_merge import merge_outputs
 from .params import RequestOutput
 
 #: Where the engine loop delivers a request's outputs (or the error that ends it).
@@ -14,7 +16,10 @@ Sink = Callable[[Union[RequestOutput, BaseException]], None]
 
 class RequestStream:
     """Async iterator of one request's outputs. Leaving it early (``break``, ``aclose()``, or
-    dropping it) aborts the request and frees its blocks."""
+    dropping it) aborts the request and frees its blocks.
+
+    A consumer that fell behind gets what is pending as one piece (:func:`merge_outputs`): the
+    same tokens and text in the same order, in fewer pieces; the terminal one is always last."""
 
     def __init__(self, request_id: str, abort: Callable[[str, str], None]):
         """``abort(request_id, reason)``: how to abort the request if it is left early (the
@@ -35,10 +40,24 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        item = await self._box.get()  # the engine always sends a terminal item or an error
+        box = self._box
+        items = box.items
+        while not items:  # the engine always sends a terminal item or an error
+            try:
+                future = box._waiter = get_running_loop().create_future()
+            except RuntimeError:  # pragma: no cover - not asyncio (trio)
+                await box.wait()
+            else:
+                await future
+        item = items.popleft()
         if isinstance(item, BaseException):
             self._close()
             raise item
+        if items and not isinstance(items[0], BaseException):  # fell behind: one piece for all
+            parts = [item]
+            while items and not isinstance(items[0], BaseException):
+                parts.append(items.popleft())
+            item = merge_outputs(parts)
         if item.finished:
             self._close()
         return item

@@ -32,7 +32,6 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import anyio
-from anyio import to_thread
 
 from states import State
 
@@ -165,7 +164,7 @@ class SleepController:
         self._refuse_tp("update_weights")
         if eng.lifecycle.state is State.LOADED:  # before the loop runs: no one else is on it
             fn = eng.runner.update_weights if kind == "update" else eng.runner.update_weights_from_tensors
-            await to_thread.run_sync(fn, arg, limiter=eng._limiter)
+            await eng._on_device(fn, arg)
             return
         await self._queue("update_weights", _Call(kind, arg), State.SLEEPING, State.LOADED)
 
@@ -225,7 +224,7 @@ class SleepController:
     async def _fall_asleep(self) -> None:
         eng = self._engine
         t0 = time.perf_counter()
-        self.host_bytes = await to_thread.run_sync(eng.runner.sleep, self.level, limiter=eng._limiter)
+        self.host_bytes = await eng._on_device(eng.runner.sleep, self.level)
         self.timings["sleep_s"] = time.perf_counter() - t0
         self.asleep = True
         call, self._sleep_call = self._sleep_call, None
@@ -245,12 +244,11 @@ class SleepController:
             t0 = time.perf_counter()
             try:
                 if call.kind == "wake":
-                    await to_thread.run_sync(runner.wake, call.arg, limiter=eng._limiter)
+                    await eng._on_device(runner.wake, call.arg)
                 elif call.kind == "update":
-                    await to_thread.run_sync(runner.update_weights, call.arg, limiter=eng._limiter)
+                    await eng._on_device(runner.update_weights, call.arg)
                 else:
-                    await to_thread.run_sync(runner.update_weights_from_tensors, call.arg,
-                                             limiter=eng._limiter)
+                    await eng._on_device(runner.update_weights_from_tensors, call.arg)
                 core.reset_kv()  # new weights or a new cache: nothing cached is valid
             except Exception as exc:  # this call failed; the engine stays asleep
                 call.error = exc

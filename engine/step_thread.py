@@ -1,0 +1,102 @@
+"""``StepThread``: the one worker thread that runs :class:`engine.AsyncEngine`'s steps (and its
+other device work after the load: sleep/wake, weight updates, the release), handed each call
+without first yielding to the event loop.
+
+Why not ``anyio.to_thread.run_sync``: it yields to the event loop twice before the worker gets
+the call (a checkpoint, then the limiter's). After a step, the engine loop dispatches the
+outputs and every woken consumer (one task per stream, up to hundreds) runs during those
+yields, so the next step started only once all of them had run: their whole time was added to
+every step. Handed over at once, the next step runs on this thread while the consumers run on
+the event loop (whenever the step leaves the GIL: model kernels, device waits).
+
+asyncio only (the step's result comes back through ``loop.call_soon_threadsafe``); on another
+backend ``run`` falls back to ``to_thread.run_sync``. The thread is started on the first call
+and ended by :meth:`close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from functools import partial
+from typing import Any, Callable, Optional
+
+import anyio
+from anyio import to_thread
+
+
+class StepThread:
+    def __init__(self, limiter: anyio.CapacityLimiter, name: str = "enginecore-step"):
+        """``limiter``: held while a step runs (the engine's one device limiter: loads, sleeps
+        and the release wait for a step still running)."""
+        self._limiter = limiter
+        self._name = name
+        self._jobs: "Optional[queue.SimpleQueue[Optional[tuple]]]" = None  # while the thread runs
+
+    async def run(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the step thread; its result (or its exception). Cancellation waits for
+        ``fn`` to return (a step is never orphaned), then is raised as usual."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # pragma: no cover - not asyncio (trio)
+            return await to_thread.run_sync(fn, limiter=self._limiter)
+        try:
+            self._limiter.acquire_nowait()
+        except anyio.WouldBlock:  # the device is busy (a load): wait for it
+            await self._limiter.acquire()
+        try:
+            jobs = self._jobs
+            if jobs is None:
+                jobs = self._jobs = queue.SimpleQueue()
+                threading.Thread(target=_work, args=(jobs,), name=self._name, daemon=True).start()
+            future = loop.create_future()
+            jobs.put((fn, future, loop))
+            with anyio.CancelScope(shield=True):
+                return await future
+        finally:
+            self._limiter.release()
+
+    @staticmethod
+    def poster(fn: Callable[[], None]) -> Optional[Callable[[], None]]:
+        """A callable for the step thread that has ``fn()`` run on this event loop (None when
+        the backend is not asyncio). Call it from the loop's thread."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # pragma: no cover - not asyncio (trio)
+            return None
+        return partial(loop.call_soon_threadsafe, fn)
+
+    def close(self) -> None:
+        """End the thread once its current call (if any) returns. Idempotent; a later ``run``
+        starts a new thread."""
+        jobs, self._jobs = self._jobs, None
+        if jobs is not None:
+            jobs.put(None)
+
+
+def _work(jobs: "queue.SimpleQueue[Optional[tuple]]") -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        fn, future, loop = job
+        result, error = None, None
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            error = exc
+        try:
+            loop.call_soon_threadsafe(_settle, future, result, error)
+        except RuntimeError:  # pragma: no cover - the event loop is closed: no one is waiting
+            pass
+        del job, fn, future, loop, result, error
+
+
+def _settle(future: "asyncio.Future", result: Any, exc: Optional[BaseException]) -> None:
+    if future.done():  # pragma: no cover - the awaiting task is shielded, so never cancelled
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
