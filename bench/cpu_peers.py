@@ -76,6 +76,34 @@ def default_gguf() -> str:
 
 
 # -- workers: one engine, one process; print one JSON line --------------------------------------
+async def measure(stream, a, out: dict) -> None:
+    """The figures of an engine row, from ``stream(prompt ids, max tokens) -> (t0, first token
+    time, last token time, tokens)``: 1-stream decode, TTFT of 128 and 1,000 tokens, the
+    aggregate of ``a.streams`` concurrent streams, and with ``a.busy`` 1-stream decode beside a
+    spinning process."""
+    import anyio
+
+    await stream(prompt_ids(16, 0), 8)  # warm-up
+    _, first, last, n = await stream(prompt_ids(16, 1), a.tokens)
+    out["decode_1_tok_s"] = (n - 1) / (last - first)
+    for plen in (128, 1000):
+        t0, first, _, _ = await stream(prompt_ids(plen, plen), 1)
+        out[f"ttft_{plen}_ms"] = (first - t0) * 1e3
+    for count in a.streams:
+        t0 = time.perf_counter()
+        res = []
+        async with anyio.create_task_group() as tg:
+            for i in range(count):
+                async def one(i=i):
+                    res.append(await stream(prompt_ids(16, 100 + i), a.tokens))
+                tg.start_soon(one)
+        out[f"aggregate_{count}_tok_s"] = sum(r[3] for r in res) / (time.perf_counter() - t0)
+    if a.busy:
+        with busy_neighbour(a.busy_seconds):
+            _, first, last, n = await stream(prompt_ids(16, 2), a.tokens)
+        out["decode_1_busy_tok_s"] = (n - 1) / (last - first)
+
+
 def work_enginecore(a) -> dict:
     import anyio
     import torch
@@ -101,25 +129,7 @@ def work_enginecore(a) -> dict:
             out["load_s"] = time.perf_counter() - t
             out["rss_after_load_mib"] = rss_mib()
             out["weight_format"] = eng.runner.weight_format
-            await stream(eng, prompt_ids(16, 0), 8)  # warm-up
-            t0, first, last, n = await stream(eng, prompt_ids(16, 1), a.tokens)
-            out["decode_1_tok_s"] = (n - 1) / (last - first)
-            for plen in (128, 1000):
-                t0, first, _, _ = await stream(eng, prompt_ids(plen, plen), 1)
-                out[f"ttft_{plen}_ms"] = (first - t0) * 1e3
-            for s in a.streams:
-                t0 = time.perf_counter()
-                res = []
-                async with anyio.create_task_group() as tg:
-                    for i in range(s):
-                        async def one(i=i):
-                            res.append(await stream(eng, prompt_ids(16, 100 + i), a.tokens))
-                        tg.start_soon(one)
-                out[f"aggregate_{s}_tok_s"] = sum(r[3] for r in res) / (time.perf_counter() - t0)
-            if a.busy:
-                with busy_neighbour(a.busy_seconds):
-                    t0, first, last, n = await stream(eng, prompt_ids(16, 2), a.tokens)
-                out["decode_1_busy_tok_s"] = (n - 1) / (last - first)
+            await measure(lambda ids, n: stream(eng, ids, n), a, out)
 
     anyio.run(main)
     return out
@@ -197,25 +207,7 @@ def work_enginecore_http(a) -> dict:
             out["load_s"] = time.perf_counter() - t
             out["rss_after_load_mib"] = _tree_rss_mib(proc.pid)
             model[0] = (await c.get("/v1/models")).json()["data"][0]["id"]
-            await stream(c, prompt_ids(16, 0), 8)  # warm-up
-            _, first, last, n = await stream(c, prompt_ids(16, 1), a.tokens)
-            out["decode_1_tok_s"] = (n - 1) / (last - first)
-            for plen in (128, 1000):
-                t0, first, _, _ = await stream(c, prompt_ids(plen, plen), 1)
-                out[f"ttft_{plen}_ms"] = (first - t0) * 1e3
-            for st in a.streams:
-                t0 = time.perf_counter()
-                res = []
-                async with anyio.create_task_group() as tg:
-                    for i in range(st):
-                        async def one(i=i):
-                            res.append(await stream(c, prompt_ids(16, 100 + i), a.tokens))
-                        tg.start_soon(one)
-                out[f"aggregate_{st}_tok_s"] = sum(r[3] for r in res) / (time.perf_counter() - t0)
-            if a.busy:
-                with busy_neighbour(a.busy_seconds):
-                    _, first, last, n = await stream(c, prompt_ids(16, 2), a.tokens)
-                out["decode_1_busy_tok_s"] = (n - 1) / (last - first)
+            await measure(lambda ids, n: stream(c, ids, n), a, out)
 
     try:
         anyio.run(main)
