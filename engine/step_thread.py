@@ -3,11 +3,10 @@ other device work after the load: sleep/wake, weight updates, the release), hand
 without first yielding to the event loop.
 
 Why not ``anyio.to_thread.run_sync``: it yields to the event loop twice before the worker gets
-the call (a checkpoint, then the limiter's). After a step, the engine loop dispatches the
-outputs and every woken consumer (one task per stream, up to hundreds) runs during those
-yields, so the next step started only once all of them had run: their whole time was added to
-every step. Handed over at once, the next step runs on this thread while the consumers run on
-the event loop (whenever the step leaves the GIL: model kernels, device waits).
+the call (a checkpoint, then the limiter's) and took 47-73 µs of CPU a call against 22-24 µs
+here (measured on a 2-core CPU); at one call per step that is host time taken from every step.
+When the consumers woken by a step's outputs run is the engine loop's choice
+(``AsyncEngine._loop``): before the next step, or, overlapped, in its device wait.
 
 asyncio only (the step's result comes back through ``loop.call_soon_threadsafe``); on another
 backend ``run`` falls back to ``to_thread.run_sync``. The thread is started on the first call
