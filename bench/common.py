@@ -318,6 +318,26 @@ def nano_vllm_workload(num_requests: int, min_input: int, max_input: int, min_ou
     return list(zip(prompts, outputs))
 
 
+async def wait_ready(client, proc, timeout: float) -> str:
+    """Poll ``enginecore serve``'s ``/ready`` through ``client`` (an ``httpx.AsyncClient`` on
+    its base URL) until it answers 200, failing if ``proc`` exits or ``timeout`` seconds pass;
+    returns the served model's id (``/v1/models``)."""
+    import anyio
+    import httpx
+
+    with anyio.fail_after(timeout):
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"serve exited with {proc.returncode}")
+            try:
+                if (await client.get("/ready")).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            await anyio.sleep(0.2)
+    return (await client.get("/v1/models")).json()["data"][0]["id"]
+
+
 def engine_config(args, **overrides):
     """An EngineConfig for ``args`` (model/device/dtype/seed) plus ``overrides``."""
     from engine import EngineConfig

@@ -161,6 +161,8 @@ def work_enginecore_http(a) -> dict:
     import anyio
     import httpx
 
+    from bench.common import wait_ready
+
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
@@ -194,19 +196,9 @@ def work_enginecore_http(a) -> dict:
     async def main():
         t = time.perf_counter()
         async with httpx.AsyncClient(base_url=base, timeout=600) as c:
-            with anyio.fail_after(300):
-                while True:
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"serve exited with {proc.returncode}")
-                    try:
-                        if (await c.get("/ready")).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    await anyio.sleep(0.2)
+            model[0] = await wait_ready(c, proc, 300)
             out["load_s"] = time.perf_counter() - t
             out["rss_after_load_mib"] = _tree_rss_mib(proc.pid)
-            model[0] = (await c.get("/v1/models")).json()["data"][0]["id"]
             await measure(lambda ids, n: stream(c, ids, n), a, out)
 
     try:

@@ -316,19 +316,12 @@ async def run(args) -> dict:
             "--api-servers", str(args.api_servers), "--parent-pid", str(os.getpid()), *args.serve_arg]
     proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True,
                             env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+    from .common import wait_ready  # torch comes with it: not at module level
+
     stats = Stats()
     try:
         async with httpx.AsyncClient(base_url=base, timeout=5) as c:
-            with anyio.fail_after(180):
-                while True:
-                    assert proc.poll() is None, f"serve exited with {proc.returncode}"
-                    try:
-                        if (await c.get("/ready")).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    await anyio.sleep(0.2)
-            MODEL[0] = (await c.get("/v1/models")).json()["data"][0]["id"]
+            MODEL[0] = await wait_ready(c, proc, 180)
         pids = [proc.pid] + _children(proc.pid)
         phases = [("before", args.calm_s, False), ("attack", args.minutes * 60, True),
                   ("after", args.calm_s, False)]

@@ -447,7 +447,7 @@ class ModelRunner(RunnerSleep):
 
 
 class Forwarded(NamedTuple):
-    """A step between :meth:`ModelRunner.forward` and :meth:`ModelRunner.sample`: the host's
+    """A step between :meth:`ModelRunner.forward` and :meth:`ModelRunner.sample_step`: the host's
     plan of it and its logits on the device. Transient: made and consumed within one
     ``EngineCore.step`` call, never kept (the device tensors are the step's activations)."""
 
