@@ -48,6 +48,39 @@ def test_workload_bytes_counts_weights_per_step_and_kv_per_token():
         "weights": 500, "kv_read": 200, "kv_write": 80, "total": 780}
 
 
+def test_roofline_runs_both_schedules_and_pipelined_steps_sample_what_synchronous_ones_do(tmp_path):
+    """bench.roofline reports a synchronous and a pipelined (overlapped) step per point; the
+    pipelined loop launches each step before collecting the one before, and its steps sample
+    exactly the tokens the synchronous ``execute`` does (greedy, same batch)."""
+    from bench.roofline import decode_batch, pipelined_times
+    from engine.config import EngineConfig
+    from engine.runner import ModelRunner
+
+    out = tmp_path / "r.json"
+    p = _bench("roofline", "--device", "cpu", "--model", "random:tiny-llama", "--batches", "1", "3",
+               "--contexts", "40", "--iters", "2", "--warmup", "1", "--copy-mib", "16",
+               "--no-progress", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    points = json.loads(out.read_text())["points"]
+    assert [(r["batch"], r["context"]) for r in points] == [(1, 40), (3, 40)]
+    for r in points:
+        assert r["pipelined_ms"] > 0 and r["step_ms"] > 0
+        assert r["pct_bw_roofline_pipelined"] == pytest.approx(r["mem_floor_ms"] / r["pipelined_ms"] * 100)
+    assert "pipelined ms" in p.stdout
+
+    runner = ModelRunner(EngineConfig(model="random:tiny-llama", device="cpu", num_kv_blocks=16,
+                                      max_num_seqs=4, max_model_len=64))
+    runner.load()
+    try:
+        batch = decode_batch(runner, 3, 40)
+        want = runner.execute(batch).tokens
+        assert len(pipelined_times(runner, batch, warmup=1, iters=3)) == 3
+        got = [runner.collect(runner.launch(batch, defer=True)).tokens for _ in range(2)]
+        assert got == [want, want]
+    finally:
+        runner.shutdown()
+
+
 def test_nano_vllm_workload_floor_is_about_4_s_on_an_h200():
     """Issue 14's order of magnitude: qwen3-0.6b bf16, 256 requests in/out U[100, 1024], ~1,096
     engine steps, ~4.2 TB/s: the floor is roughly 4 s (no model is run)."""
