@@ -325,6 +325,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: the engine's)")
     ap.add_argument("--hf-batch", type=int, default=64, help="hf-generate static batch size")
     ap.add_argument("--uvloop", action="store_true", help="run the async modes on uvloop")
+    ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
+                    help="sys.setswitchinterval(S) in this process before any mode runs (the GIL's "
+                         "hand-over interval; Python's default is 0.005)")
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
                     help="run each mode (each round) in a fresh process (default: on)")
     ap.add_argument("--logprobs", type=int, default=None, metavar="K",
@@ -336,6 +339,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "--repeat rounds; print the per-round ratios and their median")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = common.finish_common_args(ap.parse_args(argv), "throughput")
+    if args.switch_interval is not None:  # a process entry point: its own interpreter's knob
+        sys.setswitchinterval(args.switch_interval)
     global LOGPROBS
     LOGPROBS = args.logprobs
     defaults = CUDA_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
