@@ -17,7 +17,7 @@ _REPLACEMENT = "\ufffd"
 
 class IncrementalDetokenizer:
     __slots__ = ("_tok", "_ids", "_prefix", "_read", "_stops", "_hold", "_pending", "text",
-                 "stopped", "_skip", "_keep_stop")
+                 "stopped", "_skip", "_keep_stop", "_stream")
 
     def __init__(self, tokenizer: Tokenizer, prompt_tail: Sequence[int], stop: Sequence[str],
                  skip_special_tokens: bool = True, include_stop_str: bool = False):
@@ -33,10 +33,19 @@ class IncrementalDetokenizer:
         self._pending = ""  # decoded but not yet emitted (could start a stop string)
         self.text = ""  # everything emitted so far
         self.stopped = False
+        # the tokenizer's own incremental decoder when it has one (one call a token);
+        # otherwise windows of tokens are decoded (two calls a token)
+        stream = getattr(tokenizer, "decode_stream", None)
+        self._stream = stream(self._ids, skip_special_tokens) if stream is not None else None
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Feed new tokens; return the newly stable text (possibly ""). Sets ``stopped`` when a
         stop string was found (the text then ends right before it)."""
+        if self._stream is not None:
+            step = self._stream.step
+            for t in token_ids:
+                self._pending += step(t)
+            return self._release(final=False)
         for t in token_ids:
             self._ids.append(t)
             prefix_text = self._decode(self._ids[self._prefix:self._read])

@@ -265,3 +265,45 @@ async def test_default_model_greedy_parity_with_transformers(hf_lm, hf_tokenizer
                                  min_new_tokens=20, do_sample=False, pad_token_id=0)
         assert toks == ref[0, ids.shape[1]:].tolist(), p
     assert ours[0][1].lstrip().startswith("Paris")
+
+
+def _window_only(tokenizer):
+    """The tokenizer without its incremental decoder: the detokenizer decodes token windows."""
+    class Window:
+        def decode(self, ids, skip_special_tokens=True):
+            return tokenizer.decode(ids, skip_special_tokens)
+    return Window()
+
+
+def test_streamed_detokenization_equals_window_decoding(loaded):
+    """tokenizers' DecodeStream (one call a token) gives exactly the deltas' text, stops and
+    held-back text of the window decoder, on random ids, byte tokens (partial characters),
+    special tokens kept and skipped, and prompt tails that end mid-character."""
+    import random
+
+    from engine.detokenizer import IncrementalDetokenizer
+
+    tokenizer = loaded[2]
+    rng = random.Random(7)
+    text_ids = tokenizer.encode("Hi, wörld! 你好 😀 naïve — ünïcödé\n\n tabs\t12345")
+    pool = text_ids + [0, 1, 2] + list(range(100, 300))
+    streamed = 0
+    for n in range(600):
+        ids = [rng.randrange(tokenizer.vocab_size) if n % 2 else rng.choice(pool)
+               for _ in range(rng.randint(1, 30))]
+        prompt = [rng.choice(pool) for _ in range(rng.randint(0, 6))]
+        skip, stops = n % 5 != 0, ([] if n % 4 else ["a", "\n\n"])
+        got = []
+        for tok in (tokenizer, _window_only(tokenizer)):
+            d = IncrementalDetokenizer(tok, prompt, stops, skip_special_tokens=skip)
+            streamed += d._stream is not None
+            deltas = []
+            for i in ids:
+                deltas.append(d.add([i]))
+                if d.stopped:
+                    break
+            deltas.append(d.flush())
+            got.append(("".join(deltas), d.stopped, d.text))
+            assert all("\ufffd" not in x or "\ufffd" in tokenizer.decode(ids) for x in deltas)
+        assert got[0] == got[1], (prompt, ids)
+    assert streamed > 250  # most prompts take the stream (not those ending mid-character)

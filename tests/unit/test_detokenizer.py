@@ -96,3 +96,28 @@ def test_special_tokens_are_kept_when_asked():
     assert "".join(feed(IncrementalDetokenizer(tok, [], []), [0, 1, 2])) == "ab"
     d = IncrementalDetokenizer(tok, [], [], skip_special_tokens=False)
     assert "".join(feed(d, [0, 1, 2])) + d.flush() == "a<eos>b"
+
+
+def test_byte_stream_equals_window_decoding_on_random_bytes():
+    """The byte-level tokenizer's incremental decoder gives the window decoder's text exactly
+    (invalid bytes, partial characters at the end, ids >= 256, prompt tails)."""
+    import random
+
+    class Window:
+        def decode(self, ids, skip_special_tokens=True):
+            return BYTES.decode(ids, skip_special_tokens)
+
+    rng = random.Random(3)
+    alphabet = list("aé€😀\n".encode()) + [0x80, 0xC3, 0xE2, 0xF0, 256, 257, 299]
+    for n in range(800):
+        ids = [rng.choice(alphabet) for _ in range(rng.randint(1, 24))]
+        prompt = list("ok".encode()) + [rng.choice(alphabet) for _ in range(rng.randint(0, 3))]
+        stops = ["é€"] if n % 3 == 0 else []
+        got = []
+        for tok in (BYTES, Window()):
+            d = IncrementalDetokenizer(tok, prompt, stops)
+            deltas = [d.add([i]) for i in ids] + [d.flush()]
+            got.append(("".join(deltas), d.stopped))
+        assert got[0] == got[1], (prompt, ids)
+    d = IncrementalDetokenizer(BYTES, list("ok".encode()), [])
+    assert d._stream is not None  # the byte tokenizer streams
