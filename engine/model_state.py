@@ -24,6 +24,17 @@ class ModelState:
             "sampled": torch.zeros(max_seqs, **long),
         }
         self.generators: dict[str, torch.Generator] = {}
+        # unseeded rows' noise in the one-pass sampler (engine/fused_sample.py): a seed a step,
+        # drawn from torch's default CPU generator (so torch.manual_seed makes runs repeat)
+        self._noise_base: Optional[int] = None
+        self._noise_steps = 0
+
+    def next_noise_seed(self) -> int:
+        """A new seed for this step's unseeded sampling noise (host only: no device work)."""
+        if self._noise_base is None:
+            self._noise_base = int(torch.randint(0, 2**31 - 1, (1,)).item())
+        self._noise_steps += 1
+        return (self._noise_base + self._noise_steps * 1_000_003) & 0x7FFFFFFF
 
     def load(self, name: str, values: torch.Tensor) -> torch.Tensor:
         """Copy host ``values`` into the front of buffer ``name``; return that device view."""

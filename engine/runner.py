@@ -337,6 +337,8 @@ class ModelRunner(RunnerSleep):
             # the rows' sampling values and seeded generators are taken now: a request that
             # finishes before sample_step() (the step before, applied in between) keeps them
             sb = build_sampling_batch([batch[i][0] for i in owners], state.generators, self.device)
+            if self.device.type == "cuda" or fused_ops.INTERPRET:  # the one-pass sampler's
+                sb.noise_seed = state.next_noise_seed()
             processed = process(logits, sb)
         return Forwarded(batch, sample_rows, plp, owners, logits_all, logits, sb, processed)
 

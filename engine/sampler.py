@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from . import fused_sample
 from .logits import LogitsPlan
 
 
@@ -45,6 +46,9 @@ class SamplingBatch:
     # sampler needs no device-to-host sync to skip the sort; None = look at the tensors
     any_top_k: Optional[bool] = None
     any_top_p: Optional[bool] = None
+    # this step's seed for the unseeded rows' noise in the one-pass sampler
+    # (engine/fused_sample.py); None: the torch path draws from torch's default generator
+    noise_seed: Optional[int] = None
 
 
 def build_sampling_batch(reqs: Sequence, generators: dict, device: torch.device) -> SamplingBatch:
@@ -106,10 +110,12 @@ def apply_penalty_free_filters(logits: torch.Tensor, batch: SamplingBatch) -> to
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """logits: [N, V] fp32 → (tokens [N] long, logprobs of the chosen tokens [N] or None)."""
-    greedy_tokens = logits.argmax(-1)
     if batch.all_greedy:
-        tokens = greedy_tokens
+        tokens = logits.argmax(-1)
+    elif _one_pass(logits, batch):
+        tokens = fused_sample.sample(logits, batch.temperature, batch.noise_seed)
     else:
+        greedy_tokens = logits.argmax(-1)
         probs = apply_penalty_free_filters(logits, batch).softmax(-1)
         noise = torch.empty_like(probs)
         for i, g in enumerate(batch.generators):
@@ -127,3 +133,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, Op
     if batch.need_logprobs:
         logprobs = logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
     return tokens, logprobs
+
+
+def _one_pass(logits: torch.Tensor, batch: SamplingBatch) -> bool:
+    """Whether :func:`engine.fused_sample.sample` draws this batch: temperature alone (no
+    top-k / top-p / min-p), no seeded row, a noise seed given."""
+    return (batch.noise_seed is not None and batch.any_top_k is False and batch.any_top_p is False
+            and batch.min_p is None and all(g is None for g in batch.generators)
+            and fused_sample.usable(logits))
