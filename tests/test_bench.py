@@ -189,3 +189,14 @@ def test_soak_picks_attackers_by_name():
     with pytest.raises(argparse.ArgumentTypeError):
         parse("http,nope")
     assert "huge_stop_ids" in soak.HTTP_KINDS
+
+
+def test_host_overhead_runs_both_modes_with_the_null_model(tmp_path):
+    out = tmp_path / "h.json"
+    p = _bench("host_overhead", "--requests", "6", "--tokens", "5", "--rounds", "1", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    (row,) = res["rounds"]
+    assert row["bare_us"] > 0 and row["inproc_us"] > 0
+    assert row["ratio"] == pytest.approx(row["bare_us"] / row["inproc_us"])
+    assert "in-process / bare" in p.stdout
