@@ -35,19 +35,38 @@ _SOURCE = re.compile(r"^\[[\d:.]+\] [^ ]+:\d+: ")
 _SEPARATORS = (",", ":")
 
 
+def grammar_vocab_size(tokenizer, vocab_size: int) -> int:
+    """How many ids xgrammar's vocabulary holds: up to the last id that has bytes or is an EOS
+    id, rounded up to whole bitmask words (32 ids), at most ``vocab_size``. The ids past it have
+    no text (padding): a grammar never allows them, and :class:`TokenBitmask` refuses them
+    itself. NOTE: handing them to xgrammar as empty (special) entries gives the same masks but
+    costs time that grows with their number: a ``random:`` preset's byte vocabulary is 258 ids
+    padded to the model's 151,936, and with all of them a row's fill inside a JSON string took
+    ~190 us and each ``accept_token`` ~25 us, against ~1 us each with 288 ids (measured,
+    ``scripts/xgrammar_costs.py``)."""
+    table = tokenizer.byte_table
+    last = max((i for i in tokenizer.eos_token_ids if i < vocab_size), default=-1)
+    for i in range(min(len(table), vocab_size) - 1, last, -1):
+        if table[i]:
+            last = i
+            break
+    return min(vocab_size, max(32, -(-(last + 1) // 32) * 32))
+
+
 def tokenizer_info(tokenizer, vocab_size: int):
     """xgrammar's view of ``tokenizer``: each id's bytes (``VocabType.RAW``: the entries are the
     bytes themselves, already decoded from the GPT-2 alphabet / ``<0xNN>`` spellings by
-    :attr:`Tokenizer.byte_table`). Special tokens are given as empty strings, which xgrammar
-    treats as special: never allowed by a grammar, except the EOS ids, which end it."""
+    :attr:`Tokenizer.byte_table`), for the first :func:`grammar_vocab_size` ids. Special tokens
+    are given as empty strings, which xgrammar treats as special: never allowed by a grammar,
+    except the EOS ids, which end it."""
     import xgrammar as xgr
 
+    n = grammar_vocab_size(tokenizer, vocab_size)
     table = tokenizer.byte_table
     special = set(getattr(tokenizer, "special_token_ids", lambda: ())())
-    vocab = [b"" if i in special else table[i] if i < len(table) else b""
-             for i in range(vocab_size)]
-    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
-                             stop_token_ids=sorted(tokenizer.eos_token_ids))
+    vocab = [b"" if i in special else table[i] if i < len(table) else b"" for i in range(n)]
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=n,
+                             stop_token_ids=sorted(i for i in tokenizer.eos_token_ids if i < n))
 
 
 class GrammarCache:
@@ -208,4 +227,4 @@ def _compile(compiler, c: StructuredOutputs):
     return g, time.perf_counter() - t0
 
 
-__all__ = ["GrammarService", "GrammarCache", "tokenizer_info"]
+__all__ = ["GrammarService", "GrammarCache", "tokenizer_info", "grammar_vocab_size"]
