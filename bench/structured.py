@@ -56,6 +56,16 @@ def schema(items: int) -> dict:
         "required": ["title", "tags", "score"]}
 
 
+def schema_plain(items: int) -> dict:
+    """:func:`schema` without the strings' length bounds (a typical schema)."""
+    return {"type": "object", "properties": {
+        "title": {"type": "string"},
+        "tags": {"type": "array", "minItems": items, "maxItems": items,
+                 "items": {"type": "string"}},
+        "score": {"type": "integer", "minimum": 0, "maximum": 100}},
+        "required": ["title", "tags", "score"]}
+
+
 #: schemas whose compile time is reported (cold, then cached)
 COMPILE_SCHEMAS: dict[str, Any] = {
     "person": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
