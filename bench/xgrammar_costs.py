@@ -165,7 +165,8 @@ def main(argv=None) -> int:
                     "engine's own, CPUs less two)")
     ap.add_argument("--vocabs", default="engine,padded")
     ap.add_argument("--schemas", default="bench,plain")
-    ap.add_argument("--max-steps", type=int, default=1000)
+    ap.add_argument("--max-steps", type=int, default=256,
+                    help="steps at most (the structured bench's max_tokens)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "xgrammar_costs.json")
     args = ap.parse_args(argv)

@@ -11,7 +11,10 @@ then ``apply_token_bitmask_inplace`` sets the disallowed logits to -inf on the l
 device (xgrammar's own kernels: Triton on CUDA, its C++ path on CPU), once for the whole batch,
 before sampling -- so greedy, temperature, top-k/top-p and seeds all sample from the allowed set.
 Rows without a constraint are left untouched (``indices``). The rows of the matchers' current
-states are filled together on xgrammar's own threads (``BatchGrammarMatcher``). The logits are
+states are filled together on xgrammar's own threads (``BatchGrammarMatcher``). The host rows
+cover only the ids xgrammar knows (``grammars.grammar_vocab_size``: up to the last id with text
+or an EOS id); the device rows are as wide as the logits, and their words past the host rows'
+are zero, so the padding ids past them are refused too. The logits are
 copied first only when the step reports logprobs (they are those of the raw distribution).
 
 Overlapped scheduling (engine/core.py) fills in the background: ``fill(background=True)`` runs
