@@ -11,11 +11,15 @@ output is in: inside a JSON string at a character boundary, inside one mid UTF-8
 elsewhere), the rows filled in one ``BatchGrammarMatcher.batch_fill_next_token_bitmask`` call with
 each ``--fill-threads`` count, and the tokens taken one ``accept_token`` call per matcher from
 Python (``structured.matcher.advance``) against one ``batch_accept_token`` call
-(``structured.matcher.advance_all``). Vocabularies (``--vocabs``): ``engine``, what the engine
-hands xgrammar (``grammars.tokenizer_info``: the ids up to the last one with text or an EOS id),
-and ``padded``, every id of the model's vocabulary (the empty padding ids as special tokens: what
-the engine did before). Schemas (``--schemas``): ``bench`` (``bench.structured.schema``, strings
-with ``maxLength``) and ``plain`` (the same shape, no length bounds). Per-row costs are CPU time
+(``structured.matcher.advance_all``). Setups (``--setups``): ``engine``, what the engine does
+(``grammars.tokenizer_info``: the ids up to the last one with text or an EOS id; the schema's
+bounded strings counted by ``grammars.count_bounded_strings``); ``uncounted``, the same
+vocabulary with xgrammar's own ``compile_json_schema``; ``padded``, every id of the model's
+vocabulary (the padding as empty special entries) with ``compile_json_schema``: what the engine
+did before. The setups draw the same random numbers, so equal masks give equal trajectories:
+``same`` says whether a setup's outputs are the first setup's, byte for byte. Schemas
+(``--schemas``): ``bench`` (``bench.structured.schema``, strings with ``maxLength``) and
+``plain`` (the same shape, no length bounds). Per-row costs are CPU time
 of one thread: a fill of N rows on T threads takes about N x (row cost) / T. JSON:
 ``bench/results/xgrammar_costs.json``.
 """
@@ -62,39 +66,43 @@ def _state(text: bytes) -> str:
     return "string"
 
 
-def vocab_infos(tokenizer, vocab_size: int, which):
+def padded_info(tokenizer, vocab_size: int):
+    """Every id of the model's vocabulary (as before ``grammar_vocab_size``)."""
     import xgrammar as xgr
 
-    from engine.structured.grammars import tokenizer_info
-
-    out = {}
-    for name in which:
-        if name == "engine":
-            out[name] = tokenizer_info(tokenizer, vocab_size)
-        else:  # every id of the model's vocabulary (as before grammar_vocab_size)
-            table = tokenizer.byte_table
-            special = set(tokenizer.special_token_ids())
-            vocab = [b"" if i in special else table[i] if i < len(table) else b""
-                     for i in range(vocab_size)]
-            out[name] = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
-                                          stop_token_ids=sorted(tokenizer.eos_token_ids))
-    return out
+    table = tokenizer.byte_table
+    special = set(tokenizer.special_token_ids())
+    vocab = [b"" if i in special else table[i] if i < len(table) else b""
+             for i in range(vocab_size)]
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
+                             stop_token_ids=sorted(tokenizer.eos_token_ids))
 
 
-def run(info, grammar_json: dict, n: int, threads: list[int], seed: int, max_steps: int,
+def compile_setup(setup: str, tokenizer, vocab_size: int, grammar_json: dict):
+    """(compiled grammar, its vocabulary's size, compile ms) of ``setup``."""
+    import xgrammar as xgr
+
+    from engine.structured.grammars import _SEPARATORS, _compile_json_schema, tokenizer_info
+
+    info = (padded_info if setup == "padded" else tokenizer_info)(tokenizer, vocab_size)
+    comp = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    t0 = time.perf_counter()
+    if setup == "engine":
+        g = _compile_json_schema(comp, json.dumps(grammar_json))
+    else:
+        g = comp.compile_json_schema(json.dumps(grammar_json), any_whitespace=False,
+                                     separators=_SEPARATORS)
+    return g, info.vocab_size, 1e3 * (time.perf_counter() - t0)
+
+
+def run(g, vocab: int, n: int, threads: list[int], seed: int, max_steps: int,
         text_of) -> dict:
     import xgrammar as xgr
 
-    from engine.structured.grammars import _SEPARATORS
     from engine.structured.matcher import advance, advance_all
 
-    comp = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    t0 = time.perf_counter()
-    g = comp.compile_json_schema(json.dumps(grammar_json), any_whitespace=False,
-                                 separators=_SEPARATORS)
-    compile_ms = 1e3 * (time.perf_counter() - t0)
     matchers = [xgr.GrammarMatcher(g) for _ in range(n)]
-    words = -(-info.vocab_size // 32)
+    words = -(-vocab // 32)
     bm = torch.full((n, words), -1, dtype=torch.int32)
     batches = {t: xgr.BatchGrammarMatcher(max_threads=t) for t in threads}
     rng = np.random.default_rng(seed)
@@ -137,8 +145,8 @@ def run(info, grammar_json: dict, n: int, threads: list[int], seed: int, max_ste
         raise RuntimeError("no step ran")
     rows = sum(s["rows"] for s in steps)
     every = [x for v in per_state.values() for x in v]
-    out = {"compile_ms": compile_ms, "steps": len(steps), "rows_per_step": rows / len(steps),
-           "grammar_vocab": info.vocab_size,
+    out = {"steps": len(steps), "rows_per_step": rows / len(steps), "grammar_vocab": vocab,
+           "outputs": texts,
            "row_fill_us": 1e6 * statistics.fmean(every),
            "done": sum(m.is_terminated() for m in matchers),
            "sample": texts[0][:120].decode("utf-8", "replace")}
@@ -163,7 +171,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fill-threads", type=lambda s: [int(x) for x in s.split(",")],
                     default=None, help="BatchGrammarMatcher thread counts (default: 1 and the "
                     "engine's own, CPUs less two)")
-    ap.add_argument("--vocabs", default="engine,padded")
+    ap.add_argument("--setups", default="engine,uncounted,padded")
     ap.add_argument("--schemas", default="bench,plain")
     ap.add_argument("--max-steps", type=int, default=256,
                     help="steps at most (the structured bench's max_tokens)")
@@ -175,7 +183,6 @@ def main(argv=None) -> int:
 
     threads = args.fill_threads or sorted({1, _fill_threads()})
     cfg, _, tok = resolve_source(args.model)
-    infos = vocab_infos(tok, cfg.vocab_size, args.vocabs.split(","))
     schemas = {"bench": schema(args.items), "plain": schema_plain(args.items)}
     table = tok.byte_table
 
@@ -184,14 +191,18 @@ def main(argv=None) -> int:
 
     rows = []
     for sname in args.schemas.split(","):
-        for vname, info in infos.items():
-            r = run(info, schemas[sname], args.requests, threads, args.seed, args.max_steps,
-                    text_of)
+        first = None
+        for setup in args.setups.split(","):
+            g, vocab, compile_ms = compile_setup(setup, tok, cfg.vocab_size, schemas[sname])
+            r = run(g, vocab, args.requests, threads, args.seed, args.max_steps, text_of)
+            outputs = r.pop("outputs")
+            first = outputs if first is None else first
             for s, v in r["by_state"].items():
                 r[f"{s}_us"], r[f"{s}_share"] = v["mean_us"], v["share"]
-            rows.append({"schema": sname, "vocab": vname, **r})
-    cols = [("schema", "schema", ""), ("vocab", "vocab", ""), ("grammar_vocab", "ids", ""),
-            ("steps", "steps", ""), ("rows_per_step", "rows", ".0f"),
+            rows.append({"schema": sname, "setup": setup, "compile_ms": compile_ms,
+                         "same": outputs == first, **r})
+    cols = [("schema", "schema", ""), ("setup", "setup", ""), ("grammar_vocab", "ids", ""),
+            ("same", "same", ""), ("steps", "steps", ""), ("rows_per_step", "rows", ".0f"),
             ("accept_loop_ms", "accept loop ms", ".3f"),
             ("accept_batch_ms", "accept batch ms", ".3f"),
             ("fill_1_ms", "fill 1-by-1 ms", ".2f")]

@@ -151,10 +151,11 @@ def test_xgrammar_costs_bench(tmp_path):
                "1", "--fill-threads", "1,2", "--max-steps", "30", "--out", str(out))
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["schema"], r["vocab"]) for r in rows] == [
-        ("bench", "engine"), ("bench", "padded"), ("plain", "engine"), ("plain", "padded")]
-    assert [r["grammar_vocab"] for r in rows] == [288, 512, 288, 512]
+    assert [(r["schema"], r["setup"]) for r in rows] == [
+        (s, k) for s in ("bench", "plain") for k in ("engine", "uncounted", "padded")]
+    assert [r["grammar_vocab"] for r in rows] == [288, 288, 512] * 2
     for r in rows:
+        assert r["same"]  # equal masks, equal draws: the same outputs in every setup
         assert r["steps"] > 0 and r["fill_1_ms"] > 0 and r["batch_fill_2_ms"] > 0
         assert r["accept_loop_ms"] > 0 and r["accept_batch_ms"] > 0
         assert abs(sum(v["share"] for v in r["by_state"].values()) - 1) < 1e-6
