@@ -29,6 +29,7 @@ a fill may only start once the step before has been read back (its copy of them 
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
@@ -124,7 +125,15 @@ class TokenBitmask:
             return Filling(None, self._fill(live, host))
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
-        return Filling(self._pool.submit(self._fill, live, host), None)
+        started = threading.Event()
+        future = self._pool.submit(self._fill, live, host, started)
+        # NOTE: the caller goes on with Python (the step before's outputs) and would keep the
+        # GIL from the helper thread until it blocks: the fill started only then, after the
+        # work it was to overlap (measured: 1.6 ms of Python, the fill began 1.62 ms after it
+        # was submitted; waited for here, 0.015 ms). Once the fill is in xgrammar (the GIL
+        # released) the caller has it back.
+        started.wait()
+        return Filling(future, None)
 
     def mask(self, logits: torch.Tensor, filling: "Filling", copy: bool = True) -> torch.Tensor:
         """Apply the rows of ``filling`` (waiting for it) to ``logits``: see :meth:`apply`."""
@@ -142,7 +151,10 @@ class TokenBitmask:
                                     indices=rows)
         return out
 
-    def _fill(self, live: list[tuple], host: torch.Tensor) -> list[int]:
+    def _fill(self, live: list[tuple], host: torch.Tensor,
+              started: Optional[threading.Event] = None) -> list[int]:
+        if started is not None:
+            started.set()
         rows = [row for _, row, _ in live]
         if len(live) == 1:
             live[0][0].fill_next_token_bitmask(host, rows[0])

@@ -129,3 +129,20 @@ def test_advance_all_gives_advances_verdicts():
     assert advance_all(matchers(), tokens) == one
     assert advance_all(matchers()[:1], tokens[:1]) == one[:1]
     assert advance_all([], []) == []
+
+
+def test_a_background_fill_is_under_way_when_fill_returns():
+    """The caller's Python would keep the GIL from the helper thread: fill() returns once the
+    fill has started, so it overlaps what the caller does next."""
+    V, n = 512, 8
+    tok = Tokenizer.bytes(V)
+    g = _compile(tokenizer_info(tok, V), SCHEMA)
+    ms = [xgr.GrammarMatcher(g) for _ in range(n)]
+    bits = TokenBitmask(n, V, "cpu", grammar_vocab=lambda: grammar_vocab_size(tok, V))
+    try:
+        for _ in range(20):
+            filling = bits.fill([(m, i, ()) for i, m in enumerate(ms)], background=True)
+            assert filling.future.running() or filling.future.done()
+            assert filling.rows() == list(range(n))
+    finally:
+        bits.close()
