@@ -241,10 +241,13 @@ def _compile_json_schema(compiler, schema):
     ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False,
                                             separators=_SEPARATORS))
     counted = count_bounded_strings(ebnf)
-    if counted == ebnf:
-        return compiler.compile_json_schema(schema, any_whitespace=False,
-                                            separators=_SEPARATORS)
-    return compiler.compile_grammar(counted)
+    if counted != ebnf:
+        try:
+            return compiler.compile_grammar(counted)
+        except (RuntimeError, ValueError) as exc:  # not expected: xgrammar's own form then
+            log.warning("bounded strings counted, the grammar does not compile (%s); "
+                        "compiling the schema as it is", str(exc).splitlines()[0][:200])
+    return compiler.compile_json_schema(schema, any_whitespace=False, separators=_SEPARATORS)
 
 
 def _compile(compiler, c: StructuredOutputs):

@@ -94,3 +94,16 @@ def test_what_is_not_counted_stays():
     got = count_bounded_strings('root ::= "\\"" c{2, 4} "\\""\nc ::= [a-z]')
     assert got.splitlines()[0] == 'root ::= "\\"" c c c_left_2'
     assert 'c_left_2 ::= "\\"" | c c_left_1' in got and "c_left_3" not in got
+
+
+def test_a_counted_grammar_that_does_not_compile_falls_back(monkeypatch, caplog):
+    from engine.structured import grammars
+
+    monkeypatch.setattr(grammars, "count_bounded_strings", lambda e: e + "\nbroken ::= (")
+    vocab = _vocab()
+    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=len(vocab),
+                             stop_token_ids=[len(vocab) - 1])
+    comp = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    g = _compile_json_schema(comp, json.dumps(SCHEMAS[2]))
+    m = xgr.GrammarMatcher(g)
+    assert m.accept_string('"ab"') and "does not compile" in caplog.text
