@@ -24,7 +24,10 @@ sampling, and whatever of it outlasts the forward is device idle time. Columns `
 ``read`` (waiting for the step before's tokens, feeding them to the matchers, starting the
 fill), ``apply`` (stop checks, detokenization, outputs of the step before), ``mask`` (waiting
 for the fill, masking, launching the sampling: what the fill costs beyond ``apply``).
-Then mean time per step, valid outputs (constrained ones that
+With ``--plain`` (the default) one more mode, ``100 % plain``: every request held to
+:func:`schema_plain`, the same shape without length bounds (on random weights a string ends only
+when the quote is drawn, so most of these outputs end at ``--max-tokens``, not valid JSON: the row
+measures the cost a token inside unbounded strings). Then mean time per step, valid outputs (constrained ones that
 ``json.loads(strict=False)``, and with ``strict``: xgrammar 0.2.8 lets a string with
 ``minLength``/``maxLength`` hold raw control characters, which random weights do pick); and the compile times: the first compile of each schema of
 :data:`COMPILE_SCHEMAS` (cold) and a second request for it (cached). JSON:
@@ -52,6 +55,16 @@ def schema(items: int) -> dict:
         "title": {"type": "string", "maxLength": 12},
         "tags": {"type": "array", "minItems": items, "maxItems": items,
                  "items": {"type": "string", "minLength": 1, "maxLength": 6}},
+        "score": {"type": "integer", "minimum": 0, "maximum": 100}},
+        "required": ["title", "tags", "score"]}
+
+
+def schema_plain(items: int) -> dict:
+    """:func:`schema` without the strings' length bounds (a typical schema)."""
+    return {"type": "object", "properties": {
+        "title": {"type": "string"},
+        "tags": {"type": "array", "minItems": items, "maxItems": items,
+                 "items": {"type": "string"}},
         "score": {"type": "integer", "minimum": 0, "maximum": 100}},
         "required": ["title", "tags", "score"]}
 
@@ -87,7 +100,7 @@ async def compile_times(eng) -> list[dict]:
     return rows
 
 
-async def run_mode(eng, args, fraction: float, constraint) -> dict:
+async def run_mode(eng, args, fraction: float, constraint, label: str = "") -> dict:
     from engine import SamplingParams
 
     n = args.requests
@@ -127,7 +140,7 @@ async def run_mode(eng, args, fraction: float, constraint) -> dict:
         except ValueError:
             pass
     out = sum(tokens)
-    return {"constrained": f"{100 * fraction:.0f} %", "requests": n, "output_tokens": out,
+    return {"constrained": f"{100 * fraction:.0f} %{label}", "requests": n, "output_tokens": out,
             "wall_s": wall, "tok_s": out / wall, "steps": steps, "overlapped": deferred,
             "late": late, **split,
             "ms_per_step": 1e3 * wall / steps if steps else None,
@@ -150,6 +163,10 @@ async def bench(args) -> dict:
         if args.device == "cuda":  # CUDA graphs are captured lazily: one untimed pass
             await run_mode(eng, args, 0.5, constraint)
         modes = [await run_mode(eng, args, f, constraint) for f in args.fractions]
+        if args.plain:
+            plain = StructuredOutputs(json_schema=schema_plain(args.items))
+            await eng.grammars.compiled(plain)
+            modes.append(await run_mode(eng, args, 1.0, plain, " plain"))
     base = modes[0]["tok_s"] if modes and args.fractions[0] == 0 else None
     for m in modes:
         m["vs_unconstrained"] = m["tok_s"] / base if base else None
@@ -165,6 +182,8 @@ def main(argv=None) -> int:
     ap.add_argument("--items", type=int, default=None, help="strings in the schema's array")
     ap.add_argument("--fractions", type=lambda s: [float(x) for x in s.split(",")],
                     default=[0.0, 0.5, 1.0])
+    ap.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True,
+                    help="one more mode: 100 %% constrained by schema_plain (no maxLength)")
     args = common.finish_common_args(ap.parse_args(argv), "structured")
     defaults = CUDA_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
     for key in ("requests", "max_tokens", "items"):

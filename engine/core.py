@@ -20,7 +20,7 @@ from .runner import ModelRunner
 from .sampler import StepResult
 from .scheduler import Scheduler
 from .speculative.base import SpecStats
-from .structured.matcher import advance, new_matcher
+from .structured.matcher import advance, advance_all, new_matcher
 from .stats import EngineTimings
 
 
@@ -249,14 +249,12 @@ class EngineCore:
         """A deferred step's tokens read back and fed to the constrained requests' matchers
         (before the rest of the step is applied, so the next masks can be filled meanwhile):
         entry -> the verdict (``structured.matcher.advance``) that ``_append`` then uses."""
-        result = self.runner.collect(launched)
-        verdicts = {}
-        for k, (req, _) in enumerate(batch):
-            if req.matcher is not None and req.pending and not req.finished:
-                new = result.tokens[k]
-                if new and req.params.max_tokens > 0:
-                    verdicts[k] = advance(req.matcher, new[0])
-        return verdicts
+        tokens = self.runner.collect(launched).tokens
+        fed = [k for k, (req, _) in enumerate(batch)
+               if req.matcher is not None and req.pending and not req.finished and tokens[k]
+               and req.params.max_tokens > 0]
+        verdicts = advance_all([batch[k][0].matcher for k in fed], [tokens[k][0] for k in fed])
+        return dict(zip(fed, verdicts))
 
     def _update(self, batch, result: StepResult) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []

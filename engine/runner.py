@@ -34,6 +34,7 @@ from . import logprobs
 from .sampler import SamplingBatch, StepResult, build_sampling_batch, process, sample
 from .step_inputs import packed_forward
 from .structured.bitmask import Filling, TokenBitmask
+from .structured.grammars import grammar_vocab_size
 
 log = logging.getLogger("enginecore.runner")
 
@@ -176,8 +177,10 @@ class ModelRunner(RunnerSleep):
                 return False
         # one token bitmask row per sampled row (constrained requests are not speculated, but
         # a row index can reach the batch's whole sampled width)
+        vocab, tok = self.model_config.vocab_size, self.tokenizer
         self._owner.adopt(R.GRAMMAR_BITMASK, TokenBitmask(
-            self.config.max_num_seqs * rows_per_seq, self.model_config.vocab_size, self.device))
+            self.config.max_num_seqs * rows_per_seq, vocab, self.device,
+            grammar_vocab=lambda: grammar_vocab_size(tok, vocab)))
         return True
 
     def _num_kv_blocks(self, cfg) -> int:

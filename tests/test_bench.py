@@ -167,14 +167,32 @@ def test_structured_outputs_bench(tmp_path):
                "--engine-config", '{"overlap_scheduling": true}')
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert [m["constrained"] for m in res["modes"]] == ["0 %", "50 %", "100 %"]
+    assert [m["constrained"] for m in res["modes"]] == ["0 %", "50 %", "100 %", "100 % plain"]
     assert all(m["tok_s"] > 0 for m in res["modes"])
     # constrained requests keep the overlap; their steps are sampled late, timed by part
-    last = res["modes"][-1]
+    last = res["modes"][2]
     assert last["overlapped"] > 0.8 * last["steps"] and last["late"] > 0.8 * last["steps"]
     assert last["late_mask_sample_ms"] >= 0 and res["modes"][0]["late"] == 0
-    assert res["modes"][-1]["valid"] == "2/2"  # random weights: the mask alone makes it JSON
+    assert last["valid"] == "2/2"  # random weights: the mask alone makes it JSON
+    assert res["modes"][3]["late"] > 0 and res["modes"][3]["output_tokens"] > 0
     assert {c["schema"] for c in res["compile"]} == {"person", "order", "json_object"}
+
+
+def test_xgrammar_costs_bench(tmp_path):
+    out = tmp_path / "x.json"
+    p = _bench("xgrammar_costs", "--model", "random:tiny-llama", "--requests", "4", "--items",
+               "1", "--fill-threads", "1,2", "--max-steps", "30", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["schema"], r["setup"]) for r in rows] == [
+        (s, k) for s in ("bench", "plain") for k in ("engine", "uncounted", "padded")]
+    assert [r["grammar_vocab"] for r in rows] == [288, 288, 512] * 2
+    for r in rows:
+        assert r["same"]  # equal masks, equal draws: the same outputs in every setup
+        assert r["steps"] > 0 and r["fill_1_ms"] > 0 and r["batch_fill_2_ms"] > 0
+        assert r["accept_loop_ms"] > 0 and r["accept_batch_ms"] > 0
+        assert abs(sum(v["share"] for v in r["by_state"].values()) - 1) < 1e-6
+        assert r["by_state"]["string"]["rows"] > 0
 
 
 def test_soak_picks_attackers_by_name():

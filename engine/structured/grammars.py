@@ -35,19 +35,38 @@ _SOURCE = re.compile(r"^\[[\d:.]+\] [^ ]+:\d+: ")
 _SEPARATORS = (",", ":")
 
 
+def grammar_vocab_size(tokenizer, vocab_size: int) -> int:
+    """How many ids xgrammar's vocabulary holds: up to the last id that has bytes or is an EOS
+    id, rounded up to whole bitmask words (32 ids), at most ``vocab_size``. The ids past it have
+    no text (padding): a grammar never allows them, and :class:`TokenBitmask` refuses them
+    itself. NOTE: handing them to xgrammar as empty (special) entries gives the same masks but
+    costs time that grows with their number: a ``random:`` preset's byte vocabulary is 258 ids
+    padded to the model's 151,936, and with all of them a row's fill inside a JSON string took
+    ~190-240 us and each ``accept_token`` ~25-45 us, against ~1-4 us each with 288 ids
+    (measured: ``python -m bench.xgrammar_costs``, bench/RESULTS.md)."""
+    table = tokenizer.byte_table
+    last = max((i for i in tokenizer.eos_token_ids if i < vocab_size), default=-1)
+    for i in range(min(len(table), vocab_size) - 1, last, -1):
+        if table[i]:
+            last = i
+            break
+    return min(vocab_size, max(32, -(-(last + 1) // 32) * 32))
+
+
 def tokenizer_info(tokenizer, vocab_size: int):
     """xgrammar's view of ``tokenizer``: each id's bytes (``VocabType.RAW``: the entries are the
     bytes themselves, already decoded from the GPT-2 alphabet / ``<0xNN>`` spellings by
-    :attr:`Tokenizer.byte_table`). Special tokens are given as empty strings, which xgrammar
-    treats as special: never allowed by a grammar, except the EOS ids, which end it."""
+    :attr:`Tokenizer.byte_table`), for the first :func:`grammar_vocab_size` ids. Special tokens
+    are given as empty strings, which xgrammar treats as special: never allowed by a grammar,
+    except the EOS ids, which end it."""
     import xgrammar as xgr
 
+    n = grammar_vocab_size(tokenizer, vocab_size)
     table = tokenizer.byte_table
     special = set(getattr(tokenizer, "special_token_ids", lambda: ())())
-    vocab = [b"" if i in special else table[i] if i < len(table) else b""
-             for i in range(vocab_size)]
-    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
-                             stop_token_ids=sorted(tokenizer.eos_token_ids))
+    vocab = [b"" if i in special else table[i] if i < len(table) else b"" for i in range(n)]
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=n,
+                             stop_token_ids=sorted(i for i in tokenizer.eos_token_ids if i < n))
 
 
 class GrammarCache:
@@ -181,14 +200,63 @@ def _choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in choices)
 
 
+#: ``"\"" NAME{lo, hi} "\""``: a string of lo..hi characters in xgrammar's EBNF of a schema
+#: (``minLength`` / ``maxLength``)
+_BOUNDED = re.compile(r'"\\"" ([A-Za-z_][A-Za-z0-9_]*)\{(\d+), (\d+)\} "\\""')
+#: the largest bound written out as rules (one rule a character: compiling them costs about what
+#: xgrammar's own form does up to 64 -- SmolLM2, two strings: 0.94 s against 1.12 s -- and more
+#: beyond: 8.4 s against 5.3 s at 256, measured)
+MAX_COUNTED = 64
+
+
+def count_bounded_strings(ebnf: str) -> str:
+    """``ebnf`` with each bounded string ``"\"" X{lo, hi} "\""`` written as lo ``X`` then
+    rules that count the characters left: ``L0 ::= "\""``, ``Lk ::= "\"" | X L(k-1)``, the
+    same language (``X{0, k} Y`` is ``Y | X X{0, k-1} Y``). NOTE: xgrammar 0.2.8 fills a
+    token mask inside a repetition slowly when tokens span several characters: with SmolLM2's
+    vocabulary a row inside a ``maxLength`` string took ~500-750 us, and ~10-14 us counted this
+    way (a string without bounds: ~9-11 us; ``python -m bench.xgrammar_costs --model default``).
+    Bounds above :data:`MAX_COUNTED` and names already taken are left as they are."""
+    left: dict[str, int] = {}  # rule name -> the most characters left that it counts
+
+    def count(m: re.Match) -> str:
+        x, lo, hi = m.group(1), int(m.group(2)), int(m.group(3))
+        if hi < lo or hi > MAX_COUNTED or f"{x}_left_" in ebnf:
+            return m.group(0)
+        left[x] = max(left.get(x, 0), hi - lo)
+        return " ".join(['"\\""', *[x] * lo, f"{x}_left_{hi - lo}"])
+
+    out = _BOUNDED.sub(count, ebnf)
+    rules = []
+    for x, n in left.items():
+        rules.append(f'{x}_left_0 ::= "\\""')
+        rules += [f'{x}_left_{k} ::= "\\"" | {x} {x}_left_{k - 1}' for k in range(1, n + 1)]
+    return out if not rules else out + "\n" + "\n".join(rules) + "\n"
+
+
+def _compile_json_schema(compiler, schema):
+    """A schema's grammar, its bounded strings counted (:func:`count_bounded_strings`)."""
+    import xgrammar as xgr
+
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False,
+                                            separators=_SEPARATORS))
+    counted = count_bounded_strings(ebnf)
+    if counted != ebnf:
+        try:
+            return compiler.compile_grammar(counted)
+        except (RuntimeError, ValueError) as exc:  # not expected: xgrammar's own form then
+            log.warning("bounded strings counted, the grammar does not compile (%s); "
+                        "compiling the schema as it is", str(exc).splitlines()[0][:200])
+    return compiler.compile_json_schema(schema, any_whitespace=False, separators=_SEPARATORS)
+
+
 def _compile(compiler, c: StructuredOutputs):
     """Compile ``c`` (on a worker thread); (grammar, seconds)."""
     t0 = time.perf_counter()
     kind = c.kind
     try:
         if kind == "json_schema":
-            g = compiler.compile_json_schema(c.json_schema, any_whitespace=False,
-                                             separators=_SEPARATORS)
+            g = _compile_json_schema(compiler, c.json_schema)
         elif kind == "json_object":
             g = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
                                              separators=_SEPARATORS)
@@ -208,4 +276,4 @@ def _compile(compiler, c: StructuredOutputs):
     return g, time.perf_counter() - t0
 
 
-__all__ = ["GrammarService", "GrammarCache", "tokenizer_info"]
+__all__ = ["GrammarService", "GrammarCache", "tokenizer_info", "grammar_vocab_size"]

@@ -4,7 +4,7 @@ core's update with each token the request keeps."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 
 def new_matcher(compiled):
@@ -13,16 +13,34 @@ def new_matcher(compiled):
     return xgr.GrammarMatcher(compiled)
 
 
-def advance(matcher, token: int) -> tuple[Optional[str], Optional[str]]:
+Verdict = tuple[Optional[str], Optional[str]]
+_GO_ON: Verdict = (None, None)
+_STOP: Verdict = ("stop", None)
+
+
+def _dead_end(token: int) -> Verdict:
+    return "error", f"structured output: token {token} is not allowed by the grammar (dead end)"
+
+
+def advance(matcher, token: int) -> Verdict:
     """Feed ``token`` to ``matcher``: ``(None, None)`` to go on, ``("stop", None)`` when the
     grammar is complete (the EOS token ended it), ``("error", reason)`` on a dead end (a token
     the grammar does not allow: the request ends, the engine serves on)."""
     if not matcher.accept_token(token):
-        return "error", (f"structured output: token {token} is not allowed by the grammar "
-                         f"(dead end)")
-    if matcher.is_terminated():
-        return "stop", None
-    return None, None
+        return _dead_end(token)
+    return _STOP if matcher.is_terminated() else _GO_ON
 
 
-__all__ = ["new_matcher", "advance"]
+def advance_all(matchers: Sequence, tokens: Sequence[int]) -> list[Verdict]:
+    """:func:`advance` of each matcher with its token, the tokens taken in one xgrammar call
+    (``batch_accept_token``) instead of one call per matcher."""
+    if len(matchers) < 2:
+        return [advance(m, t) for m, t in zip(matchers, tokens)]
+    from xgrammar import BatchGrammarMatcher
+
+    taken = BatchGrammarMatcher.batch_accept_token(list(matchers), list(tokens))
+    return [(_STOP if m.is_terminated() else _GO_ON) if ok else _dead_end(t)
+            for m, t, ok in zip(matchers, tokens, taken)]
+
+
+__all__ = ["new_matcher", "advance", "advance_all"]

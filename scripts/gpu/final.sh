@@ -17,6 +17,9 @@
 #           an eager step's host time by op
 #           (needs xgrammar and apache-tvm-ffi wheels in .whl, pydantic's in .whl/pyd)
 #   PART=11 all GPU tests, logprobs 20 against none, engine modes (1 round), structured outputs
+#   PART=12 structured outputs' host cost (issue 23): GPU tests (structured, overlap, release),
+#           xgrammar's cost a step by thread count (bench.xgrammar_costs), bench.structured
+#           overlapped and synchronous (needs the xgrammar wheels, as PART=10)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -95,6 +98,15 @@ elif [[ $PART == 10 ]]; then
     --logprobs-compare 20 --out "$OUT/lp20.json"
   step lifecycle 50 python3 -m bench.lifecycle --device cuda --no-progress --cycles 20 --out "$OUT/lifecycle.json"
   ENGINECORE_CUDA_GRAPHS=0 step cpu_table 30 python3 scripts/gpu/profile_decode.py --batches 256 --steps 3 --kernels --cpu-table
+elif [[ $PART == 12 ]]; then  # issue 23: structured outputs' host cost
+  export ONE_LOG=run.log TAIL=16
+  step gpu_tests 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_structured.py \
+    tests/gpu/test_gpu_overlap.py tests/gpu/test_gpu_release.py
+  step xgrammar_costs 150 python3 -m bench.xgrammar_costs --fill-threads 1,4,8,14 --setups engine,padded \
+    --schemas bench --out "$OUT/xgrammar_costs.json"
+  step structured 150 python3 -m bench.structured --device cuda --no-progress --out "$OUT/structured.json"
+  step structured_sync 120 python3 -m bench.structured --device cuda --no-progress --fractions 0,1 --no-plain \
+    --engine-config '{"overlap_scheduling": false}' --out "$OUT/structured_sync.json"
 elif [[ $PART == 11 ]]; then
   export ONE_LOG=run.log TAIL=14
   step gpu_tests 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu
