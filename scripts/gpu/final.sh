@@ -20,6 +20,8 @@
 #   PART=12 structured outputs' host cost (issue 23): GPU tests (structured, overlap, release),
 #           xgrammar's cost a step by thread count (bench.xgrammar_costs), bench.structured
 #           overlapped and synchronous (needs the xgrammar wheels, as PART=10)
+#   PART=13 every GPU test, structured outputs, engine modes (1 round), roofline (session 10)
+#   PART=14 prefix caching on/off, release/overlap/decode/sleep GPU tests (session 10)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -98,6 +100,18 @@ elif [[ $PART == 10 ]]; then
     --logprobs-compare 20 --out "$OUT/lp20.json"
   step lifecycle 50 python3 -m bench.lifecycle --device cuda --no-progress --cycles 20 --out "$OUT/lifecycle.json"
   ENGINECORE_CUDA_GRAPHS=0 step cpu_table 30 python3 scripts/gpu/profile_decode.py --batches 256 --steps 3 --kernels --cpu-table
+elif [[ $PART == 13 ]]; then  # session 10: every GPU test, structured outputs, engine modes, roofline
+  export ONE_LOG=run.log TAIL=18
+  step gpu_tests 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu
+  step structured 170 python3 -m bench.structured --device cuda --no-progress --out "$OUT/structured.json"
+  step throughput 150 python3 -m bench.throughput --device cuda --no-progress --repeat 1 \
+    --modes bare,inproc,ipc --out "$OUT/throughput.json"
+  step roofline 70 python3 -m bench.roofline --device cuda --no-progress --out "$OUT/roofline.json"
+elif [[ $PART == 14 ]]; then  # session 10: prefix caching on/off, the GPU tests of the CPU-side merges
+  export ONE_LOG=run.log TAIL=18
+  step prefix 170 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix.json"
+  step gpu_tests 150 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_release.py \
+    tests/gpu/test_gpu_overlap.py tests/gpu/test_gpu_decode.py tests/gpu/test_gpu_sleep.py
 elif [[ $PART == 12 ]]; then  # issue 23: structured outputs' host cost
   export ONE_LOG=run.log TAIL=16
   step gpu_tests 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_structured.py \
