@@ -13,14 +13,24 @@ second pass picks each row's winner among its splits.
 Only for the plain case: no top-k / top-p / min-p, no seeded row (a seeded request draws its
 noise from its own ``torch.Generator``, so its tokens do not depend on the batch: that stays the
 torch path's), a noise seed given by the caller (``SamplingBatch.noise_seed``: per step, from
-``ModelState.next_noise_seed``). ``ENGINECORE_FUSED=0`` turns it off with the other kernels.
+``ModelState.next_noise_seed``).
+
+NOTE: off unless ``ENGINECORE_FUSED_SAMPLE=1``: it is tested under Triton's CPU interpreter
+(tests/test_fused_sample.py) but has not yet run on a device (session 10 had no device time left
+for tests/gpu/test_gpu_fused.py); the default turns on once that test has passed there.
+``ENGINECORE_FUSED=0`` turns it off with the other kernels.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .fused_ops import AVAILABLE, INTERPRET, tl, triton
+
+#: opt-in until verified on a device (see the NOTE above)
+ENABLED = AVAILABLE and os.environ.get("ENGINECORE_FUSED_SAMPLE", "0") == "1"
 
 #: columns one program reads per iteration
 BLOCK = 2048
@@ -29,7 +39,7 @@ TARGET_PROGRAMS = 512
 
 
 def usable(logits: torch.Tensor) -> bool:
-    return AVAILABLE and (logits.is_cuda or INTERPRET) and logits.dim() == 2
+    return ENABLED and (logits.is_cuda or INTERPRET) and logits.dim() == 2
 
 
 def splits_for(rows: int, vocab: int) -> int:

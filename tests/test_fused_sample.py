@@ -62,7 +62,7 @@ print(json.dumps(out))
 
 
 def test_one_pass_sampler_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", ENGINECORE_FUSED="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", ENGINECORE_FUSED="1", ENGINECORE_FUSED_SAMPLE="1")
     p = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env,
                        timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert p.returncode == 0, p.stderr[-3000:]

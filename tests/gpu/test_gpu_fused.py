@@ -43,7 +43,7 @@ def test_fused_logits_match_plain_fp32():
     assert res["argmax_agree"] == 1.0, res
 
 
-def test_one_pass_sampler_draws_softmax_and_takes_first_max_on_cuda():
+def test_one_pass_sampler_draws_softmax_and_takes_first_max_on_cuda(monkeypatch):
     """engine/fused_sample.py on the device at Qwen3's vocabulary: 8,192 rows whose mass sits on
     4 tokens spread over the vocabulary draw each with its probability (T = 1 and 0.7); greedy
     rows equal torch.argmax (ties included); refused (-inf) tokens are never drawn. Prints the
@@ -51,6 +51,7 @@ def test_one_pass_sampler_draws_softmax_and_takes_first_max_on_cuda():
     from engine import fused_sample
     from engine.sampler import SamplingBatch, sample
 
+    monkeypatch.setattr(fused_sample, "ENABLED", True)  # opt-in until this has passed on a device
     dev = torch.device("cuda")
     vocab, rows = 151_936, 8192
     cols = torch.tensor([7, 40_000, 99_999, 151_935], device=dev)
