@@ -102,7 +102,8 @@ def _config(args):
     from engine import EngineConfig
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, seed=0,
                         overlap_scheduling=args.overlap, max_model_len=args.max_model_len,
-                        max_num_seqs=256, enable_prefix_caching=not args.no_caching)
+                        max_num_seqs=256, enable_prefix_caching=not args.no_caching,
+                        max_num_batched_tokens=args.budget)
 
 
 def _run_core(core, prompts, params, timers, first_of, steps=None):
@@ -240,6 +241,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0, help="print cProfile's N top functions")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--dtype", default=None, help="default float32 on cpu, bfloat16 on cuda")
     ap.add_argument("--torch-profile", type=int, default=0,
                     help="cuda: torch.profiler's N top ops of the burst by device time")

@@ -128,12 +128,36 @@ async def run(args):
         marks: dict = {}
         system, users = plan(args, vocab, args.seed)
         common.sync(args.device)
+        wall0 = time.time()
         tape.t0 = time.perf_counter()
         await workload(eng, system, users, params, marks)
         common.sync(args.device)
         after = dict(graphs.capture_seconds) if graphs is not None else {}
     new = {b: s for b, s in after.items() if b not in before}
     report(args, tape, marks, new)
+    compiled_since(wall0)
+
+
+def compiled_since(wall0: float) -> None:
+    """Triton kernels compiled inside the timed region (files of ``$TRITON_CACHE_DIR`` or
+    ``~/.triton/cache`` written after it began)."""
+    import os
+    from pathlib import Path
+    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    if not root.is_dir():
+        return
+    names = sorted({f"{p.name} (+{(p.stat().st_mtime - wall0) * 1e3:.0f} ms)"
+                    for p in root.glob("*/*.json") if p.stat().st_mtime >= wall0
+                    and not p.name.startswith("__grp__")})
+    print(f"Triton kernels compiled inside the timed region: {names or 'none'}")
+    for p in root.glob("*/*.json"):
+        if p.stat().st_mtime >= wall0 and not p.name.startswith("__grp__"):
+            try:
+                import json
+                meta = json.loads(p.read_text())
+                print("  ", p.name, {k: meta.get(k) for k in ("constants", "signature", "attrs", "specialization") if k in meta})
+            except Exception as exc:  # noqa: BLE001 - diagnostics only
+                print("  ", p.name, exc)
 
 
 def report(args, tape, marks, new_graphs):
