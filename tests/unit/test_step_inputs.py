@@ -8,6 +8,7 @@ import hashlib
 import random
 from array import array
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -82,6 +83,28 @@ def test_prefill_tiles_and_tables():
         b = c[3][: -(-c[2] // bs)]
         assert r == b + [0] * (width - len(b))
     assert all(t.dtype == torch.int32 for t in (got.tile_chunk, got.q_len, got.block_table))
+
+
+@pytest.mark.parametrize("num_chunks", range(1, 10))
+def test_prefill_arrays_start_16_byte_aligned(num_chunks):
+    """Triton specializes on each pointer's 16-byte alignment: every array of the batch must
+    start aligned whatever the counts of chunks and tiles, or a new count class compiles a new
+    kernel variant mid-run (issue 15: ~1 s inside a timed H200 run)."""
+    bs = 16
+    for extra in range(4):  # tile counts of every class mod 4
+        chunks, row = [], 0
+        for j in range(num_chunks):
+            n = 1 + (j == 0) * extra * triton_prefill.BLOCK_M
+            chunks.append((row, n, 40 + n, list(range(10))))
+            row += n
+        got = triton_prefill.build(chunks, bs, torch.device("cpu"))
+        assert got.tile_chunk.shape[0] == num_chunks + extra
+        for name in ("tile_chunk", "tile_m0", "q_start", "q_len", "ctx_len", "block_table"):
+            t = getattr(got, name)
+            assert t.data_ptr() % 16 == 0, (name, num_chunks, extra)
+        assert got.q_len.tolist() == [c[1] for c in chunks]
+        assert got.ctx_len.tolist() == [c[2] for c in chunks]
+        assert got.tile_m0.tolist()[:1 + extra] == [m * triton_prefill.BLOCK_M for m in range(1 + extra)]
 
 
 class _Capture:
