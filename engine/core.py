@@ -79,7 +79,7 @@ class EngineCore:
         fails, nothing is added and the error is raised for this request alone. ``grammar``:
         the compiled grammar of ``params.structured`` (the async engine compiled it); the
         request gets its own matcher of it."""
-        req = Request(request_id, list(prompt_token_ids), params)
+        req = Request(request_id, prompt_token_ids, params)  # Request keeps its own copy
         try:
             if params.structured is not None:
                 if grammar is None:
