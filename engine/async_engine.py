@@ -311,8 +311,11 @@ class AsyncEngine(IntakeAPI, SleepAPI):
                 # the launch. Otherwise the consumers run *before* the next step starts: run
                 # beside it, they fight the step thread for the GIL (5 ms switch interval; on
                 # CPU, measured 3-5 % slower). Their aborts are applied before the step after.
+                # Except a request's first token (once per request): it goes out before the next
+                # step is scheduled and launched, which would add their host time to its TTFT
+                # (issue 15); the step in flight keeps the device busy meanwhile.
                 outputs = await self._on_device(step)
-                if post is not None and core.in_flight:
+                if post is not None and core.in_flight and not _has_first_token(outputs):
                     self._hold(outputs)
                 else:
                     self._dispatch(outputs)
@@ -376,6 +379,14 @@ class AsyncEngine(IntakeAPI, SleepAPI):
             self.core = None
             self.lifecycle.trigger("shutdown")
             self._stopped.set()
+
+
+def _has_first_token(outputs) -> bool:
+    """Whether one of ``outputs`` carries its request's first tokens (all it has so far)."""
+    for out in outputs:
+        if out.token_ids and out.num_output_tokens == len(out.token_ids):
+            return True
+    return False
 
 
 def _from_watcher(token, fn, exc: BaseException) -> None:

@@ -4,7 +4,10 @@ A full block's hash is BLAKE2b-128 over (its parent's hash, its token ids as nat
 cache lives in one process), so equal hashes mean equal whole prefixes, not just equal blocks.
 The root (the parent of a first block) covers the weights version, the cache's reset epoch and
 the block size: K/V computed under other weights can never be found. No Python ``hash()``
-(64-bit, salted per process for str); no pickle.
+(64-bit, salted per process for str); no pickle. The cache's index is keyed by a block's whole
+key (parent hash + token ids), so a lookup compares tokens exactly and computes no hash: a
+match needs equal token ids and an equal parent hash, i.e. a BLAKE2b collision to confuse two
+prefixes, as before.
 """
 
 from __future__ import annotations
@@ -21,9 +24,21 @@ def root_hash(weights_version: int, epoch: int, block_size: int) -> bytes:
     return hashlib.blake2b(key.encode(), digest_size=_DIGEST).digest()
 
 
+def block_key(parent: bytes, block_tokens: bytes) -> bytes:
+    """What a block's hash is computed over: its parent's hash, then its token ids (native
+    int32 bytes). The prefix cache's index is keyed by it (compared whole)."""
+    return parent + block_tokens
+
+
+def block_digest(key: bytes) -> bytes:
+    """The hash of a block whose :func:`block_key` is ``key``."""
+    return hashlib.blake2b(key, digest_size=_DIGEST).digest()
+
+
 def chain_hashes(parent: bytes, token_ids: Sequence[int], block_size: int) -> list[bytes]:
     """Hashes of the full blocks of ``token_ids`` (a trailing partial block is ignored), each
-    chained to the one before, the first to ``parent``."""
+    chained to the one before, the first to ``parent``: ``block_digest(block_key(parent,
+    tokens))``."""
     n = len(token_ids) // block_size
     tokens = array("i", token_ids[: n * block_size])  # one conversion for all blocks
     data, step = tokens.tobytes(), block_size * tokens.itemsize

@@ -8,12 +8,16 @@ be shared or be in the hash index); the ones after are private (reference count 
 ones the request writes. So a block shared by two requests is never written, and a block
 referenced by anyone is never handed out.
 
-The prefix cache: a full computed block is registered under a hash chained over (parent hash,
-its token ids); the chain's root is derived from ``weights_version`` and a reset epoch, so after
-``reset_prefix_cache()`` (a weight update) no earlier hash can ever match again. A new request
-takes the longest registered chain of its full blocks — at most ``(num_tokens - 1) //
-block_size`` of them, so its last token is always computed and gives logits. Freed blocks keep
-their content and are evicted least recently used when ``allocate`` finds no empty block.
+The prefix cache: a full computed block gets a hash chained over (parent hash, its token ids);
+the chain's root is derived from ``weights_version`` and a reset epoch, so after
+``reset_prefix_cache()`` (a weight update) no earlier hash can ever match again. The index is
+keyed by what each hash is computed over, the parent's hash and the block's token ids
+(:func:`engine.block_hash.block_key`), so a lookup walks a prompt's blocks with dict lookups
+(the parent of the next key is the found block's hash) and computes no hash; the keys are
+compared whole. A new request takes the longest registered chain of its full blocks — at most
+``(num_tokens - 1) // block_size`` of them, so its last token is always computed and gives
+logits — and starts its own chain from the found blocks' hashes. Freed blocks keep their content
+and are evicted least recently used when ``allocate`` finds no empty block.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Iterable, NamedTuple
 
-from .block_hash import chain_hashes, root_hash
+from array import array
+
+from .block_hash import block_digest, block_key, chain_hashes, root_hash
 from .request import Request
 
 
@@ -48,7 +54,8 @@ class BlockManager:
         self._root = root_hash(weights_version, self.epoch, block_size)
         self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks  # registered hash of a block
-        self._index: dict[bytes, int] = {}  # hash -> block
+        self._key: list[bytes | None] = [None] * num_blocks  # what that hash is computed over
+        self._index: dict[bytes, int] = {}  # key (parent hash + token ids) -> block
         self._empty: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
         self._queries = self._hits = self._evictions = 0
@@ -100,13 +107,18 @@ class BlockManager:
         if not self.enable_caching or self.closed:
             return []
         limit = (req.num_tokens - 1) // self.block_size
-        hashes = self._hashes(req, limit)
+        if limit <= 0:
+            return []
+        data = array("i", req.token_ids[: limit * self.block_size]).tobytes()
+        step = len(data) // limit
+        index, hashes, parent = self._index, self._hash, self._root
         hit: list[int] = []
-        for h in hashes[:limit]:
-            b = self._index.get(h)
+        for i in range(0, len(data), step):
+            b = index.get(parent + data[i:i + step])  # block_key(parent, the block's tokens)
             if b is None:
                 break
             hit.append(b)
+            parent = hashes[b]
         return hit
 
     def can_admit(self, hit: list[int], n_new: int) -> bool:
@@ -125,6 +137,10 @@ class BlockManager:
         req.num_sealed_blocks = len(hit)
         req.num_computed_tokens = len(hit) * self.block_size
         req.cache_epoch = self.epoch
+        if hit and (req.hash_root != self._root or len(req.block_hashes) < len(hit)):
+            # its chain starts from the hashes the hit blocks are registered under (the same
+            # chain over the same tokens): only the blocks it computes are hashed
+            req.hash_root, req.block_hashes = self._root, [self._hash[b] for b in hit]
         if self.enable_caching and req.num_preemptions == 0:  # a resume re-reads its own prefix: not a prompt query
             self._queries += req.num_prompt_tokens
             self._hits += min(req.num_computed_tokens, req.num_prompt_tokens)
@@ -171,11 +187,16 @@ class BlockManager:
         # (stops writing) but never registers.
         if self.enable_caching and req.cache_epoch == self.epoch and not self.closed:
             hashes = self._hashes(req, full)
-            for i in range(req.num_sealed_blocks, full):
-                b, h = req.block_ids[i], hashes[i]
-                if h not in self._index and self._hash[b] is None:
-                    self._index[h] = b
-                    self._hash[b] = h
+            bs, first = self.block_size, req.num_sealed_blocks
+            data = array("i", req.token_ids[first * bs:full * bs]).tobytes()
+            step = bs * 4
+            for i in range(first, full):
+                b = req.block_ids[i]
+                k = block_key(hashes[i - 1] if i else self._root,
+                              data[(i - first) * step:(i - first + 1) * step])
+                if k not in self._index and self._hash[b] is None:
+                    self._index[k] = b
+                    self._hash[b], self._key[b] = hashes[i], k
         req.num_sealed_blocks = full
 
     def _hashes(self, req: Request, n: int) -> list[bytes]:
@@ -190,11 +211,11 @@ class BlockManager:
         return hs
 
     def _unregister(self, b: int) -> None:
-        h = self._hash[b]
-        if h is not None:
-            self._hash[b] = None
-            if self._index.get(h) == b:
-                del self._index[h]
+        k = self._key[b]
+        if k is not None:
+            self._hash[b] = self._key[b] = None
+            if self._index.get(k) == b:
+                del self._index[k]
 
     # -- invalidation and shutdown -----------------------------------------------------------
     def reset_prefix_cache(self, weights_version: int | None = None) -> None:
@@ -205,7 +226,7 @@ class BlockManager:
         self.epoch += 1
         self._root = root_hash(self.weights_version, self.epoch, self.block_size)
         for b in list(self._index.values()):
-            self._hash[b] = None
+            self._hash[b] = self._key[b] = None
         self._index.clear()
         self._empty.extend(self._evictable)
         self._evictable.clear()
@@ -250,5 +271,8 @@ class BlockManager:
         assert all(self._hash[b] is None for b in empty), "an empty block is still registered"
         assert all(self._hash[b] is not None for b in evictable), "an evictable block has no hash"
         assert len(self._index) == sum(h is not None for h in self._hash), "index and hashes differ"
-        for h, b in self._index.items():
-            assert self._hash[b] == h, f"index entry of block {b} is stale"
+        assert all((k is None) == (h is None) for k, h in zip(self._key, self._hash)), \
+            "a block has a hash without a key or a key without a hash"
+        for k, b in self._index.items():
+            assert self._key[b] == k, f"index entry of block {b} is stale"
+            assert self._hash[b] == block_digest(k), f"block {b}'s hash is not its key's"

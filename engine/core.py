@@ -57,6 +57,8 @@ class EngineCore:
         self.timings = EngineTimings()
         # overlapped scheduling: the step launched but not yet applied, (batch, Launched)
         self._inflight = None
+        self._inflight_first = False  # a request's first token is in the step in flight
+        self.early_completions = 0  # steps applied before the next launch (EngineCore.step)
         self.deferred_steps = 0  # steps whose tokens were read back during the next one
         # steps sampled only after the step before was applied (a constrained request's token
         # was in flight: EngineCore.step)
@@ -79,7 +81,7 @@ class EngineCore:
         fails, nothing is added and the error is raised for this request alone. ``grammar``:
         the compiled grammar of ``params.structured`` (the async engine compiled it); the
         request gets its own matcher of it."""
-        req = Request(request_id, list(prompt_token_ids), params)
+        req = Request(request_id, prompt_token_ids, params)  # Request keeps its own copy
         try:
             if params.structured is not None:
                 if grammar is None:
@@ -149,6 +151,15 @@ class EngineCore:
             # scheduling could preempt a request whose token is in flight: apply it first
             outputs += self._complete(*prev)
             prev = None
+        elif (prev is not None and self._inflight_first and prev[1].ready
+              and self.scheduler.prefill_pending()):
+            # NOTE: the step in flight carries first tokens and the device is done with it,
+            # while the next step is an eager one (prompt tokens) whose launch is long host
+            # work (~30 ms on the H200): launched first, it would hold those first tokens back
+            # that long (issue 15). Applied now and returned at once, without a launch; the
+            # next call launches (the device is idle either way: its step is done).
+            self.early_completions += 1
+            return self._complete(*prev)
         if self.runner.speculator is not None:
             self.runner.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
@@ -202,6 +213,7 @@ class EngineCore:
         in the cache; a request that samples has one token in flight (``pending``) and is
         held back from the next step if that token is certain to be its last."""
         rows = launched.rows
+        first = False
         for k, (req, n) in enumerate(batch):
             if req.finished:  # finished while this step was being launched (the step before)
                 continue
@@ -209,7 +221,9 @@ class EngineCore:
             if k in rows:
                 req.pending, req.pending_row = 1, rows[k]
                 req.hold = self._last_token_pending(req)
+                first = first or req.first_token_time is None
         self._inflight = (batch, launched)
+        self._inflight_first = first
         self.deferred_steps += 1
 
     def _last_token_pending(self, req: Request) -> bool:

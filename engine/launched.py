@@ -51,6 +51,11 @@ class Launched:
     def is_deferred(self) -> bool:
         return self.result is None
 
+    @property
+    def ready(self) -> bool:
+        """Whether :meth:`wait` would return without waiting for the device."""
+        return self.result is not None or self.event is None or self.event.query()
+
     def wait(self) -> StepResult:
         if self.result is None:
             if self.event is not None:

@@ -90,6 +90,12 @@ class Scheduler:
             budget -= n
         return out
 
+    def prefill_pending(self) -> bool:
+        """Whether the next step will compute prompt tokens (a waiting request, or a running
+        one with more than its next token to compute): an eager step, not a graph replay."""
+        return bool(self.waiting) or any(
+            r.num_known_tokens - r.num_computed_tokens > 1 for r in self.running)
+
     def blocks_short(self) -> bool:
         """Whether scheduling the running requests now could preempt one: their next tokens
         (within the token budget, in schedule order) need more blocks than are free."""

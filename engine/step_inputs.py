@@ -75,6 +75,17 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
         slots += [graphs.scratch_slot] * pad
         dec_lens += [1] * pad
         dec_tables += [[graphs.scratch_block]] * pad
+    elif graphs is not None and chunks:
+        # NOTE: an eager step runs every linear at its own row count, and cuBLAS picks a kernel
+        # for each new (rows, shape) on the host: prefill steps of a new token count were
+        # host-bound on the H200 (issue 15). Their rows are padded to a few sizes (at most 1/8
+        # more rows); padded rows are no chunk's and no decode row's, and write their K/V to
+        # the graphs' scratch slot, which no sequence reads.
+        pad = min(eager_rows(t), state.buffers["input_ids"].shape[0]) - t
+        if pad > 0:
+            ids += [0] * pad
+            pos += [0] * pad
+            slots += [graphs.scratch_slot] * pad
     input_ids = state.load("input_ids", long_tensor(ids))
     if fill:
         idx = long_tensor(fill).to(device, non_blocking=True)
@@ -95,7 +106,16 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
             meta.decode_rows = long_tensor(dec_rows).to(device, non_blocking=True)
     if bucket is not None:
         return graphs.run(bucket, model, kv, state)[:t]
-    return model(input_ids, positions, kv, meta)
+    out = model(input_ids, positions, kv, meta)
+    return out if out.shape[0] == t else out[:t]
+
+
+def eager_rows(t: int) -> int:
+    """The row count an eager step of ``t`` tokens runs at: ``t`` rounded up to a multiple of
+    64 (from 1,024 tokens on, of ``2**(bits - 4)``): fewer than 64 or ``t / 8`` more rows, 24
+    sizes up to 2,048 tokens, 40 up to 8,192."""
+    step = max(64, 1 << max(0, t.bit_length() - 4))
+    return -(-t // step) * step
 
 
 def _extend_slots(slots: list[int], blocks: list[int], lo: int, hi: int, bs: int) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .fused_ops import INTERPRET
-from .host_arrays import int32_tensor, padded_rows
+from .host_arrays import padded_rows
 from .triton_attention import HAVE_TRITON, tl, triton
 
 if triton is not None:
@@ -60,12 +60,23 @@ def build(chunks: list[tuple[int, int, int, list[int]]], block_size: int,
     for j, (_, n, _, _) in enumerate(chunks):
         tm.extend(range(0, n, BLOCK_M))
         tc.extend([j] * (len(tm) - len(tc)))
-    host = int32_tensor(tc + tm).view(2, -1)
-    per = int32_tensor([c[i] for i in range(3) for c in chunks]).view(3, -1)
+    nt, nc = len(tc), len(chunks)
+    # NOTE: Triton specializes a kernel on whether each pointer is 16-byte aligned. The per-tile
+    # and per-chunk arrays are rows of one host array (one copy each); a row of nt or nc int32
+    # would start at 4 * nt (4 * nc, 8 * nc) bytes, aligned or not with the step's counts: a
+    # new count class compiled a new variant mid-run (~1 s, measured on the H200). Rows padded
+    # to a multiple of 4 values: every row starts aligned, one variant.
+    host = padded_rows([tc, tm], _aligned(nt), np.int32)
+    per = padded_rows([[c[i] for c in chunks] for i in range(3)], _aligned(nc), np.int32)
     # the blocks each chunk's context reaches; a chunk's table is cut at its own context
     bt = padded_rows([c[3][: -(-c[2] // block_size)] for c in chunks], width, np.int32)
     host, per, bt = (t.to(device, non_blocking=True) for t in (host, per, bt))
-    return PrefillBatch(host[0], host[1], per[0], per[1], per[2], bt)
+    return PrefillBatch(host[0, :nt], host[1, :nt], per[0, :nc], per[1, :nc], per[2, :nc], bt)
+
+
+def _aligned(n: int) -> int:
+    """``n`` int32 values rounded up to whole 16-byte units."""
+    return -(-n // 4) * 4
 
 
 if triton is not None:

@@ -193,3 +193,20 @@ async def test_overlapped_engine_delivers_the_same_streams() -> None:
         assert not first.finished and rest[-1].finish_reason == "abort"
         assert rest[-1].reason == "stop here" and sum(p.finished for p in rest) == 1
         assert ended[-1].finish_reason == "abort" and ended[-1].reason == "deadline"
+
+
+@pytest.mark.asyncio
+async def test_overlapped_first_token_is_not_held_for_the_next_launch() -> None:
+    """Overlapped, a step's outputs wait for the next step's launch, except a request's first
+    token (issue 15: that launch's host time went into every TTFT): it arrives once the
+    prefill and the step launched after it are in, before a third forward."""
+    cfg = EngineConfig(model=TINY, overlap_scheduling=True, max_num_seqs=4, seed=1)
+    async with AsyncEngine.open(cfg) as eng:
+        s0 = eng.runner.steps
+        seen = []
+        async for out in eng.generate([3, 7, 11, 40], SamplingParams(max_tokens=6,
+                                                                     ignore_eos=True)):
+            seen.append((eng.runner.steps - s0, len(out.token_ids), out.num_output_tokens))
+    assert seen[0][1:] == (1, 1)  # the first token alone
+    assert seen[0][0] == 2  # launched: the prefill and the step after it
+    assert sum(n for _, n, _ in seen) == 6

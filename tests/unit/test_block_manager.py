@@ -140,10 +140,38 @@ def test_reset_drops_every_entry_and_old_requests_never_register():
 def test_weights_version_is_part_of_the_hash():
     a, b = BlockManager(4, BS, weights_version=0), BlockManager(4, BS, weights_version=1)
     ra, rb = req(range(9)), req(range(9))
-    a.lookup(ra)
-    b.lookup(rb)
+    run_prompt(a, ra)
+    run_prompt(b, rb)
     assert ra.block_hashes and ra.block_hashes != rb.block_hashes
     assert BlockManager(4, BS).lookup(req(range(9))) == []  # deterministic, but nothing cached
+
+
+def test_lookup_hashes_nothing_and_a_hit_continues_the_chain(monkeypatch):
+    """A lookup walks the index by (parent hash, token ids) keys: no hash is computed for the
+    blocks it finds; the request's chain starts from their registered hashes, and the blocks
+    it computes get exactly the hashes a chain over its own tokens gives."""
+    import engine.block_manager as bmod
+    from engine.block_hash import chain_hashes, root_hash
+
+    bm = BlockManager(32, BS)
+    a = req(range(1, 30), "a")  # 7 full blocks
+    run_prompt(bm, a)
+    bm.free(a)
+    b = req(list(range(1, 30)) + [77] * 6, "b")  # 8 full blocks, the first 7 cached
+    real = bmod.chain_hashes
+    calls = []
+    monkeypatch.setattr(bmod, "chain_hashes", lambda *a: calls.append(len(a[1])) or real(*a))
+    hit = bm.lookup(b)
+    assert len(hit) == 7 and calls == []
+    bm.admit(b, hit, blocks_needed(b.num_tokens, BS) - len(hit))
+    bm.advance(b, b.num_tokens)
+    assert calls == [BS]  # only the one block it computed was hashed
+    root = root_hash(0, bm.epoch, BS)
+    assert b.block_hashes == chain_hashes(root, b.token_ids, BS)
+    bm.check_integrity([b])
+    # a block of equal tokens under another parent is another key: no hit past a difference
+    c = req([9] + list(range(2, 30)) + [77] * 6, "c")
+    assert bm.lookup(c) == []
 
 
 def test_caching_off_never_hits_or_registers():

@@ -8,6 +8,7 @@ import hashlib
 import random
 from array import array
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,7 +17,7 @@ from engine import triton_prefill
 from engine.block_hash import chain_hashes
 from engine.host_arrays import int32_tensor, long_tensor, padded_rows
 from engine.model_state import ModelState
-from engine.step_inputs import _extend_slots, packed_forward
+from engine.step_inputs import _extend_slots, eager_rows, packed_forward
 
 
 def _slot(blocks, p, bs):
@@ -84,6 +85,28 @@ def test_prefill_tiles_and_tables():
     assert all(t.dtype == torch.int32 for t in (got.tile_chunk, got.q_len, got.block_table))
 
 
+@pytest.mark.parametrize("num_chunks", range(1, 10))
+def test_prefill_arrays_start_16_byte_aligned(num_chunks):
+    """Triton specializes on each pointer's 16-byte alignment: every array of the batch must
+    start aligned whatever the counts of chunks and tiles, or a new count class compiles a new
+    kernel variant mid-run (issue 15: ~1 s inside a timed H200 run)."""
+    bs = 16
+    for extra in range(4):  # tile counts of every class mod 4
+        chunks, row = [], 0
+        for j in range(num_chunks):
+            n = 1 + (j == 0) * extra * triton_prefill.BLOCK_M
+            chunks.append((row, n, 40 + n, list(range(10))))
+            row += n
+        got = triton_prefill.build(chunks, bs, torch.device("cpu"))
+        assert got.tile_chunk.shape[0] == num_chunks + extra
+        for name in ("tile_chunk", "tile_m0", "q_start", "q_len", "ctx_len", "block_table"):
+            t = getattr(got, name)
+            assert t.data_ptr() % 16 == 0, (name, num_chunks, extra)
+        assert got.q_len.tolist() == [c[1] for c in chunks]
+        assert got.ctx_len.tolist() == [c[2] for c in chunks]
+        assert got.tile_m0.tolist()[:1 + extra] == [m * triton_prefill.BLOCK_M for m in range(1 + extra)]
+
+
 class _Capture:
     config = None  # no paged prefill: the torch paths' metadata
 
@@ -115,3 +138,51 @@ def test_packed_forward_inputs():
     assert meta.decode_block_tables.tolist() == [b + [0] * (width - len(b)) for b, _ in dec]
     assert meta.decode_context_lens.tolist() == [n for _, n in dec]
     assert meta.decode_rows.tolist() == [0, 1, 51, 52, 53]
+
+
+class _PagedCapture(_Capture):
+    config = type("Cfg", (), {"head_dim": 16})()  # the paged prefill path (usable() patched)
+
+
+class _Graphs:
+    scratch_slot, scratch_block = 9999, 624
+
+    @staticmethod
+    def bucket(n):
+        return None
+
+
+def test_eager_rows_are_few_sizes_and_cover():
+    sizes = {eager_rows(t) for t in range(1, 8193)}
+    assert len(sizes) <= 40
+    for t in range(1, 8193):
+        r = eager_rows(t)
+        assert t <= r and (r - t < 64 or r - t < t / 8), t
+
+
+@pytest.mark.parametrize("pad", [True, False])
+def test_eager_prefill_rows_padded_to_a_few_sizes(monkeypatch, pad):
+    """With CUDA graphs (their scratch slot), an eager step with prefill chunks runs at
+    ``eager_rows(t)`` rows (cuBLAS picks kernels per row count on the host): padded rows write
+    K/V to the scratch slot only, no chunk or decode row names them, and the caller gets ``t``
+    rows back."""
+    monkeypatch.setattr(triton_prefill, "usable", lambda *a: True)
+    bs = 4
+    state = ModelState(max_tokens=256, max_seqs=8, max_blocks_per_seq=64,
+                       device=torch.device("cpu"))
+    seqs = [([5], 9, [3, 4, 7], True), ([1] * 70, 0, list(range(20, 40)), False),
+            ([2] * 9, 23, list(range(50, 60)), False)]
+    t = 80
+    model = _PagedCapture()
+    out = packed_forward(model, torch.zeros(1), state, _Graphs() if pad else None,
+                         torch.device("cpu"), bs, seqs)
+    ids, pos, meta = model.seen
+    rows = eager_rows(t) if pad else t
+    assert rows == (128 if pad else 80)
+    assert out.shape[0] == t and ids.shape[0] == rows and pos.shape[0] == rows
+    assert meta.slot_mapping.shape[0] == rows
+    assert meta.slot_mapping[t:].tolist() == [_Graphs.scratch_slot] * (rows - t)
+    assert ids[:t].tolist() == [x for s in seqs for x in s[0]]
+    assert meta.decode_rows.tolist() == [0]
+    pb = meta.prefill_batch
+    assert pb.q_start.tolist() == [1, 71] and pb.q_len.tolist() == [70, 9]
