@@ -99,6 +99,11 @@ class Scheduler:
     def blocks_short(self) -> bool:
         """Whether scheduling the running requests now could preempt one: their next tokens
         (within the token budget, in schedule order) need more blocks than are free."""
+        # a bound first (no loop): a request's next n tokens need at most n // block_size + 1
+        # new blocks, and the step's tokens are at most the budget (draft tokens aside)
+        if not any(r.spec_token_ids for r in self.running) and self.blocks.can_allocate(
+                len(self.running) + self.token_budget // self.block_size + 1):
+            return False
         budget, need = self.token_budget, 0
         for req in self.running:
             if budget <= 0:
