@@ -36,6 +36,9 @@ class CoreStats(NamedTuple):
     prefix_cache_hits: int  # of those, tokens whose K/V came from the cache
 
 
+_NO_LIMIT: tuple[bool, Optional[str]] = (False, None)
+
+
 class EngineCore:
     def __init__(self, runner: ModelRunner, *, check_integrity: bool = False):
         self.runner = runner
@@ -97,6 +100,9 @@ class EngineCore:
             self.runner.forget(request_id)
             raise BadRequestError(f"request {request_id!r} cannot be prepared: "
                                   f"{type(exc).__name__}: {exc}") from exc
+        # the fewest tokens at which _length_limit can say yes (its three limits, one number)
+        req.token_limit = min(req.num_prompt_tokens + params.max_tokens, self.runner.max_model_len,
+                              self.blocks.num_blocks * self.runner.block_size)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self._prompt_tokens += req.num_prompt_tokens
@@ -232,6 +238,8 @@ class EngineCore:
     def _length_limit(self, req: Request, num_tokens: int) -> tuple[bool, Optional[str]]:
         """Whether ``req`` with ``num_tokens`` tokens ends by length, and the reason given
         (None: its own max_tokens)."""
+        if num_tokens < req.token_limit:  # (the three checks below, as one comparison)
+            return _NO_LIMIT
         if num_tokens - req.num_prompt_tokens >= req.params.max_tokens:
             return True, None
         if num_tokens >= self.runner.max_model_len:

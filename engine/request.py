@@ -23,7 +23,7 @@ class Request:
         "stop_ids", "sampling_row",
         "num_sealed_blocks", "block_hashes", "hash_root", "cache_epoch", "first_scheduled",
         "prompt_lps", "num_prompt_lps", "prompt_sent", "bad_words", "matcher",
-        "pending", "pending_row", "hold", "overlappable",
+        "pending", "pending_row", "hold", "overlappable", "token_limit",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
@@ -71,6 +71,9 @@ class Request:
         # output constraint's mask needs its matcher to have taken the last token, but only
         # for the sampling: EngineCore.step launches the forward first and samples later)
         self.overlappable = not params.needs_logits_processing and params.max_tokens > 0
+        # below this many tokens no length limit can end it (EngineCore._length_limit; set by
+        # the engine core when it adds the request: 0 = always check)
+        self.token_limit = 0
 
     @property
     def num_tokens(self) -> int:

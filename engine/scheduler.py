@@ -120,6 +120,8 @@ class Scheduler:
         """Make sure ``req`` has blocks for ``n`` more tokens, preempting the newest running
         requests that are not yet scheduled this step. False if ``req`` itself was preempted."""
         need = blocks_needed(req.num_computed_tokens + n, self.block_size) - len(req.block_ids)
+        if need <= 0:  # (most decodes: the last block has room)
+            return True
         while not self.blocks.can_allocate(need):
             victim = self.running[-1]
             if id(victim) in scheduled:  # never undo work already in this step's batch
