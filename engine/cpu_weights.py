@@ -31,6 +31,7 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
+from . import woq_forward
 from .packed_linear import PackedLinear
 
 log = logging.getLogger("enginecore.cpu_weights")
@@ -151,6 +152,8 @@ def pack_model(model: nn.Module, fmt: str, gguf_types: Mapping[str, str]) -> int
                 del model.model.embed_tokens
                 model.embed_from_head = True
             packed += 1
+    if fmt == "woq" and packed:
+        model.woq_forward = woq_forward.usable(model)
     return packed
 
 

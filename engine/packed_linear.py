@@ -49,6 +49,7 @@ INT8_CHUNK = 32
 #: the head computes its exact logits for this many rows at a time (each row gathers
 #: ``head_top`` x in_features float32 weights)
 _HEAD_ROWS = 256
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 
 
 def _int4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,6 +138,13 @@ class PackedLinear(nn.Module):
         tied LM head, so the model keeps one copy of the table."""
         q = self.qweight[:, ids].float() * self.scales[:, ids].float().unsqueeze(-1)  # [C, n, chunk]
         return q.permute(1, 0, 2).reshape(ids.shape[0], self.in_features)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """int4 only: ``x`` [T, K] already in the activation dtype -> ``[T, N]`` in it (what
+        :meth:`forward` computes between its casts)."""
+        if x.shape[0] >= DENSE_ROWS and "dense" in self._buffers:
+            return F.linear(x, self._buffers["dense"])
+        return _INT4_MM(x, self._buffers["qweight"], GROUP, self._buffers["scales_zeros"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kind = self.kind
