@@ -29,8 +29,10 @@ from .attention import AttentionMetadata, paged_attention
 from .packed_linear import PackedLinear
 
 #: decode rows with consecutive blocks attend through views of the cache, one SDPA call each,
-#: up to this many rows a step; more share one gathered, masked call (fewer calls)
-MAX_SPAN_ROWS = 1
+#: up to this many rows a step; more share one gathered, masked call (fewer calls). Measured
+#: (default model, 1 thread, 8 rows): a step at context 128 took 53.8 ms through views against
+#: 58.4 ms gathered, at context 512 73.8 against 106.1 ms (the gather copies every layer's K/V)
+MAX_SPAN_ROWS = 64
 
 
 def usable(model) -> bool:
@@ -111,7 +113,8 @@ def _decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetad
         return o.view(bsz, heads, dim)
     block_size = cache.shape[2]
     bt = meta.decode_block_tables[:, : (meta.decode_max_len + block_size - 1) // block_size]
-    kvs = cache[:, bt].view(2, bsz, -1, kv_heads, dim).permute(0, 1, 3, 2, 4)  # [2, B, Hkv, L, D]
+    # one gather of K and V ([2, B, Hkv, L, D]); index_select beat indexing here (106 vs 147 us)
+    kvs = cache.index_select(1, bt.reshape(-1)).view(2, bsz, -1, kv_heads, dim).permute(0, 1, 3, 2, 4)
     length = kvs.shape[3]
     mask = meta.decode_mask
     if mask is None or mask.shape[-1] != length:
