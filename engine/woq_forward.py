@@ -102,25 +102,31 @@ def _decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetad
     # NOTE: one query per sequence, so the gqa query heads that share a KV head stand in the
     # query-length dimension: [B, Hkv, gqa, D] against [B, Hkv, L, D], no K/V repeat
     qd = q.reshape(bsz, kv_heads, gqa, dim)
-    spans = meta.decode_spans
-    if spans is not None and bsz <= MAX_SPAN_ROWS:
-        flat = cache.view(2, -1, kv_heads, dim)
-        outs = []
-        for b, (first, length) in enumerate(spans):
-            kvs = flat[:, first:first + length].permute(0, 2, 1, 3)  # [2, Hkv, L, D], a view
-            outs.append(F.scaled_dot_product_attention(qd[b:b + 1], kvs[0:1], kvs[1:2], scale=scale))
-        o = outs[0] if bsz == 1 else torch.cat(outs)
-        return o.view(bsz, heads, dim)
     block_size = cache.shape[2]
-    bt = meta.decode_block_tables[:, : (meta.decode_max_len + block_size - 1) // block_size]
-    # one gather of K and V ([2, B, Hkv, L, D]); index_select beat indexing here (106 vs 147 us)
-    kvs = cache.index_select(1, bt.reshape(-1)).view(2, bsz, -1, kv_heads, dim).permute(0, 1, 3, 2, 4)
-    length = kvs.shape[3]
-    mask = meta.decode_mask
+    width = (meta.decode_max_len + block_size - 1) // block_size
+    length = width * block_size
+    mask = meta.decode_mask  # [B, 1, 1, L]: made by the first layer, reused by the rest
     if mask is None or mask.shape[-1] != length:
         mask = (torch.arange(length, device=q.device)[None, :]
                 < meta.decode_context_lens[:, None])[:, None, None, :]
         meta.decode_mask = mask
+    spans = meta.decode_spans
+    if spans is not None and bsz <= MAX_SPAN_ROWS:
+        # NOTE: each row reads whole blocks and the same mask as the gathered call (not just its
+        # context, unmasked): SDPA then sums in the same order, and the outputs are the
+        # gathered path's bit for bit (measured: unmasked, greedy agreement with fp32 moved)
+        flat = cache.view(2, -1, kv_heads, dim)
+        outs = []
+        for b, (first, n) in enumerate(spans):
+            used = (n + block_size - 1) // block_size * block_size
+            kvs = flat[:, first:first + used].permute(0, 2, 1, 3)  # [2, Hkv, L, D], a view
+            outs.append(F.scaled_dot_product_attention(qd[b:b + 1], kvs[0:1], kvs[1:2],
+                                                       attn_mask=mask[b:b + 1, ..., :used], scale=scale))
+        o = outs[0] if bsz == 1 else torch.cat(outs)
+        return o.view(bsz, heads, dim)
+    bt = meta.decode_block_tables[:, :width]
+    # one gather of K and V ([2, B, Hkv, L, D]); index_select beat indexing here (106 vs 147 us)
+    kvs = cache.index_select(1, bt.reshape(-1)).view(2, bsz, -1, kv_heads, dim).permute(0, 1, 3, 2, 4)
     o = F.scaled_dot_product_attention(qd, kvs[0], kvs[1], attn_mask=mask, scale=scale)
     return o.view(bsz, heads, dim)
 
