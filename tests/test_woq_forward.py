@@ -104,3 +104,16 @@ def test_spans_only_for_consecutive_blocks():
     assert _spans([[4, 5, 9]], [33], 16) is None  # the third block is not the next one
     assert _spans([[4, 5, 9]], [32], 16) == [(64, 32)]  # ... and not used yet
     assert _spans([[4, 5], [7, 6]], [20, 20], 16) is None
+
+
+def test_cpu_argmax_and_top_indices_match_torch():
+    """The sampler's CPU argmax (numpy) keeps torch's first-maximum rule; the head's top-k
+    selection (numpy) returns topk's set where there are no ties."""
+    from engine.packed_linear import _top_indices
+    from engine.sampler import _argmax
+
+    x = torch.randn(5, 3000, generator=torch.Generator().manual_seed(7))
+    x[1, 10] = x[1, 20] = x[1].max() + 1  # a tie: the first wins
+    assert torch.equal(_argmax(x), x.argmax(-1)) and _argmax(x)[1].item() == 10
+    got = _top_indices(x, 40).sort(-1).values
+    assert torch.equal(got, x.topk(40, -1).indices.sort(-1).values)
