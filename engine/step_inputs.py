@@ -93,7 +93,7 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
         meta.decode_max_len = max(dec_lens)
         if bucket is None:
             meta.decode_rows = long_tensor(dec_rows).to(device, non_blocking=True)
-        if device.type == "cpu" and len(dec_rows) == t:
+        if len(dec_rows) == t and getattr(model, "woq_forward", False):  # its only reader
             meta.decode_spans = _spans(dec_tables, dec_lens, bs)
     if bucket is not None:
         return graphs.run(bucket, model, kv, state)[:t]
