@@ -337,8 +337,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="default: the CPUs this process may use")
     ap.add_argument("--enginecore-threads", type=int, default=None,
                     help="enginecore's intra-op threads (default: what `enginecore serve` picks, "
-                         "the CPU budget less one: its step and event-loop threads need a core; "
-                         "with every core, 1-stream decode fell from 46.6 to 24.9 tok/s on 2 cores)")
+                         "the CPU budget less one: 2 spinning OpenMP threads on 2 cores collapse "
+                         "5-10x beside a busy neighbour; on an idle box --enginecore-threads 2 is "
+                         "faster, see README's CPU section)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--dtype", default="auto", help="enginecore --dtype (auto: packed weights where faster)")

@@ -109,7 +109,7 @@ class AsyncEngine(IntakeAPI, SleepAPI):
                 del exc, context
 
     async def start(self, tg) -> None:
-        """Load the model on a worker thread (stoppable by cancellation), then SERVING."""
+        """Load the model on the step thread (stoppable by cancellation), then SERVING."""
         self._loop_thread = threading.get_ident()
         self._tg = tg
         if self.runner.tensor_parallel:
@@ -125,7 +125,7 @@ class AsyncEngine(IntakeAPI, SleepAPI):
                 done.set()
 
         try:
-            await to_thread.run_sync(load, abandon_on_cancel=True, limiter=self._limiter)
+            await self._stepper.run(load, abandon_on_cancel=True)
         except BaseException:
             stop.set()
             with anyio.CancelScope(shield=True):

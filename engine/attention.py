@@ -55,6 +55,10 @@ class AttentionMetadata:
     decode_mask: Optional[torch.Tensor] = None
     # every prefill chunk, for the paged Triton kernel (CUDA); then prefills/context_groups are empty
     prefill_batch: Optional[triton_prefill.PrefillBatch] = None
+    # a woq model's step of decode rows only whose every sequence's blocks are consecutive: each
+    # row's (first KV slot, context length), so that its K/V can be read as a view
+    # (engine/woq_forward.py)
+    decode_spans: Optional[list[tuple[int, int]]] = None
 
 
 #: a group's padded queries stay within this factor of its real ones (plus a little slack)

@@ -7,10 +7,12 @@ tensor types and the CPU (``torch.backends.cpu.get_cpu_capability()``), and says
   (or any explicit dtype), a CUDA device, and checkpoints that are not quantized GGUF get it.
 * ``woq`` -- torch's weight-only kernels with bf16 activations: Q4_0/Q4_1 tensors as ``int4``
   (exact), Q8_0 as per-channel ``int8``; q/k/v and gate/up fused into one kernel call each; the
-  tied embedding looked up in the int8 head; prefill chunks (64+ rows) dequantize an int4 weight
-  and run oneDNN's bf16 GEMM (AMX). ``auto``'s choice on AVX-512 CPUs with AVX512-BF16: on the
-  2-core Sapphire Rapids box, batch-1 decode took 21.8 ms a step against 43.7 ms with fbgemm
-  fp16 and 56.2 ms in fp32 (one thread; session 8, bench/RESULTS.md).
+  tied embedding looked up in the int8 head; batches of 16+ rows run oneDNN's bf16 GEMM (AMX)
+  on a dense copy of each int4 weight; the model runs the forward of engine/woq_forward.py
+  (``model.woq_forward``, where :func:`woq_forward.usable`). ``auto``'s choice on AVX-512 CPUs
+  with AVX512-BF16: on the 2-core Sapphire Rapids box, batch-1 decode took 21.8 ms a step
+  against 43.7 ms with fbgemm fp16 and 56.2 ms in fp32 (one thread; session 8,
+  bench/RESULTS.md); ~17.5 ms with woq_forward and the int4 head pass (session 10).
 * ``fbgemm_fp16`` -- fbgemm's fp16-weight GEMM (AVX2, and AVX-512 without BF16), ``auto``'s
   choice there. On an AVX2-only CPU torch's
   weight-only kernels run a scalar fallback: measured on the 2-core AMD EPYC (AVX2) box,
@@ -31,6 +33,7 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
+from . import woq_forward
 from .packed_linear import PackedLinear
 
 log = logging.getLogger("enginecore.cpu_weights")
@@ -40,9 +43,10 @@ _QUANTIZED = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _QKV, _GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 _FUSED = {"qkv_proj": _QKV, "gate_up_proj": _GATE_UP}
-#: an int8 LM head in bf16 computes this many logits of each row exactly (PackedLinear): more
-#: than the most logprobs a request may ask for (20)
-HEAD_TOP = 32
+#: an int8 LM head in bf16 computes this many logits of each row exactly (PackedLinear): the
+#: most logprobs a request may ask for (20) fell among its int4 pass's best 128 every time on the
+#: default model (best 64: 96 %)
+HEAD_TOP = 128
 
 
 def _act_dtype(fmt: str) -> torch.dtype:
@@ -151,6 +155,8 @@ def pack_model(model: nn.Module, fmt: str, gguf_types: Mapping[str, str]) -> int
                 del model.model.embed_tokens
                 model.embed_from_head = True
             packed += 1
+    if fmt == "woq" and packed:
+        model.woq_forward = woq_forward.usable(model)
     return packed
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fused_ops
+from . import fused_ops, woq_forward
 from .attention import AttentionMetadata, paged_attention, write_kv
 from .model_config import ModelConfig
 
@@ -186,6 +186,8 @@ class CausalLM(nn.Module):
         self.embed_from_head = False
         #: the fused Triton path (engine/fused_ops.py): None = wherever it can run
         self.use_fused: bool | None = None
+        #: packed for woq: the forward of engine/woq_forward.py (set by ``pack_model``)
+        self.woq_forward = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -194,6 +196,8 @@ class CausalLM(nn.Module):
             fused = fused_ops.usable(input_ids, self.config.head_dim)
         if fused:
             return self._forward_fused(input_ids, positions, kv, meta)
+        if self.woq_forward:
+            return woq_forward.forward(self, input_ids, positions, kv, meta)
         m = self.model
         x = self.packed_head.rows(input_ids) if self.embed_from_head else m.embed_tokens(input_ids)
         rot = m.rotary.tables(positions)

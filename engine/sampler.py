@@ -108,14 +108,22 @@ def apply_penalty_free_filters(logits: torch.Tensor, batch: SamplingBatch) -> to
     return logits
 
 
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` (the first maximum); on CPU through numpy, whose argmax is vectorized:
+    [8, 49152] fp32 23 us against torch's 550 us (one thread, measured)."""
+    if x.device.type != "cpu":
+        return x.argmax(-1)
+    return torch.from_numpy(x.detach().contiguous().numpy().argmax(-1))
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """logits: [N, V] fp32 → (tokens [N] long, logprobs of the chosen tokens [N] or None)."""
     if batch.all_greedy:
-        tokens = logits.argmax(-1)
+        tokens = _argmax(logits)
     elif _one_pass(logits, batch):
         tokens = fused_sample.sample(logits, batch.temperature, batch.noise_seed)
     else:
-        greedy_tokens = logits.argmax(-1)
+        greedy_tokens = _argmax(logits)
         probs = apply_penalty_free_filters(logits, batch).softmax(-1)
         noise = torch.empty_like(probs)
         for i, g in enumerate(batch.generators):
@@ -127,7 +135,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, Op
         elif unseeded:
             rows = torch.tensor(unseeded).to(logits.device, non_blocking=True)
             noise[rows] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_()
-        sampled = (probs / noise).argmax(-1)
+        sampled = _argmax(probs / noise)
         tokens = torch.where(batch.temperature > 0, sampled, greedy_tokens)
     logprobs = None
     if batch.need_logprobs:

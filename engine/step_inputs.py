@@ -104,6 +104,8 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
         meta.decode_max_len = max(dec_lens)
         if bucket is None:
             meta.decode_rows = long_tensor(dec_rows).to(device, non_blocking=True)
+        if len(dec_rows) == t and getattr(model, "woq_forward", False):  # its only reader
+            meta.decode_spans = _spans(dec_tables, dec_lens, bs)
     if bucket is not None:
         return graphs.run(bucket, model, kv, state)[:t]
     out = model(input_ids, positions, kv, meta)
@@ -126,3 +128,16 @@ def _extend_slots(slots: list[int], blocks: list[int], lo: int, hi: int, bs: int
         base = blocks[j] * bs - (lo - off)
         slots.extend(range(base + lo, base + end))
         lo = end
+
+
+def _spans(tables: list[list[int]], lens: list[int], bs: int) -> Optional[list[tuple[int, int]]]:
+    """Each decode row's ``(first slot, context length)`` if the blocks holding its context are
+    consecutive ids, else None (for all rows)."""
+    out = []
+    for blocks, n in zip(tables, lens):
+        first = blocks[0]
+        used = blocks_needed(n, bs)
+        if blocks[:used] != list(range(first, first + used)):
+            return None
+        out.append((first * bs, n))
+    return out

@@ -20,8 +20,10 @@ from engine.step_inputs import packed_forward
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
-# max |packed - float| / max |float| of the last prompt position's logits, per format
+# max |packed - float| / max |float| of the last prompt position's 20 best logits, per format
 LOGIT_TOL = {"fbgemm_fp16": 5e-3, "woq": 5e-2}
+# ... of all its logits: woq's head computes those past its best 128 from an int4 copy (~10 %)
+TAIL_TOL = {"woq": 0.15}
 # greedy agreement with the fp32 path, share of positions. woq computes with bf16 weights and
 # activations inside torch's kernels: on 32 prompts x 32 tokens (bench.cpu_agreement) it agreed
 # on 74 %, the whole model in bf16 on 79 %, fbgemm fp16 on 99 % (bench/RESULTS.md, session 8)
@@ -75,26 +77,29 @@ def test_int8_rows_are_the_head_dequantized():
     assert _rel(lin.rows(ids), w[ids]) < 2e-2
 
 
-def test_int8_head_top_logits_are_exact():
+@pytest.mark.parametrize("n,approx,tol", [(3008, "approx_qweight", 0.15), (3000, "row_qweight", 5e-2)])
+def test_int8_head_top_logits_are_exact(n, approx, tol):
     """An int8 bf16 head (head_top): the logits it ranks best in each row are the float32
     product with the exact int8 groups, the argmax is the dequantized head's; the others stay
-    within the per-row grid's approximation. Rows past _HEAD_ROWS too."""
+    within the approximate pass's error (int4 groups; one int8 scale per row where the int4
+    kernel cannot take the shape). Rows past _HEAD_ROWS too."""
     from engine import packed_linear
 
     g = torch.Generator().manual_seed(4)
-    w = torch.randn(3000, 64, generator=g) * torch.rand(3000, 2, 1, generator=g).repeat_interleave(32, 1).view(3000, 64)
-    head = PackedLinear(w, "int8", torch.bfloat16, head_top=8)
-    exact = head.rows(torch.arange(3000))  # the int8 groups dequantized in float32
+    w = torch.randn(n, 64, generator=g) * torch.rand(n, 2, 1, generator=g).repeat_interleave(32, 1).view(n, 64)
+    head = PackedLinear(w, "int8", torch.bfloat16, head_top=32)
+    assert hasattr(head, approx)
+    exact = head.rows(torch.arange(n))  # the int8 groups dequantized in float32
     x = torch.randn(packed_linear._HEAD_ROWS + 5, 64, generator=g)
     ref = x @ exact.T
     got = head(x)
     assert got.dtype == torch.float32 and got.shape == ref.shape
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
-    # well inside the 8 recomputed: exact (at the edge an approximate one may outrank them)
+    # well inside the 32 recomputed: exact (at the edge an approximate one may outrank them)
     best = got.topk(4, -1)
     assert torch.equal(best.indices, ref.topk(4, -1).indices)
     assert torch.allclose(best.values, ref.gather(1, best.indices), rtol=1e-5, atol=1e-5)
-    assert _rel(got, ref) < 5e-2
+    assert _rel(got, ref) < tol
     assert _rel(head.rows(torch.tensor([5, 2999])), w[[5, 2999]]) < 1e-2
     assert PackedLinear(w, "int8", torch.float32, head_top=8).head_top == 0  # bf16 only
 
@@ -183,7 +188,11 @@ def test_default_model_packed_logits_and_greedy_agree(default_pair):
         pytest.skip(f"no packed format for this CPU ({cpu_capability()})")
     assert is_packed(fast.resource("weights"))
     for ids in PROMPTS:
-        assert _rel(_last_logits(fast, ids), _last_logits(ref, ids)) < LOGIT_TOL[fast.weight_format]
+        got, want = _last_logits(fast, ids), _last_logits(ref, ids)
+        top = want.topk(20).indices  # what greedy picks and top logprobs read
+        print(f"{fast.weight_format}: top 20 {_rel(got[top], want[top]):.4f}, all {_rel(got, want):.4f}")
+        assert _rel(got[top], want[top]) < LOGIT_TOL[fast.weight_format]
+        assert _rel(got, want) < TAIL_TOL.get(fast.weight_format, LOGIT_TOL[fast.weight_format])
 
     def greedy(runner):
         core = EngineCore(runner)

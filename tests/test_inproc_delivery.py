@@ -154,6 +154,54 @@ async def test_cancelling_a_step_waits_for_it() -> None:
 
 
 @pytest.mark.asyncio
+async def test_an_abandonable_call_returns_at_once_when_cancelled() -> None:
+    """``abandon_on_cancel`` (the load): cancellation is raised while the call runs on; the
+    thread then finishes it and takes the next call."""
+    step = StepThread(anyio.CapacityLimiter(1))
+    release = threading.Event()
+    done: list = []
+
+    def slow():
+        release.wait(10)
+        done.append(True)
+
+    try:
+        with anyio.move_on_after(0.05):
+            await step.run(slow, abandon_on_cancel=True)
+        assert done == []  # not waited for
+        release.set()
+        assert await step.run(lambda: list(done)) == [True]  # it ran on, then the next call
+    finally:
+        release.set()
+        step.close()
+
+
+@pytest.mark.asyncio
+async def test_the_load_and_the_steps_run_on_one_thread(monkeypatch) -> None:
+    """One thread runs torch's parallel ops from the load on (one OpenMP team: see
+    engine/step_thread.py)."""
+    from engine.runner import ModelRunner
+
+    seen: dict[str, set] = {"load": set(), "step": set()}
+    load, launch = ModelRunner.load, ModelRunner.launch
+
+    def spy_load(self, *a, **kw):
+        seen["load"].add(threading.get_ident())
+        return load(self, *a, **kw)
+
+    def spy_launch(self, *a, **kw):
+        seen["step"].add(threading.get_ident())
+        return launch(self, *a, **kw)
+
+    monkeypatch.setattr(ModelRunner, "load", spy_load)
+    monkeypatch.setattr(ModelRunner, "launch", spy_launch)
+    async with AsyncEngine.open(EngineConfig(model=TINY)) as eng:
+        async for _ in eng.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)):
+            pass
+    assert len(seen["load"]) == 1 and seen["load"] == seen["step"]
+
+
+@pytest.mark.asyncio
 async def test_overlapped_engine_delivers_the_same_streams() -> None:
     """Overlapped (outputs held until the next step is launched): every stream gets the same
     pieces' tokens as without overlap, in order, with one terminal output last; an abort and a

@@ -1,0 +1,119 @@
+"""engine/woq_forward.py: the woq model's forward in fewer ops computes what the generic forward
+computes with the same packed weights (prefill, mixed and decode steps; K/V read through views
+of consecutive blocks or gathered), and its pieces (rotation, spans) are exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import EngineConfig, ModelRunner, SamplingParams
+from engine import woq_forward
+from engine.core import EngineCore
+from engine.cpu_weights import pack_model
+from engine.model import Rotary
+from engine.model_config import ModelConfig
+from engine.request import Request, Status
+from engine.step_inputs import _spans, packed_forward
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+
+@pytest.fixture(scope="module")
+def woq_runner():
+    # no prefix cache: a second run's cached prompt would take other kernels (the int4 kernel
+    # or the dense bf16 GEMM go by row count) than the first's
+    runner = ModelRunner(EngineConfig(model="random:tiny-llama", num_kv_blocks=64, max_num_seqs=4,
+                                      max_model_len=256, enable_prefix_caching=False))
+    runner.load()
+    model = runner.resource("weights")
+    names = [n for n, _ in model.named_parameters() if n.endswith("proj.weight")]
+    head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
+    pack_model(model, "woq", {**{n: "Q4_1" for n in names}, head: "Q8_0"})
+    assert model.woq_forward  # usable: int4 q/k/v and gate/up fused, no q/k norm
+    yield runner
+    runner.shutdown()
+
+
+def _greedy(runner, prompts, max_tokens=6):
+    core = EngineCore(runner)
+    for i, ids in enumerate(prompts):
+        core.add_request(f"r{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                       ignore_eos=True, logprobs=1))
+    toks: dict[str, list[int]] = {}
+    lps: dict[str, list[float]] = {}
+    while core.has_work():
+        for o in core.step():
+            toks.setdefault(o.request_id, []).extend(o.token_ids)
+            lps.setdefault(o.request_id, []).extend(o.logprobs or [])
+    return toks, lps
+
+
+@pytest.mark.parametrize("span_rows", [1, 8])
+def test_woq_forward_generates_what_the_generic_forward_does(woq_runner, monkeypatch, span_rows):
+    """One request alone (decode through views of its blocks), then three at once (prefills,
+    mixed steps, decodes of blocks allocated interleaved: gathered, or with ``span_rows`` 8
+    views where consecutive)."""
+    monkeypatch.setattr(woq_forward, "MAX_SPAN_ROWS", span_rows)
+    model = woq_runner.resource("weights")
+    for prompts in ([list(range(3, 40))], [list(range(3, 40)), [5, 9, 200, 7], list(range(50, 90, 2))]):
+        out = {}
+        for flag in (False, True):
+            model.woq_forward = flag
+            out[flag] = _greedy(woq_runner, prompts)
+        model.woq_forward = True
+        # the same arithmetic (bit-identical on the dev box; a tolerance for other kernels)
+        assert out[True][0] == out[False][0]
+        for rid, ref in out[False][1].items():
+            assert out[True][1][rid] == pytest.approx(ref, abs=1e-5)
+
+
+def test_woq_forward_logits_match_after_a_cached_prefix(woq_runner):
+    """A chunk after context (the generic attention of a prefill with earlier K/V)."""
+    model = woq_runner.resource("weights")
+    kv, state = woq_runner.resource("kv_cache").tensor, woq_runner.resource("model_state")
+    ids = list(range(10, 60))
+    blocks = list(range(8, 12))
+    logits = {}
+    with torch.inference_mode():
+        for flag in (False, True):
+            model.woq_forward = flag
+            packed_forward(model, kv, state, None, woq_runner.device, woq_runner.block_size,
+                           [(ids[:32], 0, blocks, False)])
+            hidden = packed_forward(model, kv, state, None, woq_runner.device, woq_runner.block_size,
+                                    [(ids[32:], 32, blocks, False)])
+            logits[flag] = model.logits(hidden[-1:])[0]
+    model.woq_forward = True
+    assert torch.allclose(logits[True], logits[False], rtol=0, atol=1e-5)
+
+
+def test_rotation_of_q_and_k_together_is_the_half_split_rotary_exactly():
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=64, intermediate_size=8, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=64)
+    rot = Rotary(cfg)
+    pos = torch.tensor([0, 5, 63])
+    x = torch.randn(3, 3, 32)
+    cos, sin = rot.tables(pos)
+    cos2, sin2 = torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
+    swapped = x.view(3, 3, 2, 16).flip(2).view(3, 3, 32)
+    assert torch.equal(x * cos2 + swapped * sin2, rot(x, pos))
+
+
+def test_spans_only_for_consecutive_blocks():
+    assert _spans([[4, 5, 6], [9]], [40, 3], 16) == [(64, 40), (144, 3)]
+    assert _spans([[4, 5, 9]], [33], 16) is None  # the third block is not the next one
+    assert _spans([[4, 5, 9]], [32], 16) == [(64, 32)]  # ... and not used yet
+    assert _spans([[4, 5], [7, 6]], [20, 20], 16) is None
+
+
+def test_cpu_argmax_and_top_indices_match_torch():
+    """The sampler's CPU argmax (numpy) keeps torch's first-maximum rule; the head's top-k
+    selection (numpy) returns topk's set where there are no ties."""
+    from engine.packed_linear import _top_indices
+    from engine.sampler import _argmax
+
+    x = torch.randn(5, 3000, generator=torch.Generator().manual_seed(7))
+    x[1, 10] = x[1, 20] = x[1].max() + 1  # a tie: the first wins
+    assert torch.equal(_argmax(x), x.argmax(-1)) and _argmax(x)[1].item() == 10
+    got = _top_indices(x, 40).sort(-1).values
+    assert torch.equal(got, x.topk(40, -1).indices.sort(-1).values)
