@@ -49,6 +49,14 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
     for toks, start, blocks, as_decode in seqs:
         m = len(toks)
         row0 = len(ids)
+        if as_decode and m == 1:  # (most rows of a step: one decode token, no loop)
+            ids.append(toks[0])
+            pos.append(start)
+            slots.append(blocks[start // bs] * bs + start % bs)
+            dec_rows.append(row0)
+            dec_tables.append(blocks)
+            dec_lens.append(start + 1)
+            continue
         ids.extend(toks)
         pos.extend(range(start, start + m))
         _extend_slots(slots, blocks, start, start + m, bs)
