@@ -110,9 +110,17 @@ def work_enginecore(a) -> dict:
 
     from engine import AsyncEngine, EngineConfig, SamplingParams
 
-    torch.set_num_threads(a.threads)
+    adaptive = None
+    if a.threads == "auto":  # what `enginecore serve` does by default (entrypoints/cli.py)
+        from engine.cpu_threads import adaptive_ceiling, cpu_budget, default_threads
+
+        torch.set_num_threads(default_threads(cpu_budget()[0]))
+        adaptive = adaptive_ceiling()
+    else:
+        torch.set_num_threads(int(a.threads))
     cfg = EngineConfig(model=a.gguf, device="cpu", dtype=a.dtype, cpu_weights=a.cpu_weights,
-                       max_num_seqs=64, max_model_len=2048, enable_prefix_caching=False)
+                       max_num_seqs=64, max_model_len=2048, enable_prefix_caching=False,
+                       cpu_threads_max=adaptive)
     out: dict = {}
 
     async def stream(eng, ids, n):
@@ -167,7 +175,8 @@ def work_enginecore_http(a) -> dict:
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
     argv = [sys.executable, "-m", "entrypoints.cli", "serve", "--model", a.gguf, "--device", "cpu",
-            "--dtype", a.dtype, "--cpu-weights", a.cpu_weights, "--threads", str(a.threads),
+            "--dtype", a.dtype, "--cpu-weights", a.cpu_weights,
+            *([] if a.threads == "auto" else ["--threads", str(a.threads)]),
             "--max-num-seqs", "64", "--max-model-len", "2048", "--no-prefix-caching",
             "--http", f"127.0.0.1:{port}", "--disable-log-stats", "--log-level", "warning"]
     proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -321,6 +330,8 @@ def run_worker(name: str, a, python: str) -> dict:
             "--cpu-weights", a.cpu_weights, "--busy-seconds", str(a.busy_seconds),
             "--streams", *map(str, a.streams)] + (["--busy"] if a.busy else [])
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
+    if threads == "auto":  # the engine's default: its own count, following the machine
+        del env["OMP_NUM_THREADS"]
     t = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=a.timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -334,12 +345,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cpu_peers", description=__doc__.split("\n")[0])
     ap.add_argument("--engines", default="enginecore,enginecore_http,llamacpp,llamacpp_native,hf")
     ap.add_argument("--gguf", default=None)
-    ap.add_argument("--threads", type=int, default=None, help="default: the CPUs this process may use")
-    ap.add_argument("--enginecore-threads", type=int, default=None,
-                    help="enginecore's intra-op threads (default: what `enginecore serve` picks, "
-                         "the CPU budget less one: 2 spinning OpenMP threads on 2 cores collapse "
-                         "5-10x beside a busy neighbour; on an idle box --enginecore-threads 2 is "
-                         "faster, see README's CPU section)")
+    ap.add_argument("--threads", default=None, help="default: the CPUs this process may use")
+    ap.add_argument("--enginecore-threads", default="auto",
+                    help="enginecore's intra-op threads: a number, or auto (the default: what "
+                         "`enginecore serve` does without --threads -- the CPU budget less one "
+                         "at start, then as many CPUs as other processes leave free, up to the "
+                         "budget: engine/cpu_threads.py ThreadGovernor)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--dtype", default="auto", help="enginecore --dtype (auto: packed weights where faster)")
@@ -354,10 +365,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.threads is None:
         a.threads = len(os.sched_getaffinity(0))
-    if a.enginecore_threads is None and a.worker is None:
-        from engine.cpu_threads import cpu_budget, default_threads
-
-        a.enginecore_threads = default_threads(cpu_budget()[0])
+    elif a.threads != "auto":
+        a.threads = int(a.threads)
+    if a.enginecore_threads != "auto":
+        a.enginecore_threads = int(a.enginecore_threads)
     if a.worker:
         print(json.dumps(WORKERS[a.worker](a)), flush=True)
         return 0
@@ -377,7 +388,7 @@ def main(argv=None) -> int:
     for r in rows:
         cells = [("%.1f" % r[c]) if isinstance(r.get(c), (int, float)) else "—" for c in cols]
         print(f"| {r['engine']}{' (' + r['weight_format'] + ')' if r.get('weight_format') else ''}"
-              f"{', %d threads' % r['threads'] if r.get('threads') else ''} | "
+              f"{', %s threads' % r['threads'] if r.get('threads') else ''} | "
               + " | ".join(cells) + " |" + (f" {r['error']}" if "error" in r else ""))
     load = os.getloadavg()
     a.out.parent.mkdir(parents=True, exist_ok=True)

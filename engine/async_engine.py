@@ -288,6 +288,14 @@ class AsyncEngine(IntakeAPI, SleepAPI):
                 post()
 
         step = partial(core.step, launched) if post is not None else core.step
+        governor = self._thread_governor()
+        if governor is not None:  # the thread count set before each step, on the step thread
+            plain_step = step
+
+            def step():
+                governor.tick()
+                return plain_step()
+
         try:
             while True:
                 if self._rank_error is not None:
@@ -328,6 +336,16 @@ class AsyncEngine(IntakeAPI, SleepAPI):
             return
         with anyio.CancelScope(shield=True):
             await self._release()
+
+    def _thread_governor(self):
+        """A :class:`engine.cpu_threads.ThreadGovernor` when ``cpu_threads_max`` asks for one
+        and the engine runs on the CPU (one rank)."""
+        n = self.config.cpu_threads_max
+        if n is None or self.runner.device.type != "cpu" or self.runner.tensor_parallel:
+            return None
+        from .cpu_threads import ThreadGovernor
+
+        return ThreadGovernor(n)
 
     def _rank_failed(self, exc: BaseException) -> None:
         """Tensor parallel: another rank died while serving (called on the loop thread by the

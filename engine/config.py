@@ -57,6 +57,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # None: on CUDA only (a CPU executes each op as it is called: nothing to overlap with, and
     # the deferred bookkeeping cost ~10 % of CPU throughput, measured)
     overlap_scheduling: Optional[bool] = None
+    # CPU: intra-op threads that follow the machine, between 1 and this many (engine/cpu_threads.py
+    # ThreadGovernor: as many as the CPUs other processes leave free). Process-wide state: None
+    # leaves torch's count alone; entry points set it when the count is their default.
+    cpu_threads_max: Optional[int] = None
     # Test hook: raise inside the model forward on this (1-based) step. Never set in production.
     fault_at_step: Optional[int] = None
 
@@ -87,6 +91,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise BadRequestError("need 1 <= ngram_min <= ngram_max <= 16")
         if not (1 <= self.num_speculative_tokens <= 16):
             raise BadRequestError("num_speculative_tokens must be in [1, 16]")
+        if self.cpu_threads_max is not None and not (1 <= self.cpu_threads_max <= 4096):
+            raise BadRequestError("cpu_threads_max must be in [1, 4096]")
         if not (0 <= self.max_logprobs <= 1024):
             raise BadRequestError("max_logprobs must be in [0, 1024]")
         if not (0 < self.grammar_compile_timeout <= 3600):

@@ -112,4 +112,115 @@ def apply_threads(explicit: Optional[int] = None) -> int:
     return n
 
 
-__all__ = ["cpu_budget", "default_threads", "cgroup_cpu_quota", "choose_threads", "apply_threads"]
+def adaptive_ceiling(environ=os.environ) -> Optional[int]:
+    """Entry points: the ceiling for a :class:`ThreadGovernor` when the thread count is the
+    default one (no ``$OMP_NUM_THREADS``) and the budget is the process's affinity (a cgroup
+    quota would let other processes' use of the same CPUs be counted wrongly): all of it."""
+    if environ.get("OMP_NUM_THREADS", "").strip() or cgroup_cpu_quota() is not None:
+        return None
+    cpus = _affinity()
+    return cpus if cpus > 1 else None
+
+
+class ThreadGovernor:
+    """Intra-op threads that follow the machine, between 1 and ``ceiling``.
+
+    Before each CPU step (on the thread that runs it), at most every ``period`` seconds, it
+    reads how busy the CPUs this process may run on were (``/proc/stat``) less this process's
+    own CPU time (``/proc/self/stat``): the CPUs' worth other processes used since the last
+    reading. Threads = the CPUs they left free, rounded (at most ``ceiling``, at least 1): down
+    at once, up after two readings in a row agree.
+
+    Why: OpenMP workers wait for each other at every op's end, so a worker whose core another
+    process holds stalls the whole step. On the 2-core box two threads made a quiet 1-stream
+    decode 1.5x faster than one (83 against 54 tok/s, session 10) but fell to 4-7 tok/s beside
+    one busy process, where one thread keeps ~50 (engine/cpu_threads.py's module note).
+
+    Setting torch's thread count is process-wide state: the governor runs only when the engine
+    is configured for it (``EngineConfig.cpu_threads_max``), which entry points do for the
+    default thread count (:func:`adaptive_ceiling`).
+    """
+
+    def __init__(self, ceiling: int, *, period: float = 0.1, cpus: Optional[list[int]] = None,
+                 clock=None, read=None, set_threads=None, threads: Optional[int] = None):
+        import time
+
+        import torch
+
+        self.ceiling = max(1, ceiling)
+        self.period = period
+        if cpus is None:
+            try:
+                cpus = sorted(os.sched_getaffinity(0))
+            except (AttributeError, OSError):  # pragma: no cover - not Linux
+                cpus = list(range(os.cpu_count() or 1))
+        self.cpus = cpus
+        self._clock = clock or time.monotonic
+        self._read = read or _busy_and_own_ticks
+        self._set = set_threads or torch.set_num_threads
+        self.threads = threads if threads is not None else torch.get_num_threads()
+        self._last: Optional[tuple[float, int, int]] = None
+        self._up = 0  # readings in a row that asked for more threads
+        self.changes = 0
+        self.others = 0.0  # CPUs' worth other processes used, at the last reading
+
+    def tick(self) -> int:
+        """Read the machine if ``period`` has passed; set the thread count it asks for."""
+        now = self._clock()
+        last = self._last
+        if last is not None and now - last[0] < self.period:
+            return self.threads
+        reading = self._read(self.cpus)
+        if reading is None:  # no /proc: leave the count alone
+            return self.threads
+        busy, own = reading
+        self._last = (now, busy, own)
+        if last is None:
+            return self.threads
+        ticks = (now - last[0]) * _CLK_TCK
+        self.others = max(0.0, ((busy - last[1]) - (own - last[2])) / ticks) if ticks > 0 else 0.0
+        want = max(1, min(self.ceiling, int(len(self.cpus) - self.others + 0.5)))
+        if want < self.threads:
+            self._apply(want)
+        elif want > self.threads:
+            self._up += 1
+            if self._up >= 2:
+                self._apply(want)
+        else:
+            self._up = 0
+        return self.threads
+
+    def _apply(self, n: int) -> None:
+        log.info("intra-op threads %d -> %d (other processes used %.2f of %d CPUs)",
+                 self.threads, n, self.others, len(self.cpus))
+        self._set(n)
+        self.threads = n
+        self._up = 0
+        self.changes += 1
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _busy_and_own_ticks(cpus: list[int]) -> Optional[tuple[int, int]]:
+    """(busy ticks of ``cpus`` from /proc/stat, this process's user + system ticks)."""
+    try:
+        want = {f"cpu{c}" for c in cpus}
+        busy = 0
+        with open("/proc/stat") as f:
+            for line in f:
+                name, _, rest = line.partition(" ")
+                if name in want:
+                    v = [int(x) for x in rest.split()]
+                    # user nice system idle iowait irq softirq steal ...: all but idle and iowait
+                    busy += sum(v[:3]) + sum(v[5:8])
+        with open("/proc/self/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        own = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+        return busy, own
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+__all__ = ["cpu_budget", "default_threads", "cgroup_cpu_quota", "choose_threads", "apply_threads",
+           "adaptive_ceiling", "ThreadGovernor"]

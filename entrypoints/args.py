@@ -30,7 +30,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "CPU when --dtype is auto; float: dequantized, today's exact path)")
     p.add_argument("--threads", type=int, default=None,
                    help="intra-op CPU threads (default: $OMP_NUM_THREADS, else the CPUs this "
-                        "process may use, by affinity and cgroup quota, less one)")
+                        "process may use, by affinity and cgroup quota, less one; without a quota "
+                        "the engine then follows the machine: as many CPUs as other processes "
+                        "leave free, up to all of them)")
     p.add_argument("--kv-cache-bytes", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -60,9 +62,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(a: argparse.Namespace) -> EngineConfig:
+    adaptive = getattr(a, "cpu_threads_max", None)  # entrypoints/cli.py: the default thread count
     if a.config_json:
-        return msgspec.json.decode(a.config_json, type=EngineConfig)
-    return EngineConfig(
+        cfg = msgspec.json.decode(a.config_json, type=EngineConfig)
+        if cfg.cpu_threads_max is None and adaptive is not None:
+            cfg = msgspec.structs.replace(cfg, cpu_threads_max=adaptive)
+        return cfg
+    return EngineConfig(cpu_threads_max=adaptive,
         model=a.model, revision=a.revision, device=a.device, dtype=a.dtype, cpu_weights=a.cpu_weights,
         kv_cache_bytes=a.kv_cache_bytes,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,

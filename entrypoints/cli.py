@@ -113,8 +113,11 @@ def main(argv: list[str] | None = None) -> int:
 
     tune_malloc()  # this is the process's entry point: process-wide settings belong here
     if a.cmd == "serve" or not a.connect:  # this process runs the engine
-        from engine.cpu_threads import apply_threads
+        from engine.cpu_threads import adaptive_ceiling, apply_threads
 
+        # the default count (no --threads, no $OMP_NUM_THREADS) then follows the machine: a CPU
+        # engine uses up to every CPU while other processes leave them free (ThreadGovernor)
+        a.cpu_threads_max = adaptive_ceiling() if a.threads is None else None
         try:
             apply_threads(a.threads)
         except ValueError as exc:
