@@ -34,6 +34,7 @@ from .request_stream import Sink
 from .runner import ModelRunner
 from .sleep import SleepAPI, SleepController
 from .step_thread import StepThread
+from .cpu_threads import governed
 from .intake import STEPPING, InboxItem, IntakeAPI
 from .stats import EngineStats, engine_stats, health_figures
 from .structured.grammars import GrammarCache, GrammarService
@@ -288,13 +289,9 @@ class AsyncEngine(IntakeAPI, SleepAPI):
                 post()
 
         step = partial(core.step, launched) if post is not None else core.step
-        governor = self._thread_governor()
-        if governor is not None:  # the thread count set before each step, on the step thread
-            plain_step = step
-
-            def step():
-                governor.tick()
-                return plain_step()
+        runner = self.runner
+        if runner.device.type == "cpu" and not runner.tensor_parallel:
+            step = governed(step, self.config.cpu_threads_max)
 
         try:
             while True:
@@ -336,16 +333,6 @@ class AsyncEngine(IntakeAPI, SleepAPI):
             return
         with anyio.CancelScope(shield=True):
             await self._release()
-
-    def _thread_governor(self):
-        """A :class:`engine.cpu_threads.ThreadGovernor` when ``cpu_threads_max`` asks for one
-        and the engine runs on the CPU (one rank)."""
-        n = self.config.cpu_threads_max
-        if n is None or self.runner.device.type != "cpu" or self.runner.tensor_parallel:
-            return None
-        from .cpu_threads import ThreadGovernor
-
-        return ThreadGovernor(n)
 
     def _rank_failed(self, exc: BaseException) -> None:
         """Tensor parallel: another rank died while serving (called on the loop thread by the

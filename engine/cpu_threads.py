@@ -199,6 +199,20 @@ class ThreadGovernor:
         self.changes += 1
 
 
+def governed(step, ceiling: Optional[int]):
+    """``step`` itself, or with a ``ceiling`` (``EngineConfig.cpu_threads_max``) ``step`` with a
+    :class:`ThreadGovernor` ticked before each call (on the thread that runs the steps)."""
+    if ceiling is None:
+        return step
+    governor = ThreadGovernor(ceiling)
+
+    def governed_step():
+        governor.tick()
+        return step()
+
+    return governed_step
+
+
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -223,4 +237,4 @@ def _busy_and_own_ticks(cpus: list[int]) -> Optional[tuple[int, int]]:
 
 
 __all__ = ["cpu_budget", "default_threads", "cgroup_cpu_quota", "choose_threads", "apply_threads",
-           "adaptive_ceiling", "ThreadGovernor"]
+           "adaptive_ceiling", "ThreadGovernor", "governed"]

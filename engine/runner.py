@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from . import cuda_graphs, fused_linears, fused_ops
+from . import cuda_graphs, fused_linears, fused_ops, fused_sample
 from .config import EngineConfig
 from .cpu_weights import choose_format, pack_model
 from .errors import BadRequestError
@@ -340,7 +340,7 @@ class ModelRunner(RunnerSleep):
             # the rows' sampling values and seeded generators are taken now: a request that
             # finishes before sample_step() (the step before, applied in between) keeps them
             sb = build_sampling_batch([batch[i][0] for i in owners], state.generators, self.device)
-            if self.device.type == "cuda" or fused_ops.INTERPRET:  # the one-pass sampler's
+            if fused_sample.ENABLED:  # the one-pass sampler's noise (engine/fused_sample.py)
                 sb.noise_seed = state.next_noise_seed()
             processed = process(logits, sb)
         return Forwarded(batch, sample_rows, plp, owners, logits_all, logits, sb, processed)
