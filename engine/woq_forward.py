@@ -25,8 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import cpu_ext
 from .attention import AttentionMetadata, paged_attention
-from .packed_linear import PackedLinear
+from .packed_linear import DENSE_ROWS, PackedLinear
 
 #: decode rows with consecutive blocks attend through views of the cache, one SDPA call each,
 #: up to this many rows a step; more share one gathered, masked call (fewer calls). Measured
@@ -66,6 +67,10 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.T
     hidden = (cfg.hidden_size,)
     bf16 = torch.bfloat16
     scale = dim ** -0.5
+    if decode_only:
+        ext = cpu_ext.module()
+        if ext is not None:
+            return _decode_cpp(ext, model, x, cos2, sin2, kv, meta, scale)
     for layer, cache in zip(m.layers, kv.unbind(0)):
         attn, mlp = layer.self_attn, layer.mlp
         norm = layer.input_layernorm
@@ -92,6 +97,53 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.T
     return F.rms_norm(x, hidden, m.norm.weight, m.norm.eps)
 
 
+def _weights(model) -> list[torch.Tensor]:
+    """Every layer's tensors in engine/csrc/woq_decode.cpp's order, then the final norm's
+    (gathered each step: a list kept across steps would hold tensors that sleep or release
+    replace or empty)."""
+    none = torch.empty(0)
+    out = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        out.append(layer.input_layernorm.weight)
+        for i, lin in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            if i == 2:
+                out.append(layer.post_attention_layernorm.weight)
+            b = lin._buffers
+            out += (b["qweight"], b["scales_zeros"], b.get("dense", none))
+    out.append(model.model.norm.weight)
+    return out
+
+
+def _decode_cpp(ext, model, x, cos2, sin2, kv, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The decode-only step in one C++ call (the same ATen ops as the Python loop below)."""
+    cfg = model.config
+    block_size = kv.shape[3]
+    width = (meta.decode_max_len + block_size - 1) // block_size
+    mask = _mask(meta, width * block_size, x.device)
+    spans = meta.decode_spans
+    flat: list[int] = []
+    tables = meta.decode_block_tables
+    if spans is not None and x.shape[0] <= MAX_SPAN_ROWS:
+        for first, n in spans:
+            flat += (first, n)
+    else:
+        tables = tables[:, :width]
+    eps = model.model.layers[0].input_layernorm.eps
+    return ext.woq_decode(x, _weights(model), kv, cos2, sin2, meta.slot_mapping, mask, flat, tables,
+                          cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps, scale, DENSE_ROWS)
+
+
+def _mask(meta: AttentionMetadata, length: int, device) -> torch.Tensor:
+    """The step's [B, 1, 1, L] key mask: made once a step, reused by every layer."""
+    mask = meta.decode_mask
+    if mask is None or mask.shape[-1] != length:
+        mask = (torch.arange(length, device=device)[None, :]
+                < meta.decode_context_lens[:, None])[:, None, None, :]
+        meta.decode_mask = mask
+    return mask
+
+
 def _decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float) -> torch.Tensor:
     """Attention of a step made of decode rows only (row ``b`` of the step is decode row
@@ -105,11 +157,7 @@ def _decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetad
     block_size = cache.shape[2]
     width = (meta.decode_max_len + block_size - 1) // block_size
     length = width * block_size
-    mask = meta.decode_mask  # [B, 1, 1, L]: made by the first layer, reused by the rest
-    if mask is None or mask.shape[-1] != length:
-        mask = (torch.arange(length, device=q.device)[None, :]
-                < meta.decode_context_lens[:, None])[:, None, None, :]
-        meta.decode_mask = mask
+    mask = _mask(meta, length, q.device)
     spans = meta.decode_spans
     if spans is not None and bsz <= MAX_SPAN_ROWS:
         # NOTE: each row reads whole blocks and the same mask as the gathered call (not just its

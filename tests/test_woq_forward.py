@@ -117,3 +117,39 @@ def test_cpu_argmax_and_top_indices_match_torch():
     assert torch.equal(_argmax(x), x.argmax(-1)) and _argmax(x)[1].item() == 10
     got = _top_indices(x, 40).sort(-1).values
     assert torch.equal(got, x.topk(40, -1).indices.sort(-1).values)
+
+
+@pytest.fixture(scope="module")
+def woq_runner_wide():
+    """Room for 20 sequences: decode steps of 16+ rows take the dense bf16 GEMM."""
+    runner = ModelRunner(EngineConfig(model="random:tiny-llama", num_kv_blocks=160, max_num_seqs=20,
+                                      max_model_len=128, enable_prefix_caching=False))
+    runner.load()
+    model = runner.resource("weights")
+    names = [n for n, _ in model.named_parameters() if n.endswith("proj.weight")]
+    head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
+    pack_model(model, "woq", {**{n: "Q4_1" for n in names}, head: "Q8_0"})
+    yield runner
+    runner.shutdown()
+
+
+@pytest.mark.parametrize("requests,span_rows", [(1, 64), (3, 64), (3, 1), (18, 64)])
+def test_cpp_decode_step_is_the_python_step_bit_for_bit(woq_runner_wide, monkeypatch, requests, span_rows):
+    """engine/csrc/woq_decode.cpp calls the Python decode loop's ATen ops in its order: tokens
+    and logprobs identical, through views (spans), gathered K/V, and 16+ rows (dense GEMM)."""
+    from engine import cpu_ext
+
+    ext = cpu_ext.module()
+    if ext is None:
+        pytest.skip("the C++ decode step could not be built here")
+    monkeypatch.setattr(woq_forward, "MAX_SPAN_ROWS", span_rows)
+    calls = []
+    real = woq_forward._decode_cpp
+    monkeypatch.setattr(woq_forward, "_decode_cpp", lambda *a: calls.append(a[2].shape[0]) or real(*a))
+    prompts = [list(range(3 + i, 30 + 2 * i)) for i in range(requests)]
+    out = {}
+    for flag in (True, False):
+        monkeypatch.setattr(cpu_ext, "module", (lambda: ext) if flag else (lambda: None))
+        out[flag] = _greedy(woq_runner_wide, prompts, max_tokens=5)
+    assert calls and max(calls) == requests  # the C++ step ran, for every row at once
+    assert out[True] == out[False]
