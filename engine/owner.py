@@ -11,9 +11,12 @@ release tests assert it is empty for a runner after ``shutdown()``.
 
 from __future__ import annotations
 
+import ctypes
 import enum
+import functools
 import gc
 import logging
+import platform
 import time
 import types
 from typing import Any, Iterator
@@ -214,6 +217,34 @@ def empty_host_cache() -> None:
         fn = getattr(torch._C, "_host_emptyCache", None)  # older releases
     if fn is not None:
         fn()
+
+
+@functools.lru_cache(maxsize=1)
+def libc_malloc_trim():
+    """glibc's ``malloc_trim`` through ctypes, or None off glibc (e.g. musl, macOS).
+    (entrypoints/malloc.py's ``Trimmer`` looks it up itself: the HTTP frontend that uses it must
+    not import torch, which this module does.)"""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # pragma: no cover - unusual libc
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+def trim_host_heap() -> bool:
+    """Give the C heap's free pages back to the OS (glibc ``malloc_trim(0)``, every arena);
+    True if it ran. After a CPU load: the GGUF's dequantized and transposed temporaries were
+    freed but glibc kept their pages (resident) until trimmed."""
+    trim = libc_malloc_trim()
+    if trim is None:
+        return False
+    gc.collect()
+    trim(0)
+    return True
 
 
 def _children(obj: Any) -> Iterator[tuple[str, Any]]:

@@ -26,7 +26,7 @@ from .kv_cache import KVCache
 from .launched import Launched, by_entry
 from .loader import LoadStopped, create_model, fill_model, resolve_source
 from .model_state import ModelState
-from .owner import DeviceOwner, reachable_tensors
+from .owner import DeviceOwner, reachable_tensors, trim_host_heap
 from .owner import Resource as R
 from .request import Request
 from .runner_sleep import RunnerSleep
@@ -96,6 +96,9 @@ class ModelRunner(RunnerSleep):
             self.shutdown()
             traceback.clear_frames(exc.__traceback__)
             raise
+        # the load's host temporaries (the GGUF's dequantized tensors, packing's copies) are
+        # freed by now, but glibc keeps their pages resident until trimmed
+        trim_host_heap()
 
     def _load(self, should_stop) -> None:
         if self._tp is not None:

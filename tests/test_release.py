@@ -7,6 +7,7 @@ and a runner with a tensor smuggled past the ``__setattr__`` guard (must be repo
 from __future__ import annotations
 
 import gc
+import os
 import logging
 import types
 import weakref
@@ -169,3 +170,50 @@ def test_async_engine_releases_runner(caplog):
     assert reachable_tensors(engine) == []
     assert "released grammar_bitmask, model_state, kv_cache, weights" in [
         r.getMessage() for r in caplog.records if r.name == "enginecore.runner"]
+
+
+def _mapping_rss(addr: int) -> int | None:
+    """Resident bytes of the memory mapping holding ``addr`` (/proc/self/smaps); None if no
+    mapping holds it."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    return None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs /proc/self/smaps")
+def test_cpu_kv_cache_resident_only_where_written_and_unmapped_at_close():
+    """The CPU cache's memory map (engine/kv_cache.py ``zeroed_host``): reads as zeros, is
+    resident only where written, and is unmapped by close() -- or, if a view of it leaked,
+    when that view dies, never while it can still be read."""
+    from engine.kv_cache import KVCache
+
+    kv = KVCache(num_layers=2, num_blocks=1024, block_size=16, num_kv_heads=2, head_dim=64,
+                 dtype=torch.float32, device=torch.device("cpu"))  # 32 MiB
+    t = kv.tensor
+    assert kv.nbytes == 32 * 2**20 and t.is_contiguous() and t._base is None
+    addr = t.data_ptr()
+    assert _mapping_rss(addr) < 2**20  # nothing resident yet
+    assert not t[1, 1, 1000:].any()  # a read sees zeros (and makes nothing resident)
+    t[0, 1, 7].fill_(1.5)  # one block: 8 KiB
+    assert _mapping_rss(addr) < 2**20 and t[0, 1, 7].eq(1.5).all()
+    view = t[0, 1, 7]  # a view that outlives the cache
+    del t
+    kv.close()
+    assert kv.tensor is None and _mapping_rss(addr) is not None  # still mapped: the view reads it
+    assert view.eq(1.5).all()
+    del view
+    gc.collect()
+    assert _mapping_rss(addr) is None  # unmapped with the last view
+
+    kv = KVCache(num_layers=2, num_blocks=1024, block_size=16, num_kv_heads=2, head_dim=64,
+                 dtype=torch.bfloat16, device=torch.device("cpu"))
+    addr = kv.tensor.data_ptr()
+    kv.close()
+    assert _mapping_rss(addr) is None  # no view: unmapped by close() itself

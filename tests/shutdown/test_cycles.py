@@ -1,8 +1,9 @@
 """Repeated open/close of an in-process ``AsyncEngine``: nothing accumulates.
 
 Each cycle loads a model with a 64 MiB KV cache, serves a few concurrent requests and shuts
-down. A leak of any cycle's KV cache alone would add 64 MiB of RSS; a leaked tensor object of
-any size shows up in the live-tensor count.
+down. A leak of any cycle's KV cache alone would add 64 MiB of virtual memory (on CPU the cache
+is its own memory map, resident only where written: engine/kv_cache.py) and the RSS of what the
+requests wrote; a leaked tensor object of any size shows up in the live-tensor count.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ def rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def vm_size() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
 async def one_cycle(probe: list | None = None) -> None:
     async with AsyncEngine.open(CONFIG) as engine:
         assert engine.runner.resource("kv_cache").nbytes == KV_BYTES
@@ -55,24 +61,30 @@ async def one_cycle(probe: list | None = None) -> None:
 
 
 def test_open_close_cycles_do_not_grow():
-    counts, sizes, probe = [], [], []
+    counts, sizes, virtual, probe = [], [], [], []
 
     async def main():
         for _ in range(WARMUP):
             await one_cycle()
         counts.append(live_tensors())
         sizes.append(rss())
+        virtual.append(vm_size())
         for i in range(CYCLES):
             await one_cycle(probe if i == 0 else None)
             gc.collect()
             sizes.append(rss())
+            virtual.append(vm_size())
             if i + 1 in (CYCLES // 2, CYCLES):
                 counts.append(live_tensors())
 
     anyio.run(main)
     growth = sizes[-1] - sizes[0]
     print(f"\nlive tensors {counts} (open: {probe}); RSS {sizes[0] / 2**20:.1f} -> "
-          f"{sizes[-1] / 2**20:.1f} MiB (max {max(sizes) / 2**20:.1f}) over {CYCLES} cycles")
+          f"{sizes[-1] / 2**20:.1f} MiB (max {max(sizes) / 2**20:.1f}) over {CYCLES} cycles; "
+          f"virtual {virtual[0] / 2**20:.1f} -> {virtual[-1] / 2**20:.1f} MiB "
+          f"(max {max(virtual) / 2**20:.1f})")
     assert probe[0] > counts[0] + 20, "the live-tensor count does not see the engine's tensors"
     assert counts[1:] == [counts[0]] * 2, f"live torch.Tensor objects grew: {counts}"
     assert growth < RSS_NOISE, f"RSS grew by {growth / 2**20:.1f} MiB over {CYCLES} cycles"
+    vgrowth = virtual[-1] - virtual[0]
+    assert vgrowth < KV_BYTES, f"virtual memory grew by {vgrowth / 2**20:.1f} MiB over {CYCLES} cycles"
