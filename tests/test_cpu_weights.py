@@ -10,6 +10,8 @@ import weakref
 import pytest
 import torch
 
+from engine import cpu_ext
+
 from engine import EngineConfig, ModelRunner, SamplingParams
 from engine.core import EngineCore
 from engine.cpu_weights import choose_format, cpu_capability, is_packed, pack_model
@@ -88,6 +90,8 @@ def test_int8_head_top_logits_are_exact(n, approx, tol):
     g = torch.Generator().manual_seed(4)
     w = torch.randn(n, 64, generator=g) * torch.rand(n, 2, 1, generator=g).repeat_interleave(32, 1).view(n, 64)
     head = PackedLinear(w, "int8", torch.bfloat16, head_top=32)
+    if approx == "approx_qweight" and cpu_ext.int4_usable(n, 64):
+        approx = "approx_q4"  # engine/csrc/int4_mm.cpp's layout
     assert hasattr(head, approx)
     exact = head.rows(torch.arange(n))  # the int8 groups dequantized in float32
     x = torch.randn(packed_linear._HEAD_ROWS + 5, 64, generator=g)
@@ -235,3 +239,47 @@ def test_a_left_behind_script_object_is_reported():
     holder = type("Holder", (), {})()
     holder.packed = torch.ops.quantized.linear_prepack_fp16(torch.randn(4, 4), None)
     assert reachable_tensors(holder) == ["root.packed: ScriptObject"]
+
+
+def _q4_1_grid(n: int, k: int, seed: int) -> torch.Tensor:
+    """A weight as a GGUF Q4_1 tensor dequantizes: per 32 inputs fp16 d and m, q in 0..15
+    spanning the range."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-4).half().float()
+    m = (-torch.rand(n, k // 32, 1, generator=g) * 0.08).half().float()
+    return (q * d + m).reshape(n, k)
+
+
+def test_int4_blocks_keep_a_q4_1_tensor_exactly():
+    from engine.packed_linear import pack_int4_blocks
+
+    w = _q4_1_grid(48, 96, 1)
+    q4, d16, m16, back = pack_int4_blocks(w)
+    assert q4.shape == (3, 3, 8, 32) and q4.dtype == torch.uint8 and d16.shape == (3, 3, 16)
+    assert torch.equal(back, w)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, 17, 40])
+def test_int4_kernel_is_float32_exact_on_its_grid(rows):
+    """engine/csrc/int4_mm.cpp against float64, with the two-part input: AVX512-BF16 at one row,
+    AMX tiles (where the CPU has them) from two, past 16 rows in tiles; without the two-part
+    input, within bf16's rounding of the input."""
+    if not cpu_ext.int4_usable(64, 64):
+        pytest.skip("the int4 kernel does not run here (no extension or no AVX512-BF16)")
+    from engine.packed_linear import pack_int4_blocks
+
+    ext = cpu_ext.module()
+    w = _q4_1_grid(80, 192, 2)
+    q4, d16, m16, _ = pack_int4_blocks(w)
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
+    ref = x.double() @ w.double().T
+    for amx in (False, True):
+        got = ext.int4_mm(x, q4, d16, m16, True, amx)
+        assert got.dtype == torch.float32 and got.shape == (rows, 80)
+        assert _rel(got.double(), ref) < 2e-5
+        rough = ext.int4_mm(x, q4, d16, m16, False, amx)
+        assert _rel(rough.double(), ref) < 2e-2
+    assert _rel(ext.int4_mm(x[:, :96].contiguous(), q4[:, :3].contiguous(), d16[:, :3].contiguous(),
+                            m16[:, :3].contiguous(), True, True).double(), x[:, :96].double() @ w[:, :96].double().T) < 2e-5

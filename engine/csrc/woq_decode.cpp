@@ -11,23 +11,35 @@
 
 #include <vector>
 
+#include "int4_mm.h"
+
 namespace {
 
 constexpr int64_t kGroup = 32;  // engine/packed_linear.py GROUP
 
+// PackedLinear's int4 buffers: (q4, d16, m16) of engine/csrc/int4_mm.cpp, or torch's
+// (qweight, scales_zeros) with `mins` undefined; dense: the bf16 copy, undefined if none
 struct Linear {
-  at::Tensor qweight, scales_zeros, dense;  // dense: undefined when the linear has none
+  at::Tensor q, scales, mins, dense;
 };
 
-at::Tensor mm(const at::Tensor& x, const Linear& lin, int64_t dense_rows) {
-  if (x.size(0) >= dense_rows && lin.dense.defined()) return at::linear(x, lin.dense);
-  return at::_weight_int4pack_mm_for_cpu(x, lin.qweight, kGroup, lin.scales_zeros);
+struct MatmulOptions {
+  int64_t dense_rows;
+  bool lo, amx;
+};
+
+// PackedLinear.mm: float32 [T, K] -> float32 [T, N]
+at::Tensor mm(const at::Tensor& x, const Linear& lin, const MatmulOptions& opt) {
+  if (x.size(0) >= opt.dense_rows && lin.dense.defined())
+    return at::linear(x.to(at::kBFloat16), lin.dense).to(at::kFloat);
+  if (lin.mins.defined()) return int4_mm(x, lin.q, lin.scales, lin.mins, opt.lo, opt.amx);
+  return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), lin.q, kGroup, lin.scales).to(at::kFloat);
 }
 
+at::Tensor defined_or_none(const at::Tensor& t) { return t.numel() == 0 ? at::Tensor() : t; }
+
 Linear linear_at(const std::vector<at::Tensor>& w, size_t i) {
-  Linear lin{w[i], w[i + 1], w[i + 2]};
-  if (lin.dense.numel() == 0) lin.dense = at::Tensor();
-  return lin;
+  return Linear{w[i], w[i + 1], defined_or_none(w[i + 2]), defined_or_none(w[i + 3])};
 }
 
 // woq_forward._decode_attention: q [B, H, D] -> [B, H, D]
@@ -62,17 +74,18 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, const 
 }  // namespace
 
 // x: [T, hidden] float32 embeddings (updated in place, returned normed by the final norm);
-// weights: per layer, in order: input norm weight, qkv (qweight, scales_zeros, dense), o (3),
-// post-attention norm weight, gate_up (3), down (3) -- 14 tensors a layer (an empty tensor
-// where a linear has no dense copy), then the final norm weight. kv: [L, 2, blocks, bs, Hkv, D].
+// weights: per layer, in order: input norm weight, qkv (q, scales, mins, dense), o (4),
+// post-attention norm weight, gate_up (4), down (4) -- 18 tensors a layer (an empty tensor
+// where a linear has no mins or no dense copy), then the final norm weight. kv: [L, 2, blocks, bs, Hkv, D].
 // spans: flattened (first slot, context length) per row, or empty for the gathered path with
 // block_tables [B, width]. mask: [B, 1, 1, width * bs] bool.
 at::Tensor woq_decode(at::Tensor x, const std::vector<at::Tensor>& weights, const at::Tensor& kv,
                       const at::Tensor& cos2, const at::Tensor& sin2, const at::Tensor& slot_mapping,
                       const at::Tensor& mask, const std::vector<int64_t>& spans,
                       const at::Tensor& block_tables, int64_t heads, int64_t kv_heads,
-                      int64_t head_dim, double eps, double scale, int64_t dense_rows) {
-  constexpr size_t kPerLayer = 14;
+                      int64_t head_dim, double eps, double scale, int64_t dense_rows, bool lo, bool amx) {
+  constexpr size_t kPerLayer = 18;
+  const MatmulOptions opt{dense_rows, lo, amx};
   const int64_t t = x.size(0), hidden = x.size(1);
   const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
   const int64_t qk_heads = heads + kv_heads;
@@ -80,12 +93,11 @@ at::Tensor woq_decode(at::Tensor x, const std::vector<at::Tensor>& weights, cons
   TORCH_CHECK(weights.size() == layers * kPerLayer + 1, "woq_decode: ", weights.size(),
               " weights for ", layers, " layers");
   const std::vector<int64_t> norm_shape{hidden};
-  const auto bf16 = at::kBFloat16;
   for (int64_t l = 0; l < layers; ++l) {
     const size_t base = l * kPerLayer;
     const at::Tensor cache = kv[l];
-    at::Tensor h = at::rms_norm(x, norm_shape, weights[base], eps).to(bf16);
-    const at::Tensor qkv = mm(h, linear_at(weights, base + 1), dense_rows).to(at::kFloat);
+    at::Tensor h = at::rms_norm(x, norm_shape, weights[base], eps);
+    const at::Tensor qkv = mm(h, linear_at(weights, base + 1), opt);
     at::Tensor qk = qkv.slice(1, 0, q_width + kv_width).view({t, qk_heads, head_dim});
     const at::Tensor swapped =
         qk.view({t, qk_heads, 2, head_dim / 2}).flip({2}).view({t, qk_heads, head_dim});
@@ -94,16 +106,17 @@ at::Tensor woq_decode(at::Tensor x, const std::vector<at::Tensor>& weights, cons
     const at::Tensor new_kv = qkv.slice(1, q_width).view({t, 2, kv_heads, head_dim}).transpose(0, 1);
     cache.view({2, -1, kv_heads, head_dim}).index_copy_(1, slot_mapping, new_kv);
     const at::Tensor o = decode_attention(q, cache, mask, spans, block_tables, scale);
-    x.add_(mm(o.reshape({t, q_width}).to(bf16), linear_at(weights, base + 4), dense_rows));
-    h = at::rms_norm(x, norm_shape, weights[base + 7], eps).to(bf16);
-    const at::Tensor gu = mm(h, linear_at(weights, base + 8), dense_rows).to(at::kFloat);
+    x.add_(mm(o.reshape({t, q_width}), linear_at(weights, base + 5), opt));
+    h = at::rms_norm(x, norm_shape, weights[base + 9], eps);
+    const at::Tensor gu = mm(h, linear_at(weights, base + 10), opt);
     const int64_t inter = gu.size(1) / 2;
     const at::Tensor a = at::silu(gu.slice(1, 0, inter)).mul_(gu.slice(1, inter));
-    x.add_(mm(a.to(bf16), linear_at(weights, base + 11), dense_rows));
+    x.add_(mm(a, linear_at(weights, base + 14), opt));
   }
   return at::rms_norm(x, norm_shape, weights.back(), eps);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("woq_decode", &woq_decode, "a decode-only step of a woq-packed model (all layers)");
+  m.def("int4_mm", &int4_mm, "x @ W.T for a 4-bit weight with fp16 group scales and minimums");
 }
