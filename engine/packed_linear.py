@@ -46,6 +46,12 @@ GROUP = 32  # GGUF's block size for Q4_0/Q4_1/Q8_0, and the int4 kernel's group 
 #: 3,089, dense 392 / 508 / 843; at 1,000 rows 39.7 ms against 4.1 ms. Dequantizing per call
 #: instead (what this replaced) cost 3.9 ms a matrix, ~230 ms per 1,000-token prefill chunk.
 DENSE_ROWS = 16
+#: engine/csrc/int4_mm.cpp's kernel (``q4``, no dense copy) takes up to this many rows; more (a
+#: prefill chunk) run oneDNN's bf16 GEMM on the weight dequantized for the call
+#: (``int4_dequant_t``). Measured on the 2-core Xeon, one thread, 3072x576, us: kernel at
+#: 64 / 128 / 256 / 512 rows 576 / 1,211 / 2,458 / 6,063, dequantized + GEMM 1,219 / 1,443 /
+#: 1,742 / 2,804 (of which the dequantization 554); 576x1536 at 128 rows 633 against 602.
+Q4_DENSE_ROWS = 128
 #: inputs per int8 scale (each chunk is one kernel call): GGUF Q8_0's own groups of 32, so a
 #: Q8_0 tensor is kept as it is (up to the scales' rounding to the activation dtype). One scale
 #: per row (576 inputs of the default model's head) was 2.7 ms a step faster at batch 1, but
@@ -172,7 +178,7 @@ class PackedLinear(nn.Module):
                     # the approximate pass: the exact int8 values, requantized to int4 groups
                     exact = (q.float() * scale.unsqueeze(-1)).transpose(0, 1).reshape(weight.shape)
                     if cpu_ext.int4_usable(*exact.shape):
-                        self._register_blocks("approx_", exact, dense=False)
+                        self._register_blocks("approx_", exact)
                     elif self.in_features % GROUP == 0 and self.out_features % 16 == 0:  # the kernel's
                         q4, sz = _int4_groups(exact)
                         self.register_buffer("approx_qweight",
@@ -186,27 +192,30 @@ class PackedLinear(nn.Module):
                 self._packed = torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), None)
                 self.packed_nbytes = weight.numel() * 2  # nominal: fbgemm pads, see cpu_weights
 
-    def _register_blocks(self, prefix: str, weight: torch.Tensor, dense: bool = True) -> None:
-        """engine/csrc/int4_mm.cpp's buffers (``q4``, ``d16``, ``m16``, and ``dense``: the same
-        weight in bf16 for ``DENSE_ROWS``+ rows)."""
-        q4, d16, m16, back = pack_int4_blocks(weight)
+    def _register_blocks(self, prefix: str, weight: torch.Tensor) -> None:
+        """engine/csrc/int4_mm.cpp's buffers (``q4``, ``d16``, ``m16``)."""
+        q4, d16, m16, _ = pack_int4_blocks(weight)
         self.register_buffer(prefix + "q4", q4)
         self.register_buffer(prefix + "d16", d16)
         self.register_buffer(prefix + "m16", m16)
-        if dense:
-            self.register_buffer("dense", back.to(torch.bfloat16))
 
     def _int4(self, x: torch.Tensor, prefix: str = "") -> torch.Tensor:
         """float32 ``x`` [T, K] through the 4-bit weight (``prefix`` "approx_": the head's
         approximate copy) -> float32 [T, N]."""
         b = self._buffers
         if prefix + "q4" in b:
-            return cpu_ext.int4_mm(x, b[prefix + "q4"], b[prefix + "d16"], b[prefix + "m16"])
+            q4, d16, m16 = b[prefix + "q4"], b[prefix + "d16"], b[prefix + "m16"]
+            if x.shape[0] >= Q4_DENSE_ROWS:
+                return torch.mm(x.to(torch.bfloat16), cpu_ext.module().int4_dequant_t(q4, d16, m16)).float()
+            return cpu_ext.int4_mm(x, q4, d16, m16)
         return _INT4_MM(x.to(torch.bfloat16), b[prefix + "qweight"], GROUP,
                         b[prefix + "scales_zeros"]).float()
 
     def dense_weight(self) -> torch.Tensor:
         """The int4 weight dequantized to ``[N, K]`` in the activation dtype."""
+        if "q4" in self._buffers:
+            b = self._buffers
+            return cpu_ext.module().int4_dequant_t(b["q4"], b["d16"], b["m16"]).t()
         return self.dense
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

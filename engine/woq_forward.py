@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from . import cpu_ext
 from .attention import AttentionMetadata, paged_attention
-from .packed_linear import DENSE_ROWS, PackedLinear
+from .packed_linear import DENSE_ROWS, Q4_DENSE_ROWS, PackedLinear
 
 #: decode rows with consecutive blocks attend through views of the cache, one SDPA call each,
 #: up to this many rows a step; more share one gathered, masked call (fewer calls). Measured
@@ -138,7 +138,8 @@ def _decode_cpp(ext, model, x, cos2, sin2, kv, meta: AttentionMetadata, scale: f
     eps = model.model.layers[0].input_layernorm.eps
     lo, amx = cpu_ext.int4_options()
     return ext.woq_decode(x, _weights(model), kv, cos2, sin2, meta.slot_mapping, mask, flat, tables,
-                          cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps, scale, DENSE_ROWS, lo, amx)
+                          cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps, scale, DENSE_ROWS,
+                          Q4_DENSE_ROWS, lo, amx)
 
 
 def _mask(meta: AttentionMetadata, length: int, device) -> torch.Tensor:

@@ -230,8 +230,50 @@ EC_AMX void amx_rows(const Inputs& in, int64_t M, int64_t K, const uint8_t* q, c
   _tile_release();
 }
 
+// blocks [b0, b1) of the 4-bit weight -> its transpose wt [K, N] bf16, row-major: bf16(d q + m)
+// computed in float32 and rounded to nearest even (as torch converts float to bf16). In the
+// block layout one piece's 16 lanes are 16 consecutive outputs of one input: a row of wt.
+EC_AVX512 void dequant_t_blocks(const uint8_t* q, const uint16_t* d16, const uint16_t* m16, int64_t K,
+                                int64_t N, int64_t b0, int64_t b1, uint16_t* wt) {
+  const int64_t G = K / 32;
+  const __m512i low4 = _mm512_set1_epi16(0x0F);
+  const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d16 + (blk * G + g) * 16)));
+      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(m16 + (blk * G + g) * 16)));
+      const uint8_t* qg = q + (blk * G + g) * 256;
+      uint16_t* col = wt + (g * 32) * N + blk * 16;
+      for (int j = 0; j < 8; ++j) {
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qg + j * 32)));
+        const __m512i nib[2] = {_mm512_and_si512(w, low4), _mm512_srli_epi16(w, 4)};  // k, k + 16
+        for (int h = 0; h < 2; ++h) {
+          for (int e = 0; e < 2; ++e) {  // lane l's word 2l + e: input 2j + e (+ 16 for h)
+            const __m512i v = e ? _mm512_srli_epi32(nib[h], 16) : _mm512_and_si512(nib[h], low16);
+            const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), dv, mv);
+            const int64_t k = 2 * j + e + 16 * h;
+            _mm256_storeu_si256((__m256i*)(col + k * N), (__m256i)_mm512_cvtneps_pbh(f));
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
+at::Tensor int4_dequant_t(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 8 && q.size(3) == 32 && q.scalar_type() == at::kByte,
+              "int4_dequant_t: q must be [N/16, K/32, 8, 32] uint8");
+  const int64_t NB = q.size(0), N = NB * 16, K = q.size(1) * 32;
+  at::Tensor wt = at::empty({K, N}, q.options().dtype(at::kBFloat16));
+  const auto* qp = q.data_ptr<uint8_t>();
+  const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr());
+  const auto* mp = reinterpret_cast<const uint16_t*>(m.data_ptr());
+  auto* wp = reinterpret_cast<uint16_t*>(wt.data_ptr());
+  at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) { dequant_t_blocks(qp, dp, mp, K, N, b0, b1, wp); });
+  return wt;
+}
 at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
                    bool lo, bool amx) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "int4_mm: x must be [M, K] float32");

@@ -7,3 +7,6 @@
 // go through the CPU's AMX tiles (else AVX512-BF16 dot products).
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
                    bool lo, bool amx);
+
+// the weight's transpose as bf16 [K, N]: bf16(d q + m), for matmuls of many rows (a dense GEMM)
+at::Tensor int4_dequant_t(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m);

@@ -24,7 +24,7 @@ struct Linear {
 };
 
 struct MatmulOptions {
-  int64_t dense_rows;
+  int64_t dense_rows, q4_dense_rows;  // packed_linear.DENSE_ROWS, Q4_DENSE_ROWS
   bool lo, amx;
 };
 
@@ -32,7 +32,11 @@ struct MatmulOptions {
 at::Tensor mm(const at::Tensor& x, const Linear& lin, const MatmulOptions& opt) {
   if (x.size(0) >= opt.dense_rows && lin.dense.defined())
     return at::linear(x.to(at::kBFloat16), lin.dense).to(at::kFloat);
-  if (lin.mins.defined()) return int4_mm(x, lin.q, lin.scales, lin.mins, opt.lo, opt.amx);
+  if (lin.mins.defined()) {
+    if (x.size(0) >= opt.q4_dense_rows)
+      return at::mm(x.to(at::kBFloat16), int4_dequant_t(lin.q, lin.scales, lin.mins)).to(at::kFloat);
+    return int4_mm(x, lin.q, lin.scales, lin.mins, opt.lo, opt.amx);
+  }
   return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), lin.q, kGroup, lin.scales).to(at::kFloat);
 }
 
@@ -83,9 +87,10 @@ at::Tensor woq_decode(at::Tensor x, const std::vector<at::Tensor>& weights, cons
                       const at::Tensor& cos2, const at::Tensor& sin2, const at::Tensor& slot_mapping,
                       const at::Tensor& mask, const std::vector<int64_t>& spans,
                       const at::Tensor& block_tables, int64_t heads, int64_t kv_heads,
-                      int64_t head_dim, double eps, double scale, int64_t dense_rows, bool lo, bool amx) {
+                      int64_t head_dim, double eps, double scale, int64_t dense_rows,
+                      int64_t q4_dense_rows, bool lo, bool amx) {
   constexpr size_t kPerLayer = 18;
-  const MatmulOptions opt{dense_rows, lo, amx};
+  const MatmulOptions opt{dense_rows, q4_dense_rows, lo, amx};
   const int64_t t = x.size(0), hidden = x.size(1);
   const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
   const int64_t qk_heads = heads + kv_heads;
@@ -119,4 +124,5 @@ at::Tensor woq_decode(at::Tensor x, const std::vector<at::Tensor>& weights, cons
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("woq_decode", &woq_decode, "a decode-only step of a woq-packed model (all layers)");
   m.def("int4_mm", &int4_mm, "x @ W.T for a 4-bit weight with fp16 group scales and minimums");
+  m.def("int4_dequant_t", &int4_dequant_t, "the 4-bit weight's transpose as bf16 [K, N]");
 }
