@@ -29,7 +29,7 @@ from typing import Any, Optional
 log = logging.getLogger("enginecore.cpu_ext")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "woq_decode.cpp", CSRC / "int4_mm.cpp")
+SOURCES = (CSRC / "woq_decode.cpp", CSRC / "int4_mm.cpp", CSRC / "decode_ops.cpp")
 #: the 4-bit kernel carries its input as two bf16 parts (hi + lo, ~16 bits), not one: see
 #: engine/csrc/int4_mm.cpp and bench/RESULTS.md for what it costs and buys
 INT4_LO = os.environ.get("ENGINECORE_INT4_LO", "1") != "0"
@@ -86,6 +86,16 @@ def _cpu_flags() -> tuple[bool, bool]:
     bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     return bool(bf16), bool(amx)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_capability() -> str:
+    import torch
+
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except Exception:  # an old or exotic build
+        return "DEFAULT"
 
 
 def int4_usable(out_features: int, in_features: int) -> bool:

@@ -70,9 +70,9 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.T
                    and meta.prefill_batch is None and meta.decode_rows.shape[0] == t)
     hidden = (cfg.hidden_size,)
     scale = dim ** -0.5
-    if decode_only and CPP_STEP:
+    if decode_only and CPP_STEP and kv.dtype == torch.float32:
         ext = cpu_ext.module()
-        if ext is not None:
+        if ext is not None and cpp_step_fits(model):
             return _decode_cpp(ext, model, x, cos2, sin2, kv, meta, scale)
     for layer, cache in zip(m.layers, kv.unbind(0)):
         attn, mlp = layer.self_attn, layer.mlp
@@ -122,24 +122,21 @@ def _weights(model) -> list[torch.Tensor]:
 
 
 def _decode_cpp(ext, model, x, cos2, sin2, kv, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """The decode-only step in one C++ call (the same ATen ops as the Python loop below)."""
+    """The decode-only step in one C++ call (engine/csrc/woq_decode.cpp)."""
     cfg = model.config
-    block_size = kv.shape[3]
-    width = (meta.decode_max_len + block_size - 1) // block_size
-    mask = _mask(meta, width * block_size, x.device)
-    spans = meta.decode_spans
-    flat: list[int] = []
-    tables = meta.decode_block_tables
-    if spans is not None and x.shape[0] <= MAX_SPAN_ROWS:
-        for first, n in spans:
-            flat += (first, n)
-    else:
-        tables = tables[:, :width]
     eps = model.model.layers[0].input_layernorm.eps
     lo, amx = cpu_ext.int4_options()
-    return ext.woq_decode(x, _weights(model), kv, cos2, sin2, meta.slot_mapping, mask, flat, tables,
-                          cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps, scale, DENSE_ROWS,
-                          Q4_DENSE_ROWS, lo, amx)
+    return ext.woq_decode(x.contiguous(), _weights(model), kv, cos2, sin2, meta.slot_mapping,
+                          meta.decode_block_tables, meta.decode_context_lens, cfg.num_heads,
+                          cfg.num_kv_heads, cfg.head_dim, eps, scale, DENSE_ROWS, Q4_DENSE_ROWS, lo, amx)
+
+
+def cpp_step_fits(model) -> bool:
+    """engine/csrc/woq_decode.cpp's shapes (multiples of 16: its AVX-512 loops) and an AVX-512
+    CPU; float32 activations and cache."""
+    cfg = model.config
+    return (cfg.hidden_size % 16 == 0 and cfg.intermediate_size % 16 == 0 and cfg.head_dim % 16 == 0
+            and cpu_ext.cpu_capability().startswith("AVX512"))
 
 
 def _mask(meta: AttentionMetadata, length: int, device) -> torch.Tensor:

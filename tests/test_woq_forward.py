@@ -62,10 +62,10 @@ def test_woq_forward_generates_what_the_generic_forward_does(woq_runner, monkeyp
             model.woq_forward = flag
             out[flag] = _greedy(woq_runner, prompts)
         model.woq_forward = True
-        # the same arithmetic (bit-identical on the dev box; a tolerance for other kernels)
+        # the same arithmetic up to float32 summation order (decode steps: engine/csrc's loops)
         assert out[True][0] == out[False][0]
         for rid, ref in out[False][1].items():
-            assert out[True][1][rid] == pytest.approx(ref, abs=1e-5)
+            assert out[True][1][rid] == pytest.approx(ref, abs=1e-4)
 
 
 def test_woq_forward_logits_match_after_a_cached_prefix(woq_runner):
@@ -134,9 +134,10 @@ def woq_runner_wide():
 
 
 @pytest.mark.parametrize("requests,span_rows", [(1, 64), (3, 64), (3, 1), (18, 64)])
-def test_cpp_decode_step_is_the_python_step_bit_for_bit(woq_runner_wide, monkeypatch, requests, span_rows):
-    """engine/csrc/woq_decode.cpp calls the Python decode loop's ATen ops in its order: tokens
-    and logprobs identical, through views (spans), gathered K/V, and 16+ rows (dense GEMM)."""
+def test_cpp_decode_step_is_the_python_step(woq_runner_wide, monkeypatch, requests, span_rows):
+    """engine/csrc/woq_decode.cpp computes what the Python decode loop does (its own norm,
+    rotary and attention loops; the same matmuls): the same tokens, logprobs within float32
+    summation order, for 1, 3 and 18 rows (the Python loop through views or gathered K/V)."""
     from engine import cpu_ext
 
     ext = cpu_ext.module()
@@ -152,4 +153,6 @@ def test_cpp_decode_step_is_the_python_step_bit_for_bit(woq_runner_wide, monkeyp
         monkeypatch.setattr(woq_forward, "CPP_STEP", flag)
         out[flag] = _greedy(woq_runner_wide, prompts, max_tokens=5)
     assert calls and max(calls) == requests  # the C++ step ran, for every row at once
-    assert out[True] == out[False]
+    assert out[True][0] == out[False][0]
+    for rid, ref in out[False][1].items():
+        assert out[True][1][rid] == pytest.approx(ref, abs=1e-4)

@@ -5,12 +5,14 @@
 // takes 2.2 us, a compiled one 14 us), ~4 ms of a ~12 ms step. torch.compile does not help
 // here (its guards and wrapper cost more than they save: measured slower per layer), and no
 // library runs "these ATen ops, in this order" without Python between them. This file calls
-// the very same ATen ops, in the same order and dtypes, as woq_forward.forward does for a
-// step of decode rows only, so the results are the Python path's bit for bit (tested).
+// the same computation as woq_forward.forward does for a step of decode rows only: the
+// matmuls as PackedLinear.mm, the rest in engine/csrc/decode_ops.cpp (the same float32
+// arithmetic up to summation order: tests/test_woq_forward.py compares the two).
 #include <torch/extension.h>
 
 #include <vector>
 
+#include "decode_ops.h"
 #include "int4_mm.h"
 
 namespace {
@@ -46,79 +48,56 @@ Linear linear_at(const std::vector<at::Tensor>& w, size_t i) {
   return Linear{w[i], w[i + 1], defined_or_none(w[i + 2]), defined_or_none(w[i + 3])};
 }
 
-// woq_forward._decode_attention: q [B, H, D] -> [B, H, D]
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& mask,
-                            const std::vector<int64_t>& spans, const at::Tensor& block_tables,
-                            double scale) {
-  const int64_t bsz = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = cache.size(3), block_size = cache.size(2);
-  const at::Tensor qd = q.reshape({bsz, kv_heads, heads / kv_heads, dim});
-  if (!spans.empty()) {
-    const at::Tensor flat = cache.view({2, -1, kv_heads, dim});
-    std::vector<at::Tensor> outs;
-    outs.reserve(bsz);
-    for (int64_t b = 0; b < bsz; ++b) {
-      const int64_t first = spans[2 * b], n = spans[2 * b + 1];
-      const int64_t used = (n + block_size - 1) / block_size * block_size;
-      const at::Tensor kvs = flat.slice(1, first, first + used).permute({0, 2, 1, 3});
-      outs.push_back(at::scaled_dot_product_attention(
-          qd.slice(0, b, b + 1), kvs.slice(0, 0, 1), kvs.slice(0, 1, 2),
-          mask.slice(0, b, b + 1).slice(3, 0, used), 0.0, false, scale));
-    }
-    const at::Tensor o = bsz == 1 ? outs[0] : at::cat(outs);
-    return o.view({bsz, heads, dim});
-  }
-  const at::Tensor kvs = cache.index_select(1, block_tables.reshape(-1))
-                             .view({2, bsz, -1, kv_heads, dim})
-                             .permute({0, 1, 3, 2, 4});
-  const at::Tensor o = at::scaled_dot_product_attention(qd, kvs[0], kvs[1], mask, 0.0, false, scale);
-  return o.view({bsz, heads, dim});
-}
-
 }  // namespace
 
-// x: [T, hidden] float32 embeddings (updated in place, returned normed by the final norm);
+// x: [T, hidden] float32 embeddings (updated in place; returned normed by the final norm);
 // weights: per layer, in order: input norm weight, qkv (q, scales, mins, dense), o (4),
 // post-attention norm weight, gate_up (4), down (4) -- 18 tensors a layer (an empty tensor
-// where a linear has no mins or no dense copy), then the final norm weight. kv: [L, 2, blocks, bs, Hkv, D].
-// spans: flattened (first slot, context length) per row, or empty for the gathered path with
-// block_tables [B, width]. mask: [B, 1, 1, width * bs] bool.
+// where a linear has no mins or no dense copy), then the final norm weight. kv: [L, 2, blocks,
+// bs, Hkv, D] float32; cos2/sin2 [T, 1, D]; row t attends to its first context_lens[t] slots
+// through block_tables row t. Needs hidden, intermediate and head_dim multiples of 16 and a CPU
+// with AVX-512 (engine/woq_forward.py checks).
 at::Tensor woq_decode(at::Tensor x, const std::vector<at::Tensor>& weights, const at::Tensor& kv,
                       const at::Tensor& cos2, const at::Tensor& sin2, const at::Tensor& slot_mapping,
-                      const at::Tensor& mask, const std::vector<int64_t>& spans,
-                      const at::Tensor& block_tables, int64_t heads, int64_t kv_heads,
-                      int64_t head_dim, double eps, double scale, int64_t dense_rows,
+                      const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t heads,
+                      int64_t kv_heads, int64_t head_dim, double eps, double scale, int64_t dense_rows,
                       int64_t q4_dense_rows, bool lo, bool amx) {
   constexpr size_t kPerLayer = 18;
   const MatmulOptions opt{dense_rows, q4_dense_rows, lo, amx};
   const int64_t t = x.size(0), hidden = x.size(1);
-  const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
-  const int64_t qk_heads = heads + kv_heads;
-  const int64_t layers = kv.size(0);
+  const int64_t layers = kv.size(0), block_size = kv.size(3);
+  const int64_t slots = kv.size(2) * block_size;
   TORCH_CHECK(weights.size() == layers * kPerLayer + 1, "woq_decode: ", weights.size(),
               " weights for ", layers, " layers");
-  const std::vector<int64_t> norm_shape{hidden};
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && kv.is_contiguous() &&
+                  kv.scalar_type() == at::kFloat, "woq_decode: x and kv must be contiguous float32");
+  const at::Tensor c2 = cos2.contiguous(), s2 = sin2.contiguous();
+  const at::Tensor slot_ids = slot_mapping.to(at::kLong).contiguous();
+  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  const at::Tensor lens = context_lens.to(at::kLong).contiguous();
+  at::Tensor h = at::empty_like(x);
+  at::Tensor o = at::empty({t, heads * head_dim}, x.options());
+  float* xp = x.data_ptr<float>();
   for (int64_t l = 0; l < layers; ++l) {
     const size_t base = l * kPerLayer;
-    const at::Tensor cache = kv[l];
-    at::Tensor h = at::rms_norm(x, norm_shape, weights[base], eps);
-    const at::Tensor qkv = mm(h, linear_at(weights, base + 1), opt);
-    at::Tensor qk = qkv.slice(1, 0, q_width + kv_width).view({t, qk_heads, head_dim});
-    const at::Tensor swapped =
-        qk.view({t, qk_heads, 2, head_dim / 2}).flip({2}).view({t, qk_heads, head_dim});
-    at::add_out(qk, qk * cos2, swapped * sin2);
-    const at::Tensor q = qk.slice(1, 0, heads);
-    const at::Tensor new_kv = qkv.slice(1, q_width).view({t, 2, kv_heads, head_dim}).transpose(0, 1);
-    cache.view({2, -1, kv_heads, head_dim}).index_copy_(1, slot_mapping, new_kv);
-    const at::Tensor o = decode_attention(q, cache, mask, spans, block_tables, scale);
-    x.add_(mm(o.reshape({t, q_width}), linear_at(weights, base + 5), opt));
-    h = at::rms_norm(x, norm_shape, weights[base + 9], eps);
-    const at::Tensor gu = mm(h, linear_at(weights, base + 10), opt);
+    float* cache = kv[l].data_ptr<float>();
+    rms_norm_rows(xp, weights[base].data_ptr<float>(), eps, t, hidden, h.data_ptr<float>());
+    at::Tensor qkv = mm(h, linear_at(weights, base + 1), opt).contiguous();
+    rope_write(qkv.data_ptr<float>(), c2.data_ptr<float>(), s2.data_ptr<float>(), slot_ids.data_ptr<int64_t>(),
+               t, heads, kv_heads, head_dim, cache, slots);
+    attend(qkv.data_ptr<float>(), cache, slots, tables.data_ptr<int64_t>(), tables.size(1), block_size,
+           lens.data_ptr<int64_t>(), t, heads, kv_heads, head_dim, static_cast<float>(scale), o.data_ptr<float>());
+    x.add_(mm(o, linear_at(weights, base + 5), opt));
+    rms_norm_rows(xp, weights[base + 9].data_ptr<float>(), eps, t, hidden, h.data_ptr<float>());
+    const at::Tensor gu = mm(h, linear_at(weights, base + 10), opt).contiguous();
     const int64_t inter = gu.size(1) / 2;
-    const at::Tensor a = at::silu(gu.slice(1, 0, inter)).mul_(gu.slice(1, inter));
+    at::Tensor a = at::empty({t, inter}, x.options());
+    silu_mul(gu.data_ptr<float>(), t, inter, a.data_ptr<float>());
     x.add_(mm(a, linear_at(weights, base + 14), opt));
   }
-  return at::rms_norm(x, norm_shape, weights.back(), eps);
+  at::Tensor out = at::empty_like(x);
+  rms_norm_rows(xp, weights.back().data_ptr<float>(), eps, t, hidden, out.data_ptr<float>());
+  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
