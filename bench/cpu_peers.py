@@ -341,6 +341,30 @@ def run_worker(name: str, a, python: str) -> dict:
             "wall_s": time.perf_counter() - t}
 
 
+def _busy_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot (/proc/stat)."""
+    f = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = f[3] + (f[4] if len(f) > 4 else 0)
+    return sum(f) - idle, sum(f)
+
+
+def settle(limit: float = 20.0, quiet: float = 0.15) -> float:
+    """Wait (up to ``limit`` s) until the machine's CPUs were under ``quiet`` busy for two 0.5 s
+    readings in a row -- the previous engine's process gone, its memory returned -- so that
+    each engine starts on a quiet machine (one run's first row once measured at one thread's
+    speed right after the previous run's last row). Returns the seconds waited."""
+    t0 = time.perf_counter()
+    calm = 0
+    if not Path("/proc/stat").exists():
+        return 0.0
+    while time.perf_counter() - t0 < limit and calm < 2:
+        b0, n0 = _busy_ticks()
+        time.sleep(0.5)
+        b1, n1 = _busy_ticks()
+        calm = calm + 1 if (b1 - b0) <= quiet * max(1, n1 - n0) else 0
+    return time.perf_counter() - t0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cpu_peers", description=__doc__.split("\n")[0])
     ap.add_argument("--engines", default="enginecore,enginecore_http,llamacpp,llamacpp_native,hf")
@@ -379,8 +403,9 @@ def main(argv=None) -> int:
         python = (str(ensure_llamacpp(a.venv)) if name == "llamacpp" else
                   str(ensure_llamacpp(a.venv_native, native=True)) if name == "llamacpp_native"
                   else sys.executable)
-        print(f"{name} ...", flush=True)
-        rows.append(run_worker(name, a, python))
+        waited = settle()
+        print(f"{name} ... (waited {waited:.1f} s for a quiet machine)", flush=True)
+        rows.append({**run_worker(name, a, python), "settle_s": round(waited, 1)})
         print("  " + json.dumps(rows[-1]), flush=True)
     cols = ["decode_1_tok_s", "ttft_128_ms", "ttft_1000_ms", *(f"aggregate_{s}_tok_s" for s in a.streams),
             "rss_after_load_mib"] + (["decode_1_busy_tok_s"] if a.busy else [])
