@@ -23,13 +23,15 @@ from engine.step_inputs import packed_forward
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 # max |packed - float| / max |float| of the last prompt position's 20 best logits, per format
-LOGIT_TOL = {"fbgemm_fp16": 5e-3, "woq": 5e-2}
+LOGIT_TOL = {"fbgemm_fp16": 5e-3, "woq": 5e-2, "woq+int4_mm": 1e-3}
 # ... of all its logits: woq's head computes those past its best 128 from an int4 copy (~10 %)
 TAIL_TOL = {"woq": 0.15}
 # greedy agreement with the fp32 path, share of positions. woq computes with bf16 weights and
 # activations inside torch's kernels: on 32 prompts x 32 tokens (bench.cpu_agreement) it agreed
 # on 74 %, the whole model in bf16 on 79 %, fbgemm fp16 on 99 % (bench/RESULTS.md, session 8)
-MIN_AGREE = {"fbgemm_fp16": 0.9, "woq": 0.6}
+# engine/csrc/int4_mm.cpp (exact group scales, ~16-bit inputs, float32 sums): 95.3 % on
+# bench.cpu_agreement, the best 20 logits ~1e-5 relative off here (session 11)
+MIN_AGREE = {"fbgemm_fp16": 0.9, "woq": 0.6, "woq+int4_mm": 0.9}
 PROMPTS = [list(range(100, 140)), [1, 520, 3001, 77, 9, 14000, 250], list(range(4000, 4100, 3))]
 
 
@@ -191,11 +193,14 @@ def test_default_model_packed_logits_and_greedy_agree(default_pair):
     if fast.weight_format == "float":
         pytest.skip(f"no packed format for this CPU ({cpu_capability()})")
     assert is_packed(fast.resource("weights"))
+    fmt = fast.weight_format
+    if fmt == "woq" and cpu_ext.int4_usable(16, 32):
+        fmt = "woq+int4_mm"
     for ids in PROMPTS:
         got, want = _last_logits(fast, ids), _last_logits(ref, ids)
         top = want.topk(20).indices  # what greedy picks and top logprobs read
-        print(f"{fast.weight_format}: top 20 {_rel(got[top], want[top]):.4f}, all {_rel(got, want):.4f}")
-        assert _rel(got[top], want[top]) < LOGIT_TOL[fast.weight_format]
+        print(f"{fmt}: top 20 {_rel(got[top], want[top]):.2e}, all {_rel(got, want):.4f}")
+        assert _rel(got[top], want[top]) < LOGIT_TOL[fmt]
         assert _rel(got, want) < TAIL_TOL.get(fast.weight_format, LOGIT_TOL[fast.weight_format])
 
     def greedy(runner):
@@ -212,7 +217,7 @@ def test_default_model_packed_logits_and_greedy_agree(default_pair):
     same = sum(x == y for k in a for x, y in zip(a[k], b[k]))
     total = sum(len(v) for v in a.values())
     print(f"greedy agreement {fast.weight_format} vs float: {same}/{total}")
-    assert same >= MIN_AGREE[fast.weight_format] * total
+    assert same >= MIN_AGREE[fmt] * total
 
 
 def test_packed_weights_release_and_update(default_pair):
