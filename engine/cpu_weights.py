@@ -5,14 +5,17 @@ tensor types and the CPU (``torch.backends.cpu.get_cpu_capability()``), and says
 
 * ``float`` -- today's path: every weight dequantized to the engine dtype. ``--dtype float32``
   (or any explicit dtype), a CUDA device, and checkpoints that are not quantized GGUF get it.
-* ``woq`` -- torch's weight-only kernels with bf16 activations: Q4_0/Q4_1 tensors as ``int4``
-  (exact), Q8_0 as per-channel ``int8``; q/k/v and gate/up fused into one kernel call each; the
-  tied embedding looked up in the int8 head; batches of 16+ rows run oneDNN's bf16 GEMM (AMX)
-  on a dense copy of each int4 weight; the model runs the forward of engine/woq_forward.py
-  (``model.woq_forward``, where :func:`woq_forward.usable`). ``auto``'s choice on AVX-512 CPUs
-  with AVX512-BF16: on the 2-core Sapphire Rapids box, batch-1 decode took 21.8 ms a step
-  against 43.7 ms with fbgemm fp16 and 56.2 ms in fp32 (one thread; session 8,
-  bench/RESULTS.md); ~17.5 ms with woq_forward and the int4 head pass (session 10).
+* ``woq`` -- Q4_0/Q4_1 tensors as ``int4`` (exact), Q8_0 as ``int8``; q/k/v and gate/up fused
+  into one call each; the tied embedding looked up in the int8 head. The int4 linears run
+  engine/csrc/int4_mm.cpp where the C++ extension is built (engine/cpu_ext.py: GGUF's fp16
+  group scales kept, float32 sums on AMX; 128+ rows through oneDNN's bf16 GEMM on the weight
+  dequantized for the call), else torch's weight-only kernels with bf16 activations (and 16+
+  rows through a dense bf16 copy). The model runs engine/woq_forward.py (``model.woq_forward``,
+  where :func:`woq_forward.usable`), a step of decode rows in one C++ call. ``auto``'s choice on
+  AVX-512 CPUs with AVX512-BF16: on the 2-core Sapphire Rapids box, batch-1 decode took 21.8 ms
+  a step against 43.7 ms with fbgemm fp16 and 56.2 ms in fp32 (one thread; session 8,
+  bench/RESULTS.md); 10.8 ms (one thread) and 6.6 ms (two) with the C++ step and kernel
+  (session 11).
 * ``fbgemm_fp16`` -- fbgemm's fp16-weight GEMM (AVX2, and AVX-512 without BF16), ``auto``'s
   choice there. On an AVX2-only CPU torch's
   weight-only kernels run a scalar fallback: measured on the 2-core AMD EPYC (AVX2) box,
@@ -33,7 +36,7 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
-from . import woq_forward
+from . import cpu_ext, woq_forward
 from .packed_linear import PackedLinear
 
 log = logging.getLogger("enginecore.cpu_weights")
@@ -88,10 +91,13 @@ def choose_format(device: torch.device, dtype_flag: str, cpu_weights: str,
         return "float", "the checkpoint is not a Q4_0/Q4_1/Q8_0 GGUF"
     cap = cpu_capability()
     if cap.startswith("AVX512") and _bf16_supported():
+        own = cpu_ext.module() is not None
         return "woq", (f"CPU capability {cap} with AVX512-BF16{' and AMX' if _amx_supported() else ''}: "
-                       "torch's int4/int8 weight-only kernels with bf16 activations (measured 2x "
-                       "faster than fbgemm fp16 at 1 row: weights read at 0.6 byte, not ~3.6), "
-                       "prefill chunks dequantized to a dense bf16 GEMM")
+                       + ("enginecore's int4 kernel (engine/csrc/int4_mm.cpp: the file's fp16 group "
+                          "scales, float32 sums) and C++ decode step" if own else
+                          "torch's int4/int8 weight-only kernels with bf16 activations (the C++ "
+                          "extension is not built: engine/cpu_ext.py)")
+                       + "; weights read at ~0.6 byte each, prefill chunks through a dense bf16 GEMM")
     if cap.startswith("AVX512"):
         return "fbgemm_fp16", (f"CPU capability {cap} without AVX512-BF16: torch's weight-only "
                                "kernels are vectorized for bf16 activations only; fbgemm's fp16 GEMM")
