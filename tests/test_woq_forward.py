@@ -156,3 +156,34 @@ def test_cpp_decode_step_is_the_python_step(woq_runner_wide, monkeypatch, reques
     assert out[True][0] == out[False][0]
     for rid, ref in out[False][1].items():
         assert out[True][1][rid] == pytest.approx(ref, abs=1e-4)
+
+
+def test_cpp_step_refuses_indices_out_of_range(woq_runner_wide):
+    """The C++ step reads the cache through slots, block tables and lengths: any out of range
+    is a RuntimeError naming it, never a read past the cache."""
+    from engine import cpu_ext
+
+    ext = cpu_ext.module()
+    if ext is None or not woq_forward.cpp_step_fits(woq_runner_wide.resource("weights")):
+        pytest.skip("the C++ decode step does not run here")
+    model = woq_runner_wide.resource("weights")
+    kv = woq_runner_wide.resource("kv_cache").tensor
+    cfg = model.config
+    x = torch.zeros(1, cfg.hidden_size)
+    cos2 = torch.ones(1, 1, cfg.head_dim)
+    sin2 = torch.zeros(1, 1, cfg.head_dim)
+    blocks, bs = kv.shape[2], kv.shape[3]
+
+    def step(slot, table, n):
+        return ext.woq_decode(x.clone(), woq_forward._weights(model), kv, cos2, sin2, torch.tensor([slot]),
+                              torch.tensor([table]), torch.tensor([n]), cfg.num_heads, cfg.num_kv_heads,
+                              cfg.head_dim, 1e-5, 0.125, 16, 128, True, True)
+
+    assert step(0, [0, 1], 3).shape == (1, cfg.hidden_size)  # in range: runs
+    for slot, table, n in ((blocks * bs, [0, 1], 3), (-1, [0, 1], 3), (0, [0, blocks], 20),
+                           (0, [0, 1], 2 * bs + 1), (0, [0, 1], 0)):
+        with pytest.raises(RuntimeError, match="out of range"):
+            step(slot, table, n)
+    with pytest.raises(RuntimeError, match="float16"):
+        lin = model.model.layers[0].mlp.down_proj
+        ext.int4_mm(torch.zeros(1, lin.in_features), lin.q4, lin.d16.float(), lin.m16, True, True)

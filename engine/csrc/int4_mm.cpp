@@ -265,6 +265,10 @@ EC_AVX512 void dequant_t_blocks(const uint8_t* q, const uint16_t* d16, const uin
 at::Tensor int4_dequant_t(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 8 && q.size(3) == 32 && q.scalar_type() == at::kByte,
               "int4_dequant_t: q must be [N/16, K/32, 8, 32] uint8");
+  TORCH_CHECK(q.is_contiguous() && d.is_contiguous() && m.is_contiguous() &&
+                  d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf &&
+                  d.numel() == q.size(0) * q.size(1) * 16 && m.numel() == d.numel(),
+              "int4_dequant_t: q, d and m must be contiguous and agree, d and m float16");
   const int64_t NB = q.size(0), N = NB * 16, K = q.size(1) * 32;
   at::Tensor wt = at::empty({K, N}, q.options().dtype(at::kBFloat16));
   const auto* qp = q.data_ptr<uint8_t>();
@@ -279,6 +283,9 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "int4_mm: x must be [M, K] float32");
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 8 && q.size(3) == 32 && q.scalar_type() == at::kByte,
               "int4_mm: q must be [N/16, K/32, 8, 32] uint8");
+  TORCH_CHECK(q.is_contiguous() && d.is_contiguous() && m.is_contiguous() &&
+                  d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf,
+              "int4_mm: q, d and m must be contiguous, d and m float16");
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), NB = q.size(0), N = NB * 16, G = K / 32;
   TORCH_CHECK(K == q.size(1) * 32 && d.numel() == NB * G * 16 && m.numel() == NB * G * 16,

@@ -75,6 +75,19 @@ at::Tensor woq_decode(at::Tensor x, const std::vector<at::Tensor>& weights, cons
   const at::Tensor slot_ids = slot_mapping.to(at::kLong).contiguous();
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
   const at::Tensor lens = context_lens.to(at::kLong).contiguous();
+  // the loops below index the cache through these: every slot, block and length in range
+  const int64_t width = tables.size(1), num_blocks = kv.size(2);
+  TORCH_CHECK(slot_ids.numel() == t && tables.size(0) == t && lens.numel() == t && c2.numel() == t * head_dim &&
+                  s2.numel() == t * head_dim && heads % kv_heads == 0 && head_dim % 16 == 0 && hidden % 16 == 0,
+              "woq_decode: step inputs do not agree with ", t, " rows");
+  for (int64_t i = 0; i < t; ++i) {
+    const int64_t slot = slot_ids.data_ptr<int64_t>()[i], n = lens.data_ptr<int64_t>()[i];
+    TORCH_CHECK(slot >= 0 && slot < slots && n >= 1 && n <= width * block_size,
+                "woq_decode: row ", i, " has slot ", slot, " and context ", n, " out of range");
+    const int64_t* row = tables.data_ptr<int64_t>() + i * width;
+    for (int64_t j = 0; j < (n + block_size - 1) / block_size; ++j)
+      TORCH_CHECK(row[j] >= 0 && row[j] < num_blocks, "woq_decode: row ", i, " block ", row[j], " out of range");
+  }
   at::Tensor h = at::empty_like(x);
   at::Tensor o = at::empty({t, heads * head_dim}, x.options());
   float* xp = x.data_ptr<float>();
