@@ -19,18 +19,25 @@ from engine.step_inputs import _spans, packed_forward
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
-@pytest.fixture(scope="module")
-def woq_runner():
-    # no prefix cache: a second run's cached prompt would take other kernels (the int4 kernel
-    # or the dense bf16 GEMM go by row count) than the first's
-    runner = ModelRunner(EngineConfig(model="random:tiny-llama", num_kv_blocks=64, max_num_seqs=4,
-                                      max_model_len=256, enable_prefix_caching=False))
+def _packed_runner(num_kv_blocks: int, max_num_seqs: int, max_model_len: int) -> ModelRunner:
+    """random:tiny-llama packed as woq (its linears as GGUF Q4_1 tensors, the head as Q8_0).
+    No prefix cache: a second run's cached prompt would take other kernels (they go by row
+    count) than the first's."""
+    runner = ModelRunner(EngineConfig(model="random:tiny-llama", num_kv_blocks=num_kv_blocks,
+                                      max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                      enable_prefix_caching=False))
     runner.load()
     model = runner.resource("weights")
     names = [n for n, _ in model.named_parameters() if n.endswith("proj.weight")]
     head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     pack_model(model, "woq", {**{n: "Q4_1" for n in names}, head: "Q8_0"})
     assert model.woq_forward  # usable: int4 q/k/v and gate/up fused, no q/k norm
+    return runner
+
+
+@pytest.fixture(scope="module")
+def woq_runner():
+    runner = _packed_runner(64, 4, 256)
     yield runner
     runner.shutdown()
 
@@ -121,14 +128,8 @@ def test_cpu_argmax_and_top_indices_match_torch():
 
 @pytest.fixture(scope="module")
 def woq_runner_wide():
-    """Room for 20 sequences: decode steps of 16+ rows take the dense bf16 GEMM."""
-    runner = ModelRunner(EngineConfig(model="random:tiny-llama", num_kv_blocks=160, max_num_seqs=20,
-                                      max_model_len=128, enable_prefix_caching=False))
-    runner.load()
-    model = runner.resource("weights")
-    names = [n for n, _ in model.named_parameters() if n.endswith("proj.weight")]
-    head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
-    pack_model(model, "woq", {**{n: "Q4_1" for n in names}, head: "Q8_0"})
+    """Room for 20 sequences: decode steps of 18 rows."""
+    runner = _packed_runner(160, 20, 128)
     yield runner
     runner.shutdown()
 
