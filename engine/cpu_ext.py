@@ -81,11 +81,9 @@ def module() -> Optional[Any]:
 
 @functools.lru_cache(maxsize=1)
 def _cpu_flags() -> tuple[bool, bool]:
-    import torch
+    from .cpu_weights import amx_cpu, bf16_cpu
 
-    bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    return bool(bf16), bool(amx)
+    return bf16_cpu(), amx_cpu()
 
 
 @functools.lru_cache(maxsize=1)

@@ -65,14 +65,21 @@ def cpu_capability() -> str:
         return "DEFAULT"
 
 
-def _bf16_supported() -> bool:
+def bf16_cpu() -> bool:
+    """This CPU has AVX512-BF16."""
     probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
     return bool(probe and probe())
 
 
-def _amx_supported() -> bool:
+def amx_cpu() -> bool:
+    """This CPU has AMX tiles."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(probe and probe())
+
+
+def is_quantized(gguf_types: Optional[Mapping[str, str]]) -> bool:
+    """A GGUF checkpoint with Q4_0 / Q4_1 / Q8_0 tensors (what ``woq`` packs)."""
+    return bool(gguf_types) and any(t in _QUANTIZED for t in gguf_types.values())
 
 
 def choose_format(device: torch.device, dtype_flag: str, cpu_weights: str,
@@ -80,7 +87,7 @@ def choose_format(device: torch.device, dtype_flag: str, cpu_weights: str,
     """``(format, why)`` for a model on ``device`` (see the module docstring)."""
     if device.type != "cpu":
         return "float", f"{device.type} device"
-    quantized = bool(gguf_types) and any(t in _QUANTIZED for t in gguf_types.values())
+    quantized = is_quantized(gguf_types)
     if cpu_weights not in ("auto", "float") and not quantized:
         return "float", f"--cpu-weights {cpu_weights} needs a Q4_0/Q4_1/Q8_0 GGUF checkpoint"
     if cpu_weights != "auto":
@@ -90,9 +97,9 @@ def choose_format(device: torch.device, dtype_flag: str, cpu_weights: str,
     if not quantized:
         return "float", "the checkpoint is not a Q4_0/Q4_1/Q8_0 GGUF"
     cap = cpu_capability()
-    if cap.startswith("AVX512") and _bf16_supported():
+    if cap.startswith("AVX512") and bf16_cpu():
         own = cpu_ext.module() is not None
-        return "woq", (f"CPU capability {cap} with AVX512-BF16{' and AMX' if _amx_supported() else ''}: "
+        return "woq", (f"CPU capability {cap} with AVX512-BF16{' and AMX' if amx_cpu() else ''}: "
                        + ("enginecore's int4 kernel (engine/csrc/int4_mm.cpp: the file's fp16 group "
                           "scales, float32 sums) and C++ decode step" if own else
                           "torch's int4/int8 weight-only kernels with bf16 activations (the C++ "
@@ -185,4 +192,5 @@ def packed_types(model: nn.Module) -> dict[str, str]:
     return out
 
 
-__all__ = ["FORMATS", "choose_format", "pack_model", "is_packed", "packed_types", "cpu_capability"]
+__all__ = ["FORMATS", "choose_format", "pack_model", "is_packed", "packed_types", "cpu_capability",
+           "bf16_cpu", "amx_cpu", "is_quantized"]

@@ -30,7 +30,9 @@ def _logits(r: ModelRunner) -> torch.Tensor:
 def test_fused_projections_match_and_take_weight_updates(model, hf_checkpoint):
     if not model.startswith("random:"):  # a Qwen2 checkpoint: q/k/v biases fused too
         model = str(hf_checkpoint(model, "Qwen2ForCausalLM", seed=5)[0])
-    cfg = EngineConfig(model=model, device="cpu", num_kv_blocks=16, max_num_seqs=4,
+    # float32: a checkpoint would run in bf16 on an AVX512-BF16 CPU (dtype auto), this compares
+    # the fused rows with float32 tensors exactly
+    cfg = EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=16, max_num_seqs=4,
                        enable_prefix_caching=False)
     r = ModelRunner(cfg)
     r.load()

@@ -213,7 +213,9 @@ async def test_update_weights_from_tensors_equals_a_fresh_engine(hf_checkpoint) 
     b, _ = hf_checkpoint("sleep-b", seed=1)
     async with AsyncEngine.open(cfg(str(b))) as fresh:
         want = await greedy(fresh)
-    tensors = load_file(str(b / "model.safetensors"))
+        dtype = fresh.runner.dtype  # in-memory tensors come in the engine's dtype (bf16 on an
+        # AVX512-BF16 CPU: a checkpoint's dtype auto), a checkpoint's are converted
+    tensors = {k: v.to(dtype) for k, v in load_file(str(b / "model.safetensors")).items()}
     async with AsyncEngine.open(cfg(str(a))) as eng:
         await eng.sleep(level=2)
         await eng.update_weights_from_tensors(tensors)
@@ -238,7 +240,7 @@ async def test_mismatched_weights_are_refused_and_the_old_ones_serve(hf_checkpoi
         await eng.sleep(level=1)
         with pytest.raises(CheckpointError, match="intermediate_size"):
             await eng.update_weights(str(wide))
-        good = load_file(str(b / "model.safetensors"))
+        good = {k: v.to(eng.runner.dtype) for k, v in load_file(str(b / "model.safetensors")).items()}
         last = sorted(good)[-1]  # every other tensor is valid and would change the weights
         cases = [
             ({**good, last: good[last][:-1]}, f"shape mismatch for {last}"),
