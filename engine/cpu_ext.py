@@ -79,10 +79,24 @@ def module() -> Optional[Any]:
         return _build()
 
 
+def bf16_cpu() -> bool:
+    """This CPU has AVX512-BF16."""
+    import torch
+
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(probe and probe())
+
+
+def amx_cpu() -> bool:
+    """This CPU has AMX tiles."""
+    import torch
+
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe())
+
+
 @functools.lru_cache(maxsize=1)
 def _cpu_flags() -> tuple[bool, bool]:
-    from .cpu_weights import amx_cpu, bf16_cpu
-
     return bf16_cpu(), amx_cpu()
 
 
@@ -122,4 +136,5 @@ if __name__ == "__main__":
     else:
         print("enginecore: the C++ decode step is built")
 
-__all__ = ["module", "enabled", "SOURCES", "int4_usable", "int4_options", "int4_mm"]
+__all__ = ["module", "enabled", "SOURCES", "int4_usable", "int4_options", "int4_mm", "bf16_cpu", "amx_cpu",
+           "cpu_capability"]

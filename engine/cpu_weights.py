@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from . import cpu_ext, woq_forward
+from .cpu_ext import amx_cpu, bf16_cpu, cpu_capability
 from .packed_linear import PackedLinear
 
 log = logging.getLogger("enginecore.cpu_weights")
@@ -56,25 +57,6 @@ def _act_dtype(fmt: str) -> torch.dtype:
     """woq's kernels are vectorized for bf16 activations only (fp32 ones: measured 10-40x
     slower on an AVX-512 Xeon); the rest of the model stays float32."""
     return torch.bfloat16 if fmt == "woq" else torch.float32
-
-
-def cpu_capability() -> str:
-    try:
-        return torch.backends.cpu.get_cpu_capability()
-    except Exception:  # very old torch or an exotic build
-        return "DEFAULT"
-
-
-def bf16_cpu() -> bool:
-    """This CPU has AVX512-BF16."""
-    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    return bool(probe and probe())
-
-
-def amx_cpu() -> bool:
-    """This CPU has AMX tiles."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe and probe())
 
 
 def is_quantized(gguf_types: Optional[Mapping[str, str]]) -> bool:
