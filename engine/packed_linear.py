@@ -266,11 +266,16 @@ class PackedLinear(nn.Module):
                                                         self.row_scales).float()
         top = min(self.head_top, self.out_features)
         xf = x.float()
+        ext = cpu_ext.module() if self.qweight.shape[2] % 16 == 0 and cpu_ext.bf16_cpu() else None
         for r0 in range(0, x.shape[0], _HEAD_ROWS):  # bounds the gathered weights' memory
             part = logits[r0:r0 + _HEAD_ROWS]
             idx = _top_indices(part, top)  # [t, top]
-            w = self.rows(idx.reshape(-1)).view(idx.shape[0], top, self.in_features)
-            part.scatter_(1, idx, torch.bmm(w, xf[r0:r0 + _HEAD_ROWS].unsqueeze(-1)).squeeze(-1))
+            if ext is not None:  # the same sums in C++, no gathered copy (~0.4 ms a step less)
+                exact = ext.head_logits_exact(xf[r0:r0 + _HEAD_ROWS], self.qweight, self.scales, idx)
+            else:
+                w = self.rows(idx.reshape(-1)).view(idx.shape[0], top, self.in_features)
+                exact = torch.bmm(w, xf[r0:r0 + _HEAD_ROWS].unsqueeze(-1)).squeeze(-1)
+            part.scatter_(1, idx, exact)
         return logits
 
     def release_packed(self) -> None:

@@ -308,3 +308,21 @@ def test_int4_many_rows_take_the_weight_dequantized():
     assert many.dtype == few.dtype == torch.float32
     assert _rel(many.double(), ref) < 2e-2  # bf16 input and weight
     assert _rel(few.double(), ref[:7]) < 2e-5  # the kernel's two-part input, exact weight
+
+
+def test_head_exact_logits_in_cpp_are_the_gathered_rows_product():
+    """The head's exact pass (engine/csrc/decode_ops.cpp head_logits) against its rows
+    dequantized in float32 and multiplied (the path without the extension); ids out of range
+    are refused."""
+    ext = cpu_ext.module()
+    if ext is None or not cpu_ext.bf16_cpu():
+        pytest.skip("the C++ extension does not run here")
+    g = torch.Generator().manual_seed(11)
+    head = PackedLinear(torch.randn(512, 96, generator=g), "int8", torch.bfloat16, head_top=16)
+    x = torch.randn(3, 96, generator=g)
+    ids = torch.randint(0, 512, (3, 16), generator=g)
+    got = ext.head_logits_exact(x, head.qweight, head.scales, ids)
+    want = torch.bmm(head.rows(ids.reshape(-1)).view(3, 16, 96), x.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ext.head_logits_exact(x, head.qweight, head.scales, ids.clone().fill_(512))

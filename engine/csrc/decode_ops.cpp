@@ -150,3 +150,31 @@ EC_AVX512 void silu_mul(const float* gu, int64_t rows, int64_t n, float* out) {
     }
   }
 }
+
+// out[t, j] = sum_c s[c, n] * sum_i q[c, n, i] * x[t, c * chunk + i] for n = ids[t, j]: the LM
+// head's exact logits of each row's candidates (q [C, N, chunk] int8, s [C, N] float32)
+EC_AVX512 static void head_logits_row(const float* x, const int8_t* q, const float* s, int64_t C, int64_t N,
+                                      int64_t chunk, const int64_t* ids, int64_t top, float* out) {
+  for (int64_t j = 0; j < top; ++j) {
+    const int64_t n = ids[j];
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; ++c) {
+      const int8_t* qr = q + (c * N + n) * chunk;
+      const float* xc = x + c * chunk;
+      __m512 v = _mm512_setzero_ps();
+      for (int64_t i = 0; i < chunk; i += 16) {
+        const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qr + i))));
+        v = _mm512_fmadd_ps(w, _mm512_loadu_ps(xc + i), v);
+      }
+      acc = _mm512_fmadd_ps(v, _mm512_set1_ps(s[c * N + n]), acc);
+    }
+    out[j] = _mm512_reduce_add_ps(acc);
+  }
+}
+
+void head_logits(const float* x, int64_t T, int64_t K, const int8_t* q, const float* s, int64_t C, int64_t N,
+                 int64_t chunk, const int64_t* ids, int64_t top, float* out) {
+  at::parallel_for(0, T, 1, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) head_logits_row(x + t * K, q, s, C, N, chunk, ids + t * top, top, out + t * top);
+  });
+}

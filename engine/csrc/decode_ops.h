@@ -18,3 +18,8 @@ void attend(const float* qkv, const float* cache, int64_t S, const int64_t* tabl
 
 // out[t, i] = silu(gu[t, i]) * gu[t, n + i], gu [T, 2n]
 void silu_mul(const float* gu, int64_t rows, int64_t n, float* out);
+
+// out [T, top]: the LM head's exact logits at each row's candidate ids [T, top] (q [C, N, chunk]
+// int8, s [C, N] float32 scales, x [T, K = C chunk] float32; chunk % 16 == 0)
+void head_logits(const float* x, int64_t T, int64_t K, const int8_t* q, const float* s, int64_t C, int64_t N,
+                 int64_t chunk, const int64_t* ids, int64_t top, float* out);

@@ -113,8 +113,29 @@ at::Tensor woq_decode(at::Tensor x, const std::vector<at::Tensor>& weights, cons
   return out;
 }
 
+// PackedLinear's head: the exact logits of each row's candidates (engine/csrc/decode_ops.cpp)
+at::Tensor head_logits_exact(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales,
+                             const at::Tensor& ids_in) {
+  TORCH_CHECK(x_in.dim() == 2 && q.dim() == 3 && scales.dim() == 2 && ids_in.dim() == 2 &&
+                  q.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat && q.is_contiguous() &&
+                  scales.is_contiguous(), "head_logits_exact: x [T, K], q [C, N, chunk] int8, scales [C, N] float32");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const int64_t T = x.size(0), K = x.size(1), C = q.size(0), N = q.size(1), chunk = q.size(2), top = ids.size(1);
+  TORCH_CHECK(C * chunk == K && chunk % 16 == 0 && scales.size(0) == C && scales.size(1) == N && ids.size(0) == T,
+              "head_logits_exact: shapes do not agree");
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T * top; ++i)
+    TORCH_CHECK(idp[i] >= 0 && idp[i] < N, "head_logits_exact: id ", idp[i], " out of range");
+  at::Tensor out = at::empty({T, top}, x.options());
+  head_logits(x.data_ptr<float>(), T, K, q.data_ptr<int8_t>(), scales.data_ptr<float>(), C, N, chunk, idp, top,
+              out.data_ptr<float>());
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("woq_decode", &woq_decode, "a decode-only step of a woq-packed model (all layers)");
   m.def("int4_mm", &int4_mm, "x @ W.T for a 4-bit weight with fp16 group scales and minimums");
   m.def("int4_dequant_t", &int4_dequant_t, "the 4-bit weight's transpose as bf16 [K, N]");
+  m.def("head_logits_exact", &head_logits_exact, "the LM head's exact logits at candidate ids");
 }
