@@ -17,6 +17,7 @@ not its whole budget (``torch.zeros`` wrote every page: 512 MiB resident at load
 
 from __future__ import annotations
 
+import math
 import mmap
 from collections import deque
 
@@ -79,9 +80,7 @@ def zeroed_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     and no view left): never while a tensor can still read it. (Not ``mmap.close()``:
     ``torch.frombuffer`` keeps the object, not a buffer export, so a close would unmap under a
     live view.)"""
-    numel = 1
-    for n in shape:
-        numel *= n
+    numel = math.prod(shape)
     size = max(1, numel * torch.empty(0, dtype=dtype).element_size())
     if hasattr(mmap, "MAP_PRIVATE"):  # POSIX: private, so not shared memory (shmem) pages
         buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -8,7 +8,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from . import triton_prefill
+from . import triton_prefill, woq_forward
 from .host_arrays import long_tensor, padded_rows
 from .attention import MAX_BATCHED_QUERIES, AttentionMetadata, PrefillSeq, context_groups
 from .kv_cache import blocks_needed
@@ -112,7 +112,8 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
         meta.decode_max_len = max(dec_lens)
         if bucket is None:
             meta.decode_rows = long_tensor(dec_rows).to(device, non_blocking=True)
-        if len(dec_rows) == t and getattr(model, "woq_forward", False):  # its only reader
+        if (len(dec_rows) == t and getattr(model, "woq_forward", False)  # its only reader,
+                and woq_forward.cpp_step(model, kv) is None):  # unless its step runs in C++
             meta.decode_spans = _spans(dec_tables, dec_lens, bs)
     if bucket is not None:
         return graphs.run(bucket, model, kv, state)[:t]

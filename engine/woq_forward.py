@@ -70,10 +70,9 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.T
                    and meta.prefill_batch is None and meta.decode_rows.shape[0] == t)
     hidden = (cfg.hidden_size,)
     scale = dim ** -0.5
-    if decode_only and CPP_STEP and kv.dtype == torch.float32:
-        ext = cpu_ext.module()
-        if ext is not None and cpp_step_fits(model):
-            return _decode_cpp(ext, model, x, cos2, sin2, kv, meta, scale)
+    ext = cpp_step(model, kv) if decode_only else None
+    if ext is not None:
+        return _decode_cpp(ext, model, x, cos2, sin2, kv, meta, scale)
     for layer, cache in zip(m.layers, kv.unbind(0)):
         attn, mlp = layer.self_attn, layer.mlp
         norm = layer.input_layernorm
@@ -131,22 +130,21 @@ def _decode_cpp(ext, model, x, cos2, sin2, kv, meta: AttentionMetadata, scale: f
                           cfg.num_kv_heads, cfg.head_dim, eps, scale, DENSE_ROWS, Q4_DENSE_ROWS, lo, amx)
 
 
+def cpp_step(model, kv: torch.Tensor):
+    """The extension where a step of ``model``'s decode rows runs in C++ here (then the Python
+    loop's views, ``AttentionMetadata.decode_spans``, go unread), else None."""
+    if not CPP_STEP or kv.dtype != torch.float32:
+        return None
+    ext = cpu_ext.module()
+    return ext if ext is not None and cpp_step_fits(model) else None
+
+
 def cpp_step_fits(model) -> bool:
     """engine/csrc/woq_decode.cpp's shapes (multiples of 16: its AVX-512 loops) and an AVX-512
     CPU; float32 activations and cache."""
     cfg = model.config
     return (cfg.hidden_size % 16 == 0 and cfg.intermediate_size % 16 == 0 and cfg.head_dim % 16 == 0
             and cpu_ext.cpu_capability().startswith("AVX512"))
-
-
-def _mask(meta: AttentionMetadata, length: int, device) -> torch.Tensor:
-    """The step's [B, 1, 1, L] key mask: made once a step, reused by every layer."""
-    mask = meta.decode_mask
-    if mask is None or mask.shape[-1] != length:
-        mask = (torch.arange(length, device=device)[None, :]
-                < meta.decode_context_lens[:, None])[:, None, None, :]
-        meta.decode_mask = mask
-    return mask
 
 
 def _decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
@@ -162,7 +160,11 @@ def _decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetad
     block_size = cache.shape[2]
     width = (meta.decode_max_len + block_size - 1) // block_size
     length = width * block_size
-    mask = _mask(meta, length, q.device)
+    mask = meta.decode_mask  # [B, 1, 1, L]: made by the first layer, reused by the rest
+    if mask is None or mask.shape[-1] != length:
+        mask = (torch.arange(length, device=q.device)[None, :]
+                < meta.decode_context_lens[:, None])[:, None, None, :]
+        meta.decode_mask = mask
     spans = meta.decode_spans
     if spans is not None and bsz <= MAX_SPAN_ROWS:
         # NOTE: each row reads whole blocks and the same mask as the gathered call (not just its
@@ -184,4 +186,4 @@ def _decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetad
     return o.view(bsz, heads, dim)
 
 
-__all__ = ["forward", "usable", "MAX_SPAN_ROWS", "CPP_STEP"]
+__all__ = ["forward", "usable", "cpp_step", "MAX_SPAN_ROWS", "CPP_STEP"]
