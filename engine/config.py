@@ -16,7 +16,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     revision: Optional[str] = None  # of a Hugging Face repo id from the local cache (default main)
     device: str = "auto"  # "auto" = cuda when available, else cpu
     # "auto" = bfloat16 on cuda, float32 on cpu -- except a float checkpoint (safetensors, an
-    # unquantized GGUF) on a CPU with AVX512-BF16: bfloat16 (ModelRunner._checkpoint_dtype)
+    # unquantized GGUF) on a CPU with AVX512-BF16: bfloat16 (cpu_weights.checkpoint_dtype)
     dtype: str = "auto"
     # CPU weight format (engine/cpu_weights.py): "auto" = the fastest packed format for this CPU
     # when dtype is "auto" and the checkpoint is a quantized GGUF, else "float" (dequantized)

@@ -97,6 +97,21 @@ def choose_format(device: torch.device, dtype_flag: str, cpu_weights: str,
     return "float", f"CPU capability {cap}: no faster kernel known"
 
 
+def checkpoint_dtype(device: torch.device, config, tensors, dtype: torch.dtype) -> torch.dtype:
+    """``--dtype auto`` on a CPU with AVX512-BF16: a checkpoint's float weights (safetensors,
+    an unquantized GGUF) run in bf16 -- oneDNN's bf16 GEMMs (AMX where there is one) read half
+    the bytes of float32. A quantized GGUF keeps its packed format (float32 around its kernels),
+    synthetic weights (``random:``, no ``tensors``) and tensor parallel engines (every rank
+    decides alike only from the config) keep ``dtype``."""
+    if (device.type != "cpu" or config.dtype != "auto" or tensors is None
+            or config.tensor_parallel_size > 1
+            or is_quantized(getattr(tensors, "gguf_types", None)) or not bf16_cpu()):
+        return dtype
+    log.info("dtype: bfloat16 (--dtype auto: a float checkpoint on a CPU with AVX512-BF16%s; "
+             "--dtype float32 keeps float32)", " and AMX" if amx_cpu() else "")
+    return torch.bfloat16
+
+
 def _kind(fmt: str, gguf_type: Optional[str]) -> Optional[str]:
     if fmt == "woq":
         return _QUANTIZED.get(gguf_type or "")
@@ -175,4 +190,4 @@ def packed_types(model: nn.Module) -> dict[str, str]:
 
 
 __all__ = ["FORMATS", "choose_format", "pack_model", "is_packed", "packed_types", "cpu_capability",
-           "bf16_cpu", "amx_cpu", "is_quantized"]
+           "bf16_cpu", "amx_cpu", "is_quantized", "checkpoint_dtype"]

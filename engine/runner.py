@@ -17,7 +17,7 @@ import torch
 
 from . import cuda_graphs, fused_linears, fused_ops, fused_sample
 from .config import EngineConfig
-from .cpu_weights import amx_cpu, bf16_cpu, choose_format, is_quantized, pack_model
+from .cpu_weights import checkpoint_dtype, choose_format, pack_model
 from .errors import BadRequestError
 from .block_manager import BlockManager
 from .device_stack import device_stack
@@ -105,7 +105,7 @@ class ModelRunner(RunnerSleep):
             self._tp.start(should_stop)  # the driver starts the workers: they load meanwhile
         cfg, tensors, tok = resolve_source(self.config.model, self.config.revision)
         self.model_config, self._shapes, self.tokenizer = cfg, cfg, tok
-        self.dtype = self._checkpoint_dtype(tensors)
+        self.dtype = checkpoint_dtype(self.device, self.config, tensors, self.dtype)
         tok.max_token_chars  # computed once here, on the loading thread (admission reads it)
         self.max_model_len = min(self.config.max_model_len or _MAX_CONTEXT_DEFAULT,
                                  cfg.max_position_embeddings)
@@ -147,20 +147,6 @@ class ModelRunner(RunnerSleep):
                  self.config.model, self.device, self.dtype, self.weight_format, self.num_blocks, self.block_size,
                  self._owner[R.KV_CACHE].nbytes / 2**20,
                  "on" if R.CUDA_GRAPHS in self._owner else "off")
-
-    def _checkpoint_dtype(self, tensors) -> torch.dtype:
-        """``--dtype auto`` on a CPU with AVX512-BF16: a checkpoint's float weights (safetensors,
-        an unquantized GGUF) run in bf16 -- oneDNN's bf16 GEMMs (AMX where there is one) read
-        half the bytes of float32. A quantized GGUF keeps its packed format (float32 around
-        its kernels: engine/cpu_weights.py), synthetic weights (``random:``) and tensor
-        parallel engines (every rank decides alike only from the config) stay float32."""
-        if (self.device.type != "cpu" or self.config.dtype != "auto" or tensors is None
-                or self.config.tensor_parallel_size > 1
-                or is_quantized(getattr(tensors, "gguf_types", None)) or not bf16_cpu()):
-            return self.dtype
-        log.info("dtype: bfloat16 (--dtype auto: a float checkpoint on a CPU with AVX512-BF16%s; "
-                 "--dtype float32 keeps float32)", " and AMX" if amx_cpu() else "")
-        return torch.bfloat16
 
     def _pack(self, model, tensors) -> None:
         """Keep a quantized GGUF's linears packed on CPU where that is faster (the format and
