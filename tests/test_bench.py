@@ -218,3 +218,35 @@ def test_host_overhead_runs_both_modes_with_the_null_model(tmp_path):
     assert row["bare_us"] > 0 and row["inproc_us"] > 0
     assert row["ratio"] == pytest.approx(row["bare_us"] / row["inproc_us"])
     assert "in-process / bare" in p.stdout
+
+
+def test_host_overhead_against_the_simulated_device(tmp_path):
+    out = tmp_path / "h.json"
+    p = _bench("host_overhead", "--requests", "6", "--tokens", "5", "--rounds", "1", "--sim", "h200",
+               "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rounds"]
+    # 6 requests x 5 tokens: ~6 steps of ~1.4 ms simulated, the host's share beside them
+    assert 0.05 < row["bare_busy"] <= 1.0 and 0.05 < row["inproc_busy"] <= 1.0
+    assert "device busy" in p.stdout
+
+
+def test_simulated_device_queues_steps_like_a_stream():
+    import time
+    from types import SimpleNamespace as NS
+
+    from bench.device_sim import CostModel, SimDevice
+
+    model = CostModel(base_ms=20.0, row_us=1000.0, ctx_ns=1e6, prompt_us=100.0)
+    decode = [(NS(num_computed_tokens=9, num_known_tokens=10), 1)]  # 1 row, ctx 10
+    prefill = [(NS(num_computed_tokens=0, num_known_tokens=30), 20)]  # 20 prompt tokens, no row
+    assert model.seconds(decode) == pytest.approx(0.020 + 0.001 + 0.010)
+    assert model.seconds(prefill) == pytest.approx(0.020 + 0.020 + 0.002)
+    dev = SimDevice(model)
+    t0 = time.perf_counter()
+    a, b = dev.enqueue(decode), dev.enqueue(decode)  # the second starts when the first ends
+    assert b.at - a.at == pytest.approx(0.031, abs=1e-6) and a.at - t0 >= 0.031 - 1e-6
+    assert not b.query()
+    b.synchronize()
+    assert b.query() and time.perf_counter() - t0 >= 0.062 - 1e-4
+    assert dev.steps == 2 and dev.busy_s == pytest.approx(0.062)
