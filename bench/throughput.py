@@ -50,6 +50,7 @@ report steps, use the bare mode's. JSON per mode: ``workload_bytes``, ``bandwidt
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import inspect
 import statistics
@@ -136,25 +137,45 @@ def run_bare(args, work) -> dict[str, Any]:
                     rec.submitted(i, now())
                     core.add_request(rid, p, _params(o, args.temperature))
                 last_bar = 0.0
-                while core.has_work():
-                    outs = core.step()
-                    t = now()
-                    for out in outs:
-                        rec.piece(index[out.request_id], t, len(out.token_ids),
-                                  out.finish_reason if out.finished else None)
-                    if t - last_bar > 0.2:
-                        rec.flush_bar()
-                        last_bar = t
-                common.sync(args.device)
-                rec.t1 = now()
+                with _timeline(args) as tl:
+                    while core.has_work():
+                        outs = core.step()
+                        t = now()
+                        for out in outs:
+                            rec.piece(index[out.request_id], t, len(out.token_ids),
+                                      out.finish_reason if out.finished else None)
+                        if t - last_bar > 0.2:
+                            rec.flush_bar()
+                            last_bar = t
+                    common.sync(args.device)
+                    rec.t1 = now()
                 cpu_s = time.process_time() - cpu0
                 rec.flush_bar()
             st = core.statistics()
             runs.append(rec.summary("bare", steps=st.steps, preemptions=st.preemptions,
-                                    cpu_s=cpu_s))
+                                    cpu_s=cpu_s, **_timeline_of("bare", tl, rec)))
         return _best(runs, load_s=load_s, kv_blocks=runner.num_blocks)
     finally:
         runner.shutdown()
+
+
+def _timeline(args):
+    """``--timeline``: every step of the timed run timed (bench/step_timeline.py)."""
+    if not args.timeline:
+        return contextlib.nullcontext()
+    from .step_timeline import recording
+
+    return recording()
+
+
+def _timeline_of(mode: str, tl, rec: Recorder) -> dict[str, Any]:
+    if tl is None:
+        return {}
+    from .step_timeline import print_summary
+
+    s = tl.summary(rec.t0, rec.t1)
+    print_summary(mode, s)
+    return {"timeline": s}
 
 
 # -- modes: streaming (in-process AsyncEngine, IPC client) -------------------------------------------
@@ -201,23 +222,26 @@ def run_inproc(args, work) -> dict[str, Any]:
 
     async def main() -> None:
         t_load = now()
-        async with AsyncEngine.open(_engine_cfg(args)) as eng:
-            load_s = now() - t_load
-            if args.warmup:
-                await _warm(eng.generate, warm_work(work, args.warmup), args.temperature)
-            runs = []
-            for r in range(args.repeat):
-                s0 = eng.statistics()
-                with common.progress(sum(o for _, o in work), _desc("inproc", r, args), "tok",
-                                     args.no_progress) as bar:
-                    rec = Recorder(work, bar)
-                    cpu0 = time.process_time()
-                    await _stream_all(eng.generate, work, args.temperature, rec)
-                    cpu_s = time.process_time() - cpu0
-                s1 = eng.statistics()
-                runs.append(rec.summary("inproc", steps=s1.steps - s0.steps,
-                                        preemptions=s1.preemptions - s0.preemptions, cpu_s=cpu_s))
-            result.update(_best(runs, load_s=load_s))
+        # (the timeline is on from the start: the engine loop binds its step method once)
+        with _timeline(args) as tl:
+            async with AsyncEngine.open(_engine_cfg(args)) as eng:
+                load_s = now() - t_load
+                if args.warmup:
+                    await _warm(eng.generate, warm_work(work, args.warmup), args.temperature)
+                runs = []
+                for r in range(args.repeat):
+                    s0 = eng.statistics()
+                    with common.progress(sum(o for _, o in work), _desc("inproc", r, args), "tok",
+                                         args.no_progress) as bar:
+                        rec = Recorder(work, bar)
+                        cpu0 = time.process_time()
+                        await _stream_all(eng.generate, work, args.temperature, rec)
+                        cpu_s = time.process_time() - cpu0
+                    s1 = eng.statistics()
+                    runs.append(rec.summary("inproc", steps=s1.steps - s0.steps,
+                                            preemptions=s1.preemptions - s0.preemptions, cpu_s=cpu_s,
+                                            **_timeline_of("inproc", tl, rec)))
+                result.update(_best(runs, load_s=load_s))
 
     anyio.run(main, backend="asyncio", backend_options=_backend_options(args))
     return result
@@ -337,6 +361,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--logprobs-compare", type=int, default=None, metavar="K",
                     help="run every engine mode without and with --logprobs K, alternating, "
                          "--repeat rounds; print the per-round ratios and their median")
+    ap.add_argument("--timeline", action="store_true",
+                    help="time every step and garbage collection of the bare and in-process runs "
+                         "(bench/step_timeline.py): where the in-process mode's extra time goes")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = common.finish_common_args(ap.parse_args(argv), "throughput")
     if args.switch_interval is not None:  # a process entry point: its own interpreter's knob

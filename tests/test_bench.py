@@ -19,11 +19,18 @@ def test_throughput_every_engine_mode_in_its_own_process(tmp_path):
     out = tmp_path / "t.json"
     p = _bench("throughput", "--device", "cpu", "--no-progress", "--num-requests", "6",
                "--min-input", "8", "--max-input", "24", "--min-output", "4", "--max-output", "12",
-               "--repeat", "1", "--warmup", "1", "--copy-mib", "16", "--out", str(out))
+               "--repeat", "1", "--warmup", "1", "--copy-mib", "16", "--timeline", "--out", str(out))
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     rows = {r["mode"]: r for r in res["modes"]}
     assert set(rows) == {"bare", "inproc", "ipc"}
+    for mode in ("bare", "inproc"):  # --timeline: the timed run's steps (bench/step_timeline.py)
+        tl = rows[mode]["timeline"]
+        assert tl["steps"] >= rows[mode]["steps"] > 0, (mode, tl)
+        assert tl["in_steps_s"] + tl["gaps_s"] <= tl["wall_s"] * 1.001, (mode, tl)
+        assert sum(k["n"] for k in tl["by_kind"].values()) == tl["steps"]
+        assert "prompt" in tl["by_kind"]
+    assert "[inproc] timeline" in p.stdout
     expected = res["workload"]["output_tokens"]
     for mode, row in rows.items():
         assert "error" not in row, (mode, row)

@@ -105,7 +105,7 @@ elif [[ $PART == 13 ]]; then  # session 10: every GPU test, structured outputs, 
   step gpu_tests 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu
   step structured 170 python3 -m bench.structured --device cuda --no-progress --out "$OUT/structured.json"
   step throughput 150 python3 -m bench.throughput --device cuda --no-progress --repeat 1 \
-    --modes bare,inproc,ipc --out "$OUT/throughput.json"
+    --modes bare,inproc,ipc --timeline --out "$OUT/throughput.json"
   step roofline 70 python3 -m bench.roofline --device cuda --no-progress --out "$OUT/roofline.json"
 elif [[ $PART == 14 ]]; then  # session 10: prefix caching on/off, the GPU tests of the CPU-side merges
   export ONE_LOG=run.log TAIL=18

@@ -1,0 +1,122 @@
+"""Where a benchmark run's wall time went, step by step: ``bench.throughput --timeline``.
+
+Every ``EngineCore.step`` call is timed (its start and end on the thread that runs it) with what
+it scheduled, and every garbage collection in the timed window is recorded. The summary splits
+the run's wall into the time the stepping thread spent inside steps (host work plus waiting for
+the device) and the gaps between steps (the bench's own recording in the bare loop; the hand-over
+to the event loop and back in-process), by kind of step. Comparing the bare and in-process
+summaries of one run says where the in-process mode's extra time is: in longer steps (the event
+loop holding the GIL while the step thread wants it), in longer gaps (the hand-over), or in
+collections (issue 14's in-process / bare ratio).
+
+Patched at class level for the duration of the ``with`` block, so it also sees the steps that
+``AsyncEngine`` runs on its step thread; the patch is the bench's, never the engine's.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from .common import percentile
+
+BATCH_BUCKETS = (1, 16, 64, 128, 256, 1 << 30)
+
+
+class Timeline:
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, float, int, int, int]] = []  # t0, t1, entries, rows, prompt
+        self.gc: list[tuple[float, int, float]] = []  # start, generation, seconds
+        self._sched = (0, 0, 0)
+        self._gc_t0 = 0.0
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc.append((self._gc_t0, info["generation"], time.perf_counter() - self._gc_t0))
+
+    def summary(self, t0: float, t1: float) -> dict[str, Any]:
+        """The steps and collections between ``t0`` and ``t1`` (the timed run's window)."""
+        steps = [s for s in self.steps if t0 <= s[0] <= t1]
+        wall = t1 - t0
+        dur = [b - a for a, b, *_ in steps]
+        gaps = [steps[k + 1][0] - steps[k][1] for k in range(len(steps) - 1)]
+        out: dict[str, Any] = {
+            "steps": len(steps), "wall_s": wall, "in_steps_s": sum(dur), "gaps_s": sum(gaps),
+            "gap_p50_us": _us(percentile(gaps, 50)), "gap_p99_us": _us(percentile(gaps, 99)),
+            "gap_max_ms": max(gaps) * 1e3 if gaps else None,
+        }
+        kinds: dict[str, list[float]] = {}
+        for (a, b, entries, rows, prompt) in steps:
+            if not entries:
+                key = "no launch"  # applied the step in flight only (EngineCore.step)
+            elif prompt:
+                key = "prompt"
+            else:
+                key = "decode<=" + str(next(x for x in BATCH_BUCKETS if rows <= x))
+            kinds.setdefault(key, []).append(b - a)
+        out["by_kind"] = {k: {"n": len(v), "sum_s": sum(v), "p50_ms": percentile(v, 50) * 1e3,
+                              "p99_ms": percentile(v, 99) * 1e3} for k, v in sorted(kinds.items())}
+        collections: dict[str, list[float]] = {}
+        for start, gen, secs in self.gc:
+            if t0 <= start <= t1:
+                collections.setdefault(f"gen{gen}", []).append(secs)
+        out["gc"] = {g: {"n": len(v), "sum_ms": sum(v) * 1e3, "max_ms": max(v) * 1e3}
+                     for g, v in sorted(collections.items())}
+        longest = sorted(steps, key=lambda s: s[0] - s[1])[:5]
+        out["longest_steps"] = [{"ms": (b - a) * 1e3, "entries": e, "rows": r, "prompt_tokens": p}
+                                for a, b, e, r, p in longest]
+        return out
+
+
+def _us(x):
+    return None if x is None else x * 1e6
+
+
+@contextmanager
+def recording() -> Iterator[Timeline]:
+    from engine.core import EngineCore
+    from engine.scheduler import Scheduler
+
+    tl = Timeline()
+    step, schedule = EngineCore.step, Scheduler.schedule
+
+    def timed_schedule(self, *a, **kw):
+        batch = schedule(self, *a, **kw)
+        prompt = rows = 0
+        for req, n in batch:
+            if n > 1 or req.num_computed_tokens == 0:
+                prompt += n
+            rows += 1
+        tl._sched = (len(batch), rows, prompt)
+        return batch
+
+    def timed_step(self, *a, **kw):
+        tl._sched = (0, 0, 0)
+        t = time.perf_counter()
+        try:
+            return step(self, *a, **kw)
+        finally:
+            tl.steps.append((t, time.perf_counter(), *tl._sched))
+
+    EngineCore.step, Scheduler.schedule = timed_step, timed_schedule
+    gc.callbacks.append(tl._on_gc)
+    try:
+        yield tl
+    finally:
+        EngineCore.step, Scheduler.schedule = step, schedule
+        gc.callbacks.remove(tl._on_gc)
+
+
+def print_summary(mode: str, s: dict[str, Any]) -> None:
+    print(f"[{mode}] timeline: {s['steps']} steps, wall {s['wall_s']:.3f} s = in steps "
+          f"{s['in_steps_s']:.3f} + gaps {s['gaps_s']:.3f} (gap p50 {s['gap_p50_us'] or 0:.0f} us, "
+          f"p99 {s['gap_p99_us'] or 0:.0f} us, max {s['gap_max_ms'] or 0:.1f} ms)")
+    for k, v in s["by_kind"].items():
+        print(f"    {k:>14}: {v['n']:5d} steps, {v['sum_s']:.3f} s, p50 {v['p50_ms']:.2f} ms, "
+              f"p99 {v['p99_ms']:.2f} ms")
+    for g, v in s["gc"].items():
+        print(f"    gc {g}: {v['n']} collections, {v['sum_ms']:.1f} ms, max {v['max_ms']:.1f} ms")
