@@ -15,7 +15,9 @@ Why: the in-process / bare ratio of issue 14 is a question of whether the host's
 the one way to measure that here; the figures are a proxy, to compare host-side changes, not
 the device's.
 
-The cost model (``H200``) is fitted to ``bench.roofline --device cuda`` on the H200 for
+The sampling's share is queued when the sampling is launched, so a step sampled late (its masks
+filled after its forward was launched: constrained requests) leaves the device idle for as long
+as the host takes past the forward. The cost model (``H200``) is fitted to ``bench.roofline --device cuda`` on the H200 for
 random:qwen3-0.6b bf16 (session 10, pipelined step times: 1.43 ms at batch 1 x ctx 256, 3.69 at
 256 x 256, 8.89 at 256 x 1024): a fixed 1.4 ms a step (weights and launch-bound small
 kernels), 2 us a sampled row, the K/V read at 114,688 bytes a context token over 4.2 TB/s
@@ -37,7 +39,8 @@ class CostModel:
     prompt_us: float  # per prompt token computed (prefill)
     eager_ms: float = 0.0  # host time with the GIL held, for a step with prompt tokens
 
-    def seconds(self, batch: Sequence[tuple]) -> float:
+    def seconds(self, batch: Sequence[tuple]) -> tuple[float, float]:
+        """The step's device time: (its forward's, its sampling's)."""
         rows = ctx = prompt = 0
         for req, n in batch:
             start = req.num_computed_tokens
@@ -48,14 +51,16 @@ class CostModel:
                 if start + n >= req.num_known_tokens:
                     rows += 1
             ctx += start + n
-        return (self.base_ms * 1e-3 + rows * self.row_us * 1e-6 + ctx * self.ctx_ns * 1e-9
-                + prompt * self.prompt_us * 1e-6)
+        return (self.base_ms * 1e-3 + ctx * self.ctx_ns * 1e-9 + prompt * self.prompt_us * 1e-6,
+                rows * self.row_us * 1e-6)
 
 
 MODELS = {
     "h200": CostModel(base_ms=1.4, row_us=2.0, ctx_ns=27.3, prompt_us=3.0),
     # a device twice as fast: where the host (this machine's) becomes the bound
     "h200-half": CostModel(base_ms=0.7, row_us=1.0, ctx_ns=13.65, prompt_us=1.5),
+    # twice as slow: the H200's balance for a host twice as fast as the 2-core development box
+    "h200-x2": CostModel(base_ms=2.8, row_us=4.0, ctx_ns=54.6, prompt_us=6.0),
     # the same with the host's eager launch of a prompt step (20-45 ms measured in session 10
     # before eager row counts; 8 ms a guess for after them)
     "h200-eager": CostModel(base_ms=1.4, row_us=2.0, ctx_ns=27.3, prompt_us=3.0, eager_ms=8.0),
@@ -88,11 +93,10 @@ class SimDevice:
         self.busy_s = 0.0  # simulated device time, for the utilisation figure
         self.steps = 0
 
-    def enqueue(self, batch: Sequence[tuple]) -> SimEvent:
-        d = self.model.seconds(batch)
-        self.free_at = max(self.free_at, time.perf_counter()) + d
-        self.busy_s += d
-        self.steps += 1
+    def enqueue(self, seconds: float) -> SimEvent:
+        """Device work of ``seconds`` queued now; the event of its end."""
+        self.free_at = max(self.free_at, time.perf_counter()) + seconds
+        self.busy_s += seconds
         return SimEvent(self.free_at)
 
     def attach(self, runner) -> None:
@@ -105,12 +109,17 @@ class SimDevice:
         def sim_forward(batch):
             if model.eager_ms and any(n > 1 or req.num_computed_tokens == 0 for req, n in batch):
                 _spin(model.eager_ms * 1e-3)
-            pending.append(self.enqueue(batch))
+            fwd_s, sample_s = model.seconds(batch)
+            self.enqueue(fwd_s)
+            self.steps += 1
+            pending.append(sample_s)
             return forward(batch)
 
         def sim_sample_step(fwd, defer, masks=None):
+            # the sampling is queued when it is launched: after the forward, or -- a step
+            # sampled late (constrained requests, EngineCore.step) -- once the masks are on
             launched = sample_step(fwd, defer, masks)
-            event = pending.pop()
+            event = self.enqueue(pending.pop())
             if launched.is_deferred:
                 launched.event = event
             else:  # a synchronous step: the host waits for the device here
@@ -127,3 +136,23 @@ def _spin(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
+
+
+def null_model(runner, varied: bool = False) -> None:
+    """The runner's model forward returns hidden states without computing: zeros, or (``varied``)
+    a fixed random vector per input token id, so that the sampled tokens vary as with random
+    weights (a structured output's path through its grammar depends on them)."""
+    import torch
+
+    model = runner.resource("weights")
+    hidden = model.config.hidden_size
+    if varied:
+        gen = torch.Generator().manual_seed(0)
+        table = torch.randn(model.config.vocab_size, hidden, generator=gen) * 4
+        fn = lambda ids, pos, kv, meta: table[ids]  # noqa: E731
+    else:
+        zeros = torch.zeros(runner.config.max_num_batched_tokens + runner.config.max_num_seqs * 17,
+                            hidden)
+        fn = lambda ids, pos, kv, meta: zeros[: ids.shape[0]]  # noqa: E731
+    # NOTE: object.__setattr__: a plain attribute on the module, past nn.Module's own
+    object.__setattr__(model, "forward", fn)

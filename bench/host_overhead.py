@@ -37,21 +37,12 @@ import anyio
 import torch
 
 from . import common
-from .device_sim import MODELS, SimDevice
+from .device_sim import MODELS, SimDevice, null_model
 from .recorder import Recorder
 
 
-def _null_model(runner) -> None:
-    """The runner's model forward returns zero hidden states (no compute, same shapes)."""
-    model = runner.resource("weights")
-    zeros = torch.zeros(runner.config.max_num_batched_tokens + runner.config.max_num_seqs * 17,
-                        model.config.hidden_size)
-    # NOTE: object.__setattr__: a plain attribute on the module, past nn.Module's own
-    object.__setattr__(model, "forward", lambda ids, pos, kv, meta: zeros[: ids.shape[0]])
-
-
 def _prepare(runner, sim: Optional[str], eager_ms: Optional[float]) -> Optional[SimDevice]:
-    _null_model(runner)
+    null_model(runner)
     if sim is None:
         return None
     model = MODELS[sim]

@@ -119,12 +119,15 @@ async def run_mode(eng, args, fraction: float, constraint, label: str = "") -> d
             tokens[i] = out.num_output_tokens
 
     common.sync(args.device)
+    device = getattr(eng, "sim_device", None)
+    busy0 = device.busy_s if device is not None else 0.0
     t0 = now()
     async with anyio.create_task_group() as tg:
         for i in range(n):
             tg.start_soon(one, i)
     common.sync(args.device)
     wall = now() - t0
+    busy = (device.busy_s - busy0) / wall if device is not None else None
     steps = eng.statistics().steps - steps0
     deferred = eng.core.deferred_steps - deferred0
     late = eng.core.late_sampled_steps - late0
@@ -142,7 +145,7 @@ async def run_mode(eng, args, fraction: float, constraint, label: str = "") -> d
     out = sum(tokens)
     return {"constrained": f"{100 * fraction:.0f} %{label}", "requests": n, "output_tokens": out,
             "wall_s": wall, "tok_s": out / wall, "steps": steps, "overlapped": deferred,
-            "late": late, **split,
+            "late": late, **split, "device_busy": busy,
             "ms_per_step": 1e3 * wall / steps if steps else None,
             "valid": f"{valid}/{k}" if k else "-", "valid_strict": f"{strict}/{k}" if k else "-"}
 
@@ -152,6 +155,16 @@ async def bench(args) -> dict:
 
     cfg = common.engine_config(args, max_num_seqs=max(args.requests, 1))
     async with AsyncEngine.open(cfg) as eng:
+        device = None
+        if args.sim:  # the host's work against a modelled device (bench/device_sim.py)
+            from .device_sim import MODELS, SimDevice, null_model
+
+            null_model(eng.runner, varied=True)
+            device = SimDevice(MODELS[args.sim])
+            device.attach(eng.runner)
+        eng.sim_device = device
+        if args.sim:  # what the engine does on an asynchronous device (EngineCore.step)
+            eng.core.apply_after_sampling = args.apply_after_sampling
         # warm-up, untimed: an unconstrained request and the schema's compile (then cached)
         async for _ in eng.generate("warm up", SamplingParams(max_tokens=4)):
             pass
@@ -184,7 +197,16 @@ def main(argv=None) -> int:
                     default=[0.0, 0.5, 1.0])
     ap.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True,
                     help="one more mode: 100 %% constrained by schema_plain (no maxLength)")
+    ap.add_argument("--sim", default=None, choices=("h200", "h200-half", "h200-x2"),
+                    help="cpu only: a null model (a random vector per input token) and a simulated "
+                         "device under the engine (bench/device_sim.py): the host's cost of "
+                         "constraints against a modelled H200 step")
+    ap.add_argument("--apply-after-sampling", action=argparse.BooleanOptionalAction,
+                    default=True, help="with --sim: the order of a late-sampled step "
+                    "(EngineCore.apply_after_sampling; on by default on CUDA)")
     args = common.finish_common_args(ap.parse_args(argv), "structured")
+    if args.sim and args.device != "cpu":
+        ap.error("--sim runs on cpu")
     defaults = CUDA_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
     for key in ("requests", "max_tokens", "items"):
         if getattr(args, key) is None:
@@ -200,7 +222,9 @@ def main(argv=None) -> int:
          ("overlapped", "overlapped", ""), ("late", "late", ""),
          ("late_forward_ms", "fwd", ".2f"), ("late_read_back_ms", "read", ".2f"),
          ("late_apply_ms", "apply", ".2f"), ("late_mask_sample_ms", "mask", ".2f"),
-         ("ms_per_step", "ms/step", ".2f"), ("valid", "valid JSON", ""),
+         ("ms_per_step", "ms/step", ".2f")]
+        + ([("device_busy", "device busy", ".3f")] if args.sim else [])
+        + [("valid", "valid JSON", ""),
          ("valid_strict", "strict", "")], res["modes"])
     common.print_table("grammar compile (the schema of the timed runs: "
                        f"{res['first_compile_ms']:.0f} ms, with the vocabulary's tokenizer info)",

@@ -70,6 +70,9 @@ class EngineCore:
         # feeding its tokens to the matchers; applying it (the masks fill meanwhile); waiting
         # for the masks, masking and launching the sampling
         self.late_seconds = dict.fromkeys(("forward", "read_back", "apply", "mask_sample"), 0.0)
+        #: a step sampled late applies the step before after launching its sampling (an
+        #: asynchronous device), or before it, beside the masks' fill (CPU): EngineCore.step
+        self.apply_after_sampling = runner.device.type == "cuda"
         overlap = cfg.overlap_scheduling
         if overlap is None:
             overlap = runner.device.type == "cuda"
@@ -179,23 +182,38 @@ class EngineCore:
                 # first; while the device runs it, the step before is read back, its matchers
                 # take their tokens, the masks are filled in the background while the rest of
                 # that step is applied; then the masks go on and the step is sampled
-                t = [time.perf_counter()]
+                # NOTE: on an asynchronous device (``apply_after_sampling``) the step before
+                # is applied after the sampling is launched: the device then has the sampling
+                # queued behind the forward while the host applies, and the next step's
+                # forward follows sooner (applied first, the host's whole apply is device idle
+                # time on top of the next step's scheduling). The fill runs in the foreground
+                # there (a helper thread's hand-over costs more than a fill of hundreds of
+                # rows). On the CPU the fill runs beside the apply instead: the forward has run.
+                t0 = time.perf_counter()
                 fwd = self.runner.forward(batch)
-                t.append(time.perf_counter())
+                t1 = time.perf_counter()
                 if on_launched is not None:
                     on_launched()
                 verdicts = self._advance_matchers(*prev)
-                masks = self.runner.fill_masks(fwd)
-                t.append(time.perf_counter())
-                outputs += self._complete(*prev, verdicts)
-                prev = None
-                t.append(time.perf_counter())
+                after = self.apply_after_sampling
+                masks = self.runner.fill_masks(fwd, background=not after)
+                t2 = time.perf_counter()
+                if not after:
+                    outputs += self._complete(*prev, verdicts)
+                t3 = time.perf_counter()
                 launched = self.runner.sample_step(fwd, defer, masks)
                 del fwd
-                t.append(time.perf_counter())
+                t4 = time.perf_counter()
+                if after:
+                    outputs += self._complete(*prev, verdicts)
+                t5 = time.perf_counter()
+                prev = None
                 self.late_sampled_steps += 1
-                for part, a, b in zip(self.late_seconds, t, t[1:]):
-                    self.late_seconds[part] += b - a
+                part = self.late_seconds
+                part["forward"] += t1 - t0
+                part["read_back"] += t2 - t1
+                part["apply"] += (t3 - t2) + (t5 - t4)
+                part["mask_sample"] += t4 - t3
             else:
                 launched = self.runner.launch(batch, defer)
         if prev is not None:

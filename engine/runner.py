@@ -349,11 +349,12 @@ class ModelRunner(RunnerSleep):
             processed = process(logits, sb)
         return Forwarded(batch, sample_rows, plp, owners, logits_all, logits, sb, processed)
 
-    def fill_masks(self, fwd: "Forwarded") -> Filling:
-        """Start filling the grammar masks of ``fwd``'s constrained rows in the background
-        (the matchers' states now; they must be left alone until :meth:`sample_step`)."""
+    def fill_masks(self, fwd: "Forwarded", background: bool = True) -> Filling:
+        """Fill the grammar masks of ``fwd``'s constrained rows (the matchers' states now),
+        by default in the background (the matchers must then be left alone until
+        :meth:`sample_step`)."""
         bitmask: TokenBitmask = self._owner[R.GRAMMAR_BITMASK]
-        return bitmask.fill(_constrained(fwd.batch, fwd.sample_rows), background=True)
+        return bitmask.fill(_constrained(fwd.batch, fwd.sample_rows), background=background)
 
     @torch.inference_mode()
     def sample_step(self, fwd: "Forwarded", defer: bool,

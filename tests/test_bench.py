@@ -247,13 +247,17 @@ def test_simulated_device_queues_steps_like_a_stream():
     model = CostModel(base_ms=20.0, row_us=1000.0, ctx_ns=1e6, prompt_us=100.0)
     decode = [(NS(num_computed_tokens=9, num_known_tokens=10), 1)]  # 1 row, ctx 10
     prefill = [(NS(num_computed_tokens=0, num_known_tokens=30), 20)]  # 20 prompt tokens, no row
-    assert model.seconds(decode) == pytest.approx(0.020 + 0.001 + 0.010)
-    assert model.seconds(prefill) == pytest.approx(0.020 + 0.020 + 0.002)
+    # (forward: base + context + prompt; sampling: its rows)
+    assert model.seconds(decode) == pytest.approx((0.020 + 0.010, 0.001))
+    assert model.seconds(prefill) == pytest.approx((0.020 + 0.020 + 0.002, 0.0))
     dev = SimDevice(model)
     t0 = time.perf_counter()
-    a, b = dev.enqueue(decode), dev.enqueue(decode)  # the second starts when the first ends
+    a, b = dev.enqueue(0.031), dev.enqueue(0.031)  # the second starts when the first ends
     assert b.at - a.at == pytest.approx(0.031, abs=1e-6) and a.at - t0 >= 0.031 - 1e-6
     assert not b.query()
     b.synchronize()
     assert b.query() and time.perf_counter() - t0 >= 0.062 - 1e-4
-    assert dev.steps == 2 and dev.busy_s == pytest.approx(0.062)
+    assert dev.busy_s == pytest.approx(0.062)
+    time.sleep(0.01)  # the device idles: the next work starts when it is queued
+    c = dev.enqueue(0.005)
+    assert c.at - time.perf_counter() == pytest.approx(0.005, abs=2e-3)

@@ -26,11 +26,18 @@ SCHEMA = StructuredOutputs(json_schema={"type": "object", "properties": {
     "n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["t", "n"]})
 
 
-def _core(overlap: bool, **kw) -> EngineCore:
+def _core(overlap: bool, after: bool = False, **kw) -> EngineCore:
+    """``after``: a step sampled late applies the step before after its sampling is launched
+    (``EngineCore.apply_after_sampling``, the CUDA order) instead of before (the CPU's)."""
     r = ModelRunner(EngineConfig(model=TINY, device="cpu", dtype="float32",
                                  overlap_scheduling=overlap, max_num_seqs=32, seed=5, **kw))
     r.load()
-    return EngineCore(r, check_integrity=True)
+    core = EngineCore(r, check_integrity=True)
+    core.apply_after_sampling = after
+    return core
+
+
+AFTER = pytest.mark.parametrize("after", [False, True], ids=["apply-first", "sample-first"])
 
 
 def _grammars(core: EngineCore) -> dict:
@@ -90,9 +97,10 @@ def _text(core_tokens: list[int]) -> str:
     return bytes(t for t in core_tokens if t < 256).decode("latin-1")
 
 
-def test_mixed_constrained_batch_overlapped_gives_the_synchronous_outputs():
+@AFTER
+def test_mixed_constrained_batch_overlapped_gives_the_synchronous_outputs(after):
     sync = _run(_core(False), list(_mixed(24)))
-    core = _core(True)
+    core = _core(True, after)
     over = _run(core, list(_mixed(24)))
     assert over == sync
     assert len(over[1]) == 24
@@ -110,7 +118,8 @@ def test_mixed_constrained_batch_overlapped_gives_the_synchronous_outputs():
     assert core.late_sampled_steps > 0
 
 
-def test_dead_end_with_overlap_ends_that_request_with_error():
+@AFTER
+def test_dead_end_with_overlap_ends_that_request_with_error(after):
     """An allow-list the grammar excludes forces a dead end (the matcher refuses the sampled
     token); it joins a batch whose constrained requests have tokens in flight. That request
     ends with "error", the others are those of the synchronous engine."""
@@ -123,7 +132,7 @@ def test_dead_end_with_overlap_ends_that_request_with_error():
             max_tokens=8, allowed_token_ids=[120], structured=REGEX))]}
 
     sync = _run(_core(False), work(), add_at=late())
-    core = _core(True)
+    core = _core(True, after)
     over = _run(core, work(), add_at=late())
     assert over == sync
     assert over[1]["dead"][0] == "error" and "grammar" in over[1]["dead"][1]
@@ -131,8 +140,9 @@ def test_dead_end_with_overlap_ends_that_request_with_error():
     assert core.late_sampled_steps > 0 and core.deferred_steps > 0
 
 
-def test_abort_with_constrained_tokens_in_flight():
-    core = _core(True)
+@AFTER
+def test_abort_with_constrained_tokens_in_flight(after):
+    core = _core(True, after)
     tokens, final = _run(core, list(_mixed(12)),
                          abort_after={1: ["r0", "r1"], 3: ["r3", "r4", "r9"], 5: ["r6"]})
     assert len(final) == 12
@@ -140,12 +150,14 @@ def test_abort_with_constrained_tokens_in_flight():
     assert core.late_sampled_steps > 0
 
 
+@AFTER
 @pytest.mark.asyncio
-async def test_drain_with_constrained_requests_in_flight_overlapped():
+async def test_drain_with_constrained_requests_in_flight_overlapped(after):
     """Overlap forced on (on CPU it is off by default): a drain with constrained requests
     running (and one unconstrained) ends each stream exactly once."""
     cfg = EngineConfig(model=TINY, device="cpu", num_kv_blocks=256, overlap_scheduling=True)
     async with AsyncEngine.open(cfg, check_integrity=True) as eng:
+        eng.core.apply_after_sampling = after
         streams = [eng.generate("ab", SamplingParams(
             max_tokens=300, structured=REGEX if k % 2 else StructuredOutputs(json_object=True)))
             for k in range(6)]
