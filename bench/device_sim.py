@@ -92,10 +92,14 @@ class SimDevice:
         self.free_at = 0.0
         self.busy_s = 0.0  # simulated device time, for the utilisation figure
         self.steps = 0
+        self.idle: list[float] = []  # each time the device ran dry: for how long
 
     def enqueue(self, seconds: float) -> SimEvent:
         """Device work of ``seconds`` queued now; the event of its end."""
-        self.free_at = max(self.free_at, time.perf_counter()) + seconds
+        now = time.perf_counter()
+        if now > self.free_at and self.free_at:
+            self.idle.append(now - self.free_at)  # the device had nothing queued this long
+        self.free_at = max(self.free_at, now) + seconds
         self.busy_s += seconds
         return SimEvent(self.free_at)
 

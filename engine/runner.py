@@ -30,7 +30,7 @@ from .owner import DeviceOwner, reachable_tensors, trim_host_heap
 from .owner import Resource as R
 from .request import Request
 from .runner_sleep import RunnerSleep
-from . import logprobs
+from . import gc_freeze, logprobs
 from .sampler import SamplingBatch, StepResult, build_sampling_batch, process, sample
 from .step_inputs import packed_forward
 from .structured.bitmask import Filling, TokenBitmask
@@ -73,6 +73,7 @@ class ModelRunner(RunnerSleep):
         #: where the weights came from (reloaded from it after sleep level 2); None: tensors
         self.weights_source: Optional[str] = config.model
         self.weight_format = "float"  # or a packed CPU format (engine/cpu_weights.py)
+        self._gc_frozen = False  # this runner holds a freeze of the heap (engine/gc_freeze.py)
 
     # -- the seed bug, made impossible ------------------------------------------------------
     def __setattr__(self, name: str, value) -> None:
@@ -99,6 +100,9 @@ class ModelRunner(RunnerSleep):
         # the load's host temporaries (the GGUF's dequantized tensors, packing's copies) are
         # freed by now, but glibc keeps their pages resident until trimmed
         trim_host_heap()
+        if self.config.freeze_gc and not self._gc_frozen:  # engine/gc_freeze.py
+            gc_freeze.hold()
+            self._gc_frozen = True
 
     def _load(self, should_stop) -> None:
         if self._tp is not None:
@@ -223,6 +227,9 @@ class ModelRunner(RunnerSleep):
 
     def shutdown(self) -> list[str]:
         """Synchronize, release speculator, model state, KV cache, weights (reverse creation)."""
+        if self._gc_frozen:  # thawed first: the release's collection must see the whole heap
+            self._gc_frozen = False
+            gc_freeze.release()
         if self.speculator is not None:
             self.speculator = None
         refs = None
