@@ -64,6 +64,12 @@ at::Tensor woq_decode(at::Tensor x, const std::vector<at::Tensor>& weights, cons
                       int64_t q4_dense_rows, bool lo, bool amx) {
   constexpr size_t kPerLayer = 18;
   const MatmulOptions opt{dense_rows, q4_dense_rows, lo, amx};
+  // NOTE: the loops below take heads, kv_heads and head_dim as the cache's and the qkv rows'
+  // layout: checked against kv here and against each matmul's output below (a mismatch read
+  // and wrote past both; kv_heads 0 was a SIGFPE), never trusted
+  TORCH_CHECK(x.dim() == 2 && kv.dim() == 6 && kv.size(1) == 2 && heads > 0 && kv_heads > 0 && head_dim > 0 &&
+                  kv.size(4) == kv_heads && kv.size(5) == head_dim,
+              "woq_decode: kv [L, 2, blocks, bs, ", kv_heads, ", ", head_dim, "] expected, got ", kv.sizes());
   const int64_t t = x.size(0), hidden = x.size(1);
   const int64_t layers = kv.size(0), block_size = kv.size(3);
   const int64_t slots = kv.size(2) * block_size;
@@ -94,8 +100,12 @@ at::Tensor woq_decode(at::Tensor x, const std::vector<at::Tensor>& weights, cons
   for (int64_t l = 0; l < layers; ++l) {
     const size_t base = l * kPerLayer;
     float* cache = kv[l].data_ptr<float>();
+    TORCH_CHECK(weights[base].numel() == hidden && weights[base + 9].numel() == hidden,
+                "woq_decode: layer ", l, " norm weights are not ", hidden, " wide");
     rms_norm_rows(xp, weights[base].data_ptr<float>(), eps, t, hidden, h.data_ptr<float>());
     at::Tensor qkv = mm(h, linear_at(weights, base + 1), opt).contiguous();
+    TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * head_dim, "woq_decode: layer ", l, " qkv is ",
+                qkv.size(1), " wide, not (", heads, " + 2 x ", kv_heads, ") x ", head_dim);
     rope_write(qkv.data_ptr<float>(), c2.data_ptr<float>(), s2.data_ptr<float>(), slot_ids.data_ptr<int64_t>(),
                t, heads, kv_heads, head_dim, cache, slots);
     attend(qkv.data_ptr<float>(), cache, slots, tables.data_ptr<int64_t>(), tables.size(1), block_size,
@@ -104,10 +114,12 @@ at::Tensor woq_decode(at::Tensor x, const std::vector<at::Tensor>& weights, cons
     rms_norm_rows(xp, weights[base + 9].data_ptr<float>(), eps, t, hidden, h.data_ptr<float>());
     const at::Tensor gu = mm(h, linear_at(weights, base + 10), opt).contiguous();
     const int64_t inter = gu.size(1) / 2;
+    TORCH_CHECK(gu.size(1) % 32 == 0, "woq_decode: layer ", l, " gate_up is ", gu.size(1), " wide");
     at::Tensor a = at::empty({t, inter}, x.options());
     silu_mul(gu.data_ptr<float>(), t, inter, a.data_ptr<float>());
     x.add_(mm(a, linear_at(weights, base + 14), opt));
   }
+  TORCH_CHECK(weights.back().numel() == hidden, "woq_decode: the final norm weight is not ", hidden, " wide");
   at::Tensor out = at::empty_like(x);
   rms_norm_rows(xp, weights.back().data_ptr<float>(), eps, t, hidden, out.data_ptr<float>());
   return out;
@@ -133,9 +145,13 @@ at::Tensor head_logits_exact(const at::Tensor& x_in, const at::Tensor& q, const 
   return out;
 }
 
+// NOTE: each call lets go of the GIL (its arguments are converted before, its result after):
+// held, a whole decode step (10+ ms, far more at 100+ rows) stopped the event loop's thread,
+// which the step thread exists to run beside the step (ATen's ops in the Python loop release it)
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("woq_decode", &woq_decode, "a decode-only step of a woq-packed model (all layers)");
-  m.def("int4_mm", &int4_mm, "x @ W.T for a 4-bit weight with fp16 group scales and minimums");
-  m.def("int4_dequant_t", &int4_dequant_t, "the 4-bit weight's transpose as bf16 [K, N]");
-  m.def("head_logits_exact", &head_logits_exact, "the LM head's exact logits at candidate ids");
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  m.def("woq_decode", &woq_decode, "a decode-only step of a woq-packed model (all layers)", nogil());
+  m.def("int4_mm", &int4_mm, "x @ W.T for a 4-bit weight with fp16 group scales and minimums", nogil());
+  m.def("int4_dequant_t", &int4_dequant_t, "the 4-bit weight's transpose as bf16 [K, N]", nogil());
+  m.def("head_logits_exact", &head_logits_exact, "the LM head's exact logits at candidate ids", nogil());
 }
