@@ -26,9 +26,10 @@ kernels), 2 us a sampled row, the K/V read at 114,688 bytes a context token over
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -111,13 +112,17 @@ class SimDevice:
         pending: list = []
 
         def sim_forward(batch):
-            if model.eager_ms and any(n > 1 or req.num_computed_tokens == 0 for req, n in batch):
-                _spin(model.eager_ms * 1e-3)
+            # the device starts with the forward's first launch and cannot end before its last:
+            # an eager step's launches (eager_ms of host time) feed it as they go
             fwd_s, sample_s = model.seconds(batch)
             self.enqueue(fwd_s)
+            if model.eager_ms and any(n > 1 or req.num_computed_tokens == 0 for req, n in batch):
+                _spin(model.eager_ms * 1e-3)
+            out = forward(batch)
+            self.free_at = max(self.free_at, time.perf_counter())
             self.steps += 1
             pending.append(sample_s)
-            return forward(batch)
+            return out
 
         def sim_sample_step(fwd, defer, masks=None):
             # the sampling is queued when it is launched: after the forward, or -- a step
@@ -160,3 +165,15 @@ def null_model(runner, varied: bool = False) -> None:
         fn = lambda ids, pos, kv, meta: zeros[: ids.shape[0]]  # noqa: E731
     # NOTE: object.__setattr__: a plain attribute on the module, past nn.Module's own
     object.__setattr__(model, "forward", fn)
+
+
+def simulate(runner, sim: str, eager_ms: Optional[float] = None, varied: bool = False) -> SimDevice:
+    """``runner`` (loaded) with a null model (:func:`null_model`) on a simulated device of cost
+    model ``sim`` (``eager_ms`` overriding the model's); the device, for its figures."""
+    model = MODELS[sim]
+    if eager_ms is not None:
+        model = dataclasses.replace(model, eager_ms=eager_ms)
+    null_model(runner, varied)
+    device = SimDevice(model)
+    device.attach(runner)
+    return device

@@ -27,7 +27,6 @@ outputs U[100, 1024]). Both modes record every piece as bench.throughput does.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import random
 import statistics
 import time
@@ -37,18 +36,15 @@ import anyio
 import torch
 
 from . import common
-from .device_sim import MODELS, SimDevice, null_model
+from .device_sim import MODELS, SimDevice, null_model, simulate
 from .recorder import Recorder
 
 
 def _prepare(runner, sim: Optional[str], eager_ms: Optional[float]) -> Optional[SimDevice]:
-    null_model(runner)
     if sim is None:
+        null_model(runner)
         return None
-    model = MODELS[sim]
-    device = SimDevice(model if eager_ms is None else dataclasses.replace(model, eager_ms=eager_ms))
-    device.attach(runner)
-    return device
+    return simulate(runner, sim, eager_ms)
 
 
 def _figures(rec: Recorder, device: Optional[SimDevice]) -> dict[str, Any]:

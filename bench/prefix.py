@@ -34,6 +34,7 @@ import anyio
 
 from . import common
 from .common import now
+from .device_sim import MODELS, simulate
 from .recorder import Recorder
 
 CPU_DEFAULTS = dict(model="random:tiny-llama", conversations=8, turns=3, min_user=32, max_user=96,
@@ -94,6 +95,8 @@ async def run_mode(name: str, args) -> dict[str, Any]:
     t0 = now()
     async with AsyncEngine.open(cfg) as eng:
         load_s = now() - t0
+        if args.sim:  # the host's work against a modelled device (bench/device_sim.py)
+            simulate(eng.runner, args.sim, args.eager_ms)
         vocab = eng.runner.model_config.vocab_size
         async for _ in eng.generate([3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(max_tokens=8, ignore_eos=True)):
             pass
@@ -146,7 +149,14 @@ def main(argv=None) -> int:
                     help="default: the longest last-turn prompt plus its answer, rounded up")
     ap.add_argument("--warmup", choices=["short", "full"], default=None,
                     help="full: an untimed pass over another system prompt first (default on cuda)")
+    ap.add_argument("--sim", default=None, choices=sorted(MODELS),
+                    help="cpu only: a null model and a simulated device under the engine "
+                         "(bench/device_sim.py): the host's part of TTFT against a modelled H200")
+    ap.add_argument("--eager-ms", type=float, default=None,
+                    help="with --sim: host time (GIL held) of a step with prompt tokens")
     args = common.finish_common_args(ap.parse_args(argv), "prefix")
+    if args.sim and args.device != "cpu":
+        ap.error("--sim runs on cpu")
     defaults = CUDA_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
     for k, v in defaults.items():
         if k != "model" and getattr(args, k) is None:

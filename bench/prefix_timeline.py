@@ -21,6 +21,7 @@ from collections import defaultdict
 import anyio
 
 from . import common
+from .device_sim import MODELS, simulate
 from .prefix import CPU_DEFAULTS, CUDA_DEFAULTS, plan
 
 
@@ -115,6 +116,8 @@ async def run(args):
                                max_num_seqs=256, max_model_len=args.max_model_len)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
     async with AsyncEngine.open(cfg) as eng:
+        if args.sim:  # the host's work against a modelled device (bench/device_sim.py)
+            simulate(eng.runner, args.sim, args.eager_ms)
         vocab = eng.runner.model_config.vocab_size
         async for _ in eng.generate([3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(max_tokens=8, ignore_eos=True)):
             pass
@@ -222,6 +225,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-caching", action="store_true")
     ap.add_argument("--first-turn", action="store_true", help="print the first turn's steps too")
     ap.add_argument("--worst", type=int, default=3)
+    ap.add_argument("--sim", default=None, choices=sorted(MODELS),
+                    help="cpu only: a null model and a simulated device (bench/device_sim.py)")
+    ap.add_argument("--eager-ms", type=float, default=None,
+                    help="with --sim: host time (GIL held) of a step with prompt tokens")
     args = common.finish_common_args(ap.parse_args(argv), "prefix_timeline")
     defaults = CUDA_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
     for k, v in defaults.items():

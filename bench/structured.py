@@ -45,6 +45,7 @@ import anyio
 
 from . import common
 from .common import now
+from .device_sim import MODELS
 
 CPU_DEFAULTS = dict(model="default", requests=8, max_tokens=64, items=4)
 CUDA_DEFAULTS = dict(model="random:qwen3-0.6b", requests=256, max_tokens=256, items=20)
@@ -157,11 +158,9 @@ async def bench(args) -> dict:
     async with AsyncEngine.open(cfg) as eng:
         device = None
         if args.sim:  # the host's work against a modelled device (bench/device_sim.py)
-            from .device_sim import MODELS, SimDevice, null_model
+            from .device_sim import simulate
 
-            null_model(eng.runner, varied=True)
-            device = SimDevice(MODELS[args.sim])
-            device.attach(eng.runner)
+            device = simulate(eng.runner, args.sim, varied=True)
         eng.sim_device = device
         if args.sim:  # what the engine does on an asynchronous device (EngineCore.step)
             eng.core.apply_after_sampling = args.apply_after_sampling
@@ -197,7 +196,7 @@ def main(argv=None) -> int:
                     default=[0.0, 0.5, 1.0])
     ap.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True,
                     help="one more mode: 100 %% constrained by schema_plain (no maxLength)")
-    ap.add_argument("--sim", default=None, choices=("h200", "h200-half", "h200-x2"),
+    ap.add_argument("--sim", default=None, choices=sorted(MODELS),
                     help="cpu only: a null model (a random vector per input token) and a simulated "
                          "device under the engine (bench/device_sim.py): the host's cost of "
                          "constraints against a modelled H200 step")

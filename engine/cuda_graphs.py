@@ -32,6 +32,7 @@ import torch
 
 from . import triton_attention
 from .attention import AttentionMetadata
+from .mixed_inputs import MixedInputs
 
 log = logging.getLogger("enginecore.cuda_graphs")
 
@@ -43,6 +44,12 @@ def buckets_for(max_num_seqs: int) -> tuple[int, ...]:
     (at most 256), so that every decode batch up to the cap has a bucket."""
     cap = min(max_num_seqs, BUCKETS[-1])
     return tuple(b for b in BUCKETS if b < cap) + (cap,)
+
+
+def mixed_enabled() -> bool:
+    """Steps with prompt tokens replayed from graphs too (engine/mixed_inputs.py): opt-in with
+    ``ENGINECORE_MIXED_GRAPHS=1`` until the GPU tests have run with it on the device."""
+    return os.environ.get("ENGINECORE_MIXED_GRAPHS", "0") == "1"
 
 
 def usable(device: torch.device, enabled: bool, head_dim: int, block_size: int) -> bool:
@@ -57,7 +64,10 @@ class CudaGraphs:
     """Lazily captured decode graphs. A device resource: ``close()`` releases all of it."""
 
     def __init__(self, *, max_num_seqs: int, scratch_block: int, block_size: int,
-                 device: torch.device):
+                 device: torch.device, max_tokens: int = 0, table_width: int = 0,
+                 mixed: bool = False):
+        """``mixed``: steps with prompt tokens get graphs too, one per row count
+        (engine/mixed_inputs.py; ``max_tokens`` and ``table_width``: the model state's buffers)."""
         self.buckets = buckets_for(max_num_seqs)
         self.max_batch = self.buckets[-1]
         self.scratch_block = scratch_block  # a KV block no sequence owns
@@ -71,6 +81,11 @@ class CudaGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}  # bucket -> final hidden [B, hidden] (pool)
         self._rows: Optional[torch.Tensor] = torch.arange(self.max_batch, device=device)
+        self.mixed: Optional[MixedInputs] = None
+        if mixed:
+            self.mixed = MixedInputs(max_tokens=max_tokens, max_rows=max_num_seqs,
+                                     table_width=table_width, scratch_block=scratch_block,
+                                     block_size=block_size, device=device)
         self.closed = False
 
     def bucket(self, n: int) -> Optional[int]:
@@ -82,9 +97,16 @@ class CudaGraphs:
                 return b
         return None
 
+    def mixed_rows(self, t: int, n_chunks: int, n_decode: int) -> Optional[int]:
+        """The rows of the mixed graph for a step of ``t`` tokens with prompt chunks, or None
+        (run eagerly)."""
+        if self.closed or self.mixed is None:
+            return None
+        return self.mixed.fits(t, n_chunks, n_decode)
+
     @property
-    def captured(self) -> list[int]:
-        return sorted(self._graphs)
+    def captured(self) -> list:
+        return sorted(self._graphs, key=str)
 
     def _meta(self, bucket: int, state) -> AttentionMetadata:
         buf = state.buffers
@@ -96,11 +118,16 @@ class CudaGraphs:
             decode_max_len=buf["block_tables"].shape[1] * self.block_size,
         )
 
-    def _capture(self, bucket: int, model, kv: torch.Tensor, state) -> None:
+    def _capture(self, bucket, model, kv: torch.Tensor, state,
+                 meta: Optional[AttentionMetadata] = None) -> None:
+        """Capture the graph of ``bucket`` (a decode batch size, or ``("mixed", rows)`` with the
+        step's ``meta``, engine/mixed_inputs.py) over the inputs now in ``state``'s buffers."""
         t0 = time.perf_counter()
         buf = state.buffers
-        ids, pos = buf["input_ids"][:bucket], buf["positions"][:bucket]
-        meta = self._meta(bucket, state)
+        rows = bucket[1] if isinstance(bucket, tuple) else bucket
+        ids, pos = buf["input_ids"][:rows], buf["positions"][:rows]
+        if meta is None:
+            meta = self._meta(bucket, state)
         stream = self._stream
         # Warm up on the capture stream, with this step's real inputs (the rows already hold
         # them): compiles the Triton kernels and creates this stream's cuBLAS workspace outside
@@ -116,7 +143,8 @@ class CudaGraphs:
         self._graphs[bucket] = graph
         self._outputs[bucket] = out
         self.capture_seconds[bucket] = time.perf_counter() - t0
-        log.info("captured decode graph for batch %d in %.3fs", bucket, self.capture_seconds[bucket])
+        log.info("captured %s graph for %d rows in %.3fs",
+                 "mixed" if isinstance(bucket, tuple) else "decode", rows, self.capture_seconds[bucket])
 
     def run(self, bucket: int, model, kv: torch.Tensor, state) -> torch.Tensor:
         """Replay the graph of ``bucket`` (capturing it first if needed) over the inputs now in
@@ -128,6 +156,19 @@ class CudaGraphs:
         self._graphs[bucket].replay()
         self.replays += 1
         return self._outputs[bucket]
+
+    def run_mixed(self, rows: int, model, kv: torch.Tensor, state,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """Replay the mixed graph of ``rows`` (capturing it first if needed) over the inputs
+        now in ``state``'s buffers and ``meta`` (:meth:`MixedInputs.meta`: the same views every
+        step); returns the final hidden states ``[rows, hidden]`` (valid until the next replay)."""
+        assert not self.closed, "CUDA graphs released"
+        key = ("mixed", rows)
+        if key not in self._graphs:
+            self._capture(key, model, kv, state, meta)
+        self._graphs[key].replay()
+        self.replays += 1
+        return self._outputs[key]
 
     def close(self) -> None:
         """Reset every graph (drops its hold on the pool), free the pool's live tensors and the
@@ -147,5 +188,8 @@ class CudaGraphs:
                 self._rows.set_()
         self._outputs.clear()
         self._rows = None
+        if self.mixed is not None:
+            self.mixed.close()
+            self.mixed = None
         self._stream = None
         self._pool = None

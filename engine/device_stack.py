@@ -28,9 +28,10 @@ def device_stack(model_config, *, num_blocks: int, block_size: int, dtype: torch
                               num_blocks=num_blocks + int(use_graphs), block_size=block_size,
                               num_kv_heads=model_config.num_kv_heads,
                               head_dim=model_config.head_dim, dtype=dtype, device=device)
+    width = -(-max_model_len // block_size) + 1
     yield Resource.MODEL_STATE, ModelState(max_tokens=max_tokens, max_seqs=max_rows,
-                                    max_blocks_per_seq=-(-max_model_len // block_size) + 1,
-                                    device=device)
+                                    max_blocks_per_seq=width, device=device)
     if use_graphs:  # after model_state, so that it is released first
-        yield Resource.CUDA_GRAPHS, cuda_graphs.CudaGraphs(max_num_seqs=max_rows, scratch_block=num_blocks,
-                                                    block_size=block_size, device=device)
+        yield Resource.CUDA_GRAPHS, cuda_graphs.CudaGraphs(
+            max_num_seqs=max_rows, scratch_block=num_blocks, block_size=block_size, device=device,
+            max_tokens=max_tokens, table_width=width, mixed=cuda_graphs.mixed_enabled())

@@ -18,9 +18,9 @@ from .runner import ModelRunner
 from .step_inputs import packed_forward
 
 
-def _runner(model: str, device: str, dtype: str) -> ModelRunner:
+def _runner(model: str, device: str, dtype: str, graphs: bool = False) -> ModelRunner:
     r = ModelRunner(EngineConfig(model=model, device=device, dtype=dtype, kv_cache_bytes=2**26,
-                                 max_num_seqs=8, cuda_graphs=False, enable_prefix_caching=False))
+                                 max_num_seqs=8, cuda_graphs=graphs, enable_prefix_caching=False))
     r.load()
     return r
 
@@ -109,11 +109,97 @@ def compare_decode(device: str = "cpu") -> float:
     return worst
 
 
+class _EagerMixed:
+    """What ``packed_forward`` asks of ``CudaGraphs`` for a step with prompt chunks, with the
+    fixed-shape inputs of engine/mixed_inputs.py, run eagerly (no graph: CPU, the interpreter)."""
+
+    def __init__(self, mixed, scratch_block: int, block_size: int):
+        self.mixed = mixed
+        self.scratch_block, self.scratch_slot = scratch_block, scratch_block * block_size
+        self.rows: list[int] = []
+
+    def bucket(self, n: int):
+        return None
+
+    def mixed_rows(self, t: int, n_chunks: int, n_decode: int):
+        return self.mixed.fits(t, n_chunks, n_decode)
+
+    def run_mixed(self, rows: int, model, kv, state, meta):
+        self.rows.append(rows)
+        buf = state.buffers
+        return model(buf["input_ids"][:rows], buf["positions"][:rows], kv, meta)
+
+
+def compare_mixed(model: str, device: str = "cpu", dtype: str = "float32") -> dict:
+    """Steps with prompt chunks (and decode rows) through the fixed-shape inputs of
+    engine/mixed_inputs.py against the same steps' eager inputs: the largest absolute
+    differences of the logits (real rows) and of the KV cache (but the scratch block)."""
+    from . import triton_attention as ta
+    from .mixed_inputs import MixedInputs
+
+    if device == "cpu":
+        ta._sm_count = lambda dev: 4
+    r = _runner(model, device, dtype, graphs=device == "cuda")
+    try:
+        lm, cache, st = r.resource(R.WEIGHTS), r.resource(R.KV_CACHE).tensor, r.resource(R.MODEL_STATE)
+        # no step below uses it: on CUDA the graphs' own scratch block, the last
+        scratch = r.num_blocks if device == "cuda" else r.num_blocks - 1
+        b = list(range(4, 15))
+        steps = [
+            # two fresh prompts and a short one (157 tokens: 192 rows)
+            [(list(range(5, 42)), 0, [1, 2, 3], False), (list(range(9, 109)), 0, b, False),
+             (list(range(60, 80)), 0, [15, 16], False)],
+            # chunks after context, with a decode row (81 tokens: 128 rows)
+            [(list(range(50, 60)), 37, [1, 2, 3], False), (list(range(200, 270)), 100, b, False),
+             ([7], 20, [15, 16], True)],
+            # a chunk and three decode rows, 63 tokens: 64 rows, one of them padding
+            [([9], 47, [1, 2, 3], True), ([8], 170, b, True), ([6], 21, [15, 16], True),
+             (list(range(300, 360)), 0, [17, 18, 19, 20], False)],
+            # a decode row over many blocks beside a one-token chunk (a prompt's last token)
+            [([4], 171, b, True), ([11], 60, [17, 18, 19, 20], False)],
+        ]
+
+        def run(graphs):
+            cache.zero_()
+            outs = []
+            with torch.inference_mode():
+                for seqs in steps:
+                    h = packed_forward(lm, cache, st, graphs, r.device, r.block_size, seqs)
+                    outs.append(lm.logits(h).float())
+            keep = torch.ones(cache.shape[2], dtype=torch.bool)
+            keep[scratch] = False
+            return torch.cat(outs), cache[:, :, keep].float().clone()
+
+        la, ka = run(None)
+        graphs = r.resource(R.CUDA_GRAPHS) if R.CUDA_GRAPHS in r._owner else None
+        if graphs is not None:  # CUDA: the real graphs (captured, then replayed: two 64s)
+            assert graphs.mixed is not None, "ENGINECORE_MIXED_GRAPHS=1 was not set"
+            lb, kb = run(graphs)
+            rows = [k[1] for k in graphs.captured if isinstance(k, tuple)]
+            replays = graphs.replays
+        else:
+            mixed = MixedInputs(max_tokens=st.buffers["input_ids"].shape[0],
+                                max_rows=st.buffers["block_tables"].shape[0],
+                                table_width=st.buffers["block_tables"].shape[1],
+                                scratch_block=scratch, block_size=r.block_size, device=r.device)
+            stub = _EagerMixed(mixed, scratch, r.block_size)
+            lb, kb = run(stub)
+            mixed.close()
+            rows, replays = stub.rows, len(stub.rows)
+        return {"logits_max_abs": (la - lb).abs().max().item(), "logits_scale": la.abs().max().item(),
+                "kv_max_abs": (ka - kb).abs().max().item(), "rows": la.shape[0],
+                "mixed_rows": rows, "replays": replays, "argmax_agree": _agree(la, lb)}
+    finally:
+        r.shutdown()
+
+
 if __name__ == "__main__":  # python -m engine.fused_check MODEL DEVICE DTYPE -> one JSON line
     import json                # python -m engine.fused_check decode DEVICE
     import sys
 
     if sys.argv[1] == "decode":
         print(json.dumps({"decode_max_abs": compare_decode(sys.argv[2])}))
+    elif sys.argv[1] == "mixed":  # python -m engine.fused_check mixed MODEL DEVICE [DTYPE]
+        print(json.dumps(compare_mixed(*sys.argv[2:5])))
     else:
         print(json.dumps(compare(*sys.argv[1:4])))

@@ -74,9 +74,17 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
                 blocks[: blocks_needed(start + m, bs)]).to(device)))
     t = len(ids)
     bucket: Optional[int] = None
+    mixed: Optional[int] = None  # the rows of a graphed step with prompt chunks
     if graphs is not None and not prefills and not with_context and not chunks and len(dec_rows) == t:
         bucket = graphs.bucket(t)
-    if bucket is not None:
+    elif graphs is not None and chunks and not prefills and not with_context:
+        mixed = graphs.mixed_rows(t, len(chunks), len(dec_rows))
+    if mixed is not None:  # padded rows are no chunk's and no decode row's (engine/mixed_inputs.py)
+        pad = mixed - t
+        ids += [0] * pad
+        pos += [0] * pad
+        slots += [graphs.scratch_slot] * pad
+    elif bucket is not None:
         pad = bucket - t
         ids += [0] * pad
         pos += [0] * pad
@@ -99,6 +107,11 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
         idx = long_tensor(fill).to(device, non_blocking=True)
         input_ids.index_copy_(0, idx[:, 0], state.buffers["sampled"].index_select(0, idx[:, 1]))
     positions = state.load("positions", long_tensor(pos))
+    if mixed is not None:
+        slot_mapping = state.load("slot_mapping", long_tensor(slots))
+        meta = graphs.mixed.meta(mixed, slot_mapping, state, chunks, dec_rows, dec_tables,
+                                 dec_lens)
+        return graphs.run_mixed(mixed, model, kv, state, meta)[:t]
     meta = AttentionMetadata(state.load("slot_mapping", long_tensor(slots)), prefills,
                              None, None, None)
     if with_context:

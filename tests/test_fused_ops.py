@@ -40,3 +40,19 @@ def test_paged_decode_kernel_equals_torch_decode_fp32():
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1])["decode_max_abs"] <= 1e-5
+
+
+def test_fixed_shape_inputs_of_graphed_prompt_steps_equal_the_eager_ones_fp32():
+    """engine/mixed_inputs.py: steps with prompt chunks (fresh, after context, one-token) and
+    decode rows, padded to their row count with tiles of an empty chunk and decode rows of the
+    scratch block, give the eager inputs' logits and KV cache (the scratch block aside)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-m", "engine.fused_check", "mixed", "random:tiny-llama",
+                          "cpu"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["mixed_rows"] == [192, 128, 64, 64]  # every step took the fixed-shape inputs
+    assert res["rows"] == 157 + 81 + 63 + 2
+    assert res["logits_max_abs"] <= 1e-4 * max(1.0, res["logits_scale"]), res
+    assert res["kv_max_abs"] <= 1e-5, res
+    assert res["argmax_agree"] == 1.0, res

@@ -94,8 +94,19 @@ async def test_engine_sigkill_fails_every_client_within_a_second():
             streams = [c.generate([i + 1, 2, 3], LONG) for c in (a, b) for i in range(4)]
             for s in streams:
                 await s.__anext__()
+            # (the remote's stdout is a byte stream: a line may come in pieces, or two at once)
+            buffered = bytearray()
+
+            async def line() -> bytes:
+                while b"\n" not in buffered:
+                    buffered.extend(await remote.stdout.receive())
+                end = buffered.index(b"\n") + 1
+                out = bytes(buffered[:end])
+                del buffered[:end]
+                return out
+
             with anyio.fail_after(60):
-                assert (await remote.stdout.receive()).startswith(b"STARTED")
+                assert (await line()).startswith(b"STARTED")
             ends: list = []
 
             async def run(s) -> None:
@@ -121,9 +132,7 @@ async def test_engine_sigkill_fails_every_client_within_a_second():
             local = [t - t0 for t, _ in ends]
             assert len(ends) == 9 and all(e is not None for _, e in ends)
             with anyio.fail_after(10):
-                out = b""
-                while not out.endswith(b"\n"):
-                    out += await remote.stdout.receive()
+                out = await line()
             remote_ends = json.loads(out)
             await remote.wait()
             assert remote.returncode == 0
