@@ -157,6 +157,32 @@ class CudaGraphs:
         self.replays += 1
         return self._outputs[bucket]
 
+    @torch.inference_mode()
+    def capture_mixed(self, model, kv: torch.Tensor, state, max_batched_tokens: int,
+                      should_stop=lambda: False) -> None:
+        """Capture the mixed graph of every row count a step of up to ``max_batched_tokens``
+        tokens can take, now (at load: captured lazily, the first steps of each size would pay
+        it while serving). Each is captured over a step that touches only the scratch block:
+        one chunk as long as a block table reaches, the other rows padding."""
+        from .mixed_inputs import rows as mixed_rows
+
+        t0 = time.perf_counter()
+        width = self.mixed.width
+        for r in sorted({mixed_rows(t) for t in range(1, max_batched_tokens + 1)}):
+            if should_stop() or r > self.mixed.max_tokens or ("mixed", r) in self._graphs:
+                continue
+            n = min(r - 1, (width - 1) * self.block_size)
+            buf = state.buffers
+            buf["input_ids"][:r].zero_()
+            buf["positions"][:r].zero_()
+            buf["slot_mapping"][:r].fill_(self.scratch_slot)
+            chunk = (0, n, n, [self.scratch_block] * -(-n // self.block_size))
+            meta = self.mixed.meta(r, buf["slot_mapping"][:r], state, [chunk], [], [], [])
+            self.run_mixed(r, model, kv, state, meta)
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d mixed graphs in %.2fs", sum(isinstance(k, tuple) for k in self._graphs),
+                 time.perf_counter() - t0)
+
     def run_mixed(self, rows: int, model, kv: torch.Tensor, state,
                   meta: AttentionMetadata) -> torch.Tensor:
         """Replay the mixed graph of ``rows`` (capturing it first if needed) over the inputs

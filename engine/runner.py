@@ -183,6 +183,11 @@ class ModelRunner(RunnerSleep):
             del part
             if should_stop():
                 return False
+        g = self._owner.get(R.CUDA_GRAPHS)
+        if g is not None and g.mixed is not None:  # graphed prompt steps (engine/mixed_inputs.py)
+            g.capture_mixed(self._owner[R.WEIGHTS], self._owner[R.KV_CACHE].tensor,
+                            self._owner[R.MODEL_STATE], self.config.max_num_batched_tokens,
+                            should_stop)
         # one token bitmask row per sampled row (constrained requests are not speculated, but
         # a row index can reach the batch's whole sampled width)
         vocab, tok = self.model_config.vocab_size, self.tokenizer

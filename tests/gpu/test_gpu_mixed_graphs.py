@@ -2,8 +2,8 @@
 ``ENGINECORE_MIXED_GRAPHS=1``, opt-in until these pass on the device).
 
 (a) The same packed steps (fresh prompts, chunks after context, decode rows beside chunks, a
-    one-token chunk; two steps of one row count, so one graph is captured and then replayed
-    with other inputs) through the graphs and eagerly: fp32 logits and KV cache equal within
+    one-token chunk; two steps of one row count) replayed from the graphs the load captured
+    (over the scratch block alone), and eagerly: fp32 logits and KV cache equal within
     cuBLAS's row-count-dependent rounding; bf16 argmax agreement.
 (b) An engine serving 64 requests of mixed lengths with the mixed graphs and without: the
     greedy outputs (fp32), and mixed graphs captured and replayed.
@@ -40,7 +40,8 @@ def test_graphed_prompt_steps_equal_eager_ones(dtype):
 
     res = compare_mixed("random:qwen3-0.6b", "cuda", dtype)
     print(f"\n{dtype}: {res}")
-    assert res["mixed_rows"] == [64, 128, 192] and res["replays"] >= 4, res
+    # the load captured every row count up to the model state's rows; the 4 steps replayed
+    assert {64, 128, 192} <= set(res["mixed_rows"]) and res["replays"] == 4, res
     if dtype == "float32":
         assert res["logits_max_abs"] <= 1e-3 * max(1.0, res["logits_scale"]), res
         assert res["kv_max_abs"] <= 1e-3, res
