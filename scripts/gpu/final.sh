@@ -23,6 +23,8 @@
 #   PART=13 every GPU test, structured outputs, engine modes (1 round), roofline (session 10)
 #   PART=14 prefix caching on/off, release/overlap/decode/sleep GPU tests (session 10), eager
 #           steps' host time by where (Triton's launcher, torch, the engine; session 12)
+#   PART=15 graphed prompt steps (ENGINECORE_MIXED_GRAPHS=1): their GPU tests, prefix caching
+#           on/off and the engine modes with them (session 12)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -114,6 +116,12 @@ elif [[ $PART == 14 ]]; then  # session 10: prefix caching on/off, the GPU tests
   step gpu_tests 150 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_release.py \
     tests/gpu/test_gpu_overlap.py tests/gpu/test_gpu_decode.py tests/gpu/test_gpu_sleep.py
   step profile_eager 60 python3 scripts/gpu/profile_eager.py  # session 12: an eager step's host time by where
+elif [[ $PART == 15 ]]; then  # session 12: graphed prompt steps (ENGINECORE_MIXED_GRAPHS=1)
+  export ONE_LOG=run.log TAIL=18
+  step gpu_tests 150 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_mixed_graphs.py
+  ENGINECORE_MIXED_GRAPHS=1 step prefix 170 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix_mixed.json"
+  ENGINECORE_MIXED_GRAPHS=1 step throughput 150 python3 -m bench.throughput --device cuda --no-progress \
+    --repeat 1 --modes bare,inproc,ipc --timeline --out "$OUT/throughput_mixed.json"
 elif [[ $PART == 12 ]]; then  # issue 23: structured outputs' host cost
   export ONE_LOG=run.log TAIL=16
   step gpu_tests 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_structured.py \
