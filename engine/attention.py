@@ -119,6 +119,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     out = torch.empty_like(q)
     heads, kv_heads = q.shape[1], k.shape[1]
     gqa = heads // kv_heads
+    # NOTE: decode rows first: a graphed step's padding decode rows write into a prefill row,
+    # which the prefill kernel then overwrites (engine/mixed_inputs.py)
+    if meta.decode_rows is not None and triton_attention.supported(q, cache):
+        triton_attention.decode_attention(q, cache, meta.decode_rows, meta.decode_block_tables,
+                                          meta.decode_context_lens, scale, out)
+    elif meta.decode_rows is not None:
+        decode_attention_torch(q, cache, meta, scale, out)
     if meta.prefill_batch is not None:
         triton_prefill.prefill_attention(q, cache, meta.prefill_batch, scale, out)
     if meta.context_groups:
@@ -157,11 +164,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
                                            scale=scale, enable_gqa=grouped)
         o = o[0] if o.dim() == 4 else o
         out[p.start:p.end] = o.transpose(0, 1)
-    if meta.decode_rows is not None and triton_attention.supported(q, cache):
-        triton_attention.decode_attention(q, cache, meta.decode_rows, meta.decode_block_tables,
-                                          meta.decode_context_lens, scale, out)
-    elif meta.decode_rows is not None:
-        decode_attention_torch(q, cache, meta, scale, out)
     return out
 
 

@@ -171,7 +171,7 @@ class CudaGraphs:
         for r in sorted({mixed_rows(t) for t in range(1, max_batched_tokens + 1)}):
             if should_stop() or r > self.mixed.max_tokens or ("mixed", r) in self._graphs:
                 continue
-            n = min(r - 1, (width - 1) * self.block_size)
+            n = min(r, (width - 1) * self.block_size)
             buf = state.buffers
             buf["input_ids"][:r].zero_()
             buf["positions"][:r].zero_()

@@ -152,9 +152,9 @@ def compare_mixed(model: str, device: str = "cpu", dtype: str = "float32") -> di
             # chunks after context, with a decode row (81 tokens: 128 rows)
             [(list(range(50, 60)), 37, [1, 2, 3], False), (list(range(200, 270)), 100, b, False),
              ([7], 20, [15, 16], True)],
-            # a chunk and three decode rows, 63 tokens: 64 rows, one of them padding
+            # a chunk and three decode rows, 64 tokens: 64 rows, none of them padding
             [([9], 47, [1, 2, 3], True), ([8], 170, b, True), ([6], 21, [15, 16], True),
-             (list(range(300, 360)), 0, [17, 18, 19, 20], False)],
+             (list(range(300, 361)), 0, [17, 18, 19, 20], False)],
             # a decode row over many blocks beside a one-token chunk (a prompt's last token)
             [([4], 171, b, True), ([11], 60, [17, 18, 19, 20], False)],
         ]

@@ -8,14 +8,15 @@ from a graph, the launches cost one call. What a graph needs is a step whose eve
 the same grid and reads the same buffers each time; this module gives a step of ``t`` tokens
 that shape:
 
-* rows: ``R = rows(t)``, one of the eager row counts (``step_inputs.eager_rows``) above ``t``
-  (at least one row of padding: padded decode rows write their output there);
+* rows: ``R = rows(t)``, the eager row count of ``t`` (``step_inputs.eager_rows``: at most
+  1/8 or 63 rows more);
 * prefill chunks: the paged prefill kernel's per-tile and per-chunk arrays at a fixed length
   for ``R`` (``R // BLOCK_M + max_chunks`` tiles, every chunk's tiles first; the rest point
   at a chunk of no queries and no context, whose programs store nothing), block tables at
   the KV cache's full width;
 * decode rows: a fixed count for ``R`` (at most ``max_rows``); the padded ones attend to the
-  scratch block alone and write their output to the last padded row, which nobody reads.
+  scratch block alone and write their output to the first chunk's first row, which the
+  prefill kernel writes after them (``attention.paged_attention`` runs decode rows first).
 
 Tokens, positions and KV slots stay in the model state's buffers (padded rows write K/V to the
 scratch slot). The buffers here are device memory: owned by the graphs object that owns the
@@ -36,8 +37,8 @@ from .triton_prefill import BLOCK_M, PrefillBatch
 
 
 def rows(t: int) -> int:
-    """The row count a step of ``t`` tokens runs at (at least ``t + 1``)."""
-    return eager_rows(t + 1)
+    """The row count a step of ``t`` tokens runs at."""
+    return eager_rows(t)
 
 
 class MixedInputs:
@@ -111,10 +112,12 @@ class MixedInputs:
         batch = PrefillBatch(buf["tile_chunk"][:nt], buf["tile_m0"][:nt], buf["q_start"][: cap + 1],
                              buf["q_len"][: cap + 1], buf["ctx_len"][: cap + 1],
                              buf["chunk_tables"][: cap + 1])
-        # decode rows: the real ones, then rows of the scratch block writing to row r - 1
+        # decode rows: the real ones, then rows of the scratch block writing into the first
+        # chunk's first row (the prefill kernel writes it after them)
         d = len(dec_rows)
         pad = cap - d
-        buf["decode_rows"][:cap].copy_(torch.tensor(dec_rows + [r - 1] * pad, dtype=torch.long),
+        first = chunks[0][0]
+        buf["decode_rows"][:cap].copy_(torch.tensor(dec_rows + [first] * pad, dtype=torch.long),
                                        non_blocking=True)
         tables = state.buffers["block_tables"]
         lens = state.buffers["context_lens"]
