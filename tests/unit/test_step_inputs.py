@@ -151,6 +151,10 @@ class _Graphs:
     def bucket(n):
         return None
 
+    @staticmethod
+    def mixed_rows(t, n_chunks, n_decode):  # prompt steps not graphed (the default)
+        return None
+
 
 def test_eager_rows_are_few_sizes_and_cover():
     sizes = {eager_rows(t) for t in range(1, 8193)}
