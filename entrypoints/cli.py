@@ -109,9 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         a.log_level = "debug"
     configure(a.log_level, a.log_format)  # the entry point owns the process's logging
     from engine.errors import EngineError
-    from .malloc import tune_malloc
 
-    tune_malloc()  # this is the process's entry point: process-wide settings belong here
+    # (glibc's malloc keeps its defaults here: entrypoints/malloc.py says why)
     if a.cmd == "serve" or not a.connect:  # this process runs the engine
         from engine.cpu_threads import adaptive_ceiling, apply_threads
 

@@ -1,21 +1,19 @@
-"""glibc malloc settings for enginecore's processes. Process-wide, so only entry points call
-them, never the library: entrypoints/cli.py :func:`tune_malloc` (the engine process) and
-entrypoints/http/frontend.py :func:`one_arena` (an HTTP frontend process). The HTTP frontends'
-:class:`Trimmer` gives freed memory back after large request bodies.
+"""glibc malloc settings for enginecore's HTTP frontend processes: one arena
+(:func:`one_arena`, from entrypoints/http/frontend.py) and :class:`Trimmer`, which gives freed
+memory back after large request bodies. Process-wide, so only that entry point calls them,
+never the library.
 
-NOTE: written by hand because no library does it: one ``mallopt(M_TOP_PAD)`` call through ctypes.
-Why: each step allocates and frees large temporaries (logits, a prefill chunk's activations) on
-the step thread's malloc arena. With glibc's defaults a fresh process, by all signs, keeps
-trimming the arena's free top and faulting it back in: measured on the 2-core CPU machine
-(bench.throughput, IPC mode, random:tiny-llama), the engine process's step thread took 160k-250k
-minor page faults per run against 8.5k for the same steps in the long-lived benchmark process,
-and its steps took 5-15% longer. A 64 MiB top pad (kept when trimming) brought it to 6.7k
-faults. glibc's dynamic mmap threshold stays on (setting ``M_TRIM_THRESHOLD`` or
-``M_MMAP_THRESHOLD`` turns it off, and either alone made it 700k faults). The cost: up to 64 MiB
-of free memory kept per arena until the process exits.
-Not a general setting: in a process that first ran steps on its *main* thread (the benchmark's
-bare loop) and then on a worker thread, the same pad made the worker's steps fault 718k times.
-The CLI's engine always steps on a worker thread, which is the case measured above.
+NOTE: written by hand because no library does it: ``mallopt`` and ``malloc_trim`` through ctypes.
+
+The engine process keeps glibc's defaults. It used to set a 64 MiB ``M_TOP_PAD`` here (its step
+thread faulted 160k-250k times a CPU benchmark run with the defaults, 6.7k with the pad, when
+measured). Since the load moved to the step thread, the pad does the opposite. Measured again
+(session 12, 2-core box, ``bench.throughput``'s CPU workload over IPC, random:tiny-llama), the
+engine process with the pad faulted 667k times and ran 7,100-8,300 tok/s; with glibc's defaults
+it faulted 115k-180k times and ran 13,900-14,300. Every other setting tried was as bad as the pad
+(a 1 or 16 MiB pad, ``M_TRIM_THRESHOLD``, ``M_MMAP_THRESHOLD``: 720k-950k faults), and one arena
+matched the defaults. On the default GGUF the engine allocates little a step and the two were
+alike.
 """
 
 from __future__ import annotations
@@ -29,9 +27,7 @@ import time
 
 log = logging.getLogger("enginecore.malloc")
 
-M_TOP_PAD = -2  # mallopt parameter numbers from glibc's <malloc.h>
-M_ARENA_MAX = -8
-TOP_PAD = 64 << 20
+M_ARENA_MAX = -8  # a mallopt parameter number from glibc's <malloc.h>
 
 
 def _mallopt():
@@ -68,14 +64,6 @@ def _set(environ, param: int, value: int, name: str) -> bool:
     return True
 
 
-def tune_malloc(environ: "os._Environ[str] | dict[str, str] | None" = None) -> bool:
-    """Set glibc's ``M_TOP_PAD`` to :data:`TOP_PAD`; True if set.
-
-    Skipped (False) off glibc, with ``ENGINECORE_MALLOC_TUNING=0``, or when the user already set
-    a ``MALLOC_*`` variable or a ``glibc.malloc`` tunable (their settings win)."""
-    return _set(environ, M_TOP_PAD, TOP_PAD, "M_TOP_PAD")
-
-
 def one_arena(environ: "os._Environ[str] | dict[str, str] | None" = None) -> bool:
     """Make every thread of this process allocate from glibc's main arena (``M_ARENA_MAX`` 1);
     True if set. For an HTTP frontend, which parses large bodies on worker threads: each
@@ -84,7 +72,8 @@ def one_arena(environ: "os._Environ[str] | dict[str, str] | None" = None) -> boo
     left a process 12 MB up even after ``malloc_trim`` (34.0 -> 46.3 MB; 2 arenas: the same),
     and 0 MB with one arena (34.0 -> 34.1 MB); on the main thread: 0 MB. The frontend's threads
     are few and hold the GIL for most of their work, so one arena costs little contention.
-    Same rules as :func:`tune_malloc` (the user's ``MALLOC_*`` settings win)."""
+    Skipped (False) off glibc, with ``ENGINECORE_MALLOC_TUNING=0``, or when the user already set
+    a ``MALLOC_*`` variable or a ``glibc.malloc`` tunable (their settings win)."""
     return _set(environ, M_ARENA_MAX, 1, "M_ARENA_MAX")
 
 
