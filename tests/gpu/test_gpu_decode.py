@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, ModelRunner, SamplingParams
+from gpu_memory import baseline, mem
 from engine.attention import AttentionMetadata, decode_attention_torch
 from engine.core import EngineCore
 
@@ -160,24 +161,13 @@ def test_graph_decode_matches_eager():
         assert eager[r][:n_min] == graph[r][:n_min], f"{r}: graph decode differs early"
 
 
-def _mem() -> tuple[int, int]:
-    torch.cuda.synchronize()
-    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-
-
 def test_release_with_graphs_returns_every_byte():
-    torch.cuda.init()
-    gc.collect()
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
-    torch.cuda.empty_cache()
-    base = _mem()
+    base = baseline()
     print(f"\nbefore load: allocated {base[0]} B, reserved {base[1]} B")
     for cycle in range(2):
         tokens, info = _serve(True)
         gc.collect()
-        after = _mem()
+        after = mem()
         print(f"cycle {cycle}: captured {info['captured']}, released {info['order']}; after "
               f"shutdown allocated {after[0]} B, reserved {after[1]} B")
         assert len(info["captured"]) >= 3

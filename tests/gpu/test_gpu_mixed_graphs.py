@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, ModelRunner, SamplingParams
+from gpu_memory import baseline, mem
 from engine.core import EngineCore
 
 pytestmark = [
@@ -83,23 +84,12 @@ def test_engine_outputs_with_mixed_graphs(monkeypatch):
     assert same >= 62, f"only {same}/64 greedy sequences identical in fp32"
 
 
-def _mem() -> tuple[int, int]:
-    torch.cuda.synchronize()
-    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-
-
 def test_release_with_mixed_graphs_returns_every_byte(monkeypatch):
-    torch.cuda.init()
-    gc.collect()
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
-    torch.cuda.empty_cache()
-    base = _mem()
+    base = baseline()
     for cycle in range(2):
         _, info = _serve(True, monkeypatch, "bfloat16")
         gc.collect()
-        after = _mem()
+        after = mem()
         print(f"\ncycle {cycle}: mixed graphs {info['mixed']}; released {info['order']}; "
               f"allocated {after[0] - base[0]:+d} B, reserved {after[1] - base[1]:+d} B")
         assert info["mixed"]
