@@ -9,6 +9,8 @@ interpreter, fp32) and tests/gpu/test_gpu_fused.py (bf16 on CUDA).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import fused_linears
@@ -18,9 +20,12 @@ from .runner import ModelRunner
 from .step_inputs import packed_forward
 
 
-def _runner(model: str, device: str, dtype: str, graphs: bool = False) -> ModelRunner:
+def _runner(model: str, device: str, dtype: str, graphs: bool = False,
+            blocks: Optional[int] = None) -> ModelRunner:
+    """``blocks``: KV blocks (None: what 64 MiB hold, 18 of qwen3-0.6b in fp32)."""
     r = ModelRunner(EngineConfig(model=model, device=device, dtype=dtype, kv_cache_bytes=2**26,
-                                 max_num_seqs=8, cuda_graphs=graphs, enable_prefix_caching=False))
+                                 num_kv_blocks=blocks, max_num_seqs=8, cuda_graphs=graphs,
+                                 enable_prefix_caching=False))
     r.load()
     return r
 
@@ -178,7 +183,10 @@ def compare_mixed(model: str, device: str = "cpu", dtype: str = "float32",
     if device == "cpu":
         ta._sm_count = lambda dev: 4
     more = variant == "more"
-    r = _runner(model, device, dtype, graphs=device == "cuda")
+    # NOTE: KV blocks by count: 64 MiB hold 18 of qwen3-0.6b in fp32 (the GPU test), fewer than
+    # the steps below use (block 20; 111 in "more"): they wrote past the cache and read the
+    # scratch block
+    r = _runner(model, device, dtype, graphs=device == "cuda", blocks=128)
     try:
         lm, cache, st = r.resource(R.WEIGHTS), r.resource(R.KV_CACHE).tensor, r.resource(R.MODEL_STATE)
         # no step below uses it: on CUDA the graphs' own scratch block, the last
@@ -200,6 +208,8 @@ def compare_mixed(model: str, device: str = "cpu", dtype: str = "float32",
         if more:
             steps = _more_mixed_steps(scratch)
             init = torch.randn(cache.shape, generator=torch.Generator().manual_seed(2))
+        used = max(x for seqs, _ in steps for s in seqs for x in s[2])
+        assert used < scratch, f"the steps use block {used}; the cache has {scratch} (and scratch)"
         sampled = torch.tensor([123, 77, 45])  # the in-flight tokens of ``fill``
 
         def run(graphs):
