@@ -9,6 +9,8 @@ interpreter, fp32) and tests/gpu/test_gpu_fused.py (bf16 on CUDA).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import fused_linears
@@ -18,9 +20,12 @@ from .runner import ModelRunner
 from .step_inputs import packed_forward
 
 
-def _runner(model: str, device: str, dtype: str, graphs: bool = False) -> ModelRunner:
+def _runner(model: str, device: str, dtype: str, graphs: bool = False,
+            blocks: Optional[int] = None) -> ModelRunner:
+    """``blocks``: KV blocks (None: what 64 MiB hold, 18 of qwen3-0.6b in fp32)."""
     r = ModelRunner(EngineConfig(model=model, device=device, dtype=dtype, kv_cache_bytes=2**26,
-                                 max_num_seqs=8, cuda_graphs=graphs, enable_prefix_caching=False))
+                                 num_kv_blocks=blocks, max_num_seqs=8, cuda_graphs=graphs,
+                                 enable_prefix_caching=False))
     r.load()
     return r
 
@@ -130,22 +135,64 @@ class _EagerMixed:
         return model(buf["input_ids"][:rows], buf["positions"][:rows], kv, meta)
 
 
-def compare_mixed(model: str, device: str = "cpu", dtype: str = "float32") -> dict:
+def _more_mixed_steps(nb: int) -> list:
+    """The rarer shapes of mixed steps, over non-consecutive block ids below ``nb`` (the
+    scratch block): as many chunks as the cap and no decode row, chunks after a context longer
+    than a decode split (a prefix-cache hit over many blocks), chunks of 64 and 65 queries, a
+    decode row over more than one split, draft-like decode rows (several of one sequence),
+    in-flight tokens (``fill``), every decode row real, then one chunk after the many (the
+    tiles and tables of the step before stale). ``(seqs, fill)`` a step."""
+    perm = torch.randperm(nb, generator=torch.Generator().manual_seed(1)).tolist()
+    tables, at = [], 0
+    for n in (80, 6, 6, 6, 2, 2, 2, 2, 6):  # blocks: A (1,280 tokens), B..H, I
+        tables.append(perm[at:at + n])
+        at += n
+    A, B, C, D, E, F, G, H, I = tables
+    toks = lambda lo, n: [(lo + i) % 500 for i in range(n)]  # noqa: E731
+    return [
+        # 8 chunks (the cap at max_num_seqs 8), no decode row: 213 tokens, 256 rows
+        ([(toks(10, 70), 1040, A, False), (toks(20, 65), 0, B, False),
+          (toks(30, 64), 0, C, False), (toks(40, 1), 5, D, False), (toks(50, 3), 0, E, False),
+          (toks(60, 2), 0, F, False), (toks(70, 7), 20, G, False), (toks(80, 1), 0, H, False)],
+         None),
+        # a decode row over two splits (1,111 keys), draft-like rows, in-flight tokens: 64 rows
+        ([([0], 1110, A, True), ([5], 65, B, True), ([6, 7, 0], 64, C, True),
+          (toks(90, 40), 6, D, False)], [(0, 0), (4, 1)]),
+        # one chunk and 8 decode rows (all real): 57 tokens, 64 rows
+        ([([8], 1111, A, True), ([9], 66, B, True), ([10], 67, C, True),
+          (toks(100, 49), 0, I, False), ([11], 46, D, True), ([12], 3, E, True),
+          ([13], 2, F, True), ([0], 27, G, True), ([14], 1, H, True)], [(55, 2)]),
+        # one chunk after the 8: 130 queries after 1,112 keys (78 blocks), 192 rows
+        ([(toks(110, 130), 1112, A, False)], None),
+    ]
+
+
+def compare_mixed(model: str, device: str = "cpu", dtype: str = "float32",
+                  variant: str = "basic") -> dict:
     """Steps with prompt chunks (and decode rows) through the fixed-shape inputs of
     engine/mixed_inputs.py against the same steps' eager inputs: the largest absolute
-    differences of the logits (real rows) and of the KV cache (but the scratch block)."""
+    differences of the logits (real rows) and of the KV cache (but the scratch block).
+
+    ``variant="more"``: the rarer shapes of :func:`_more_mixed_steps` over a KV cache of random
+    values (a wrong block read shows), and on CPU the fixed-shape inputs' decode rows through
+    the Triton decode kernel (split-K and its reduce, as on CUDA) against the torch decode path
+    of the eager inputs."""
     from . import triton_attention as ta
     from .mixed_inputs import MixedInputs
 
     if device == "cpu":
         ta._sm_count = lambda dev: 4
-    r = _runner(model, device, dtype, graphs=device == "cuda")
+    more = variant == "more"
+    # NOTE: KV blocks by count: 64 MiB hold 18 of qwen3-0.6b in fp32 (the GPU test), fewer than
+    # the steps below use (block 20; 111 in "more"): they wrote past the cache and read the
+    # scratch block
+    r = _runner(model, device, dtype, graphs=device == "cuda", blocks=128)
     try:
         lm, cache, st = r.resource(R.WEIGHTS), r.resource(R.KV_CACHE).tensor, r.resource(R.MODEL_STATE)
         # no step below uses it: on CUDA the graphs' own scratch block, the last
         scratch = r.num_blocks if device == "cuda" else r.num_blocks - 1
         b = list(range(4, 15))
-        steps = [
+        steps = [(seqs, None) for seqs in [
             # two fresh prompts and a short one (157 tokens: 192 rows)
             [(list(range(5, 42)), 0, [1, 2, 3], False), (list(range(9, 109)), 0, b, False),
              (list(range(60, 80)), 0, [15, 16], False)],
@@ -157,15 +204,34 @@ def compare_mixed(model: str, device: str = "cpu", dtype: str = "float32") -> di
              (list(range(300, 361)), 0, [17, 18, 19, 20], False)],
             # a decode row over many blocks beside a one-token chunk (a prompt's last token)
             [([4], 171, b, True), ([11], 60, [17, 18, 19, 20], False)],
-        ]
+        ]]
+        if more:
+            steps = _more_mixed_steps(scratch)
+            init = torch.randn(cache.shape, generator=torch.Generator().manual_seed(2))
+        used = max(x for seqs, _ in steps for s in seqs for x in s[2])
+        assert used < scratch, f"the steps use block {used}; the cache has {scratch} (and scratch)"
+        sampled = torch.tensor([123, 77, 45])  # the in-flight tokens of ``fill``
 
         def run(graphs):
-            cache.zero_()
+            if more:
+                cache.copy_(init.to(cache))
+            else:
+                cache.zero_()
+            st.buffers["sampled"][:3] = sampled
             outs = []
-            with torch.inference_mode():
-                for seqs in steps:
-                    h = packed_forward(lm, cache, st, graphs, r.device, r.block_size, seqs)
-                    outs.append(lm.logits(h).float())
+            supported, sm_count = ta.supported, ta._sm_count
+            if more and graphs is not None and device == "cpu":  # the decode kernel, interpreted
+                ta.supported = lambda q, c: c.stride(-1) == 1 and q.stride(-1) == 1
+                # a grid of several programs per sequence (its splits taken in turn), as on CUDA
+                ta._sm_count = lambda dev: 64
+            try:
+                with torch.inference_mode():
+                    for seqs, fill in steps:
+                        h = packed_forward(lm, cache, st, graphs, r.device, r.block_size, seqs,
+                                           fill)
+                        outs.append(lm.logits(h).float())
+            finally:
+                ta.supported, ta._sm_count = supported, sm_count
             keep = torch.ones(cache.shape[2], dtype=torch.bool)
             keep[scratch] = False
             return torch.cat(outs), cache[:, :, keep].float().clone()
@@ -200,7 +266,7 @@ if __name__ == "__main__":  # python -m engine.fused_check MODEL DEVICE DTYPE ->
 
     if sys.argv[1] == "decode":
         print(json.dumps({"decode_max_abs": compare_decode(sys.argv[2])}))
-    elif sys.argv[1] == "mixed":  # python -m engine.fused_check mixed MODEL DEVICE [DTYPE]
-        print(json.dumps(compare_mixed(*sys.argv[2:5])))
+    elif sys.argv[1] == "mixed":  # python -m engine.fused_check mixed MODEL DEVICE [DTYPE [VARIANT]]
+        print(json.dumps(compare_mixed(*sys.argv[2:6])))  # [VARIANT]: basic, more
     else:
         print(json.dumps(compare(*sys.argv[1:4])))

@@ -183,11 +183,7 @@ class ModelRunner(RunnerSleep):
             del part
             if should_stop():
                 return False
-        g = self._owner.get(R.CUDA_GRAPHS)
-        if g is not None and g.mixed is not None:  # graphed prompt steps (engine/mixed_inputs.py)
-            g.capture_mixed(self._owner[R.WEIGHTS], self._owner[R.KV_CACHE].tensor,
-                            self._owner[R.MODEL_STATE], self.config.max_num_batched_tokens,
-                            should_stop)
+        self._capture_mixed(should_stop)
         # one token bitmask row per sampled row (constrained requests are not speculated, but
         # a row index can reach the batch's whole sampled width)
         vocab, tok = self.model_config.vocab_size, self.tokenizer
@@ -195,6 +191,17 @@ class ModelRunner(RunnerSleep):
             self.config.max_num_seqs * rows_per_seq, vocab, self.device,
             grammar_vocab=lambda: grammar_vocab_size(tok, vocab)))
         return True
+
+    def _capture_mixed(self, should_stop=lambda: False) -> None:
+        """Capture the graphed prompt steps (engine/mixed_inputs.py) if the graphs want them.
+        NOTE: not while the weights are asleep (the KV cache woken alone): the capture runs the
+        model, whose weights are then in host memory (level 1) or gone (level 2); the wake of
+        the weights (or the weights written after a level-2 sleep) captures them instead."""
+        g = self._owner.get(R.CUDA_GRAPHS)
+        if g is not None and g.mixed is not None and "weights" not in self.asleep:
+            g.capture_mixed(self._owner[R.WEIGHTS], self._owner[R.KV_CACHE].tensor,
+                            self._owner[R.MODEL_STATE], self.config.max_num_batched_tokens,
+                            should_stop)
 
     def _num_kv_blocks(self, cfg) -> int:
         if self.config.num_kv_blocks:

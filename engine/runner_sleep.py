@@ -4,7 +4,7 @@ write a validated checkpoint into the weights' storage. engine/sleep.py drives i
 
 It uses the runner's ``_owner``, ``device``, ``dtype``, ``config``, ``model_config``,
 ``speculator``, ``weight_format``, ``weights_source``, ``asleep``/``sleep_level``/
-``sleep_timings``, ``loaded``, ``_build_stack()`` and ``_pack()``.
+``sleep_timings``, ``loaded``, ``_build_stack()``, ``_capture_mixed()`` and ``_pack()``.
 """
 
 from __future__ import annotations
@@ -74,6 +74,8 @@ class RunnerSleep:
                 else:
                     self._reload_weights()
                 self.asleep = tuple(t for t in self.asleep if t != "weights")
+                if "kv_cache" not in self.asleep:  # the stack woke first: its graphs now
+                    self._capture_mixed()
                 t0 = self._lap("weights_s", t0)
             if "kv_cache" in tags and "kv_cache" in self.asleep:
                 self._build_stack()
@@ -151,5 +153,9 @@ class RunnerSleep:
             if model is None:  # discarded by a level-2 sleep: these are the weights now
                 model = self._owner.adopt(R.WEIGHTS, create_model(self.model_config, self.device, self.dtype))
                 self.asleep = tuple(t for t in self.asleep if t != "weights")
-            copy_into(model, tensors)
+                copy_into(model, tensors)
+                if "kv_cache" not in self.asleep:  # the stack woke first: its graphs now
+                    self._capture_mixed()
+            else:
+                copy_into(model, tensors)
         log.info("weights updated (%d tensors)", len(tensors))

@@ -56,3 +56,23 @@ def test_fixed_shape_inputs_of_graphed_prompt_steps_equal_the_eager_ones_fp32():
     assert res["logits_max_abs"] <= 1e-4 * max(1.0, res["logits_scale"]), res
     assert res["kv_max_abs"] <= 1e-5, res
     assert res["argmax_agree"] == 1.0, res
+
+
+def test_fixed_shape_inputs_of_rarer_prompt_steps_equal_the_eager_ones_fp32():
+    """engine/mixed_inputs.py, the rarer shapes (engine/fused_check.py ``_more_mixed_steps``):
+    as many chunks as the cap, chunks after a context of many blocks, a decode row over two
+    splits, every decode row real, in-flight tokens, stale tiles and tables of a wider step
+    before; the fixed-shape inputs' decode rows through the Triton decode kernel (split-K and
+    its reduce, several programs a sequence) against the eager torch decode path, over a KV
+    cache of random values."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-m", "engine.fused_check", "mixed", "random:tiny-llama",
+                          "cpu", "float32", "more"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["mixed_rows"] == [256, 64, 64, 192]  # every step took the fixed-shape inputs
+    assert res["rows"] == 213 + 45 + 57 + 130
+    assert res["logits_max_abs"] <= 1e-4 * max(1.0, res["logits_scale"]), res
+    assert res["kv_max_abs"] <= 1e-5, res
+    assert res["argmax_agree"] == 1.0, res
