@@ -18,11 +18,13 @@ Part = Union[KVCache, ModelState, "cuda_graphs.CudaGraphs"]
 
 def device_stack(model_config, *, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, use_graphs: bool, max_tokens: int, max_rows: int,
-                 max_model_len: int) -> Iterator[tuple[Resource, Part]]:
+                 max_model_len: int, mixed_graphs: bool = True) -> Iterator[tuple[Resource, Part]]:
     """Yield ``(Resource.KV_CACHE, KVCache)``, ``(Resource.MODEL_STATE, ModelState)`` and, with
     ``use_graphs``, ``(Resource.CUDA_GRAPHS, CudaGraphs)``, in creation order, each as soon as it
     exists: the caller adopts each before the next is allocated, so a failure part way
-    releases what was made. ``max_rows``: rows (sequences) one step may carry."""
+    releases what was made. ``max_rows``: rows (sequences) one step may carry.
+    ``mixed_graphs``: the graphs may replay prompt steps too, where enabled
+    (``cuda_graphs.mixed_enabled``; the runner captures them at load, engine/mixed_inputs.py)."""
     # with CUDA graphs, one extra block (the last) is the scratch block padded rows write to
     yield Resource.KV_CACHE, KVCache(num_layers=model_config.num_layers,
                               num_blocks=num_blocks + int(use_graphs), block_size=block_size,
@@ -34,4 +36,5 @@ def device_stack(model_config, *, num_blocks: int, block_size: int, dtype: torch
     if use_graphs:  # after model_state, so that it is released first
         yield Resource.CUDA_GRAPHS, cuda_graphs.CudaGraphs(
             max_num_seqs=max_rows, scratch_block=num_blocks, block_size=block_size, device=device,
-            max_tokens=max_tokens, table_width=width, mixed=cuda_graphs.mixed_enabled())
+            max_tokens=max_tokens, table_width=width,
+            mixed=mixed_graphs and cuda_graphs.mixed_enabled())

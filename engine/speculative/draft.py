@@ -152,7 +152,10 @@ class DraftSpeculator(Speculator):
                 self._dcfg, num_blocks=self.num_blocks, block_size=self.block_size,
                 dtype=runner.dtype, device=runner.device, use_graphs=graphs,
                 max_model_len=runner.max_model_len,
-                max_tokens=config.max_num_batched_tokens + max_rows, max_rows=max_rows):
+                max_tokens=config.max_num_batched_tokens + max_rows, max_rows=max_rows,
+                # (its prompt steps stay eager: nothing captures them at load, and captured
+                # on first use they would stall serving steps)
+                mixed_graphs=False):
             setattr(res, _PARTS[name], part)
             del part
         self.allocator = BlockAllocator(self.num_blocks)
