@@ -32,7 +32,7 @@ import torch
 
 from . import triton_attention
 from .attention import AttentionMetadata
-from .mixed_inputs import MixedInputs
+from .mixed_inputs import MixedInputs, rows as mixed_rows
 
 log = logging.getLogger("enginecore.cuda_graphs")
 
@@ -164,8 +164,6 @@ class CudaGraphs:
         tokens can take, now (at load: captured lazily, the first steps of each size would pay
         it while serving). Each is captured over a step that touches only the scratch block:
         one chunk as long as a block table reaches, the other rows padding."""
-        from .mixed_inputs import rows as mixed_rows
-
         t0 = time.perf_counter()
         width = self.mixed.width
         for r in sorted({mixed_rows(t) for t in range(1, max_batched_tokens + 1)}):

@@ -33,6 +33,7 @@ import torch
 from .attention import AttentionMetadata
 from .host_arrays import padded_rows
 from .step_inputs import eager_rows
+from . import triton_prefill
 from .triton_prefill import BLOCK_M, PrefillBatch
 
 
@@ -88,11 +89,7 @@ class MixedInputs:
         buf, bs = self.buffers, self.block_size
         nt, cap = self.tiles(r), self.chunks_cap(r)
         # prefill: the real chunks' tiles, then tiles of the empty chunk ``cap``
-        tc: list[int] = []
-        tm: list[int] = []
-        for j, (_, n, _, _) in enumerate(chunks):
-            tm.extend(range(0, n, BLOCK_M))
-            tc.extend([j] * (len(tm) - len(tc)))
+        tc, tm = triton_prefill.tiles(chunks)
         pad = nt - len(tc)
         assert pad >= 0 and len(chunks) <= cap, (r, len(tc), len(chunks))
         tiles = np.array([tc + [cap] * pad, tm + [0] * pad], dtype=np.int32)

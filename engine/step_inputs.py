@@ -78,13 +78,10 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
     if graphs is not None and not prefills and not with_context and not chunks and len(dec_rows) == t:
         bucket = graphs.bucket(t)
     elif graphs is not None and chunks and not prefills and not with_context:
+        # a graphed step with prompt chunks runs at the eager row count below
+        # (engine/mixed_inputs.py ``rows``)
         mixed = graphs.mixed_rows(t, len(chunks), len(dec_rows))
-    if mixed is not None:  # padded rows are no chunk's and no decode row's (engine/mixed_inputs.py)
-        pad = mixed - t
-        ids += [0] * pad
-        pos += [0] * pad
-        slots += [graphs.scratch_slot] * pad
-    elif bucket is not None:
+    if bucket is not None:
         pad = bucket - t
         ids += [0] * pad
         pos += [0] * pad
@@ -108,6 +105,7 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
         input_ids.index_copy_(0, idx[:, 0], state.buffers["sampled"].index_select(0, idx[:, 1]))
     positions = state.load("positions", long_tensor(pos))
     if mixed is not None:
+        assert len(ids) == mixed, (len(ids), mixed)  # padded above, at the eager row count
         slot_mapping = state.load("slot_mapping", long_tensor(slots))
         meta = graphs.mixed.meta(mixed, slot_mapping, state, chunks, dec_rows, dec_tables,
                                  dec_lens)

@@ -54,12 +54,8 @@ def usable(device: torch.device, head_dim: int, block_size: int) -> bool:
 def build(chunks: list[tuple[int, int, int, list[int]]], block_size: int,
           device: torch.device) -> PrefillBatch:
     """``chunks``: ``(first packed row, queries n, ctx_len, block ids)`` of every prefill chunk."""
-    tc: list[int] = []
-    tm: list[int] = []
+    tc, tm = tiles(chunks)
     width = max(-(-c[2] // block_size) for c in chunks)
-    for j, (_, n, _, _) in enumerate(chunks):
-        tm.extend(range(0, n, BLOCK_M))
-        tc.extend([j] * (len(tm) - len(tc)))
     nt, nc = len(tc), len(chunks)
     # NOTE: Triton specializes a kernel on whether each pointer is 16-byte aligned. The per-tile
     # and per-chunk arrays are rows of one host array (one copy each); a row of nt or nc int32
@@ -72,6 +68,16 @@ def build(chunks: list[tuple[int, int, int, list[int]]], block_size: int,
     bt = padded_rows([c[3][: -(-c[2] // block_size)] for c in chunks], width, np.int32)
     host, per, bt = (t.to(device, non_blocking=True) for t in (host, per, bt))
     return PrefillBatch(host[0, :nt], host[1, :nt], per[0, :nc], per[1, :nc], per[2, :nc], bt)
+
+
+def tiles(chunks: list[tuple[int, int, int, list[int]]]) -> tuple[list[int], list[int]]:
+    """The query tiles of ``chunks``: each tile's chunk and its first query within the chunk."""
+    tc: list[int] = []
+    tm: list[int] = []
+    for j, (_, n, _, _) in enumerate(chunks):
+        tm.extend(range(0, n, BLOCK_M))
+        tc.extend([j] * (len(tm) - len(tc)))
+    return tc, tm
 
 
 def _aligned(n: int) -> int:
