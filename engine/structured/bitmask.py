@@ -110,9 +110,11 @@ class TokenBitmask:
 
     def fill(self, entries: Sequence[tuple], background: bool = False) -> "Filling":
         """Fill the host rows of ``entries`` (the matchers' current states). With
-        ``background`` the fill runs on this bitmask's helper thread (xgrammar releases the
-        GIL while it fills, so the caller's Python runs meanwhile; it must leave these
-        matchers alone until :meth:`mask`)."""
+        ``background`` the fill runs on this bitmask's helper thread (the caller must leave
+        these matchers alone until :meth:`mask`). NOTE: the fill keeps the GIL
+        (``structured/gil.py``), so the caller's Python waits for it rather than runs beside
+        it; the helper thread still lets the caller's own GIL-free work (torch ops, device
+        waits) overlap the fill."""
         live = [e for e in entries if not e[0].is_terminated()]
         for _, row, drafts in live:
             if row + len(drafts) >= self.max_rows:
@@ -130,8 +132,7 @@ class TokenBitmask:
         # NOTE: the caller goes on with Python (the step before's outputs) and would keep the
         # GIL from the helper thread until it blocks: the fill started only then, after the
         # work it was to overlap (measured: 1.6 ms of Python, the fill began 1.62 ms after it
-        # was submitted; waited for here, 0.015 ms). Once the fill is in xgrammar (the GIL
-        # released) the caller has it back.
+        # was submitted; waited for here, 0.015 ms)
         started.wait()
         return Filling(future, None)
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from .gil import keep_gil_on_step_calls
+
 
 def new_matcher(compiled):
     import xgrammar as xgr
 
+    keep_gil_on_step_calls()  # its calls are made on the step thread (engine/structured/gil.py)
     return xgr.GrammarMatcher(compiled)
 
 

@@ -1,0 +1,64 @@
+"""xgrammar's per-step calls keep the GIL (issue 23).
+
+xgrammar 0.2's Python API calls C++ through tvm-ffi, and tvm-ffi releases the GIL around every
+call by default, however short. A thread that gives the GIL up must win it back: while another
+thread runs Python (the event loop delivering a step's outputs to 256 streams), that takes up to
+the interpreter's switch interval (5 ms) per call. A constrained step makes several such calls
+on the step thread (``batch_accept_token``, whose result is read back one ``ArrayGetItem`` call
+per matcher, ``is_terminated`` per matcher, the mask fill), so the event loop's delivery turned
+~0.4 ms of grammar work into 5-30 ms (measured here with a Python thread spinning beside it:
+fill 0.4 -> 5.5 ms, batch accept 0.3 -> 26 ms; kept: 0.56 and 0.46 ms).
+
+The calls made per step are short (microseconds a matcher): they gain nothing from giving the
+GIL up, so :func:`keep_gil_on_step_calls` turns the release off for exactly those tvm-ffi
+functions. The grammar compile (``GrammarCompiler``, seconds on a worker thread) keeps
+releasing it, as it must. The setting belongs to the tvm-ffi function objects, so it is
+process-wide; it changes when the GIL is held, never what a call returns.
+
+Written here because no library offers it: xgrammar exposes no per-call GIL choice, and tvm-ffi's
+only global switch (``TVM_FFI_RELEASE_GIL_BY_DEFAULT``, read at import) would also make the
+compile hold the GIL.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+log = logging.getLogger("enginecore.structured")
+
+_MATCHER = ("accept_token", "is_terminated", "is_completed", "fill_next_token_bitmask",
+            "rollback", "reset", "find_jump_forward_string")
+_BATCH = ("batch_accept_token", "batch_fill_next_token_bitmask", "batch_rollback",
+          "batch_accept_string")
+_CONTAINERS = ("ArrayGetItem", "ArraySize")  # a returned Array read back element by element
+
+
+@functools.cache
+def keep_gil_on_step_calls() -> int:
+    """Turn the GIL release off for xgrammar's per-step calls (once; later calls return the
+    same count). Returns how many functions were changed (0 when this xgrammar is not built on
+    tvm-ffi: nothing to do then)."""
+    try:
+        from tvm_ffi import _ffi_api as containers
+        from xgrammar.tvm_ffi_binding import _ffi_api as binding
+    except ImportError:
+        return 0
+    changed = 0
+    for cls, names in ((getattr(binding, "GrammarMatcher", None), _MATCHER),
+                       (getattr(binding, "BatchGrammarMatcher", None), _BATCH)):
+        info = getattr(cls, "__tvm_ffi_type_info__", None)
+        for method in getattr(info, "methods", None) or ():
+            if method.name in names and hasattr(method.func, "release_gil"):
+                method.func.release_gil = False
+                changed += 1
+    for name in _CONTAINERS:
+        fn = getattr(containers, name, None)
+        if hasattr(fn, "release_gil"):
+            fn.release_gil = False
+            changed += 1
+    log.debug("xgrammar: %d per-step tvm-ffi calls keep the GIL", changed)
+    return changed
+
+
+__all__ = ["keep_gil_on_step_calls"]
