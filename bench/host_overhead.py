@@ -130,6 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", choices=("short", "nano"), default="short",
                     help="short: --requests x --prompt / --tokens; nano: 256 requests, prompts "
                          "and outputs U[100, 1024] (bench.throughput's CUDA workload)")
+    ap.add_argument("--step-burst-ms", type=float, default=None,
+                    help="EngineConfig.step_burst_ms of the in-process engine (its default if omitted)")
     ap.add_argument("--out", default=str(common.RESULTS_DIR / "host_overhead.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -145,7 +147,8 @@ def main(argv=None) -> int:
                 for _ in range(args.requests)]
     cfg = EngineConfig(model="random:tiny-llama", device="cpu", max_num_seqs=args.requests,
                        enable_prefix_caching=False, overlap_scheduling=True,
-                       kv_cache_bytes=2**27 if args.workload == "short" else 2**29)
+                       kv_cache_bytes=2**27 if args.workload == "short" else 2**29,
+                       **({} if args.step_burst_ms is None else {"step_burst_ms": args.step_burst_ms}))
     rows: list[dict[str, Any]] = []
     for r in range(args.rounds):
         bare = run_bare(cfg, work, args.sim, args.eager_ms)

@@ -27,7 +27,9 @@ BATCH_BUCKETS = (1, 16, 64, 128, 256, 1 << 30)
 
 class Timeline:
     def __init__(self) -> None:
-        self.steps: list[tuple[float, float, int, int, int]] = []  # t0, t1, entries, rows, prompt
+        # t0, t1, entries, rows, prompt tokens, seconds waiting for the device's tokens
+        self.steps: list[tuple[float, float, int, int, int, float]] = []
+        self._wait = 0.0
         self.gc: list[tuple[float, int, float]] = []  # start, generation, seconds
         self._sched = (0, 0, 0)
         self._gc_t0 = 0.0
@@ -43,14 +45,19 @@ class Timeline:
         steps = [s for s in self.steps if t0 <= s[0] <= t1]
         wall = t1 - t0
         dur = [b - a for a, b, *_ in steps]
+        waited = sum(s[5] for s in steps)
         gaps = [steps[k + 1][0] - steps[k][1] for k in range(len(steps) - 1)]
         out: dict[str, Any] = {
             "steps": len(steps), "wall_s": wall, "in_steps_s": sum(dur), "gaps_s": sum(gaps),
             "gap_p50_us": _us(percentile(gaps, 50)), "gap_p99_us": _us(percentile(gaps, 99)),
             "gap_max_ms": max(gaps) * 1e3 if gaps else None,
+            # the part of in_steps_s spent waiting for a step's tokens (Launched.wait): what
+            # the host had to spare; the rest of in_steps_s is host work (and GIL waits)
+            "device_wait_s": waited,
         }
         kinds: dict[str, list[float]] = {}
-        for (a, b, entries, rows, prompt) in steps:
+        kind_wait: dict[str, float] = {}
+        for (a, b, entries, rows, prompt, wait) in steps:
             if not entries:
                 key = "no launch"  # applied the step in flight only (EngineCore.step)
             elif prompt:
@@ -58,8 +65,10 @@ class Timeline:
             else:
                 key = "decode<=" + str(next(x for x in BATCH_BUCKETS if rows <= x))
             kinds.setdefault(key, []).append(b - a)
+            kind_wait[key] = kind_wait.get(key, 0.0) + wait
         out["by_kind"] = {k: {"n": len(v), "sum_s": sum(v), "p50_ms": percentile(v, 50) * 1e3,
-                              "p99_ms": percentile(v, 99) * 1e3} for k, v in sorted(kinds.items())}
+                              "p99_ms": percentile(v, 99) * 1e3, "wait_s": kind_wait[k]}
+                          for k, v in sorted(kinds.items())}
         collections: dict[str, list[float]] = {}
         for start, gen, secs in self.gc:
             if t0 <= start <= t1:
@@ -67,8 +76,8 @@ class Timeline:
         out["gc"] = {g: {"n": len(v), "sum_ms": sum(v) * 1e3, "max_ms": max(v) * 1e3}
                      for g, v in sorted(collections.items())}
         longest = sorted(steps, key=lambda s: s[0] - s[1])[:5]
-        out["longest_steps"] = [{"ms": (b - a) * 1e3, "entries": e, "rows": r, "prompt_tokens": p}
-                                for a, b, e, r, p in longest]
+        out["longest_steps"] = [{"ms": (b - a) * 1e3, "entries": e, "rows": r, "prompt_tokens": p,
+                                 "wait_ms": w * 1e3} for a, b, e, r, p, w in longest]
         return out
 
 
@@ -79,10 +88,11 @@ def _us(x):
 @contextmanager
 def recording() -> Iterator[Timeline]:
     from engine.core import EngineCore
+    from engine.launched import Launched
     from engine.scheduler import Scheduler
 
     tl = Timeline()
-    step, schedule = EngineCore.step, Scheduler.schedule
+    step, schedule, wait = EngineCore.step, Scheduler.schedule, Launched.wait
 
     def timed_schedule(self, *a, **kw):
         batch = schedule(self, *a, **kw)
@@ -94,29 +104,37 @@ def recording() -> Iterator[Timeline]:
         tl._sched = (len(batch), rows, prompt)
         return batch
 
+    def timed_wait(self):
+        t = time.perf_counter()
+        try:
+            return wait(self)
+        finally:
+            tl._wait += time.perf_counter() - t
+
     def timed_step(self, *a, **kw):
-        tl._sched = (0, 0, 0)
+        tl._sched, tl._wait = (0, 0, 0), 0.0
         t = time.perf_counter()
         try:
             return step(self, *a, **kw)
         finally:
-            tl.steps.append((t, time.perf_counter(), *tl._sched))
+            tl.steps.append((t, time.perf_counter(), *tl._sched, tl._wait))
 
-    EngineCore.step, Scheduler.schedule = timed_step, timed_schedule
+    EngineCore.step, Scheduler.schedule, Launched.wait = timed_step, timed_schedule, timed_wait
     gc.callbacks.append(tl._on_gc)
     try:
         yield tl
     finally:
-        EngineCore.step, Scheduler.schedule = step, schedule
+        EngineCore.step, Scheduler.schedule, Launched.wait = step, schedule, wait
         gc.callbacks.remove(tl._on_gc)
 
 
 def print_summary(mode: str, s: dict[str, Any]) -> None:
     print(f"[{mode}] timeline: {s['steps']} steps, wall {s['wall_s']:.3f} s = in steps "
           f"{s['in_steps_s']:.3f} + gaps {s['gaps_s']:.3f} (gap p50 {s['gap_p50_us'] or 0:.0f} us, "
-          f"p99 {s['gap_p99_us'] or 0:.0f} us, max {s['gap_max_ms'] or 0:.1f} ms)")
+          f"p99 {s['gap_p99_us'] or 0:.0f} us, max {s['gap_max_ms'] or 0:.1f} ms); "
+          f"waiting for the device in steps {s['device_wait_s']:.3f} s")
     for k, v in s["by_kind"].items():
         print(f"    {k:>14}: {v['n']:5d} steps, {v['sum_s']:.3f} s, p50 {v['p50_ms']:.2f} ms, "
-              f"p99 {v['p99_ms']:.2f} ms")
+              f"p99 {v['p99_ms']:.2f} ms, waiting {v['wait_s']:.3f} s")
     for g, v in s["gc"].items():
         print(f"    gc {g}: {v['n']} collections, {v['sum_ms']:.1f} ms, max {v['max_ms']:.1f} ms")

@@ -183,7 +183,9 @@ class IntakeAPI:
             self._deliver(pending)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        if self._pending:  # held outputs are older: they go first
+        # held outputs are older: they go first (in a step burst they are the step thread's,
+        # and what the loop dispatches then is of requests outside the core)
+        if self._pending and not self._bursting:
             self._flush_pending()
         self._deliver(outputs)
 

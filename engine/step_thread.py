@@ -65,9 +65,9 @@ class StepThread:
             self._limiter.release()
 
     @staticmethod
-    def poster(fn: Callable[[], None]) -> Optional[Callable[[], None]]:
-        """A callable for the step thread that has ``fn()`` run on this event loop (None when
-        the backend is not asyncio). Call it from the loop's thread."""
+    def poster(fn: Callable[..., None]) -> Optional[Callable[..., None]]:
+        """A callable for the step thread that has ``fn(*args)`` run on this event loop (None
+        when the backend is not asyncio). Call it from the loop's thread."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # pragma: no cover - not asyncio (trio)

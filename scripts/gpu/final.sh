@@ -25,6 +25,9 @@
 #           steps' host time by where (Triton's launcher, torch, the engine; session 12)
 #   PART=15 graphed prompt steps (ENGINECORE_MIXED_GRAPHS=1): their GPU tests, prefix caching
 #           on/off and the engine modes with them (session 12)
+#   PART=16 GPU tests (overlap, structured, release), structured outputs, the engine modes with
+#           timelines, in-process without step bursts, prefix caching with mixed graphs on and off
+#           (session 13)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -123,6 +126,17 @@ elif [[ $PART == 15 ]]; then  # session 12: graphed prompt steps (ENGINECORE_MIX
   ENGINECORE_MIXED_GRAPHS=1 step prefix 170 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix_mixed.json"
   ENGINECORE_MIXED_GRAPHS=1 step throughput 150 python3 -m bench.throughput --device cuda --no-progress \
     --repeat 1 --modes bare,inproc,ipc --timeline --out "$OUT/throughput_mixed.json"
+elif [[ $PART == 16 ]]; then  # session 13: xgrammar keeps the GIL, step bursts, mixed graphs on/off
+  export ONE_LOG=run.log TAIL=22
+  step gpu_tests 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_overlap.py \
+    tests/gpu/test_gpu_structured.py tests/gpu/test_gpu_release.py
+  step structured 80 python3 -m bench.structured --device cuda --no-progress --out "$OUT/structured.json"
+  step throughput 110 python3 -m bench.throughput --device cuda --no-progress --repeat 1 \
+    --modes bare,inproc,ipc --timeline --out "$OUT/throughput.json"
+  step inproc_noburst 50 python3 -m bench.throughput --device cuda --no-progress --repeat 1 \
+    --modes inproc --timeline --engine-config '{"step_burst_ms": 0}' --out "$OUT/throughput_noburst.json"
+  ENGINECORE_MIXED_GRAPHS=1 step prefix_mixed 60 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix_mixed.json"
+  ENGINECORE_MIXED_GRAPHS=0 step prefix_eager 60 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix_eager.json"
 elif [[ $PART == 12 ]]; then  # issue 23: structured outputs' host cost
   export ONE_LOG=run.log TAIL=16
   step gpu_tests 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_structured.py \
