@@ -239,7 +239,7 @@ def compare_mixed(model: str, device: str = "cpu", dtype: str = "float32",
         la, ka = run(None)
         graphs = r.resource(R.CUDA_GRAPHS) if R.CUDA_GRAPHS in r._owner else None
         if graphs is not None:  # CUDA: the real graphs (captured, then replayed: two 64s)
-            assert graphs.mixed is not None, "ENGINECORE_MIXED_GRAPHS=1 was not set"
+            assert graphs.mixed is not None, "ENGINECORE_MIXED_GRAPHS=0 is set"
             replays = graphs.replays  # (the load captured every row count: one replay each)
             lb, kb = run(graphs)
             rows = [k[1] for k in graphs.captured if isinstance(k, tuple)]

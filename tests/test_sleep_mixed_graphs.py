@@ -1,4 +1,4 @@
-"""Sleep mode with graphed prompt steps (engine/mixed_inputs.py, ``ENGINECORE_MIXED_GRAPHS=1``):
+"""Sleep mode with graphed prompt steps (engine/mixed_inputs.py, on by default on CUDA):
 when the runner captures them. On CPU, with a stand-in for the CUDA graphs object."""
 
 from __future__ import annotations

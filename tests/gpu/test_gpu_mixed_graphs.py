@@ -1,5 +1,5 @@
 """GPU: steps with prompt tokens replayed from CUDA graphs (engine/mixed_inputs.py,
-``ENGINECORE_MIXED_GRAPHS=1``, opt-in until these pass on the device).
+on by default since these passed on the H200; ``ENGINECORE_MIXED_GRAPHS=0`` turns them off).
 
 (a) The same packed steps (fresh prompts, chunks after context, decode rows beside chunks, a
     one-token chunk; two steps of one row count) replayed from the graphs the load captured
