@@ -30,20 +30,35 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
 
+#: a batch fill's work (one thread's time) per thread it is spread over: below it, more
+#: threads cost more than they save (xgrammar starts its threads on every call: 256 rows of the
+#: bench's schema took 0.14 ms on one thread, 0.35 ms on two, on the 2-core development box)
+_WORK_PER_THREAD_S = 1e-3
+
+
 def _fill_threads() -> int:
-    """Threads xgrammar may use to fill a batch's rows: the CPUs this process may use, less
-    two (the step's own thread, the event loop's), at most 16."""
+    """Threads xgrammar may use at most to fill a batch's rows: the CPUs this process may use,
+    less two (the step's own thread, the event loop's), at most 16."""
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         n = os.cpu_count() or 1
     return max(1, min(16, n - 2))
+
+
+def _threads_for(work_s: float, most: int) -> int:
+    """Threads for a fill of ``work_s`` of one thread's work (the last fill's, as an estimate
+    of the next): one per ``_WORK_PER_THREAD_S``, at least 1, at most ``most``. Small masks
+    (a byte vocabulary, a grammar inside a string) stay on one thread; large ones (a 150k-token
+    vocabulary at a grammar's branch points) spread."""
+    return max(1, min(most, int(work_s / _WORK_PER_THREAD_S)))
 
 
 class Filling(NamedTuple):
@@ -74,7 +89,10 @@ class TokenBitmask:
         self.dev = torch.zeros((max_rows, -(-vocab_size // 32)), dtype=torch.int32,
                                device=self.device)
         self._host: Optional[torch.Tensor] = None  # the rows xgrammar fills, made on first use
-        self._batch = None  # xgrammar's BatchGrammarMatcher (host threads), made on first use
+        # xgrammar's BatchGrammarMatcher by thread count, made on first use; the count the next
+        # fill uses follows the last fill's work (_threads_for)
+        self._batch: dict[int, object] = {}
+        self._threads = 1
         self._pool: Optional[ThreadPoolExecutor] = None  # the background fill's one thread
 
     @property
@@ -160,11 +178,15 @@ class TokenBitmask:
         if len(live) == 1:
             live[0][0].fill_next_token_bitmask(host, rows[0])
         else:  # the rows of the matchers' current states, filled on xgrammar's threads
-            if self._batch is None:
+            n = self._threads
+            batch = self._batch.get(n)
+            if batch is None:
                 from xgrammar import BatchGrammarMatcher
 
-                self._batch = BatchGrammarMatcher(max_threads=_fill_threads())
-            self._batch.batch_fill_next_token_bitmask([m for m, _, _ in live], host, rows)
+                batch = self._batch[n] = BatchGrammarMatcher(max_threads=n)
+            t0 = time.perf_counter()
+            batch.batch_fill_next_token_bitmask([m for m, _, _ in live], host, rows)
+            self._threads = _threads_for((time.perf_counter() - t0) * n, _fill_threads())
         for matcher, row, drafts in live:
             if drafts:
                 rows.extend(self._fill_drafts(matcher, row, drafts))
@@ -198,7 +220,7 @@ class TokenBitmask:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        self._batch = None
+        self._batch = {}
         with torch.no_grad():
             self.dev.set_()
             if self._host is not None:

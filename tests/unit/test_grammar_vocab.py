@@ -146,3 +146,28 @@ def test_a_background_fill_is_under_way_when_fill_returns():
             assert filling.rows() == list(range(n))
     finally:
         bits.close()
+
+
+def test_a_fill_spreads_over_threads_only_when_its_work_is_large():
+    from engine.structured.bitmask import _threads_for
+
+    assert _threads_for(0.0001, 14) == 1  # 256 rows of a byte vocabulary: one thread
+    assert _threads_for(0.0035, 14) == 3
+    assert _threads_for(0.5, 14) == 14  # capped by the CPUs
+    assert _threads_for(0.5, 1) == 1
+
+
+def test_the_thread_count_follows_the_last_fills_work_and_masks_stay_the_same():
+    V, n = 4096, 24
+    tok = Tokenizer.bytes(V)
+    compiled = _compile(tokenizer_info(tok, V), SCHEMA)
+    ms = [xgr.GrammarMatcher(compiled) for _ in range(n)]
+    bits = TokenBitmask(n, V, "cpu", grammar_vocab=lambda: grammar_vocab_size(tok, V))
+    entries = [(m, i, ()) for i, m in enumerate(ms)]
+    bits.fill(entries).rows()
+    one = bits.host.clone()
+    assert bits._threads == 1  # tiny work
+    bits._threads = 2  # as after a large fill: the same rows come out
+    bits.host.fill_(0)
+    bits.fill(entries).rows()
+    assert torch.equal(bits.host, one)
