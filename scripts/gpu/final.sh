@@ -28,6 +28,8 @@
 #   PART=16 GPU tests (overlap, structured, release), structured outputs, the engine modes with
 #           timelines, in-process without step bursts, prefix caching with mixed graphs on and off
 #           (session 13)
+#   PART=17 the defaults at session 13's end: GPU tests (structured, release), structured outputs
+#           with the late step's split, the engine modes in 2 interleaved rounds, prefix caching
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -137,6 +139,15 @@ elif [[ $PART == 16 ]]; then  # session 13: xgrammar keeps the GIL, step bursts,
     --modes inproc --timeline --engine-config '{"step_burst_ms": 0}' --out "$OUT/throughput_noburst.json"
   ENGINECORE_MIXED_GRAPHS=1 step prefix_mixed 60 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix_mixed.json"
   ENGINECORE_MIXED_GRAPHS=0 step prefix_eager 60 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix_eager.json"
+elif [[ $PART == 17 ]]; then  # session 13's closing run: defaults (mixed graphs, bursts, fill threads)
+  export ONE_LOG=run.log TAIL=24
+  step gpu_tests 90 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_structured.py \
+    tests/gpu/test_gpu_release.py
+  step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
+    --out "$OUT/structured.json"
+  step throughput 200 python3 -m bench.throughput --device cuda --no-progress --repeat 2 --interleave \
+    --modes bare,inproc,ipc --timeline --out "$OUT/throughput.json"
+  step prefix 50 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix.json"
 elif [[ $PART == 12 ]]; then  # issue 23: structured outputs' host cost
   export ONE_LOG=run.log TAIL=16
   step gpu_tests 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_structured.py \
