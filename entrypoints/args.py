@@ -42,6 +42,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-freeze-gc", dest="freeze_gc", action="store_false",
                    help="leave the garbage collector walking the startup heap (by default it is "
                         "frozen after the load, so full collections skip the model's objects)")
+    p.add_argument("--step-burst-ms", type=float, default=50.0,
+                   help="run steps back to back on the step thread for up to this long while the "
+                        "event loop has nothing for the engine (0: a round trip through the loop "
+                        "after every step)")
     p.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step before this one's tokens are read back "
                         "(default: on CUDA only)")
@@ -80,7 +84,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         num_speculative_tokens=a.num_speculative_tokens, draft_model=a.draft_model,
         max_logprobs=a.max_logprobs, tensor_parallel_size=a.tensor_parallel_size,
         nnodes=a.nnodes, node_rank=a.node_rank, master_addr=a.master_addr,
-        master_port=a.master_port, freeze_gc=a.freeze_gc,
+        master_port=a.master_port, freeze_gc=a.freeze_gc, step_burst_ms=a.step_burst_ms,
     )
 
 
