@@ -30,6 +30,7 @@
 #           (session 13)
 #   PART=17 the defaults at session 13's end: GPU tests (structured, release), structured outputs
 #           with the late step's split, the engine modes in 2 interleaved rounds, prefix caching
+#   PART=18 PART=17's structured outputs and engine modes first, then its GPU tests
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -148,6 +149,14 @@ elif [[ $PART == 17 ]]; then  # session 13's closing run: defaults (mixed graphs
   step throughput 200 python3 -m bench.throughput --device cuda --no-progress --repeat 2 --interleave \
     --modes bare,inproc,ipc --timeline --out "$OUT/throughput.json"
   step prefix 50 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix.json"
+elif [[ $PART == 18 ]]; then  # PART=17's measurements first, the GPU tests with what time is left
+  export ONE_LOG=run.log TAIL=24
+  step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
+    --out "$OUT/structured.json"
+  step throughput 160 python3 -m bench.throughput --device cuda --no-progress --repeat 2 --interleave \
+    --modes bare,inproc,ipc --timeline --out "$OUT/throughput.json"
+  step gpu_tests 90 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_structured.py \
+    tests/gpu/test_gpu_release.py
 elif [[ $PART == 12 ]]; then  # issue 23: structured outputs' host cost
   export ONE_LOG=run.log TAIL=16
   step gpu_tests 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_structured.py \
