@@ -165,10 +165,22 @@ class TokenBitmask:
         host = self.host
         self.dev[:n, : host.shape[1]].copy_(host[:n], non_blocking=True)
         out = logits.clone() if copy else logits
-        apply_token_bitmask_inplace(out, self.dev[:n], vocab_size=min(self.vocab_size,
-                                                                       out.shape[-1]),
-                                    indices=rows)
+        vocab = min(self.vocab_size, out.shape[-1])
+        if len(rows) == n:  # rows 0 .. n-1 (unique): the first n logits rows, no index list
+            apply_token_bitmask_inplace(out[:n], self.dev[:n], vocab_size=vocab)
+        else:
+            apply_token_bitmask_inplace(out, self.dev[:n], vocab_size=vocab,
+                                        indices=self._indices(rows))
         return out
+
+    def _indices(self, rows: list[int]):
+        """``rows`` for xgrammar's kernel: on CUDA a device tensor copied from pinned memory
+        (given a list, xgrammar copies it from pageable memory, which waits for the device
+        to drain the stream)."""
+        if self.device.type != "cuda":
+            return rows
+        idx = torch.tensor(rows, dtype=torch.int32).pin_memory()
+        return idx.to(self.device, non_blocking=True)
 
     def _fill(self, live: list[tuple], host: torch.Tensor,
               started: Optional[threading.Event] = None) -> list[int]:
