@@ -15,10 +15,10 @@ noise from its own ``torch.Generator``, so its tokens do not depend on the batch
 torch path's), a noise seed given by the caller (``SamplingBatch.noise_seed``: per step, from
 ``ModelState.next_noise_seed``).
 
-NOTE: off unless ``ENGINECORE_FUSED_SAMPLE=1``: it is tested under Triton's CPU interpreter
-(tests/test_fused_sample.py) but has not yet run on a device (session 10 had no device time left
-for tests/gpu/test_gpu_fused.py); the default turns on once that test has passed there.
-``ENGINECORE_FUSED=0`` turns it off with the other kernels.
+On by default on CUDA since tests/gpu/test_gpu_fused.py passed on the H200 (session 13: the
+draws follow softmax(logits / T) within 0.03 over 8,192 rows, greedy rows equal torch.argmax with
+ties, refused tokens are never drawn; 256 x 151,936 logits in 0.243 ms against the torch path's
+0.591). ``ENGINECORE_FUSED_SAMPLE=0`` turns it off; ``ENGINECORE_FUSED=0`` with the other kernels.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch
 
 from .fused_ops import AVAILABLE, INTERPRET, tl, triton
 
-#: opt-in until verified on a device (see the NOTE above)
-ENABLED = AVAILABLE and os.environ.get("ENGINECORE_FUSED_SAMPLE", "0") == "1"
+#: on unless ENGINECORE_FUSED_SAMPLE=0 (see above)
+ENABLED = AVAILABLE and os.environ.get("ENGINECORE_FUSED_SAMPLE", "1") != "0"
 
 #: columns one program reads per iteration
 BLOCK = 2048

@@ -363,8 +363,8 @@ class ModelRunner(RunnerSleep):
             # the rows' sampling values and seeded generators are taken now: a request that
             # finishes before sample_step() (the step before, applied in between) keeps them
             sb = build_sampling_batch([batch[i][0] for i in owners], state.generators, self.device)
-            if fused_sample.ENABLED:  # the one-pass sampler's noise (engine/fused_sample.py)
-                sb.noise_seed = state.next_noise_seed()
+            if fused_sample.ENABLED and (logits.is_cuda or fused_sample.INTERPRET):
+                sb.noise_seed = state.next_noise_seed()  # the one-pass sampler's (fused_sample.py)
             processed = process(logits, sb)
         return Forwarded(batch, sample_rows, plp, owners, logits_all, logits, sb, processed)
 

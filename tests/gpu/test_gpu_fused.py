@@ -51,7 +51,7 @@ def test_one_pass_sampler_draws_softmax_and_takes_first_max_on_cuda(monkeypatch)
     from engine import fused_sample
     from engine.sampler import SamplingBatch, sample
 
-    monkeypatch.setattr(fused_sample, "ENABLED", True)  # opt-in until this has passed on a device
+    monkeypatch.setattr(fused_sample, "ENABLED", True)  # (the default; ENGINECORE_FUSED_SAMPLE=0)
     dev = torch.device("cuda")
     vocab, rows = 151_936, 8192
     cols = torch.tensor([7, 40_000, 99_999, 151_935], device=dev)
