@@ -28,7 +28,7 @@ import logging
 log = logging.getLogger("enginecore.structured")
 
 _MATCHER = ("accept_token", "is_terminated", "is_completed", "fill_next_token_bitmask",
-            "rollback", "reset", "find_jump_forward_string")
+            "stop_token_ids", "rollback", "reset", "find_jump_forward_string")
 _BATCH = ("batch_accept_token", "batch_fill_next_token_bitmask", "batch_rollback",
           "batch_accept_string")
 _CONTAINERS = ("ArrayGetItem", "ArraySize")  # a returned Array read back element by element
