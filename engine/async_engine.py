@@ -55,6 +55,11 @@ class AsyncEngine(IntakeAPI, SleepAPI):
         self._sinks: dict[str, Sink] = {}
         self._pending: list = []  # outputs held for the step thread's next device wait (_hold)
         self._bursting = False  # a step burst runs: _pending is the step thread's (_burst)
+        #: outputs a launch took from _pending on the step thread, posted to the loop
+        #: (_deliver_handed); with _pending, under _held_lock while the step thread may write
+        #: them: a failure's flush (_fail_streams) must see what is on its way to the loop
+        self._handed: deque[list] = deque()
+        self._held_lock = threading.Lock()
         self._inbox: deque[InboxItem] = deque()
         self.admission = Admission(self.runner, max_waiting_requests=config.max_waiting_requests,
                                    max_queued_tokens=config.max_queued_tokens)
@@ -283,12 +288,14 @@ class AsyncEngine(IntakeAPI, SleepAPI):
     async def _loop(self) -> None:
         core = self.core
         assert core is not None
-        post = self._stepper.poster(self._deliver)
+        post = self._stepper.poster(self._deliver_handed)
 
         def launched() -> None:  # on the step thread: the next step is launched
             if self._pending:  # taken here: in a step burst the step thread holds the next
-                held, self._pending = self._pending, []
-                post(held)
+                with self._held_lock:
+                    self._handed.append(self._pending)
+                    self._pending = []
+                post()
 
         step = partial(core.step, launched) if post is not None else core.step
         runner = self.runner
@@ -363,10 +370,11 @@ class AsyncEngine(IntakeAPI, SleepAPI):
                     and self.lifecycle.state is State.SERVING and time.perf_counter() < end
                     and not _has_first_token(outputs)):
                 return outputs
-            if self._pending:  # not handed to the loop by a launch (a step applied first)
-                self._pending.extend(outputs)
-            else:
-                self._pending = outputs
+            with self._held_lock:
+                if self._pending:  # not handed to the loop by a launch (a step applied first)
+                    self._pending.extend(outputs)
+                else:
+                    self._pending = outputs
 
     def _rank_failed(self, exc: BaseException) -> None:
         """Tensor parallel: another rank died while serving (called on the loop thread by the

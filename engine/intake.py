@@ -3,7 +3,9 @@ inbox that carries both to the engine loop, which applies it between steps.
 
 A mixin, like :class:`engine.sleep.SleepAPI`: it uses the engine's ``lifecycle``, ``core``,
 ``admission``, ``_sinks`` (request id -> where its outputs go), ``_pending`` (outputs held
-until the step thread waits for the device, see ``_hold``), ``_inbox``, ``_tokenizing``
+until the step thread waits for the device, see ``_hold``), ``_handed`` and ``_held_lock``
+(outputs a launch took from ``_pending`` on the step thread, on their way to the loop:
+``_deliver_handed``), ``_inbox``, ``_tokenizing``
 (accepted requests whose long prompt is tokenized on a worker thread -> abort reason),
 ``_tg``, ``_loop_thread``, ``grammars`` and ``_wake()``.
 
@@ -178,9 +180,26 @@ class IntakeAPI:
         self._pending = outputs
 
     def _flush_pending(self) -> None:
-        pending, self._pending = self._pending, []
+        # what a launch handed over first (older), then what is held; under the lock: on a
+        # failure (_fail_streams) the step thread may be handing _pending over meanwhile
+        with self._held_lock:
+            handed = list(self._handed)
+            self._handed.clear()
+            pending, self._pending = self._pending, []
+        for outputs in handed:
+            self._deliver(outputs)
         if pending:
             self._deliver(pending)
+
+    def _deliver_handed(self) -> None:
+        """On the loop, posted by a launch (``AsyncEngine._loop``): deliver what it handed over
+        (unless a flush did already)."""
+        while True:
+            with self._held_lock:
+                if not self._handed:
+                    return
+                outputs = self._handed.popleft()
+            self._deliver(outputs)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         # held outputs are older: they go first (in a step burst they are the step thread's,
