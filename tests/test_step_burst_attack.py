@@ -434,3 +434,24 @@ async def test_sleep_wait_mid_burst_lets_requests_finish(hooks):
     a, b, eng, at = await both(hooks, after=after, max_tokens=[3, 8, 13, 21, 30, 30])
     _assert_mid_burst(at, 6)
     assert a == b and all(end == ("length", None) for _, end in a.values())
+
+
+@pytest.mark.asyncio
+async def test_abort_of_a_request_whose_end_is_held_in_the_burst(hooks):
+    # r0 finishes inside a burst; its last output is held (not delivered yet) when the client
+    # aborts it: it still ends once, by length, with all its tokens
+    table, _ = hooks
+    fired = {}  # engine -> whether its step thread was bursting when the abort came
+
+    def maybe_abort(s):
+        eng = s["engine"]
+        if eng not in fired and "r0" not in eng.core.requests and s["recs"]["r0"].end is None:
+            fired[eng] = eng._bursting
+            on_loop(s, lambda: eng._abort_nowait("r0", "late"))
+
+    for k in range(2, 20):
+        table[k] = ("after", maybe_abort)
+    a, b, eng, at = await both(hooks, max_tokens=[4, 30, 30, 30, 30, 30])
+    assert list(fired.values()) == [True, True], "the abort did not meet a held end"
+    assert a == b
+    assert a["r0"] == (a["r0"][0], ("length", None)) and len(a["r0"][0]) == 4
