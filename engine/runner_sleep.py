@@ -150,12 +150,11 @@ class RunnerSleep:
             self._owner.adopt(R.WEIGHTS, fresh)
             del fresh
         else:
-            if model is None:  # discarded by a level-2 sleep: these are the weights now
+            woke = model is None
+            if woke:  # discarded by a level-2 sleep: these are the weights now
                 model = self._owner.adopt(R.WEIGHTS, create_model(self.model_config, self.device, self.dtype))
                 self.asleep = tuple(t for t in self.asleep if t != "weights")
-                copy_into(model, tensors)
-                if "kv_cache" not in self.asleep:  # the stack woke first: its graphs now
-                    self._capture_mixed()
-            else:
-                copy_into(model, tensors)
+            copy_into(model, tensors)
+            if woke and "kv_cache" not in self.asleep:  # the stack woke first: its graphs now
+                self._capture_mixed()
         log.info("weights updated (%d tensors)", len(tensors))

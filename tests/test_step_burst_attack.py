@@ -247,24 +247,33 @@ async def test_drain_mid_burst(hooks, timeout):
         assert a == b and all(end == ("abort", "drain timeout") for _, end in a.values())
 
 
-@pytest.mark.asyncio
-async def test_sleep_abort_mid_burst_then_wake_and_serve(hooks):
-    table, _ = hooks
-    slept = {}
-
+def _sleep_at(table, step: int, mode: str, slept: dict) -> None:
+    """After ``step``: the engine is put to sleep (level 1, ``mode``) from the loop; ``slept``
+    gets "ok" once the sleep has returned."""
     def sleep(s):
         async def go():
-            await s["engine"].sleep(1, "abort")
+            await s["engine"].sleep(1, mode)
             slept["ok"] = True
         on_loop(s, lambda: s["tasks"].append(asyncio.ensure_future(go())))
         until_not_serving(s)
 
-    table[6] = ("after", sleep)
+    table[step] = ("after", sleep)
+
+
+async def _until_slept(eng, slept: dict) -> None:
+    while not slept:
+        await anyio.sleep(0.01)
+    assert eng.state is State.SLEEPING
+
+
+@pytest.mark.asyncio
+async def test_sleep_abort_mid_burst_then_wake_and_serve(hooks):
+    table, _ = hooks
+    slept = {}
+    _sleep_at(table, 6, "abort", slept)
 
     async def after(eng, recs):
-        while not slept:
-            await anyio.sleep(0.01)
-        assert eng.state is State.SLEEPING
+        await _until_slept(eng, slept)
         await eng.wake_up()
         r = recs["again"] = Rec()
         eng.submit(PROMPTS[0], SamplingParams(max_tokens=5, ignore_eos=True), "again", r)
@@ -416,20 +425,10 @@ async def test_constrained_requests_in_bursts(hooks):
 async def test_sleep_wait_mid_burst_lets_requests_finish(hooks):
     table, _ = hooks
     slept = {}
-
-    def sleep(s):
-        async def go():
-            await s["engine"].sleep(1, "wait")
-            slept["ok"] = True
-        on_loop(s, lambda: s["tasks"].append(asyncio.ensure_future(go())))
-        until_not_serving(s)
-
-    table[6] = ("after", sleep)
+    _sleep_at(table, 6, "wait", slept)
 
     async def after(eng, recs):
-        while not slept:
-            await anyio.sleep(0.01)
-        assert eng.state is State.SLEEPING
+        await _until_slept(eng, slept)
 
     a, b, eng, at = await both(hooks, after=after, max_tokens=[3, 8, 13, 21, 30, 30])
     _assert_mid_burst(at, 6)

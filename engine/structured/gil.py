@@ -3,11 +3,11 @@
 xgrammar 0.2's Python API calls C++ through tvm-ffi, and tvm-ffi releases the GIL around every
 call by default, however short. A thread that gives the GIL up must win it back: while another
 thread runs Python (the event loop delivering a step's outputs to 256 streams), that takes up to
-the interpreter's switch interval (5 ms) per call. A constrained step makes several such calls
-on the step thread (``batch_accept_token``, whose result is read back one ``ArrayGetItem`` call
-per matcher, ``is_terminated`` per matcher, the mask fill), so the event loop's delivery turned
-~0.4 ms of grammar work into 5-30 ms (measured here with a Python thread spinning beside it:
-fill 0.4 -> 5.5 ms, batch accept 0.3 -> 26 ms; kept: 0.56 and 0.46 ms).
+the interpreter's switch interval (5 ms) per call. A constrained step makes hundreds of such
+calls on the step thread (``accept_token`` and ``is_terminated`` per matcher, the mask fill;
+a returned Array is read back one ``ArrayGetItem`` call per element), so the event loop's
+delivery turned ~0.4 ms of grammar work into 5-30 ms (measured here with a Python thread
+spinning beside it: fill 0.4 -> 5.5 ms, a batch accept 0.3 -> 26 ms; kept: 0.56 and 0.46 ms).
 
 The calls made per step are short (microseconds a matcher): they gain nothing from giving the
 GIL up, so :func:`keep_gil_on_step_calls` turns the release off for exactly those tvm-ffi
@@ -27,10 +27,10 @@ import logging
 
 log = logging.getLogger("enginecore.structured")
 
-_MATCHER = ("accept_token", "is_terminated", "is_completed", "fill_next_token_bitmask",
-            "stop_token_ids", "rollback", "reset", "find_jump_forward_string")
-_BATCH = ("batch_accept_token", "batch_fill_next_token_bitmask", "batch_rollback",
-          "batch_accept_string")
+# the calls the engine makes while stepping (matcher.py, bitmask.py)
+_MATCHER = ("accept_token", "is_terminated", "fill_next_token_bitmask", "stop_token_ids",
+            "rollback")
+_BATCH = ("batch_fill_next_token_bitmask",)
 _CONTAINERS = ("ArrayGetItem", "ArraySize")  # a returned Array read back element by element
 
 
