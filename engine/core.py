@@ -293,7 +293,10 @@ class EngineCore:
         fed = [k for k, (req, _) in enumerate(batch)
                if req.matcher is not None and req.pending and not req.finished and tokens[k]
                and req.params.max_tokens > 0]
-        verdicts = advance_all([batch[k][0].matcher for k in fed], [tokens[k][0] for k in fed])
+        toks = [tokens[k][0] for k in fed]
+        # the rows they were sampled in: the step's masks are still in the host rows
+        allowed = self.runner.grammar_allows([launched.rows[k] for k in fed], toks)
+        verdicts = advance_all([batch[k][0].matcher for k in fed], toks, allowed)
         return dict(zip(fed, verdicts))
 
     def _update(self, batch, result: StepResult) -> list[RequestOutput]:

@@ -375,6 +375,12 @@ class ModelRunner(RunnerSleep):
         bitmask: TokenBitmask = self._owner[R.GRAMMAR_BITMASK]
         return bitmask.fill(_constrained(fwd.batch, fwd.sample_rows), background=background)
 
+    def grammar_allows(self, rows: Sequence[int], tokens: Sequence[int]) -> list[bool]:
+        """Whether each sampled token is in the grammar mask its row was sampled with (the
+        bitmask's host rows hold the last masked step's until the next fill)."""
+        bitmask: TokenBitmask = self._owner[R.GRAMMAR_BITMASK]
+        return bitmask.allows(rows, tokens)
+
     @torch.inference_mode()
     def sample_step(self, fwd: "Forwarded", defer: bool,
                     masks: Optional[Filling] = None) -> "Launched":

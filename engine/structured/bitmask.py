@@ -34,6 +34,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 
@@ -172,6 +173,18 @@ class TokenBitmask:
             apply_token_bitmask_inplace(out, self.dev[:n], vocab_size=vocab,
                                         indices=self._indices(rows))
         return out
+
+    def allows(self, rows: Sequence[int], tokens: Sequence[int]) -> list[bool]:
+        """Whether each token is allowed by its host row as last filled (the mask its step was
+        sampled with, until the next :meth:`fill`): one vectorized read of the rows' words."""
+        if not rows:
+            return []
+        host = self.host.numpy()
+        tok = np.asarray(tokens, dtype=np.int64)
+        inside = (tok >= 0) & (tok < self.grammar_vocab)
+        safe = np.where(inside, tok, 0)
+        words = host[np.asarray(rows, dtype=np.int64), safe >> 5]
+        return (inside & ((words >> (safe & 31)) & 1).astype(bool)).tolist()
 
     def _indices(self, rows: list[int]):
         """``rows`` for xgrammar's kernel: on CUDA a device tensor copied from pinned memory

@@ -30,7 +30,7 @@ log = logging.getLogger("enginecore.structured")
 # the calls the engine makes while stepping (matcher.py, bitmask.py)
 _MATCHER = ("accept_token", "is_terminated", "fill_next_token_bitmask", "stop_token_ids",
             "rollback")
-_BATCH = ("batch_fill_next_token_bitmask",)
+_BATCH = ("batch_fill_next_token_bitmask", "batch_accept_token")
 _CONTAINERS = ("ArrayGetItem", "ArraySize")  # a returned Array read back element by element
 
 

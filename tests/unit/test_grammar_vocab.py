@@ -131,6 +131,45 @@ def test_advance_all_gives_advances_verdicts():
     assert advance_all([], []) == []
 
 
+def test_tokens_checked_against_the_masks_are_fed_in_one_unread_call():
+    """A late step's verdicts: each token checked against the host row its step was masked
+    with (``TokenBitmask.allows``); all allowed -> one batch accept whose result is not read,
+    with ``advance``'s verdicts and the matchers' states; one refused -> each on its own."""
+    V, n, rng = 512, 16, np.random.default_rng(3)
+    tok = Tokenizer.bytes(V)
+    g = _compile(tokenizer_info(tok, V), SCHEMA)
+    a = [xgr.GrammarMatcher(g) for _ in range(n)]
+    b = [xgr.GrammarMatcher(g) for _ in range(n)]
+    bits = TokenBitmask(n, V, "cpu", grammar_vocab=lambda: grammar_vocab_size(tok, V))
+    fast = slow = 0
+    for step in range(80):
+        live = [i for i in range(n) if not a[i].is_terminated()]
+        if not live:
+            break
+        rows = list(range(len(live)))  # packed rows, as a step's sampled rows are
+        bits.fill([(a[i], r, ()) for r, i in zip(rows, live)]).rows()
+        toks = []
+        for r in rows:
+            allowed = np.flatnonzero(np.unpackbits(bits.host[r].numpy().view(np.uint8),
+                                                   bitorder="little"))
+            toks.append(int(rng.choice(allowed)))
+        if step % 7 == 3:  # now and then a refused token: a dead end
+            toks[0] = 400 if step % 2 else ord("}") if toks[0] != ord("}") else ord("1")
+        ok = bits.allows(rows, toks)
+        assert ok == [bool(b[i].accept_token(t)) and (b[i].rollback(1) or True)
+                      for i, t in zip(live, toks)]
+        got = advance_all([a[i] for i in live], toks, ok)
+        want = [advance(b[i], t) for i, t in zip(live, toks)]
+        assert got == want
+        fast, slow = fast + all(ok), slow + (not all(ok))
+        for i, v in zip(live, want):
+            if v[0] == "error":  # restart a row that hit a dead end
+                a[i], b[i] = xgr.GrammarMatcher(g), xgr.GrammarMatcher(g)
+    assert fast > 10 and slow > 2
+    assert [m.is_terminated() for m in a] == [m.is_terminated() for m in b]
+    assert bits.allows([], []) == []
+
+
 def test_a_background_fill_is_under_way_when_fill_returns():
     """The caller's Python would keep the GIL from the helper thread: fill() returns once the
     fill has started, so it overlaps what the caller does next."""
