@@ -114,6 +114,55 @@ def compare_decode(device: str = "cpu") -> float:
     return worst
 
 
+def compare_prefill(device: str = "cpu") -> dict:
+    """The paged prefill kernel (engine/triton_prefill.py), plain and with query heads packed
+    per program (``KernelChoice``), against a dense torch reference over random caches: GQA 4,
+    2 and 1; chunks of one query, of several tiles, after a context of many blocks, ending
+    mid-block. The largest absolute difference per choice."""
+    from . import triton_prefill as tp
+
+    g = torch.Generator().manual_seed(0)
+    choices = {"plain": tp.KernelChoice(), "packed2": tp.KernelChoice(packed=2),
+               "packed4_n32": tp.KernelChoice(packed=4, block_n=32, warps=8)}
+    worst = dict.fromkeys(choices, 0.0)
+    for heads, kv_heads, dim in [(8, 2, 32), (4, 2, 64), (4, 4, 16)]:
+        bs, nb = 16, 200
+        cache = torch.randn(2, nb, bs, kv_heads, dim, generator=g)
+        # (queries, context incl. the queries): fresh, after a long context, one query,
+        # several tiles ending mid-block
+        shapes = [(37, 37), (70, 1100), (1, 300), (130, 161)]
+        chunks, row, used = [], 0, 1
+        for n, ctx in shapes:
+            nblk = -(-ctx // bs)
+            blocks = list(range(used, used + nblk))
+            used += nblk
+            chunks.append((row, n, ctx, blocks))
+            row += n
+        perm = torch.randperm(nb - 1, generator=g) + 1  # blocks scattered through the cache
+        chunks = [(qs, n, ctx, [int(perm[b - 1]) for b in blocks]) for qs, n, ctx, blocks in chunks]
+        q = torch.randn(row, heads, dim, generator=g)
+        ref = torch.zeros_like(q)
+        gqa = heads // kv_heads
+        for qs, n, ctx, blocks in chunks:
+            tok = torch.arange(ctx)
+            phys = torch.tensor(blocks)[tok // bs]
+            k = cache[0][phys, tok % bs]  # [ctx, Hkv, D]
+            v = cache[1][phys, tok % bs]
+            qq = q[qs:qs + n]  # [n, H, D]
+            kk = k.repeat_interleave(gqa, dim=1)
+            vv = v.repeat_interleave(gqa, dim=1)
+            sc = torch.einsum("nhd,thd->hnt", qq, kk) * dim ** -0.5
+            pos = torch.arange(ctx - n, ctx)
+            sc = sc.masked_fill(tok[None, None, :] > pos[None, :, None], float("-inf"))
+            ref[qs:qs + n] = torch.einsum("hnt,thd->nhd", sc.softmax(-1), vv)
+        batch = tp.build(chunks, bs, torch.device(device))
+        for name, choice in choices.items():
+            out = torch.zeros_like(q).to(device)
+            tp.prefill_attention(q.to(device), cache.to(device), batch, dim ** -0.5, out, choice)
+            worst[name] = max(worst[name], (out.cpu() - ref).abs().max().item())
+    return worst
+
+
 class _EagerMixed:
     """What ``packed_forward`` asks of ``CudaGraphs`` for a step with prompt chunks, with the
     fixed-shape inputs of engine/mixed_inputs.py, run eagerly (no graph: CPU, the interpreter)."""
@@ -266,6 +315,8 @@ if __name__ == "__main__":  # python -m engine.fused_check MODEL DEVICE DTYPE ->
 
     if sys.argv[1] == "decode":
         print(json.dumps({"decode_max_abs": compare_decode(sys.argv[2])}))
+    elif sys.argv[1] == "prefill":  # python -m engine.fused_check prefill DEVICE
+        print(json.dumps(compare_prefill(sys.argv[2])))
     elif sys.argv[1] == "mixed":  # python -m engine.fused_check mixed MODEL DEVICE [DTYPE [VARIANT]]
         print(json.dumps(compare_mixed(*sys.argv[2:6])))  # [VARIANT]: basic, more
     else:

@@ -19,6 +19,8 @@ differs between them; this kernel runs on both and in Triton's CPU interpreter (
 from __future__ import annotations
 
 import dataclasses
+import os
+from typing import Optional
 
 import numpy as np
 import torch
@@ -130,19 +132,116 @@ if triton is not None:
                  o.to(Out.dtype.element_ty), mask=qmask[:, None])
 
 
+    @triton.jit(do_not_specialize=["stride_bt"])
+    def _prefill_packed_kernel(
+        Q, K, V, Out, TC, TM, QS, QL, CL, BT,
+        scale_log2,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_kt, stride_kh, stride_bt,
+        GQA: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        """:func:`_prefill_kernel` with ``GP`` query heads of one KV head in a program: the
+        tile's ``BLOCK_M`` queries of each head are the rows of one ``GP * BLOCK_M`` block, so
+        every key tile (and its block-table read) is loaded once for them, and the dots are
+        ``GP`` times taller."""
+        tile = tl.program_id(0)
+        h0 = tl.program_id(1) * GP  # the program's first query head
+        kvh = h0 // GQA
+        c = tl.load(TC + tile)
+        m0 = tl.load(TM + tile)
+        qs = tl.load(QS + c)
+        n = tl.load(QL + c)
+        ctx = tl.load(CL + c)
+        r = tl.arange(0, GP * BLOCK_M)
+        h = h0 + r // BLOCK_M
+        i = m0 + r % BLOCK_M
+        qmask = i < n
+        qpos = ctx - n + i
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + (qs + i)[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+                    mask=qmask[:, None], other=0.0)
+        hi = tl.minimum(ctx, ctx - n + m0 + BLOCK_M)  # keys up to the tile's last query
+        m_i = tl.full([GP * BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP * BLOCK_M], tl.float32)
+        acc = tl.zeros([GP * BLOCK_M, HEAD_DIM], tl.float32)
+        nn = tl.arange(0, BLOCK_N)
+        for t0 in range(0, hi, BLOCK_N):
+            tok = t0 + nn
+            valid = tok < hi
+            phys = tl.load(BT + c * stride_bt + tok // BLOCK_SIZE, mask=valid, other=0)
+            off = phys.to(tl.int64) * stride_kb + (tok % BLOCK_SIZE) * stride_kt + kvh * stride_kh
+            see = valid[None, :] & (tok[None, :] <= qpos[:, None])
+            m_i, l_i, acc = attend_tile(q, K, V, off, d, valid, see, scale_log2, m_i, l_i, acc,
+                                        IEEE)
+        o = acc / l_i[:, None]
+        tl.store(Out + (qs + i)[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
+                 o.to(Out.dtype.element_ty), mask=qmask[:, None])
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """How the prefill attention is launched: ``packed`` query heads of a KV head per program
+    (1: the plain kernel, a program a head), the key tile, warps and pipeline stages. The
+    default is the kernel measured on the H200 so far; ``ENGINECORE_PREFILL_KERNEL`` (for the
+    device's sweep, scripts/gpu/bench_prefill_attn.py) picks another:
+    ``packed=2,block_n=64,warps=8,stages=2``."""
+    packed: int = 1
+    block_n: int = BLOCK_N
+    warps: int = 4
+    stages: int = 2
+
+    @classmethod
+    def parse(cls, text: str) -> "KernelChoice":
+        fields = {"packed": 1, "block_n": BLOCK_N, "warps": 4, "stages": 2}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, _, value = part.partition("=")
+            if key not in fields or not value.isdigit():
+                raise ValueError(f"ENGINECORE_PREFILL_KERNEL: {part!r}; keys: {', '.join(fields)}")
+            fields[key] = int(value)
+        choice = cls(**fields)
+        for key in ("packed", "block_n", "warps"):
+            v = getattr(choice, key)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"ENGINECORE_PREFILL_KERNEL: {key} must be a power of two")
+        return choice
+
+    def heads_per_program(self, gqa: int) -> int:
+        """Query heads a program takes: ``packed``, or fewer where the group is smaller."""
+        p = self.packed
+        while gqa % p:
+            p //= 2
+        return p
+
+
+def kernel_choice() -> KernelChoice:
+    return KernelChoice.parse(os.environ.get("ENGINECORE_PREFILL_KERNEL", ""))
+
+
 def prefill_attention(q: torch.Tensor, cache: torch.Tensor, batch: PrefillBatch, scale: float,
-                      out: torch.Tensor) -> None:
+                      out: torch.Tensor, choice: Optional[KernelChoice] = None) -> None:
     """Write attention of every prefill row of ``batch`` into ``out`` (q, out: ``[T, H, D]``;
-    cache: ``[2, num_blocks, block_size, Hkv, D]`` with this step's K/V already written)."""
+    cache: ``[2, num_blocks, block_size, Hkv, D]`` with this step's K/V already written).
+    ``choice``: how to launch it (:func:`kernel_choice` by default)."""
     heads, dim = q.shape[1], q.shape[2]
     kv_heads, block_size = cache.shape[3], cache.shape[2]
     k, v = cache[0], cache[1]
-    _prefill_kernel[(batch.tile_chunk.shape[0], heads)](
-        q, k, v, out, batch.tile_chunk, batch.tile_m0, batch.q_start, batch.q_len,
-        batch.ctx_len, batch.block_table,
-        scale * 1.4426950408889634,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k.stride(0), k.stride(1), k.stride(2), batch.block_table.stride(0),
-        GQA=heads // kv_heads, HEAD_DIM=dim, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
-    )
+    choice = choice or _CHOICE
+    gqa = heads // kv_heads
+    gp = choice.heads_per_program(gqa)
+    args = (q, k, v, out, batch.tile_chunk, batch.tile_m0, batch.q_start, batch.q_len,
+            batch.ctx_len, batch.block_table,
+            scale * 1.4426950408889634,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k.stride(0), k.stride(1), k.stride(2), batch.block_table.stride(0))
+    common = dict(HEAD_DIM=dim, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=choice.block_n,
+                  IEEE=q.dtype == torch.float32, num_warps=choice.warps,
+                  num_stages=choice.stages)
+    if gp == 1:
+        _prefill_kernel[(batch.tile_chunk.shape[0], heads)](*args, GQA=gqa, **common)
+    else:
+        _prefill_packed_kernel[(batch.tile_chunk.shape[0], heads // gp)](
+            *args, GQA=gqa, GP=gp, **common)
+
+
+_CHOICE = kernel_choice() if triton is not None else KernelChoice()

@@ -1,0 +1,151 @@
+"""The paged prefill attention kernel (engine/triton_prefill.py) by launch choice, on the device
+(issue 15: a graphed ~2,000-token prompt step of random:qwen3-0.6b took 9-11 ms on the H200, about
+3x what its FLOPs need; attention is the part that grows with the cached context).
+
+    python3 scripts/gpu/bench_prefill_attn.py [--out results.json] [--reps 50]
+
+Shapes (bf16, block size 16, the KV blocks scattered through a cache of 20k blocks):
+``cached``: bench.prefix's later turns, 22 chunks of 93 queries after ~1,200 cached tokens;
+``fresh``: one 2,048-token prompt; ``halves``: two fresh 1,024-token prompts. Models:
+qwen3-0.6b (16 heads, 8 KV heads, dim 128) and llama-3.2-1b (32 / 8, dim 64). Every choice of
+``KernelChoice`` in the sweep (heads packed a program 1 / 2, key tile 32 / 64 / 128, warps 4 /
+8, stages 2 / 3) is checked against the plain kernel's output (bf16: max |diff| reported) and
+timed with CUDA events (median of ``--reps``, after warm-up). TFLOP/s counts the causal work
+(4 x queries x keys seen x dim x heads). For scale, torch's SDPA (flash) over a dense copy of the
+same keys, non-causal (a little more work than ours), where it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.getcwd())
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from engine import triton_prefill as tp  # noqa: E402
+
+MODELS = {"qwen3-0.6b": (16, 8, 128), "llama-3.2-1b": (32, 8, 64)}
+SHAPES = {"cached": [(93, 1300 + 7 * (i % 5)) for i in range(22)],
+          "fresh": [(2048, 2048)], "halves": [(1024, 1024), (1024, 1024)]}
+
+
+def make(heads: int, kv_heads: int, dim: int, shape, nb: int = 20000, bs: int = 16):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cache = torch.randn(2, nb, bs, kv_heads, dim, device="cuda", dtype=torch.bfloat16,
+                        generator=g)
+    perm = torch.randperm(nb - 1, device="cuda", generator=g) + 1
+    chunks, row, used = [], 0, 0
+    for n, ctx in shape:
+        nblk = -(-ctx // bs)
+        chunks.append((row, n, ctx, perm[used:used + nblk].tolist()))
+        used += nblk
+        row += n
+    q = torch.randn(row, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    return q, cache, chunks
+
+
+def flops(shape, heads: int, dim: int) -> float:
+    seen = sum(n * (ctx - n) + n * (n + 1) / 2 for n, ctx in shape)
+    return 4.0 * seen * dim * heads
+
+
+def timed(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def sdpa_ms(q, cache, chunks, reps: int):
+    """Flash SDPA over dense copies of each chunk's keys (batched by equal shapes)."""
+    gqa = q.shape[1] // cache.shape[3]
+    bs = cache.shape[2]
+    ins = []
+    for qs, n, ctx, blocks in chunks:
+        tok = torch.arange(ctx, device="cuda")
+        phys = torch.tensor(blocks, device="cuda")[tok // bs]
+        k = cache[0][phys, tok % bs].repeat_interleave(gqa, 1).transpose(0, 1)[None]
+        v = cache[1][phys, tok % bs].repeat_interleave(gqa, 1).transpose(0, 1)[None]
+        ins.append((q[qs:qs + n].transpose(0, 1)[None], k.contiguous(), v.contiguous()))
+    if len({(a.shape, b.shape) for a, b, _ in ins}) == 1:
+        qq = torch.cat([a for a, _, _ in ins])
+        kk = torch.cat([b for _, b, _ in ins])
+        vv = torch.cat([c for _, _, c in ins])
+        return timed(lambda: F.scaled_dot_product_attention(qq, kk, vv), reps)
+    return timed(lambda: [F.scaled_dot_product_attention(a, b, c) for a, b, c in ins], reps)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--out", default=None)
+    ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
+    ap.add_argument("--packed", type=ints, default=(1, 2))
+    ap.add_argument("--block-n", type=ints, default=(32, 64, 128))
+    ap.add_argument("--warps", type=ints, default=(4, 8))
+    ap.add_argument("--stages", type=ints, default=(2,))
+    args = ap.parse_args()
+    packs, tiles, warps, stages = args.packed, args.block_n, args.warps, args.stages
+    choices = [tp.KernelChoice(p, n, w, s) for p, n, w, s in itertools.product(packs, tiles, warps, stages)]
+    rows = []
+    for model, (heads, kv_heads, dim) in MODELS.items():
+        for shape_name, shape in SHAPES.items():
+            q, cache, chunks = make(heads, kv_heads, dim, shape)
+            batch = tp.build(chunks, cache.shape[2], torch.device("cuda"))
+            ref = torch.zeros_like(q)
+            tp.prefill_attention(q, cache, batch, dim ** -0.5, ref, tp.KernelChoice())
+            work = flops(shape, heads, dim)
+            try:
+                dense = sdpa_ms(q, cache, chunks, args.reps)
+            except Exception as exc:  # noqa: BLE001 - a reference figure only
+                dense = None
+                print(f"sdpa {model} {shape_name}: {exc!r}")
+            for c in choices:
+                out = torch.zeros_like(q)
+                try:
+                    fn = lambda: tp.prefill_attention(q, cache, batch, dim ** -0.5, out, c)  # noqa: E731
+                    ms = timed(fn, args.reps)
+                    diff = (out.float() - ref.float()).abs().max().item()
+                except Exception as exc:  # noqa: BLE001 - a choice that does not compile here
+                    print(f"{model} {shape_name} {c}: {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+                rows.append(dict(model=model, shape=shape_name, packed=c.packed, block_n=c.block_n,
+                                 warps=c.warps, stages=c.stages, ms=ms,
+                                 tflops=work / ms / 1e9, max_diff=diff, sdpa_ms=dense))
+            best = min((r for r in rows if r["model"] == model and r["shape"] == shape_name),
+                       key=lambda r: r["ms"])
+            plain = next(r for r in rows if r["model"] == model and r["shape"] == shape_name
+                         and (r["packed"], r["block_n"], r["warps"], r["stages"]) == (1, 64, 4, 2))
+            print(f"{model:13s} {shape_name:7s} plain {plain['ms']:.3f} ms ({plain['tflops']:.0f} "
+                  f"TFLOP/s)  best {best['ms']:.3f} ms ({best['tflops']:.0f}) packed={best['packed']} "
+                  f"block_n={best['block_n']} warps={best['warps']} stages={best['stages']} "
+                  f"diff {best['max_diff']:.3g}  sdpa {dense if dense is None else round(dense, 3)} ms",
+                  flush=True)
+    print(f"{'model':13s} {'shape':7s} {'choice':28s} {'ms':>7s} {'TFLOP/s':>8s} {'diff':>8s}")
+    for r in sorted(rows, key=lambda r: (r["model"], r["shape"], r["ms"])):
+        ch = f"p{r['packed']} n{r['block_n']} w{r['warps']} s{r['stages']}"
+        print(f"{r['model']:13s} {r['shape']:7s} {ch:28s} {r['ms']:7.3f} {r['tflops']:8.0f} "
+              f"{r['max_diff']:8.2g}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"rows": rows, "device": torch.cuda.get_device_name()}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
