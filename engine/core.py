@@ -196,7 +196,9 @@ class EngineCore:
                     on_launched()
                 verdicts = self._advance_matchers(*prev)
                 after = self.apply_after_sampling
-                masks = self.runner.fill_masks(fwd, background=not after)
+                # the matchers just fed: terminated exactly when their verdict is a stop
+                known = {id(prev[0][k][0].matcher): v[0] == "stop" for k, v in verdicts.items()}
+                masks = self.runner.fill_masks(fwd, background=not after, terminated=known)
                 t2 = time.perf_counter()
                 if not after:
                     outputs += self._complete(*prev, verdicts)

@@ -368,12 +368,14 @@ class ModelRunner(RunnerSleep):
             processed = process(logits, sb)
         return Forwarded(batch, sample_rows, plp, owners, logits_all, logits, sb, processed)
 
-    def fill_masks(self, fwd: "Forwarded", background: bool = True) -> Filling:
+    def fill_masks(self, fwd: "Forwarded", background: bool = True,
+                   terminated: Optional[dict] = None) -> Filling:
         """Fill the grammar masks of ``fwd``'s constrained rows (the matchers' states now),
         by default in the background (the matchers must then be left alone until
-        :meth:`sample_step`)."""
+        :meth:`sample_step`); ``terminated``: see :meth:`TokenBitmask.fill`."""
         bitmask: TokenBitmask = self._owner[R.GRAMMAR_BITMASK]
-        return bitmask.fill(_constrained(fwd.batch, fwd.sample_rows), background=background)
+        return bitmask.fill(_constrained(fwd.batch, fwd.sample_rows), background=background,
+                            terminated=terminated)
 
     def grammar_allows(self, rows: Sequence[int], tokens: Sequence[int]) -> list[bool]:
         """Whether each sampled token is in the grammar mask its row was sampled with (the

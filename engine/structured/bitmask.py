@@ -127,14 +127,19 @@ class TokenBitmask:
         :meth:`mask`."""
         return self.mask(logits, self.fill(entries), copy)
 
-    def fill(self, entries: Sequence[tuple], background: bool = False) -> "Filling":
+    def fill(self, entries: Sequence[tuple], background: bool = False,
+             terminated: Optional[dict] = None) -> "Filling":
         """Fill the host rows of ``entries`` (the matchers' current states). With
         ``background`` the fill runs on this bitmask's helper thread (the caller must leave
         these matchers alone until :meth:`mask`). NOTE: the fill keeps the GIL
         (``structured/gil.py``), so the caller's Python waits for it rather than runs beside
         it; the helper thread still lets the caller's own GIL-free work (torch ops, device
-        waits) overlap the fill."""
-        live = [e for e in entries if not e[0].is_terminated()]
+        waits) overlap the fill. ``terminated``: ``id(matcher) -> whether it is terminated``
+        for matchers whose state the caller knows (it just fed them: ``advance_all``'s
+        verdicts); the others are asked (one xgrammar call each)."""
+        known = terminated or {}
+        live = [e for e in entries
+                if not (known[id(e[0])] if id(e[0]) in known else e[0].is_terminated())]
         for _, row, drafts in live:
             if row + len(drafts) >= self.max_rows:
                 raise RuntimeError(f"sampled row {row + len(drafts)}; the bitmask has "
