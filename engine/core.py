@@ -7,6 +7,7 @@ between steps, so nothing here needs a lock.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -20,7 +21,8 @@ from .runner import ModelRunner
 from .sampler import StepResult
 from .scheduler import Scheduler
 from .speculative.base import SpecStats
-from .structured.matcher import advance, advance_all, new_matcher
+from .structured.bitmask import Filling
+from .structured.matcher import advance, advance_all, new_matcher, verdicts_of
 from .stats import EngineTimings
 
 
@@ -73,6 +75,10 @@ class EngineCore:
         #: a step sampled late applies the step before after launching its sampling (an
         #: asynchronous device), or before it, beside the masks' fill (CPU): EngineCore.step
         self.apply_after_sampling = runner.device.type == "cuda"
+        #: a late step's grammar work beside its forward's launch (EngineCore._grammar_job):
+        #: ENGINECORE_GRAMMAR_OVERLAP=1, off until measured on the device (issue 23)
+        self.grammar_overlap = os.environ.get("ENGINECORE_GRAMMAR_OVERLAP", "0") == "1"
+        self.grammar_jobs = 0  # late steps whose grammar work ran beside the forward
         overlap = cfg.overlap_scheduling
         if overlap is None:
             overlap = runner.device.type == "cuda"
@@ -190,15 +196,23 @@ class EngineCore:
                 # there (a helper thread's hand-over costs more than a fill of hundreds of
                 # rows). On the CPU the fill runs beside the apply instead: the forward has run.
                 t0 = time.perf_counter()
+                # ENGINECORE_GRAMMAR_OVERLAP=1: the step before's tokens are back already, so
+                # its matchers take them and this step's masks are filled on a helper thread
+                # whose xgrammar calls give the GIL up, beside this forward's launch
+                job = self._grammar_job(*prev, batch) if self.grammar_overlap else None
                 fwd = self.runner.forward(batch)
                 t1 = time.perf_counter()
                 if on_launched is not None:
                     on_launched()
-                verdicts = self._advance_matchers(*prev)
                 after = self.apply_after_sampling
-                # the matchers just fed: terminated exactly when their verdict is a stop
-                known = {id(prev[0][k][0].matcher): v[0] == "stop" for k, v in verdicts.items()}
-                masks = self.runner.fill_masks(fwd, background=not after, terminated=known)
+                if job is not None:
+                    verdicts, masks = self._grammar_done(*job)
+                else:
+                    verdicts = self._advance_matchers(*prev)
+                    # the matchers just fed: terminated exactly when their verdict is a stop
+                    known = {id(prev[0][k][0].matcher): v[0] == "stop"
+                             for k, v in verdicts.items()}
+                    masks = self.runner.fill_masks(fwd, background=not after, terminated=known)
                 t2 = time.perf_counter()
                 if not after:
                     outputs += self._complete(*prev, verdicts)
@@ -292,14 +306,41 @@ class EngineCore:
         (before the rest of the step is applied, so the next masks can be filled meanwhile):
         entry -> the verdict (``structured.matcher.advance``) that ``_append`` then uses."""
         tokens = self.runner.collect(launched).tokens
-        fed = [k for k, (req, _) in enumerate(batch)
-               if req.matcher is not None and req.pending and not req.finished and tokens[k]
-               and req.params.max_tokens > 0]
+        fed = self._fed(batch, tokens)
         toks = [tokens[k][0] for k in fed]
         # the rows they were sampled in: the step's masks are still in the host rows
         allowed = self.runner.grammar_allows([launched.rows[k] for k in fed], toks)
         verdicts = advance_all([batch[k][0].matcher for k in fed], toks, allowed)
         return dict(zip(fed, verdicts))
+
+    def _grammar_job(self, batch, launched, nxt):
+        """When the step before (``batch``, ``launched``) is done on the device and each of its
+        constrained tokens is in its mask: its matchers' tokens and ``nxt``'s masks handed to
+        the runner's helper thread (``runner.accept_then_fill``), for :meth:`_grammar_done`.
+        None otherwise (a token the mask refused, or not yet read back): the usual path."""
+        if not launched.ready:
+            return None
+        tokens = self.runner.collect(launched).tokens
+        fed = self._fed(batch, tokens)
+        toks = [tokens[k][0] for k in fed]
+        if not all(self.runner.grammar_allows([launched.rows[k] for k in fed], toks)):
+            return None
+        matchers = [batch[k][0].matcher for k in fed]
+        self.grammar_jobs += 1
+        return fed, matchers, self.runner.accept_then_fill(matchers, toks, nxt)
+
+    @staticmethod
+    def _grammar_done(fed, matchers, future):
+        """A :meth:`_grammar_job`'s verdicts (entry of the step before -> verdict) and masks."""
+        ended, rows = future.result()
+        return dict(zip(fed, verdicts_of(matchers, ended))), Filling(None, rows)
+
+    @staticmethod
+    def _fed(batch, tokens) -> list[int]:
+        """The entries of a deferred step whose matcher takes the token it sampled."""
+        return [k for k, (req, _) in enumerate(batch)
+                if req.matcher is not None and req.pending and not req.finished and tokens[k]
+                and req.params.max_tokens > 0]
 
     def _update(self, batch, result: StepResult) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []

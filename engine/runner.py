@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import traceback
+from concurrent.futures import Future
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -377,6 +378,13 @@ class ModelRunner(RunnerSleep):
         return bitmask.fill(_constrained(fwd.batch, fwd.sample_rows), background=background,
                             terminated=terminated)
 
+    def accept_then_fill(self, matchers: Sequence, tokens: Sequence[int], batch) -> "Future":
+        """Feed ``matchers`` their tokens (each in its mask) and fill the grammar masks of the
+        constrained rows ``batch`` will sample, on the bitmask's helper thread, beside the
+        caller (:meth:`TokenBitmask.accept_then_fill`; call it before :meth:`forward`)."""
+        bitmask: TokenBitmask = self._owner[R.GRAMMAR_BITMASK]
+        return bitmask.accept_then_fill(matchers, tokens, planned_constrained(batch))
+
     def grammar_allows(self, rows: Sequence[int], tokens: Sequence[int]) -> list[bool]:
         """Whether each sampled token is in the grammar mask its row was sampled with (the
         bitmask's host rows hold the last masked step's until the next fill)."""
@@ -496,6 +504,19 @@ class Forwarded(NamedTuple):
     logits: Optional[torch.Tensor]  # the sampled rows of logits_all
     sb: Optional[SamplingBatch]
     processed: Optional[torch.Tensor]  # the sampled rows' logits after logits processing
+
+
+def planned_constrained(batch) -> list[tuple]:
+    """:func:`_constrained` of ``batch`` before its forward: an entry samples when it reaches
+    the end of its known tokens, one row plus one a draft token (``ModelRunner.forward``)."""
+    out = []
+    row = 0
+    for req, n in batch:
+        k = len(req.spec_token_ids) + 1 if req.num_computed_tokens + n == req.num_known_tokens else 0
+        if k and req.matcher is not None:
+            out.append((req.matcher, row, req.spec_token_ids if k > 1 else ()))
+        row += k
+    return out
 
 
 def _constrained(batch, sample_rows) -> list[tuple]:

@@ -7,9 +7,10 @@ prompt, the next chunk of a long prompt and a chunk after a prefix-cache hit are
 gather of the context into a dense copy, no per-sequence calls (on the H200 the per-sequence
 SDPA path cost ~8 launches a sequence a layer, which made the prefill steps host-bound).
 
-A program computes ``BLOCK_M`` query rows of one chunk for one query head, with an online
-softmax in fp32 over key tiles of ``BLOCK_N`` up to its last query's position (causal). The
-host builds the step's tile list once (``PrefillBatch``), not per layer.
+A program computes ``BLOCK_M`` query rows of one chunk for one query head -- or, packed
+(``KernelChoice``), for the query heads of one KV head together, each key tile loaded once for
+them -- with an online softmax in fp32 over key tiles of ``BLOCK_N`` up to its last query's
+position (causal). The host builds the step's tile list once (``PrefillBatch``), not per layer.
 
 Why by hand: torch's flash-attention varlen entry point (``torch.nn.attention.varlen``) takes a
 paged block table only in releases newer than the 2.11 on the GPU machines, and its signature
@@ -97,54 +98,13 @@ if triton is not None:
         scale_log2,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_kt, stride_kh, stride_bt,
-        GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    ):
-        tile = tl.program_id(0)
-        h = tl.program_id(1)
-        kvh = h // GQA
-        c = tl.load(TC + tile)
-        m0 = tl.load(TM + tile)
-        qs = tl.load(QS + c)
-        n = tl.load(QL + c)
-        ctx = tl.load(CL + c)
-        i = m0 + tl.arange(0, BLOCK_M)
-        qmask = i < n
-        qpos = ctx - n + i
-        d = tl.arange(0, HEAD_DIM)
-        q = tl.load(Q + (qs + i)[:, None] * stride_qt + h * stride_qh + d[None, :],
-                    mask=qmask[:, None], other=0.0)
-        hi = tl.minimum(ctx, ctx - n + m0 + BLOCK_M)  # keys up to the tile's last query
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        nn = tl.arange(0, BLOCK_N)
-        for t0 in range(0, hi, BLOCK_N):
-            tok = t0 + nn
-            valid = tok < hi
-            phys = tl.load(BT + c * stride_bt + tok // BLOCK_SIZE, mask=valid, other=0)
-            off = phys.to(tl.int64) * stride_kb + (tok % BLOCK_SIZE) * stride_kt + kvh * stride_kh
-            see = valid[None, :] & (tok[None, :] <= qpos[:, None])
-            m_i, l_i, acc = attend_tile(q, K, V, off, d, valid, see, scale_log2, m_i, l_i, acc,
-                                        IEEE)
-        o = acc / l_i[:, None]
-        tl.store(Out + (qs + i)[:, None] * stride_ot + h * stride_oh + d[None, :],
-                 o.to(Out.dtype.element_ty), mask=qmask[:, None])
-
-
-    @triton.jit(do_not_specialize=["stride_bt"])
-    def _prefill_packed_kernel(
-        Q, K, V, Out, TC, TM, QS, QL, CL, BT,
-        scale_log2,
-        stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kb, stride_kt, stride_kh, stride_bt,
         GQA: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     ):
-        """:func:`_prefill_kernel` with ``GP`` query heads of one KV head in a program: the
+        """A program: one query tile of one chunk for ``GP`` query heads of one KV head (the
         tile's ``BLOCK_M`` queries of each head are the rows of one ``GP * BLOCK_M`` block, so
-        every key tile (and its block-table read) is loaded once for them, and the dots are
-        ``GP`` times taller."""
+        every key tile and its block-table read is loaded once for them; ``GP`` 1: a program a
+        head), with an online softmax over key tiles up to the tile's last query."""
         tile = tl.program_id(0)
         h0 = tl.program_id(1) * GP  # the program's first query head
         kvh = h0 // GQA
@@ -182,7 +142,7 @@ if triton is not None:
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
     """How the prefill attention is launched: ``packed`` query heads of a KV head per program
-    (1: the plain kernel, a program a head), the key tile, warps and pipeline stages. The
+    (1: a program a head), the key tile, warps and pipeline stages. The
     default is the kernel measured on the H200 so far; ``ENGINECORE_PREFILL_KERNEL`` (for the
     device's sweep, scripts/gpu/bench_prefill_attn.py) picks another:
     ``packed=2,block_n=64,warps=8,stages=2``."""
@@ -237,11 +197,7 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, batch: PrefillBatch,
     common = dict(HEAD_DIM=dim, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=choice.block_n,
                   IEEE=q.dtype == torch.float32, num_warps=choice.warps,
                   num_stages=choice.stages)
-    if gp == 1:
-        _prefill_kernel[(batch.tile_chunk.shape[0], heads)](*args, GQA=gqa, **common)
-    else:
-        _prefill_packed_kernel[(batch.tile_chunk.shape[0], heads // gp)](
-            *args, GQA=gqa, GP=gp, **common)
+    _prefill_kernel[(batch.tile_chunk.shape[0], heads // gp)](*args, GQA=gqa, GP=gp, **common)
 
 
 _CHOICE = kernel_choice() if triton is not None else KernelChoice()

@@ -26,18 +26,26 @@ SCHEMA = StructuredOutputs(json_schema={"type": "object", "properties": {
     "n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["t", "n"]})
 
 
-def _core(overlap: bool, after: bool = False, **kw) -> EngineCore:
+def _core(overlap: bool, after="apply-first", **kw) -> EngineCore:
     """``after``: a step sampled late applies the step before after its sampling is launched
-    (``EngineCore.apply_after_sampling``, the CUDA order) instead of before (the CPU's)."""
+    (``EngineCore.apply_after_sampling``, the CUDA order: "sample-first") instead of before
+    (the CPU's: "apply-first"); "...-beside": the step before's tokens fed and the masks filled
+    on a helper thread beside the forward's launch (``EngineCore.grammar_overlap``)."""
     r = ModelRunner(EngineConfig(model=TINY, device="cpu", dtype="float32",
                                  overlap_scheduling=overlap, max_num_seqs=32, seed=5, **kw))
     r.load()
     core = EngineCore(r, check_integrity=True)
-    core.apply_after_sampling = after
+    _order(core, after)
     return core
 
 
-AFTER = pytest.mark.parametrize("after", [False, True], ids=["apply-first", "sample-first"])
+def _order(core: EngineCore, after: str) -> None:
+    core.apply_after_sampling = after.startswith("sample-first")
+    core.grammar_overlap = after.endswith("-beside")
+
+
+AFTER = pytest.mark.parametrize("after", ["apply-first", "sample-first", "apply-first-beside",
+                                          "sample-first-beside"])
 
 
 def _grammars(core: EngineCore) -> dict:
@@ -116,6 +124,9 @@ def test_mixed_constrained_batch_overlapped_gives_the_synchronous_outputs(after)
     # constrained token in flight were sampled after the step before was applied
     assert core.deferred_steps > 0.8 * core.statistics().steps
     assert core.late_sampled_steps > 0
+    # beside: the late steps' grammar work ran on the helper thread (the tokens are always back
+    # by then on the CPU, and no token here is refused)
+    assert (core.grammar_jobs == core.late_sampled_steps) == after.endswith("-beside")
 
 
 @AFTER
@@ -157,7 +168,7 @@ async def test_drain_with_constrained_requests_in_flight_overlapped(after):
     running (and one unconstrained) ends each stream exactly once."""
     cfg = EngineConfig(model=TINY, device="cpu", num_kv_blocks=256, overlap_scheduling=True)
     async with AsyncEngine.open(cfg, check_integrity=True) as eng:
-        eng.core.apply_after_sampling = after
+        _order(eng.core, after)
         streams = [eng.generate("ab", SamplingParams(
             max_tokens=300, structured=REGEX if k % 2 else StructuredOutputs(json_object=True)))
             for k in range(6)]

@@ -160,6 +160,40 @@ class TokenBitmask:
         started.wait()
         return Filling(future, None)
 
+    def accept_then_fill(self, matchers: Sequence, tokens: Sequence[int],
+                         entries: Sequence[tuple]) -> Future:
+        """On this bitmask's helper thread: feed ``matchers`` their ``tokens`` (each known to
+        be in its mask: :func:`structured.matcher.accept_allowed`), then fill the rows of
+        ``entries`` (the next step's, planned before its forward) whose matchers did not just
+        end. xgrammar's two batch calls give the GIL up meanwhile
+        (:func:`structured.gil.batch_calls_give_up_gil`), so the caller's Python -- the next
+        step's forward launch -- runs beside them. The future's result: (the ids of the
+        matchers that ended, the rows filled). Returns once the helper has begun."""
+        for _, row, drafts in entries:
+            if row + len(drafts) >= self.max_rows:
+                raise RuntimeError(f"sampled row {row + len(drafts)}; the bitmask has "
+                                   f"{self.max_rows}")
+        host = self.host  # made here, not on the helper thread
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
+        started = threading.Event()
+        future = self._pool.submit(self._accept_fill, matchers, tokens, entries, host, started)
+        started.wait()  # (see fill: the caller's Python would hold the helper back)
+        return future
+
+    def _accept_fill(self, matchers, tokens, entries, host, started) -> tuple[set, list[int]]:
+        from .gil import batch_calls_give_up_gil
+        from .matcher import accept_allowed
+
+        started.set()
+        fed = {id(m) for m in matchers}
+        with batch_calls_give_up_gil():
+            ended = accept_allowed(matchers, tokens)
+            live = [e for e in entries if id(e[0]) not in ended
+                    and (id(e[0]) in fed or not e[0].is_terminated())]
+            rows = self._fill(live, host) if live else []
+        return ended, rows
+
     def mask(self, logits: torch.Tensor, filling: "Filling", copy: bool = True) -> torch.Tensor:
         """Apply the rows of ``filling`` (waiting for it) to ``logits``: see :meth:`apply`."""
         rows = filling.rows()
@@ -214,9 +248,12 @@ class TokenBitmask:
                 from xgrammar import BatchGrammarMatcher
 
                 batch = self._batch[n] = BatchGrammarMatcher(max_threads=n)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             batch.batch_fill_next_token_bitmask([m for m, _, _ in live], host, rows)
-            self._threads = _threads_for((time.perf_counter() - t0) * n, _fill_threads())
+            # the work: on one thread xgrammar fills on this one, whose CPU time leaves out
+            # waits for the GIL after the call (a helper thread beside the step thread's Python)
+            work = time.thread_time() - c0 if n == 1 else (time.perf_counter() - t0) * n
+            self._threads = _threads_for(work, _fill_threads())
         for matcher, row, drafts in live:
             if drafts:
                 rows.extend(self._fill_drafts(matcher, row, drafts))

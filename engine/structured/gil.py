@@ -22,6 +22,7 @@ compile hold the GIL.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -61,4 +62,33 @@ def keep_gil_on_step_calls() -> int:
     return changed
 
 
-__all__ = ["keep_gil_on_step_calls"]
+@functools.cache
+def _batch_functions() -> tuple:
+    """xgrammar's batch accept and batch fill functions (empty when not built on tvm-ffi)."""
+    try:
+        from xgrammar.tvm_ffi_binding import _ffi_api as binding
+    except ImportError:
+        return ()
+    info = getattr(getattr(binding, "BatchGrammarMatcher", None), "__tvm_ffi_type_info__", None)
+    return tuple(m.func for m in getattr(info, "methods", None) or ()
+                 if m.name in _BATCH and hasattr(m.func, "release_gil"))
+
+
+@contextlib.contextmanager
+def batch_calls_give_up_gil():
+    """Within the block, xgrammar's batch accept and batch fill give the GIL up while they run
+    (for a helper thread whose grammar work overlaps the step thread's Python:
+    ``TokenBitmask.accept_then_fill``); afterwards they keep it again. NOTE: the setting is
+    the function objects', so a call another thread makes meanwhile gives the GIL up too --
+    which changes when that thread holds the GIL, never what the call does."""
+    fns = _batch_functions()
+    for fn in fns:
+        fn.release_gil = True
+    try:
+        yield
+    finally:
+        for fn in fns:
+            fn.release_gil = False
+
+
+__all__ = ["keep_gil_on_step_calls", "batch_calls_give_up_gil"]

@@ -50,11 +50,9 @@ def advance_all(matchers: Sequence, tokens: Sequence[int],
     refused, e.g. a row whose mask allowed nothing) each matcher is fed and asked on its own."""
     if not matchers:
         return []
-    stops = frozenset(matchers[0].stop_token_ids)  # one tokenizer's: every grammar's the same
     if allowed is not None and all(allowed):
-        _accept_unread(matchers, tokens)
-        return [_STOP if t in stops and m.is_terminated() else _GO_ON
-                for m, t in zip(matchers, tokens)]
+        return verdicts_of(matchers, accept_allowed(matchers, tokens))
+    stops = frozenset(matchers[0].stop_token_ids)  # one tokenizer's: every grammar's the same
     out: list[Verdict] = []
     for m, t in zip(matchers, tokens):
         if not m.accept_token(t):
@@ -64,6 +62,21 @@ def advance_all(matchers: Sequence, tokens: Sequence[int],
         else:
             out.append(_GO_ON)
     return out
+
+
+def accept_allowed(matchers: Sequence, tokens: Sequence[int]) -> set[int]:
+    """Feed each matcher its token, every one known to be in its matcher's mask (the batch
+    path of :func:`advance_all`); the ids of the matchers that took a stop token and ended."""
+    if not matchers:
+        return set()
+    _accept_unread(matchers, tokens)
+    stops = frozenset(matchers[0].stop_token_ids)  # one tokenizer's: every grammar's the same
+    return {id(m) for m, t in zip(matchers, tokens) if t in stops and m.is_terminated()}
+
+
+def verdicts_of(matchers: Sequence, ended: set[int]) -> list[Verdict]:
+    """The verdicts of :func:`accept_allowed`'s matchers: complete (``ended``) or go on."""
+    return [_STOP if id(m) in ended else _GO_ON for m in matchers]
 
 
 def _accept_unread(matchers: Sequence, tokens: Sequence[int]) -> None:
@@ -90,4 +103,4 @@ def _raw_batch_accept():
     return fn
 
 
-__all__ = ["new_matcher", "advance", "advance_all"]
+__all__ = ["new_matcher", "advance", "advance_all", "accept_allowed", "verdicts_of"]
