@@ -210,3 +210,35 @@ def test_the_thread_count_follows_the_last_fills_work_and_masks_stay_the_same():
     bits.host.fill_(0)
     bits.fill(entries).rows()
     assert torch.equal(bits.host, one)
+
+
+@pytest.mark.parametrize("kind", ["schema", "json", "regex"])
+def test_allows_is_exactly_what_accept_token_takes(kind):
+    """``advance_all``'s batch path rests on it: at each state of a walk, every id of the
+    grammar's vocabulary is allowed by the filled row (``TokenBitmask.allows``) exactly when
+    ``accept_token`` takes it (stop tokens, the builtin JSON grammar's strings included)."""
+    V, rng = 512, np.random.default_rng(1)
+    tok = Tokenizer.bytes(V)
+    info = tokenizer_info(tok, V)
+    gv = grammar_vocab_size(tok, V)
+    comp = xgr.GrammarCompiler(info)
+    g = {"schema": lambda: _compile(info, SCHEMA),
+         "json": comp.compile_builtin_json_grammar,
+         "regex": lambda: comp.compile_regex(r"(ab|cd){2,9}x[0-9]+\"?")}[kind]()
+    bits = TokenBitmask(1, V, "cpu", grammar_vocab=gv)
+    for _ in range(2):
+        m = xgr.GrammarMatcher(g)
+        for _ in range(40):
+            if m.is_terminated():
+                break
+            bits.fill([(m, 0, ())]).rows()
+            allowed = bits.allows([0] * (gv + 3), list(range(-1, gv + 2)))
+            assert not allowed[0] and not any(allowed[-2:])
+            allowed = allowed[1:-2]
+            took = []
+            for t in range(gv):
+                took.append(bool(m.accept_token(t)))
+                if took[-1]:
+                    m.rollback(1)
+            assert took == allowed
+            m.accept_token(int(rng.choice(np.flatnonzero(allowed))))
