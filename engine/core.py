@@ -326,8 +326,9 @@ class EngineCore:
         if not all(self.runner.grammar_allows([launched.rows[k] for k in fed], toks)):
             return None
         matchers = [batch[k][0].matcher for k in fed]
+        job = fed, matchers, self.runner.accept_then_fill(matchers, toks, nxt)
         self.grammar_jobs += 1
-        return fed, matchers, self.runner.accept_then_fill(matchers, toks, nxt)
+        return job
 
     @staticmethod
     def _grammar_done(fed, matchers, future):

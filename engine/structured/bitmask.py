@@ -182,10 +182,10 @@ class TokenBitmask:
         return future
 
     def _accept_fill(self, matchers, tokens, entries, host, started) -> tuple[set, list[int]]:
+        started.set()  # first: the caller waits for it
         from .gil import batch_calls_give_up_gil
         from .matcher import accept_allowed
 
-        started.set()
         fed = {id(m) for m in matchers}
         with batch_calls_give_up_gil():
             ended = accept_allowed(matchers, tokens)

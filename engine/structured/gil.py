@@ -79,8 +79,9 @@ def batch_calls_give_up_gil():
     """Within the block, xgrammar's batch accept and batch fill give the GIL up while they run
     (for a helper thread whose grammar work overlaps the step thread's Python:
     ``TokenBitmask.accept_then_fill``); afterwards they keep it again. NOTE: the setting is
-    the function objects', so a call another thread makes meanwhile gives the GIL up too --
-    which changes when that thread holds the GIL, never what the call does."""
+    the function objects', so a call another thread makes meanwhile gives the GIL up too, and
+    with two engines in one process the first block to end makes the other's remaining calls
+    keep it -- which changes when a thread holds the GIL, never what a call does."""
     fns = _batch_functions()
     for fn in fns:
         fn.release_gil = True
