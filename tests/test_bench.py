@@ -1,6 +1,7 @@
 """The benchmarks still run and write what bench/RESULTS.md reports (tiny workloads, CPU)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -261,3 +262,20 @@ def test_simulated_device_queues_steps_like_a_stream():
     time.sleep(0.01)  # the device idles: the next work starts when it is queued
     c = dev.enqueue(0.005)
     assert c.at - time.perf_counter() == pytest.approx(0.005, abs=2e-3)
+
+
+def test_prefill_kernel_sweep_dry_run(tmp_path):
+    """scripts/gpu/bench_prefill_attn.py's own logic (the device's PART=19 runs it): its dry run
+    in Triton's interpreter sweeps, checks every choice against the plain kernel and writes the
+    rows final.sh picks the best from."""
+    pytest.importorskip("triton")
+    out = tmp_path / "p.json"
+    p = subprocess.run([sys.executable, "scripts/gpu/bench_prefill_attn.py", "--dry-run",
+                        "--packed", "1,2", "--block-n", "64", "--warps", "4", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["shape"], r["packed"]) for r in rows} == {(s, k) for s in ("cached", "fresh")
+                                                       for k in (1, 2)}
+    assert all(r["max_diff"] <= 1e-5 and r["ms"] > 0 for r in rows)

@@ -3,6 +3,8 @@
 3x what its FLOPs need; attention is the part that grows with the cached context).
 
     python3 scripts/gpu/bench_prefill_attn.py [--out results.json] [--reps 50]
+    TRITON_INTERPRET=1 python3 scripts/gpu/bench_prefill_attn.py --dry-run   # the script's
+        logic on CPU (Triton's interpreter, small shapes, fp32, wall-clock times)
 
 Shapes (bf16, block size 16, the KV blocks scattered through a cache of 20k blocks):
 ``cached``: bench.prefix's later turns, 22 chunks of 93 queries after ~1,200 cached tokens;
@@ -23,6 +25,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.getcwd())
 
@@ -36,18 +39,20 @@ SHAPES = {"cached": [(93, 1300 + 7 * (i % 5)) for i in range(22)],
           "fresh": [(2048, 2048)], "halves": [(1024, 1024), (1024, 1024)]}
 
 
+DEV, DTYPE = "cuda", torch.bfloat16
+
+
 def make(heads: int, kv_heads: int, dim: int, shape, nb: int = 20000, bs: int = 16):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    cache = torch.randn(2, nb, bs, kv_heads, dim, device="cuda", dtype=torch.bfloat16,
-                        generator=g)
-    perm = torch.randperm(nb - 1, device="cuda", generator=g) + 1
+    g = torch.Generator(device=DEV).manual_seed(0)
+    cache = torch.randn(2, nb, bs, kv_heads, dim, device=DEV, dtype=DTYPE, generator=g)
+    perm = torch.randperm(nb - 1, device=DEV, generator=g) + 1
     chunks, row, used = [], 0, 0
     for n, ctx in shape:
         nblk = -(-ctx // bs)
         chunks.append((row, n, ctx, perm[used:used + nblk].tolist()))
         used += nblk
         row += n
-    q = torch.randn(row, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(row, heads, dim, device=DEV, dtype=DTYPE, generator=g)
     return q, cache, chunks
 
 
@@ -57,6 +62,10 @@ def flops(shape, heads: int, dim: int) -> float:
 
 
 def timed(fn, reps: int) -> float:
+    if DEV != "cuda":  # the dry run: wall-clock, once
+        t0 = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t0)
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -77,8 +86,8 @@ def sdpa_ms(q, cache, chunks, reps: int):
     bs = cache.shape[2]
     ins = []
     for qs, n, ctx, blocks in chunks:
-        tok = torch.arange(ctx, device="cuda")
-        phys = torch.tensor(blocks, device="cuda")[tok // bs]
+        tok = torch.arange(ctx, device=DEV)
+        phys = torch.tensor(blocks, device=DEV)[tok // bs]
         k = cache[0][phys, tok % bs].repeat_interleave(gqa, 1).transpose(0, 1)[None]
         v = cache[1][phys, tok % bs].repeat_interleave(gqa, 1).transpose(0, 1)[None]
         ins.append((q[qs:qs + n].transpose(0, 1)[None], k.contiguous(), v.contiguous()))
@@ -99,14 +108,24 @@ def main() -> int:
     ap.add_argument("--block-n", type=ints, default=(32, 64, 128))
     ap.add_argument("--warps", type=ints, default=(4, 8))
     ap.add_argument("--stages", type=ints, default=(2,))
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU, Triton's interpreter, small shapes: the script's own logic")
     args = ap.parse_args()
+    global DEV, DTYPE, MODELS, SHAPES
+    if args.dry_run:
+        DEV, DTYPE = "cpu", torch.float32
+        tp_choice_check = os.environ.get("TRITON_INTERPRET") == "1"
+        if not tp_choice_check:
+            ap.error("--dry-run needs TRITON_INTERPRET=1 in the environment")
+        MODELS = {"tiny": (4, 2, 32)}
+        SHAPES = {"cached": [(9, 40), (5, 70)], "fresh": [(33, 33)]}
     packs, tiles, warps, stages = args.packed, args.block_n, args.warps, args.stages
     choices = [tp.KernelChoice(p, n, w, s) for p, n, w, s in itertools.product(packs, tiles, warps, stages)]
     rows = []
     for model, (heads, kv_heads, dim) in MODELS.items():
         for shape_name, shape in SHAPES.items():
-            q, cache, chunks = make(heads, kv_heads, dim, shape)
-            batch = tp.build(chunks, cache.shape[2], torch.device("cuda"))
+            q, cache, chunks = make(heads, kv_heads, dim, shape, nb=400 if args.dry_run else 20000)
+            batch = tp.build(chunks, cache.shape[2], torch.device(DEV))
             ref = torch.zeros_like(q)
             tp.prefill_attention(q, cache, batch, dim ** -0.5, ref, tp.KernelChoice())
             work = flops(shape, heads, dim)
@@ -129,8 +148,9 @@ def main() -> int:
                                  tflops=work / ms / 1e9, max_diff=diff, sdpa_ms=dense))
             best = min((r for r in rows if r["model"] == model and r["shape"] == shape_name),
                        key=lambda r: r["ms"])
-            plain = next(r for r in rows if r["model"] == model and r["shape"] == shape_name
-                         and (r["packed"], r["block_n"], r["warps"], r["stages"]) == (1, 64, 4, 2))
+            plain = next((r for r in rows if r["model"] == model and r["shape"] == shape_name
+                          and (r["packed"], r["block_n"], r["warps"], r["stages"]) == (1, 64, 4, 2)),
+                         best)
             print(f"{model:13s} {shape_name:7s} plain {plain['ms']:.3f} ms ({plain['tflops']:.0f} "
                   f"TFLOP/s)  best {best['ms']:.3f} ms ({best['tflops']:.0f}) packed={best['packed']} "
                   f"block_n={best['block_n']} warps={best['warps']} stages={best['stages']} "
@@ -143,7 +163,8 @@ def main() -> int:
               f"{r['max_diff']:8.2g}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"rows": rows, "device": torch.cuda.get_device_name()}, f, indent=1)
+            json.dump({"rows": rows, "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu"},
+                  f, indent=1)
     return 0
 
 
