@@ -31,10 +31,12 @@
 #   PART=17 the defaults at session 13's end: GPU tests (structured, release), structured outputs
 #           with the late step's split, the engine modes in 2 interleaved rounds, prefix caching
 #   PART=18 PART=17's structured outputs and engine modes first, then its GPU tests
-#   PART=19 session 14: the prefill kernel's launch choices (sweep, then bench.prefix with the
-#           best on the cached shape against the default), structured outputs with the split,
-#           with and without ENGINECORE_GRAMMAR_OVERLAP=1, a late step's device waits
-#           (sync_check), GPU tests (fused, mixed graphs, structured, release)
+#   PART=19 session 14, issue 15: the prefill kernel's launch choices (sweep; bench.prefix with the
+#           default and with the best on the cached shape; the mixed-graph and fused GPU tests
+#           with the best), GPU tests (fused, release)
+#   PART=20 session 14, issue 23: structured outputs with the split, without and with
+#           ENGINECORE_GRAMMAR_OVERLAP=1; a late step's device waits (sync_check); GPU tests
+#           (structured and overlap with it, structured and release without)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -161,7 +163,7 @@ elif [[ $PART == 18 ]]; then  # PART=17's measurements first, the GPU tests with
     --modes bare,inproc,ipc --timeline --out "$OUT/throughput.json"
   step gpu_tests 90 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_structured.py \
     tests/gpu/test_gpu_release.py
-elif [[ $PART == 19 ]]; then  # session 14 (no device that session): prefill kernel, device waits
+elif [[ $PART == 19 ]]; then  # session 14 (no device then), issue 15: the prefill kernel's choices
   export ONE_LOG=run.log TAIL=30
   step prefill_attn 120 python3 scripts/gpu/bench_prefill_attn.py --out "$OUT/prefill_attn.json"
   BEST=$(python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['model']=='qwen3-0.6b' and x['shape']=='cached']; b=min(r,key=lambda x:x['ms']); print(f\"packed={b['packed']},block_n={b['block_n']},warps={b['warps']},stages={b['stages']}\")" "$OUT/prefill_attn.json" 2>/dev/null)
@@ -169,14 +171,23 @@ elif [[ $PART == 19 ]]; then  # session 14 (no device that session): prefill ker
   step prefix 60 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix.json"
   [[ -n $BEST ]] && ENGINECORE_PREFILL_KERNEL=$BEST step prefix_best 60 python3 -m bench.prefix \
     --device cuda --no-progress --out "$OUT/prefix_best.json"
+  # what making the best the default needs: the graphed prompt steps' tests with it
+  [[ -n $BEST ]] && ENGINECORE_PREFILL_KERNEL=$BEST step gpu_tests_best 150 python3 -m pytest -q -s \
+    -m gpu -p no:cacheprovider tests/gpu/test_gpu_mixed_graphs.py tests/gpu/test_gpu_fused.py
+  step gpu_tests 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_fused.py \
+    tests/gpu/test_gpu_release.py
+elif [[ $PART == 20 ]]; then  # session 14 (no device then), issue 23: grammar work beside the forward
+  export ONE_LOG=run.log TAIL=30
   step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
     --out "$OUT/structured.json"
   ENGINECORE_GRAMMAR_OVERLAP=1 step structured_beside 70 python3 scripts/gpu/structured_split.py -- \
     --device cuda --no-progress --out "$OUT/structured_beside.json"
-  step sync_check 50 python3 scripts/gpu/sync_check.py -- bench.structured --device cuda \
+  step sync_check 60 python3 scripts/gpu/sync_check.py -- bench.structured --device cuda \
     --no-progress --fractions 0,1 --no-plain --out "$OUT/structured_sync_check.json"
-  step gpu_tests 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_fused.py \
-    tests/gpu/test_gpu_mixed_graphs.py tests/gpu/test_gpu_structured.py tests/gpu/test_gpu_release.py
+  ENGINECORE_GRAMMAR_OVERLAP=1 step gpu_tests_beside 100 python3 -m pytest -q -s -m gpu \
+    -p no:cacheprovider tests/gpu/test_gpu_structured.py tests/gpu/test_gpu_overlap.py
+  step gpu_tests 100 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+    tests/gpu/test_gpu_structured.py tests/gpu/test_gpu_release.py
 elif [[ $PART == 12 ]]; then  # issue 23: structured outputs' host cost
   export ONE_LOG=run.log TAIL=16
   step gpu_tests 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_structured.py \
