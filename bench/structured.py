@@ -20,7 +20,8 @@ their tokens, the next masks are filled (on a helper thread, while the rest of t
 is applied), and only then are the masks applied and the step sampled -- so the host work of
 applying a step and filling the masks runs beside the forward but no longer beside the
 sampling, and whatever of it outlasts the forward is device idle time. Columns ``late``
-(such steps) and, per late step, the host's ms by part: ``fwd`` (launching the forward),
+(such steps), ``beside`` (those whose grammar work ran on a helper thread beside the forward's
+launch: ``ENGINECORE_GRAMMAR_OVERLAP=1``) and, per late step, the host's ms by part: ``fwd`` (launching the forward),
 ``read`` (waiting for the step before's tokens, feeding them to the matchers, starting the
 fill), ``apply`` (stop checks, detokenization, outputs of the step before), ``mask`` (waiting
 for the fill, masking, launching the sampling: what the fill costs beyond ``apply``).
@@ -113,6 +114,7 @@ async def run_mode(eng, args, fraction: float, constraint, label: str = "") -> d
     steps0 = eng.statistics().steps
     deferred0 = eng.core.deferred_steps
     late0, split0 = eng.core.late_sampled_steps, dict(eng.core.late_seconds)
+    jobs0 = eng.core.grammar_jobs
 
     async def one(i: int) -> None:
         async for out in eng.generate(f"Request {i}: describe a product as JSON.\n", params[i]):
@@ -146,7 +148,7 @@ async def run_mode(eng, args, fraction: float, constraint, label: str = "") -> d
     out = sum(tokens)
     return {"constrained": f"{100 * fraction:.0f} %{label}", "requests": n, "output_tokens": out,
             "wall_s": wall, "tok_s": out / wall, "steps": steps, "overlapped": deferred,
-            "late": late, **split, "device_busy": busy,
+            "late": late, "beside": eng.core.grammar_jobs - jobs0, **split, "device_busy": busy,
             "ms_per_step": 1e3 * wall / steps if steps else None,
             "valid": f"{valid}/{k}" if k else "-", "valid_strict": f"{strict}/{k}" if k else "-"}
 
@@ -218,7 +220,7 @@ def main(argv=None) -> int:
         [("constrained", "constrained", ""), ("output_tokens", "out tok", ""),
          ("wall_s", "wall s", ".2f"), ("tok_s", "tok/s", ".1f"),
          ("vs_unconstrained", "vs 0 %", ".3f"), ("steps", "steps", ""),
-         ("overlapped", "overlapped", ""), ("late", "late", ""),
+         ("overlapped", "overlapped", ""), ("late", "late", ""), ("beside", "beside", ""),
          ("late_forward_ms", "fwd", ".2f"), ("late_read_back_ms", "read", ".2f"),
          ("late_apply_ms", "apply", ".2f"), ("late_mask_sample_ms", "mask", ".2f"),
          ("ms_per_step", "ms/step", ".2f")]
