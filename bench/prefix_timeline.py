@@ -6,7 +6,12 @@
 Runs ``bench.prefix``'s workload once (after the same warm-up) with every engine step recorded
 on the step thread: when it started and ended, what it scheduled (requests, prompt tokens of
 prefill chunks, decode rows, requests admitted), how long the host spent scheduling, launching
-the forward, and waiting for the device (``runner.collect``, the read-back of a step's tokens).
+the forward, and waiting for the device (``runner.collect``, the read-back of a step's tokens),
+and ``loop``: how long after the step's end the event loop took its result (callbacks queued
+before it -- consumers woken by outputs, the clients' next requests -- run first; meanwhile
+the step thread waits for the loop, unless a step burst goes on without it) and ``then``: the
+loop's own time from there to the next step's start (dispatching outputs, the consumers it
+lets run, the inbox).
 Then prints, for each later turn, the burst's steps from its first arrival to its last first
 token, the slowest TTFTs with the steps they waited through, and whether CUDA graphs were
 captured inside the timed region (a capture is an eager step plus the capture itself).
@@ -81,8 +86,14 @@ class Tape:
                 if tape.cur is not None:
                     tape.cur["fwd"] += time.perf_counter() - t
 
+        async def timed_run(fn, **kw):
+            out = await run(lambda: timed_step(fn), **kw)
+            if tape.steps:  # when the loop got the step's result: its lateness after the end
+                tape.steps[-1]["resumed"] = time.perf_counter()
+            return out
+
         # every step runs through the step thread's run() (the loop bound core.step already)
-        eng._stepper.run = lambda fn: run(lambda: timed_step(fn))
+        eng._stepper.run = timed_run
         sched.schedule = timed_schedule
         object.__setattr__(runner, "collect", timed_collect)  # past the runner's attribute guard
         object.__setattr__(runner, "forward", timed_forward)
@@ -177,7 +188,7 @@ def report(args, tape, marks, new_graphs):
         print(f"turn {t}: TTFT p50 {common.percentile(vs, 50):.1f} ms, p99 "
               f"{common.percentile(vs, 99):.1f}, max {vs[-1]:.1f}")
     steps = tape.steps
-    hdr = (f"{'start':>8} {'dur':>6} {'sched':>6} {'fwd':>6} {'wait':>6} {'reqs':>5} "
+    hdr = (f"{'start':>8} {'dur':>6} {'sched':>6} {'fwd':>6} {'wait':>6} {'loop':>6} {'then':>6} {'reqs':>5} "
            f"{'prefill':>7} {'decode':>6} {'adm':>4} {'wait_q':>6}  arrivals/firsts before end")
     for t in sorted(by_turn):
         if t == 0 and not args.first_turn:
@@ -188,13 +199,18 @@ def report(args, tape, marks, new_graphs):
         print(f"\n-- turn {t}: arrivals {ms(lo):.1f}..{ms(max(subs)):.1f} ms, first tokens "
               f"{ms(min(firsts)):.1f}..{ms(hi):.1f} ms")
         print(hdr)
-        for s in steps:
+        for i, s in enumerate(steps):
             if s["end"] < lo - 0.005 or s["start"] > hi + 0.002:
                 continue
+            # the loop's own time between taking this step's result and starting the next
+            then = ((steps[i + 1]["start"] - s["resumed"]) * 1e3
+                    if i + 1 < len(steps) and "resumed" in s else float("nan"))
             arr = sum(1 for x in subs if x <= s["end"])
             fst = sum(1 for x in firsts if x <= s["end"])
+            late = (s["resumed"] - s["end"]) * 1e3 if "resumed" in s else float("nan")
             print(f"{ms(s['start']):8.1f} {(s['end'] - s['start']) * 1e3:6.1f} "
                   f"{s['sched'] * 1e3:6.2f} {s['fwd'] * 1e3:6.2f} {s['wait'] * 1e3:6.2f} "
+                  f"{late:6.2f} {then:6.2f} "
                   f"{s['reqs']:5d} {s['prefill']:7d} {s['decode']:6d} {s['admitted']:4d} "
                   f"{s['waiting']:6d}  {arr}/{fst}")
     worst = sorted(((v, k) for k, v in ttft.items() if k[1] > 0), reverse=True)[:args.worst]

@@ -32,8 +32,8 @@
 #           with the late step's split, the engine modes in 2 interleaved rounds, prefix caching
 #   PART=18 PART=17's structured outputs and engine modes first, then its GPU tests
 #   PART=19 session 14, issue 15: the prefill kernel's launch choices (sweep; bench.prefix with the
-#           default and with the best on the cached shape; the mixed-graph and fused GPU tests
-#           with the best), GPU tests (fused, release)
+#           default and with the best on the cached shape; the step timeline of later turns;
+#           the mixed-graph and fused GPU tests with the best), GPU tests (fused, release)
 #   PART=20 session 14, issue 23: structured outputs with the split, without and with
 #           ENGINECORE_GRAMMAR_OVERLAP=1; a late step's device waits (sync_check); GPU tests
 #           (structured and overlap with it, structured and release without)
@@ -171,6 +171,8 @@ elif [[ $PART == 19 ]]; then  # session 14 (no device then), issue 15: the prefi
   step prefix 60 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix.json"
   [[ -n $BEST ]] && ENGINECORE_PREFILL_KERNEL=$BEST step prefix_best 60 python3 -m bench.prefix \
     --device cuda --no-progress --out "$OUT/prefix_best.json"
+  # where a later turn's TTFT goes, with the loop's lateness and own time between steps
+  step prefix_timeline 45 python3 -m bench.prefix_timeline --device cuda
   # what making the best the default needs: the graphed prompt steps' tests with it
   [[ -n $BEST ]] && ENGINECORE_PREFILL_KERNEL=$BEST step gpu_tests_best 150 python3 -m pytest -q -s \
     -m gpu -p no:cacheprovider tests/gpu/test_gpu_mixed_graphs.py tests/gpu/test_gpu_fused.py
