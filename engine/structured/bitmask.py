@@ -183,11 +183,11 @@ class TokenBitmask:
 
     def _accept_fill(self, matchers, tokens, entries, host, started) -> tuple[set, list[int]]:
         started.set()  # first: the caller waits for it
-        from .gil import batch_calls_give_up_gil
+        from .gil import SWITCH_SECONDS, batch_calls_give_up_gil, switch_interval
         from .matcher import accept_allowed
 
         fed = {id(m) for m in matchers}
-        with batch_calls_give_up_gil():
+        with switch_interval(SWITCH_SECONDS), batch_calls_give_up_gil():
             ended = accept_allowed(matchers, tokens)
             live = [e for e in entries if id(e[0]) not in ended
                     and (id(e[0]) in fed or not e[0].is_terminated())]

@@ -25,6 +25,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
+import sys
+from typing import Optional
 
 log = logging.getLogger("enginecore.structured")
 
@@ -92,4 +95,42 @@ def batch_calls_give_up_gil():
             fn.release_gil = False
 
 
-__all__ = ["keep_gil_on_step_calls", "batch_calls_give_up_gil"]
+def _switch_seconds() -> Optional[float]:
+    raw = os.environ.get("ENGINECORE_GRAMMAR_SWITCH_US", "")
+    if not raw:
+        return None
+    if not raw.isdigit() or not 10 <= int(raw) <= 5000:
+        raise ValueError(f"ENGINECORE_GRAMMAR_SWITCH_US={raw!r}: microseconds in [10, 5000]")
+    return int(raw) * 1e-6
+
+
+#: ENGINECORE_GRAMMAR_SWITCH_US (unset: Python's own, 5 ms): the interpreter's switch interval
+#: while a grammar job runs beside the step thread (:func:`switch_interval`)
+SWITCH_SECONDS = _switch_seconds()
+
+
+@contextlib.contextmanager
+def switch_interval(seconds: Optional[float]):
+    """Within the block, the interpreter's switch interval is ``seconds`` (None: unchanged).
+    A thread that gave the GIL up inside xgrammar waits at most that long to take it back
+    from a thread running Python (the step thread launching a forward), instead of up to
+    5 ms; for the device's A/B (``ENGINECORE_GRAMMAR_SWITCH_US``, scripts/gpu/final.sh
+    PART=20). NOTE: process-wide while it lasts (every thread's switching); afterwards it is
+    put back unless someone changed it meanwhile (two engines' jobs overlapping end with the
+    interval there was before either)."""
+    if seconds is None:
+        yield
+        return
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    ours = sys.getswitchinterval()  # as the interpreter rounds it
+    try:
+        yield
+    finally:
+        # (the interpreter keeps whole microseconds and rounds down: compare within one)
+        if abs(sys.getswitchinterval() - ours) < 1.5e-6:
+            sys.setswitchinterval(old)
+
+
+__all__ = ["keep_gil_on_step_calls", "batch_calls_give_up_gil", "switch_interval",
+           "SWITCH_SECONDS"]

@@ -35,7 +35,8 @@
 #           default and with the best on the cached shape; the step timeline of later turns;
 #           the mixed-graph and fused GPU tests with the best), GPU tests (fused, release)
 #   PART=20 session 14, issue 23: structured outputs with the split, without and with
-#           ENGINECORE_GRAMMAR_OVERLAP=1; a late step's device waits (sync_check); GPU tests
+#           ENGINECORE_GRAMMAR_OVERLAP=1 (also with ENGINECORE_GRAMMAR_SWITCH_US=200); a late
+#           step's device waits (sync_check); GPU tests
 #           (structured and overlap with it, structured and release without)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
@@ -184,6 +185,9 @@ elif [[ $PART == 20 ]]; then  # session 14 (no device then), issue 23: grammar w
     --out "$OUT/structured.json"
   ENGINECORE_GRAMMAR_OVERLAP=1 step structured_beside 70 python3 scripts/gpu/structured_split.py -- \
     --device cuda --no-progress --out "$OUT/structured_beside.json"
+  ENGINECORE_GRAMMAR_OVERLAP=1 ENGINECORE_GRAMMAR_SWITCH_US=200 step structured_beside_200us 70 \
+    python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
+    --out "$OUT/structured_beside_200us.json"
   step sync_check 60 python3 scripts/gpu/sync_check.py -- bench.structured --device cuda \
     --no-progress --fractions 0,1 --no-plain --out "$OUT/structured_sync_check.json"
   ENGINECORE_GRAMMAR_OVERLAP=1 step gpu_tests_beside 100 python3 -m pytest -q -s -m gpu \
