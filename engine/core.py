@@ -305,11 +305,7 @@ class EngineCore:
         """A deferred step's tokens read back and fed to the constrained requests' matchers
         (before the rest of the step is applied, so the next masks can be filled meanwhile):
         entry -> the verdict (``structured.matcher.advance``) that ``_append`` then uses."""
-        tokens = self.runner.collect(launched).tokens
-        fed = self._fed(batch, tokens)
-        toks = [tokens[k][0] for k in fed]
-        # the rows they were sampled in: the step's masks are still in the host rows
-        allowed = self.runner.grammar_allows([launched.rows[k] for k in fed], toks)
+        fed, toks, allowed = self._fed(batch, launched)
         verdicts = advance_all([batch[k][0].matcher for k in fed], toks, allowed)
         return dict(zip(fed, verdicts))
 
@@ -320,10 +316,8 @@ class EngineCore:
         None otherwise (a token the mask refused, or not yet read back): the usual path."""
         if not launched.ready:
             return None
-        tokens = self.runner.collect(launched).tokens
-        fed = self._fed(batch, tokens)
-        toks = [tokens[k][0] for k in fed]
-        if not all(self.runner.grammar_allows([launched.rows[k] for k in fed], toks)):
+        fed, toks, allowed = self._fed(batch, launched)
+        if not all(allowed):
             return None
         matchers = [batch[k][0].matcher for k in fed]
         job = fed, matchers, self.runner.accept_then_fill(matchers, toks, nxt)
@@ -336,12 +330,16 @@ class EngineCore:
         ended, rows = future.result()
         return dict(zip(fed, verdicts_of(matchers, ended))), Filling(None, rows)
 
-    @staticmethod
-    def _fed(batch, tokens) -> list[int]:
-        """The entries of a deferred step whose matcher takes the token it sampled."""
-        return [k for k, (req, _) in enumerate(batch)
-                if req.matcher is not None and req.pending and not req.finished and tokens[k]
-                and req.params.max_tokens > 0]
+    def _fed(self, batch, launched) -> tuple[list[int], list[int], list[bool]]:
+        """A deferred step read back: the entries whose matcher takes the token it sampled,
+        those tokens, and whether each is in the mask its row was sampled with (the step's
+        masks are still in the host rows)."""
+        tokens = self.runner.collect(launched).tokens
+        fed = [k for k, (req, _) in enumerate(batch)
+               if req.matcher is not None and req.pending and not req.finished and tokens[k]
+               and req.params.max_tokens > 0]
+        toks = [tokens[k][0] for k in fed]
+        return fed, toks, self.runner.grammar_allows([launched.rows[k] for k in fed], toks)
 
     def _update(self, batch, result: StepResult) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []

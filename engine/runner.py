@@ -375,7 +375,7 @@ class ModelRunner(RunnerSleep):
         by default in the background (the matchers must then be left alone until
         :meth:`sample_step`); ``terminated``: see :meth:`TokenBitmask.fill`."""
         bitmask: TokenBitmask = self._owner[R.GRAMMAR_BITMASK]
-        return bitmask.fill(_constrained(fwd.batch, fwd.sample_rows), background=background,
+        return bitmask.fill(_constrained(fwd.batch), background=background,
                             terminated=terminated)
 
     def accept_then_fill(self, matchers: Sequence, tokens: Sequence[int], batch) -> "Future":
@@ -383,7 +383,7 @@ class ModelRunner(RunnerSleep):
         constrained rows ``batch`` will sample, on the bitmask's helper thread, beside the
         caller (:meth:`TokenBitmask.accept_then_fill`; call it before :meth:`forward`)."""
         bitmask: TokenBitmask = self._owner[R.GRAMMAR_BITMASK]
-        return bitmask.accept_then_fill(matchers, tokens, planned_constrained(batch))
+        return bitmask.accept_then_fill(matchers, tokens, _constrained(batch))
 
     def grammar_allows(self, rows: Sequence[int], tokens: Sequence[int]) -> list[bool]:
         """Whether each sampled token is in the grammar mask its row was sampled with (the
@@ -410,7 +410,7 @@ class ModelRunner(RunnerSleep):
         if n_flat:
             # the constrained rows' grammars: disallowed tokens -inf, before any sampling
             if masks is None:
-                masks = bitmask.fill(_constrained(batch, sample_rows))
+                masks = bitmask.fill(_constrained(batch))
             processed = bitmask.mask(
                 processed, masks,
                 copy=processed is logits and bool(plp or any(r.params.logprobs for r, _ in batch)))
@@ -506,9 +506,11 @@ class Forwarded(NamedTuple):
     processed: Optional[torch.Tensor]  # the sampled rows' logits after logits processing
 
 
-def planned_constrained(batch) -> list[tuple]:
-    """:func:`_constrained` of ``batch`` before its forward: an entry samples when it reaches
-    the end of its known tokens, one row plus one a draft token (``ModelRunner.forward``)."""
+def _constrained(batch) -> list[tuple]:
+    """(matcher, first sampled row, drafts) of each constrained entry of ``batch`` that samples;
+    rows count in the sampled logits (entries' rows in order). ``ModelRunner.forward``'s rule,
+    so it holds before the forward too: an entry samples when it reaches the end of its known
+    tokens, one row plus one a draft token."""
     out = []
     row = 0
     for req, n in batch:
@@ -516,16 +518,4 @@ def planned_constrained(batch) -> list[tuple]:
         if k and req.matcher is not None:
             out.append((req.matcher, row, req.spec_token_ids if k > 1 else ()))
         row += k
-    return out
-
-
-def _constrained(batch, sample_rows) -> list[tuple]:
-    """(matcher, first sampled row, drafts) of each constrained entry that samples this step;
-    rows count in the sampled logits (entries' rows in order)."""
-    out = []
-    row = 0
-    for (req, _), rows in zip(batch, sample_rows):
-        if rows and req.matcher is not None:
-            out.append((req.matcher, row, req.spec_token_ids if len(rows) > 1 else ()))
-        row += len(rows)
     return out

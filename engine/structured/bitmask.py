@@ -140,25 +140,33 @@ class TokenBitmask:
         known = terminated or {}
         live = [e for e in entries
                 if not (known[id(e[0])] if id(e[0]) in known else e[0].is_terminated())]
-        for _, row, drafts in live:
-            if row + len(drafts) >= self.max_rows:
-                raise RuntimeError(f"sampled row {row + len(drafts)}; the bitmask has "
-                                   f"{self.max_rows}")
+        self._check_rows(live)
         if not live:
             return Filling(None, [])
         host = self.host  # made here, not on the helper thread
         if not background:
             return Filling(None, self._fill(live, host))
+        return Filling(self._submit(self._fill, live, host), None)
+
+    def _check_rows(self, entries: Sequence[tuple]) -> None:
+        for _, row, drafts in entries:
+            if row + len(drafts) >= self.max_rows:
+                raise RuntimeError(f"sampled row {row + len(drafts)}; the bitmask has "
+                                   f"{self.max_rows}")
+
+    def _submit(self, fn, *args) -> Future:
+        """``fn(*args, started)`` on this bitmask's one helper thread; returns once it has
+        begun (``fn`` sets ``started`` first)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
         started = threading.Event()
-        future = self._pool.submit(self._fill, live, host, started)
+        future = self._pool.submit(fn, *args, started)
         # NOTE: the caller goes on with Python (the step before's outputs) and would keep the
         # GIL from the helper thread until it blocks: the fill started only then, after the
         # work it was to overlap (measured: 1.6 ms of Python, the fill began 1.62 ms after it
         # was submitted; waited for here, 0.015 ms)
         started.wait()
-        return Filling(future, None)
+        return future
 
     def accept_then_fill(self, matchers: Sequence, tokens: Sequence[int],
                          entries: Sequence[tuple]) -> Future:
@@ -169,17 +177,9 @@ class TokenBitmask:
         (:func:`structured.gil.batch_calls_give_up_gil`), so the caller's Python -- the next
         step's forward launch -- runs beside them. The future's result: (the ids of the
         matchers that ended, the rows filled). Returns once the helper has begun."""
-        for _, row, drafts in entries:
-            if row + len(drafts) >= self.max_rows:
-                raise RuntimeError(f"sampled row {row + len(drafts)}; the bitmask has "
-                                   f"{self.max_rows}")
+        self._check_rows(entries)
         host = self.host  # made here, not on the helper thread
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
-        started = threading.Event()
-        future = self._pool.submit(self._accept_fill, matchers, tokens, entries, host, started)
-        started.wait()  # (see fill: the caller's Python would hold the helper back)
-        return future
+        return self._submit(self._accept_fill, matchers, tokens, entries, host)
 
     def _accept_fill(self, matchers, tokens, entries, host, started) -> tuple[set, list[int]]:
         started.set()  # first: the caller waits for it

@@ -38,6 +38,18 @@ _BATCH = ("batch_fill_next_token_bitmask", "batch_accept_token")
 _CONTAINERS = ("ArrayGetItem", "ArraySize")  # a returned Array read back element by element
 
 
+def _methods(cls_name: str, names: tuple) -> tuple:
+    """The tvm-ffi function objects of xgrammar class ``cls_name``'s methods ``names`` (empty
+    when this xgrammar is not built on tvm-ffi)."""
+    try:
+        from xgrammar.tvm_ffi_binding import _ffi_api as binding
+    except ImportError:
+        return ()
+    info = getattr(getattr(binding, cls_name, None), "__tvm_ffi_type_info__", None)
+    return tuple(m.func for m in getattr(info, "methods", None) or ()
+                 if m.name in names and hasattr(m.func, "release_gil"))
+
+
 @functools.cache
 def keep_gil_on_step_calls() -> int:
     """Turn the GIL release off for xgrammar's per-step calls (once; later calls return the
@@ -45,36 +57,21 @@ def keep_gil_on_step_calls() -> int:
     tvm-ffi: nothing to do then)."""
     try:
         from tvm_ffi import _ffi_api as containers
-        from xgrammar.tvm_ffi_binding import _ffi_api as binding
     except ImportError:
         return 0
-    changed = 0
-    for cls, names in ((getattr(binding, "GrammarMatcher", None), _MATCHER),
-                       (getattr(binding, "BatchGrammarMatcher", None), _BATCH)):
-        info = getattr(cls, "__tvm_ffi_type_info__", None)
-        for method in getattr(info, "methods", None) or ():
-            if method.name in names and hasattr(method.func, "release_gil"):
-                method.func.release_gil = False
-                changed += 1
-    for name in _CONTAINERS:
-        fn = getattr(containers, name, None)
-        if hasattr(fn, "release_gil"):
-            fn.release_gil = False
-            changed += 1
-    log.debug("xgrammar: %d per-step tvm-ffi calls keep the GIL", changed)
-    return changed
+    fns = _methods("GrammarMatcher", _MATCHER) + _batch_functions()
+    fns += tuple(fn for fn in (getattr(containers, name, None) for name in _CONTAINERS)
+                 if hasattr(fn, "release_gil"))
+    for fn in fns:
+        fn.release_gil = False
+    log.debug("xgrammar: %d per-step tvm-ffi calls keep the GIL", len(fns))
+    return len(fns)
 
 
 @functools.cache
 def _batch_functions() -> tuple:
-    """xgrammar's batch accept and batch fill functions (empty when not built on tvm-ffi)."""
-    try:
-        from xgrammar.tvm_ffi_binding import _ffi_api as binding
-    except ImportError:
-        return ()
-    info = getattr(getattr(binding, "BatchGrammarMatcher", None), "__tvm_ffi_type_info__", None)
-    return tuple(m.func for m in getattr(info, "methods", None) or ()
-                 if m.name in _BATCH and hasattr(m.func, "release_gil"))
+    """xgrammar's batch accept and batch fill functions."""
+    return _methods("BatchGrammarMatcher", _BATCH)
 
 
 @contextlib.contextmanager
