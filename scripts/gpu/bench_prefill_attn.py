@@ -156,16 +156,22 @@ def main() -> int:
                   f"block_n={best['block_n']} warps={best['warps']} stages={best['stages']} "
                   f"diff {best['max_diff']:.3g}  sdpa {dense if dense is None else round(dense, 3)} ms",
                   flush=True)
+            if args.out:  # after every shape, so that a run cut off at its limit still leaves rows
+                dump(args.out, rows)
     print(f"{'model':13s} {'shape':7s} {'choice':28s} {'ms':>7s} {'TFLOP/s':>8s} {'diff':>8s}")
     for r in sorted(rows, key=lambda r: (r["model"], r["shape"], r["ms"])):
         ch = f"p{r['packed']} n{r['block_n']} w{r['warps']} s{r['stages']}"
         print(f"{r['model']:13s} {r['shape']:7s} {ch:28s} {r['ms']:7.3f} {r['tflops']:8.0f} "
               f"{r['max_diff']:8.2g}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"rows": rows, "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu"},
-                  f, indent=1)
+        dump(args.out, rows)
     return 0
+
+
+def dump(path: str, rows: list) -> None:
+    with open(path, "w") as f:
+        json.dump({"rows": rows, "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu"},
+                  f, indent=1)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,10 @@
 #           ENGINECORE_GRAMMAR_OVERLAP=1 (also with ENGINECORE_GRAMMAR_SWITCH_US=200); a late
 #           step's device waits (sync_check); GPU tests
 #           (structured and overlap with it, structured and release without)
+#   PART=21 session 15, issues 15 and 23 in one call: PART=19's sweep (qwen3-0.6b first) and
+#           bench.prefix with the default and the best choice, PART=20's structured outputs
+#           without and with ENGINECORE_GRAMMAR_OVERLAP=1, the prefix timeline, the graphed
+#           prompt steps' GPU tests with the best choice
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -179,6 +183,21 @@ elif [[ $PART == 19 ]]; then  # session 14 (no device then), issue 15: the prefi
     -m gpu -p no:cacheprovider tests/gpu/test_gpu_mixed_graphs.py tests/gpu/test_gpu_fused.py
   step gpu_tests 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_fused.py \
     tests/gpu/test_gpu_release.py
+elif [[ $PART == 21 ]]; then  # session 15: the decisive runs of PART=19 and PART=20 in one call
+  export ONE_LOG=run.log TAIL=30
+  step prefill_attn 110 python3 scripts/gpu/bench_prefill_attn.py --out "$OUT/prefill_attn.json"
+  BEST=$(python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['model']=='qwen3-0.6b' and x['shape']=='cached']; b=min(r,key=lambda x:x['ms']); print(f\"packed={b['packed']},block_n={b['block_n']},warps={b['warps']},stages={b['stages']}\")" "$OUT/prefill_attn.json" 2>/dev/null)
+  echo "best prefill choice: ${BEST:-none}"
+  step prefix 60 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix.json"
+  [[ -n $BEST ]] && ENGINECORE_PREFILL_KERNEL=$BEST step prefix_best 60 python3 -m bench.prefix \
+    --device cuda --no-progress --out "$OUT/prefix_best.json"
+  step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
+    --out "$OUT/structured.json"
+  ENGINECORE_GRAMMAR_OVERLAP=1 step structured_beside 70 python3 scripts/gpu/structured_split.py -- \
+    --device cuda --no-progress --out "$OUT/structured_beside.json"
+  step prefix_timeline 45 python3 -m bench.prefix_timeline --device cuda
+  [[ -n $BEST ]] && ENGINECORE_PREFILL_KERNEL=$BEST step gpu_tests_best 120 python3 -m pytest -q -s \
+    -m gpu -p no:cacheprovider tests/gpu/test_gpu_mixed_graphs.py tests/gpu/test_gpu_fused.py
 elif [[ $PART == 20 ]]; then  # session 14 (no device then), issue 23: grammar work beside the forward
   export ONE_LOG=run.log TAIL=30
   step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
