@@ -6,7 +6,9 @@ block of some prompt prefix, findable by hash). A request's ``block_ids`` are sp
 ``num_sealed_blocks``: the sealed blocks in front are full, computed and read-only (only they may
 be shared or be in the hash index); the ones after are private (reference count 1) and the only
 ones the request writes. So a block shared by two requests is never written, and a block
-referenced by anyone is never handed out.
+referenced by anyone is never handed out. "Computed" counts the step being scheduled:
+``seal_ahead`` registers the blocks a scheduled chunk fills before the step runs, so that a
+request admitted later in the same step shares them (see there).
 
 The prefix cache: a full computed block gets a hash chained over (parent hash, its token ids);
 the chain's root is derived from ``weights_version`` and a reset epoch, so after
@@ -159,6 +161,18 @@ class BlockManager:
             self._release(tail)
         self._seal(req)
 
+    def seal_ahead(self, req: Request, upto: int) -> None:
+        """``req`` is scheduled to compute its tokens up to ``upto`` in the step being built:
+        register now the full blocks of known tokens that step fills, so that a request
+        admitted after it in the same step (or in a step launched before this one is read back)
+        finds them and computes only the rest, as vLLM's allocator caches blocks when it hands
+        them out. Safe because every model path writes the whole step's K/V of a layer before
+        any row's attention reads the cache (``write_kv`` / the fused write, then
+        ``attention.paged_attention``), and a later step runs after this one on the device's
+        stream. A 1,000-token system prompt sent by 64 clients at once is then computed once
+        in the first step instead of once per step until the first copy is done."""
+        self._seal(req, upto)
+
     def free(self, req: Request) -> None:
         """``req`` leaves (finished, aborted, preempted): seal what it computed, then drop its
         references; its last blocks become the first to be evicted."""
@@ -178,8 +192,9 @@ class BlockManager:
                 else:
                     self._evictable[b] = None
 
-    def _seal(self, req: Request) -> None:
-        full = min(req.num_computed_tokens, req.num_tokens, len(req.block_ids) * self.block_size)
+    def _seal(self, req: Request, upto: int | None = None) -> None:
+        computed = req.num_computed_tokens if upto is None else upto
+        full = min(computed, req.num_tokens, len(req.block_ids) * self.block_size)
         full //= self.block_size
         if full <= req.num_sealed_blocks:
             return

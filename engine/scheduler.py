@@ -69,6 +69,7 @@ class Scheduler:
                 break
             if req.num_computed_tokens + n != req.num_tokens:
                 req.spec_token_ids = []
+            self.blocks.seal_ahead(req, req.num_computed_tokens + n)
             out.append((req, n))
             scheduled.add(id(req))
             budget -= n + spec
@@ -86,6 +87,8 @@ class Scheduler:
             req.status = Status.RUNNING
             req.spec_token_ids = []
             self.running.append(req)
+            # the blocks this chunk fills are found by the requests admitted after it
+            self.blocks.seal_ahead(req, start + n)
             out.append((req, n))
             budget -= n
         return out

@@ -78,6 +78,28 @@ async def test_greedy_identical_with_caching_on_and_off():
 
 
 @pytest.mark.asyncio
+async def test_one_burst_shares_its_prefix_in_its_first_step():
+    """The first wave alone, sent at once to a fresh engine with the default token budget: the
+    first prompt's chunk registers the system prompt's blocks when it is scheduled, so the four
+    others admitted in the same step hit them (a step with no cache would compute them five
+    times) -- and every output equals the uncached engine's."""
+    off, _ = await _run("off", enable_prefix_caching=False)
+    async with AsyncEngine.open(EngineConfig(model="default", device="cpu", dtype="float32"),
+                                check_integrity=True) as eng:
+        tok = eng.tokenizer
+        system = tok.encode(SYSTEM)[:37]
+        first = {f"q{i}": system + tok.encode(" " + q) for i, q in enumerate(QUESTIONS)}
+        first["blocks3"] = (system + tok.encode(" " + QUESTIONS[0]))[:48]
+        out = await _wave(eng, first)
+        stats = eng.statistics()
+    assert out == {k: off[k] for k in first}
+    # q1..q3 and blocks3 each hit the system prompt's 2 full blocks (blocks3's third is its
+    # last: the last token is always computed)
+    assert stats.prefix_cache_hits == 4 * 32, stats
+    assert stats.steps <= PARAMS.max_tokens + 1  # all five in the first step
+
+
+@pytest.mark.asyncio
 async def test_greedy_identical_under_preemption_pressure():
     off, _ = await _run("off", enable_prefix_caching=False)
     got, stats = await _run("small", kv_cache_bytes=7 * BLOCK_BYTES)

@@ -387,7 +387,8 @@ async def test_sampling_distribution_end_to_end():
                dict(speculator="draft", draft_model=MODEL)):
         got, stats, spec, _ = await _generate(
             EngineConfig(model=MODEL, device="cpu", max_num_seqs=n, **kw), work, seeds=True)
-        assert stats.spec_proposed > 100, kw
+        # (the 300 equal prompts share their blocks from the first step on: 4 steps in all)
+        assert stats.spec_proposed > 50, kw
         if kw["speculator"] == "ngram":  # point-mass proposals, accepted and rejected
             assert 0.1 < spec["acceptance_rate"] < 0.9, spec
         elif kw["draft_model"] == MODEL:  # q == p: (almost) always accepted

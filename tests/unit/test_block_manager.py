@@ -237,13 +237,15 @@ class Sim:
         self.written: dict[int, tuple] = {}  # block -> (epoch, tokens before it, its tokens)
         self.n = 0
 
-    def _write(self, r: Request, start: int, tokens: list[int]) -> None:
-        """The runner writes K/V of ``tokens`` at ``start`` on into ``r``'s blocks."""
+    def _write(self, r: Request, start: int, tokens: list[int], ahead: frozenset = frozenset()) -> None:
+        """The runner writes K/V of ``tokens`` at ``start`` on into ``r``'s blocks; ``ahead``:
+        blocks ``r`` registered for this step (``seal_ahead``), which others may hold."""
         seq = r.token_ids[:start] + tokens
         for p in range(start, len(seq)):
             tok = seq[p]
             b = r.block_ids[p // BS]
-            assert self.bm.ref_count(b) == 1 and not self.bm.is_cached(b), "a second writer"
+            assert b in ahead or (self.bm.ref_count(b) == 1 and not self.bm.is_cached(b)), \
+                "a second writer"
             ep, before, toks = self.written.get(b, (None, None, None))
             if p % BS == 0 or ep is None:
                 ep, before, toks = r.cache_epoch, tuple(seq[:p - p % BS]), {}
@@ -257,16 +259,19 @@ class Sim:
         self.n += 1
         self.waiting.append(Request(f"q{self.n}", base + tail, SamplingParams(max_tokens=8)))
 
-    def admit(self, x: int) -> None:
-        if not self.waiting:
-            return
-        r = self.waiting[0]
-        hit = self.bm.lookup(r)
+    def _check_hit(self, r: Request, hit: list[int]) -> None:
         for i, b in enumerate(hit):  # what the hit serves was written for exactly this prefix
             ep, before, toks = self.written[b]
             assert ep == self.bm.epoch, "stale K/V served"
             assert before == tuple(r.token_ids[:i * BS])
             assert [toks[o] for o in range(BS)] == r.token_ids[i * BS:(i + 1) * BS]
+
+    def admit(self, x: int) -> None:
+        if not self.waiting:
+            return
+        r = self.waiting[0]
+        hit = self.bm.lookup(r)
+        self._check_hit(r, hit)
         start = len(hit) * BS
         n = min(r.num_tokens - start, 1 + x % 9)
         need = blocks_needed(start + n, BS) - len(hit)
@@ -279,10 +284,42 @@ class Sim:
         self.running.append(r)
         self._compute(r, n, [])
 
-    def _compute(self, r: Request, n: int, drafts: list[int], accepted: int = 0) -> None:
+    def together(self, x: int) -> None:
+        """Up to three admissions in one step, as the scheduler makes them: each chunk's
+        blocks are registered when it is scheduled (``seal_ahead``), so a later one may hit
+        blocks an earlier one fills in this step; then the step runs (every chunk's K/V is
+        written before any hit is read) and each chunk is advanced."""
+        step = []
+        for k in range(3):
+            if not self.waiting:
+                break
+            r = self.waiting[0]
+            hit = self.bm.lookup(r)
+            start = len(hit) * BS
+            n = min(r.num_tokens - start, 1 + (x >> (4 * k)) % 13)
+            need = blocks_needed(start + n, BS) - len(hit)
+            if not self.bm.can_admit(hit, need):
+                break
+            others = {b for q in self.running for b in q.block_ids}
+            self.bm.admit(r, hit, need)
+            assert not (set(r.block_ids[len(hit):]) & others), "a held block was handed out"
+            self.waiting.pop(0)
+            self.running.append(r)
+            self.bm.seal_ahead(r, start + n)
+            step.append((r, hit, n, frozenset(r.block_ids[len(hit):r.num_sealed_blocks])))
+        for r, hit, n, ahead in step:
+            c = r.num_computed_tokens
+            self._write(r, c, r.token_ids[c:c + n], ahead)
+        for r, hit, n, ahead in step:
+            self._check_hit(r, hit)
+            self._compute(r, n, [], written=True)
+
+    def _compute(self, r: Request, n: int, drafts: list[int], accepted: int = 0,
+                 written: bool = False) -> None:
         c = r.num_computed_tokens
         toks = r.token_ids[c:c + n] + drafts
-        self._write(r, c, toks)
+        if not written:
+            self._write(r, c, toks)
         if c + n < r.num_tokens:
             self.bm.advance(r, c + n)
             return
@@ -322,7 +359,7 @@ class Sim:
         if x % 4 == 0:
             self.bm.reset_prefix_cache(weights_version=x)
 
-    OPS = ("new", "admit", "step", "step", "finish", "preempt", "reset")
+    OPS = ("new", "admit", "step", "step", "finish", "preempt", "reset", "new", "together")
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -109,6 +109,36 @@ def test_admission_starts_after_the_cached_prefix():
     assert s.blocks.statistics().hits == 12 + 8
 
 
+def test_requests_admitted_in_one_step_share_the_blocks_it_fills():
+    """A chunk's full blocks are registered when it is scheduled (``seal_ahead``): a request
+    admitted after it in the same step hits them and computes only its own tail; one admitted
+    before the chunk covers them finds nothing."""
+    s = make(budget=64)
+    s.add(req("a", 14))
+    s.add(req("b", 14))  # the same prompt: 3 full blocks, filled by a's chunk in this step
+    s.add(req("c", 10))  # its first 8 tokens: 2 of them
+    batch = s.schedule()
+    assert [(r.request_id, n) for r, n in batch] == [("a", 14), ("b", 2), ("c", 2)]
+    a, b, c = s.running
+    assert b.block_ids[:3] == a.block_ids[:3] and c.block_ids[:2] == a.block_ids[:2]
+    assert [s.blocks.ref_count(x) for x in a.block_ids] == [3, 3, 2, 1]
+    assert s.blocks.statistics().hits == 12 + 8
+    for r, n in batch:  # the step ran: every chunk computed
+        s.advance(r, r.num_computed_tokens + n)
+    s.check_integrity()
+    # a budget that ends a's chunk mid-block: only its full blocks are shared
+    s = make(budget=10)
+    s.add(req("a", 14))
+    s.add(req("b", 14))
+    batch = s.schedule()
+    assert [(r.request_id, n) for r, n in batch] == [("a", 10)]  # b waits: no budget left
+    s.advance(batch[0][0], 10)
+    s.check_integrity()
+    batch = s.schedule()  # a's last 4 tokens fill its 3rd and 4th block; b shares all 3 full ones
+    assert [(r.request_id, n) for r, n in batch] == [("a", 4), ("b", 2)]
+    assert s.running[1].block_ids[:3] == s.running[0].block_ids[:3]
+
+
 def test_preempted_request_resumes_on_its_own_cached_prefix():
     s = make(num_blocks=6)
     s.add(req("old", 9))
