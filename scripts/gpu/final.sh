@@ -42,6 +42,9 @@
 #           bench.prefix with the default and the best choice, PART=20's structured outputs
 #           without and with ENGINECORE_GRAMMAR_OVERLAP=1, the prefix timeline, the graphed
 #           prompt steps' GPU tests with the best choice
+#   PART=22 session 15, issue 15: blocks shared inside one step (seal_ahead): its GPU test,
+#           bench.prefix twice, the timeline with the first turn, the release and mixed-graph
+#           engine GPU tests
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -198,6 +201,14 @@ elif [[ $PART == 21 ]]; then  # session 15: the decisive runs of PART=19 and PAR
   step prefix_timeline 45 python3 -m bench.prefix_timeline --device cuda
   [[ -n $BEST ]] && ENGINECORE_PREFILL_KERNEL=$BEST step gpu_tests_best 120 python3 -m pytest -q -s \
     -m gpu -p no:cacheprovider tests/gpu/test_gpu_mixed_graphs.py tests/gpu/test_gpu_fused.py
+elif [[ $PART == 22 ]]; then  # session 15: one step's blocks shared (issue 15)
+  export ONE_LOG=run.log TAIL=14
+  step gpu_prefix 90 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_prefix.py
+  step prefix 60 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix.json"
+  step prefix_again 60 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix_again.json"
+  TAIL=60 step prefix_timeline 45 python3 -m bench.prefix_timeline --device cuda --first-turn
+  step gpu_tests 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_release.py \
+    tests/gpu/test_gpu_mixed_graphs.py::test_engine_outputs_with_mixed_graphs
 elif [[ $PART == 20 ]]; then  # session 14 (no device then), issue 23: grammar work beside the forward
   export ONE_LOG=run.log TAIL=30
   step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
