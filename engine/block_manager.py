@@ -27,9 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Iterable, NamedTuple
 
-from array import array
-
-from .block_hash import block_digest, block_key, chain_hashes, root_hash
+from .block_hash import block_digest, block_key, chain_hashes, root_hash, token_bytes
 from .request import Request
 
 
@@ -111,7 +109,7 @@ class BlockManager:
         limit = (req.num_tokens - 1) // self.block_size
         if limit <= 0:
             return []
-        data = array("i", req.token_ids[: limit * self.block_size]).tobytes()
+        data = token_bytes(req.token_ids[: limit * self.block_size])
         step = len(data) // limit
         index, hashes, parent = self._index, self._hash, self._root
         hit: list[int] = []
@@ -203,7 +201,7 @@ class BlockManager:
         if self.enable_caching and req.cache_epoch == self.epoch and not self.closed:
             hashes = self._hashes(req, full)
             bs, first = self.block_size, req.num_sealed_blocks
-            data = array("i", req.token_ids[first * bs:full * bs]).tobytes()
+            data = token_bytes(req.token_ids[first * bs:full * bs])
             step = bs * 4
             for i in range(first, full):
                 b = req.block_ids[i]
