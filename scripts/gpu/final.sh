@@ -59,6 +59,12 @@ step() {  # step NAME CAP CMD...
   timeout -k 10 $r "$@" >> "$f" 2>&1  # stdout+stderr in one file: 8 files come back at most
   echo "== $n rc=$? at ${SECONDS}s"; tail -n ${TAIL:-25} "$f"
 }
+prefill_sweep() {  # prefill_sweep CAP: the prefill kernel's launch choices; BEST = the fastest on
+  # qwen3-0.6b's cached shape, as ENGINECORE_PREFILL_KERNEL takes it (empty if none ran)
+  step prefill_attn "$1" python3 scripts/gpu/bench_prefill_attn.py --out "$OUT/prefill_attn.json"
+  BEST=$(python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['model']=='qwen3-0.6b' and x['shape']=='cached']; b=min(r,key=lambda x:x['ms']); print(f\"packed={b['packed']},block_n={b['block_n']},warps={b['warps']},stages={b['stages']}\")" "$OUT/prefill_attn.json" 2>/dev/null)
+  echo "best prefill choice: ${BEST:-none}"
+}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 git rev-parse HEAD 2>/dev/null || true
 if [[ ${PART:-1} == 1 ]]; then
@@ -173,9 +179,7 @@ elif [[ $PART == 18 ]]; then  # PART=17's measurements first, the GPU tests with
     tests/gpu/test_gpu_release.py
 elif [[ $PART == 19 ]]; then  # session 14 (no device then), issue 15: the prefill kernel's choices
   export ONE_LOG=run.log TAIL=30
-  step prefill_attn 120 python3 scripts/gpu/bench_prefill_attn.py --out "$OUT/prefill_attn.json"
-  BEST=$(python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['model']=='qwen3-0.6b' and x['shape']=='cached']; b=min(r,key=lambda x:x['ms']); print(f\"packed={b['packed']},block_n={b['block_n']},warps={b['warps']},stages={b['stages']}\")" "$OUT/prefill_attn.json" 2>/dev/null)
-  echo "best prefill choice: ${BEST:-none}"
+  prefill_sweep 120
   step prefix 60 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix.json"
   [[ -n $BEST ]] && ENGINECORE_PREFILL_KERNEL=$BEST step prefix_best 60 python3 -m bench.prefix \
     --device cuda --no-progress --out "$OUT/prefix_best.json"
@@ -188,9 +192,7 @@ elif [[ $PART == 19 ]]; then  # session 14 (no device then), issue 15: the prefi
     tests/gpu/test_gpu_release.py
 elif [[ $PART == 21 ]]; then  # session 15: the decisive runs of PART=19 and PART=20 in one call
   export ONE_LOG=run.log TAIL=30
-  step prefill_attn 110 python3 scripts/gpu/bench_prefill_attn.py --out "$OUT/prefill_attn.json"
-  BEST=$(python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['model']=='qwen3-0.6b' and x['shape']=='cached']; b=min(r,key=lambda x:x['ms']); print(f\"packed={b['packed']},block_n={b['block_n']},warps={b['warps']},stages={b['stages']}\")" "$OUT/prefill_attn.json" 2>/dev/null)
-  echo "best prefill choice: ${BEST:-none}"
+  prefill_sweep 110
   step prefix 60 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix.json"
   [[ -n $BEST ]] && ENGINECORE_PREFILL_KERNEL=$BEST step prefix_best 60 python3 -m bench.prefix \
     --device cuda --no-progress --out "$OUT/prefix_best.json"
