@@ -10,6 +10,7 @@ import pytest
 
 from engine import AsyncEngine, EngineConfig, ModelRunner, SamplingParams
 from engine.core import EngineCore
+from engine.owner import Resource as R
 from engine.request import Request
 from entrypoints.args import add_model_args, config_from_args
 
@@ -221,3 +222,105 @@ async def test_speculative_decoding_over_cached_prefixes(case):
     if "small" in case:
         assert stats.preemptions > 0
 
+
+def _staggered(overlap: bool, caching: bool, ref: dict | None):
+    """A burst sharing a 37-token prefix (ends mid-block): equal prompts, one that is a block of
+    the prefix plus one token (a one-token chunk after a hit: a decode row); then after every
+    step a request extending ``a``'s prompt with ``a``'s answer so far (``ref``: an earlier
+    run's), which may hit the block ``a``'s decode fills in that step. A token budget of 37
+    (chunks end anywhere in a block) and 16 KV blocks (preemptions). Returns the tokens, the
+    statistics, the deferred steps and how many blocks some request held as computed while
+    another request's chunk of the same step filled them (shared ahead). Blocks are filled
+    with garbage when handed out, so that reading one before it is computed shows."""
+    runner = ModelRunner(EngineConfig(model="random:tiny-llama", device="cpu", dtype="float32",
+                                      overlap_scheduling=overlap, enable_prefix_caching=caching,
+                                      max_num_batched_tokens=37, num_kv_blocks=16, seed=3))
+    runner.load()
+    core = EngineCore(runner, check_integrity=True)
+    kv, allocate = runner.resource(R.KV_CACHE).tensor, core.blocks.allocate
+
+    def poisoned(n):  # a block handed out holds garbage until its holder writes it
+        out = allocate(n)
+        kv[:, :, out] = 50.0  # finite: a masked read stays harmless
+        return out
+
+    core.blocks.allocate = poisoned
+    sched, schedule = core.scheduler, core.scheduler.schedule
+    ahead = 0
+
+    def counting():
+        nonlocal ahead
+        batch, bs = schedule(), sched.block_size
+        filled = {r.block_ids[p // bs] for r, n in batch
+                  for p in range(r.num_computed_tokens, r.num_computed_tokens + n)}
+        ahead += sum(b in filled for r, _ in batch for b in r.block_ids[: r.num_computed_tokens // bs])
+        return batch
+
+    sched.schedule = counting
+    shared = [(5 * j) % 301 + 7 for j in range(37)]
+    prompts = {"a": shared[:30], "b": shared + [11, 12], "c": shared + [11, 12], "d": shared[:33],
+               "e": shared + [400 + j for j in range(12)], "f": shared[:32] + [9]}
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    for rid, p in prompts.items():
+        core.add_request(rid, p, params)
+    out: dict[str, list[int]] = {}
+    steps = 0
+    try:
+        while core.has_work():
+            for o in core.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+            steps += 1
+            if ref is not None and steps <= 20:
+                core.add_request(f"x{steps}", prompts["a"] + ref["a"][: steps + 2] + [13], params)
+        assert not core.requests and core.blocks.num_free == core.blocks.num_blocks
+        return out, core.statistics(), core.deferred_steps, ahead
+    finally:
+        runner.shutdown()
+
+
+def test_greedy_identical_overlapped_small_budget_preempting_and_shared_ahead():
+    """Caching on and off, overlapped scheduling on and off: the same greedy tokens, with blocks
+    shared in the step that computes them (``BlockManager.seal_ahead``), a budget that ends
+    chunks mid-block, preemptions, and requests arriving at every step (check_integrity on)."""
+    probe = _staggered(False, False, None)[0]
+    base, _, _, none_ahead = _staggered(False, False, probe)
+    assert len(base) == 26 and none_ahead == 0
+    for overlap in (False, True):
+        got, stats, deferred, ahead = _staggered(overlap, True, probe)
+        assert got == base, overlap
+        assert stats.prefix_cache_hits > 0 and stats.preemptions > 0, stats
+        assert ahead > 0 and (deferred > 0) == overlap
+    assert _staggered(True, False, probe)[0] == base
+
+
+def _self_preempting(overlap: bool, caching: bool) -> tuple[dict, object]:
+    """``r``'s first chunk ends one token short of a block (budget 31 after ``p``'s 16); the
+    next step it needs more blocks than are free, preempts itself, and resumes from what it
+    computed once ``p`` is done."""
+    runner = ModelRunner(EngineConfig(model="random:tiny-llama", device="cpu", dtype="float32",
+                                      overlap_scheduling=overlap, enable_prefix_caching=caching,
+                                      max_num_batched_tokens=31, num_kv_blocks=4, seed=3))
+    runner.load()
+    core = EngineCore(runner, check_integrity=True)
+    core.add_request("p", [(3 * j) % 200 + 5 for j in range(16)],
+                     SamplingParams(max_tokens=10, ignore_eos=True))
+    core.add_request("r", [(7 * j) % 300 + 9 for j in range(60)],
+                     SamplingParams(max_tokens=4, ignore_eos=True))
+    out: dict[str, list[int]] = {}
+    try:
+        while core.has_work():
+            for o in core.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+        return out, core.statistics()
+    finally:
+        runner.shutdown()
+
+
+def test_a_chunk_that_preempts_itself_before_its_block_is_full_shares_nothing():
+    """Only the blocks a scheduled chunk fills are registered ahead: ``r``'s block that its
+    chunk left one token short is not found by its own resume (it would read that token's
+    K/V, never computed)."""
+    base = _self_preempting(False, False)[0]
+    for overlap in (False, True):
+        got, stats = _self_preempting(overlap, True)
+        assert got == base and stats.preemptions > 0, (overlap, stats)
