@@ -266,23 +266,31 @@ class Sim:
             assert before == tuple(r.token_ids[:i * BS])
             assert [toks[o] for o in range(BS)] == r.token_ids[i * BS:(i + 1) * BS]
 
-    def admit(self, x: int) -> None:
+    def _admit_first(self, chunk: int):
+        """Admit the first waiting request with a chunk of at most ``chunk`` tokens after its
+        hit, as the scheduler does: ``(request, hit, n)``, or None (nothing waits, no room)."""
         if not self.waiting:
-            return
+            return None
         r = self.waiting[0]
         hit = self.bm.lookup(r)
-        self._check_hit(r, hit)
         start = len(hit) * BS
-        n = min(r.num_tokens - start, 1 + x % 9)
+        n = min(r.num_tokens - start, chunk)
         need = blocks_needed(start + n, BS) - len(hit)
         if not self.bm.can_admit(hit, need):
-            return
+            return None
         others = {b for q in self.running for b in q.block_ids}
         self.bm.admit(r, hit, need)
         assert not (set(r.block_ids[len(hit):]) & others), "a held block was handed out"
         self.waiting.pop(0)
         self.running.append(r)
-        self._compute(r, n, [])
+        return r, hit, n
+
+    def admit(self, x: int) -> None:
+        got = self._admit_first(1 + x % 9)
+        if got is not None:
+            r, hit, n = got
+            self._check_hit(r, hit)
+            self._compute(r, n, [])
 
     def together(self, x: int) -> None:
         """Up to three admissions in one step, as the scheduler makes them: each chunk's
@@ -291,21 +299,11 @@ class Sim:
         written before any hit is read) and each chunk is advanced."""
         step = []
         for k in range(3):
-            if not self.waiting:
+            got = self._admit_first(1 + (x >> (4 * k)) % 13)
+            if got is None:
                 break
-            r = self.waiting[0]
-            hit = self.bm.lookup(r)
-            start = len(hit) * BS
-            n = min(r.num_tokens - start, 1 + (x >> (4 * k)) % 13)
-            need = blocks_needed(start + n, BS) - len(hit)
-            if not self.bm.can_admit(hit, need):
-                break
-            others = {b for q in self.running for b in q.block_ids}
-            self.bm.admit(r, hit, need)
-            assert not (set(r.block_ids[len(hit):]) & others), "a held block was handed out"
-            self.waiting.pop(0)
-            self.running.append(r)
-            self.bm.seal_ahead(r, start + n)
+            r, hit, n = got
+            self.bm.seal_ahead(r, len(hit) * BS + n)
             step.append((r, hit, n, frozenset(r.block_ids[len(hit):r.num_sealed_blocks])))
         for r, hit, n, ahead in step:
             c = r.num_computed_tokens
