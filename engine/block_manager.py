@@ -157,7 +157,7 @@ class BlockManager:
             tail = req.block_ids[keep:]
             del req.block_ids[keep:]
             self._release(tail)
-        self._seal(req)
+        self._seal(req, num_computed)
 
     def seal_ahead(self, req: Request, upto: int) -> None:
         """``req`` is scheduled to compute its tokens up to ``upto`` in the step being built:
@@ -174,7 +174,7 @@ class BlockManager:
     def free(self, req: Request) -> None:
         """``req`` leaves (finished, aborted, preempted): seal what it computed, then drop its
         references; its last blocks become the first to be evicted."""
-        self._seal(req)
+        self._seal(req, req.num_computed_tokens)
         blocks, req.block_ids = req.block_ids, []
         req.num_sealed_blocks = 0
         self._release(reversed(blocks))
@@ -190,8 +190,8 @@ class BlockManager:
                 else:
                     self._evictable[b] = None
 
-    def _seal(self, req: Request, upto: int | None = None) -> None:
-        computed = req.num_computed_tokens if upto is None else upto
+    def _seal(self, req: Request, computed: int) -> None:
+        """Register ``req``'s full blocks of known tokens below ``computed``."""
         full = min(computed, req.num_tokens, len(req.block_ids) * self.block_size)
         full //= self.block_size
         if full <= req.num_sealed_blocks:
