@@ -312,22 +312,25 @@ class EngineCore:
     def _grammar_job(self, batch, launched, nxt):
         """When the step before (``batch``, ``launched``) is done on the device and each of its
         constrained tokens is in its mask: its matchers' tokens and ``nxt``'s masks handed to
-        the runner's helper thread (``runner.accept_then_fill``), for :meth:`_grammar_done`.
-        None otherwise (a token the mask refused, or not yet read back): the usual path."""
+        the grammar worker (``runner.accept_then_fill``), for :meth:`_grammar_done`. None
+        otherwise (a token the mask refused, not yet read back, no worker, drafts): the
+        usual path."""
         if not launched.ready:
             return None
         fed, toks, allowed = self._fed(batch, launched)
         if not all(allowed):
             return None
         matchers = [batch[k][0].matcher for k in fed]
-        job = fed, matchers, self.runner.accept_then_fill(matchers, toks, nxt)
+        job = self.runner.accept_then_fill(matchers, toks, nxt)
+        if job is None:
+            return None
         self.grammar_jobs += 1
-        return job
+        return fed, matchers, job
 
     @staticmethod
-    def _grammar_done(fed, matchers, future):
+    def _grammar_done(fed, matchers, job):
         """A :meth:`_grammar_job`'s verdicts (entry of the step before -> verdict) and masks."""
-        ended, rows = future.result()
+        ended, rows = job.result()
         return dict(zip(fed, verdicts_of(matchers, ended))), Filling(None, rows)
 
     def _fed(self, batch, launched) -> tuple[list[int], list[int], list[bool]]:

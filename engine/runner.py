@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import traceback
-from concurrent.futures import Future
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -378,10 +377,11 @@ class ModelRunner(RunnerSleep):
         return bitmask.fill(_constrained(fwd.batch), background=background,
                             terminated=terminated)
 
-    def accept_then_fill(self, matchers: Sequence, tokens: Sequence[int], batch) -> "Future":
+    def accept_then_fill(self, matchers: Sequence, tokens: Sequence[int], batch):
         """Feed ``matchers`` their tokens (each in its mask) and fill the grammar masks of the
-        constrained rows ``batch`` will sample, on the bitmask's helper thread, beside the
-        caller (:meth:`TokenBitmask.accept_then_fill`; call it before :meth:`forward`)."""
+        constrained rows ``batch`` will sample, on the grammar worker, beside the caller
+        (:meth:`TokenBitmask.accept_then_fill`; call it before :meth:`forward`): its job, or
+        None (not started)."""
         bitmask: TokenBitmask = self._owner[R.GRAMMAR_BITMASK]
         return bitmask.accept_then_fill(matchers, tokens, _constrained(batch))
 

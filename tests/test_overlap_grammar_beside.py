@@ -1,5 +1,6 @@
-"""Adversarial checks of ENGINECORE_GRAMMAR_OVERLAP=1 (``EngineCore._grammar_job``): failures
-on either thread, the process-wide GIL setting, the host rows the next step reads back."""
+"""Adversarial checks of the grammar worker's jobs (``EngineCore._grammar_job``,
+``structured/native.py``): failures on either thread, two engines at once, the host rows the
+next step reads back."""
 
 from __future__ import annotations
 
@@ -12,45 +13,60 @@ from engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.params import SamplingParams
-from engine.structured import matcher as matcher_mod
-from engine.structured.gil import _batch_functions
+from engine.structured import native
 
 from test_overlap_structured import REGEX, SCHEMA, _core, _mixed, _order, _run
 
+pytestmark = pytest.mark.skipif(native.worker_module() is None,
+                                reason="no grammar worker (no C++ compiler)")
 
-def _flags():
-    return [f.release_gil for f in _batch_functions()]
+
+def _bitmask(core):
+    from engine.owner import Resource as R
+
+    return core.runner._owner[R.GRAMMAR_BITMASK]
 
 
-def test_a_failure_on_the_helper_fails_the_step_and_restores_the_gil_setting(monkeypatch):
+def test_a_failure_on_the_worker_fails_the_step(monkeypatch):
+    """xgrammar raising inside the worker's third job: that step raises the error (kind and
+    message), and the engine's shutdown still ends the worker."""
+    import tvm_ffi
+
+    def boom(*args):
+        raise ValueError("worker boom")
+
     core = _core(True, "sample-first-beside")
-    real = matcher_mod.accept_allowed
+    submit = native.GrammarWorker.submit
     calls = {"n": 0}
 
-    def boom(ms, ts):
+    def third_fails(self, *args):
         calls["n"] += 1
         if calls["n"] == 3:
-            raise RuntimeError("helper boom")
-        return real(ms, ts)
+            self._fns = (tvm_ffi.convert(boom),) + self._fns[1:]
+        return submit(self, *args)
 
-    monkeypatch.setattr(matcher_mod, "accept_allowed", boom)
-    with pytest.raises(RuntimeError, match="helper boom"):
+    monkeypatch.setattr(native.GrammarWorker, "submit", third_fails)
+    with pytest.raises(RuntimeError, match="ValueError: worker boom"):
         _run(core, list(_mixed(9)))
-    assert calls["n"] == 3
-    assert not any(_flags())
+    assert calls["n"] == 3 and core.grammar_jobs == 3
+    bits = _bitmask(core)
+    assert bits._worker
     core.runner.shutdown()
+    assert bits._worker is None  # closed: its thread joined
 
 
 @pytest.mark.parametrize("after", ["apply-first-beside", "sample-first-beside"])
 def test_a_forward_failure_while_the_helper_runs(after, monkeypatch):
-    """The forward raises while the helper feeds the matchers and fills the masks: the step
-    fails; the helper's job is done (or waited for) before anything reuses the host rows."""
+    """The forward raises while the worker feeds the matchers and fills the masks: the step
+    fails; the worker's job is done (or waited for) before anything reuses the host rows."""
     core = _core(True, after, fault_at_step=10)
     with pytest.raises(RuntimeError, match="injected fault"):
         _run(core, list(_mixed(9)))
     assert core.grammar_jobs > 0
-    core.runner.shutdown()  # waits for the helper (TokenBitmask.close)
-    assert not any(_flags())
+    bits = _bitmask(core)
+    assert bits._worker
+    core.runner.shutdown()  # waits for the worker's job (TokenBitmask.close)
+    assert bits._worker is None
     assert not [t for t in threading.enumerate() if t.name.startswith("grammar-fill")]
 
 
@@ -80,13 +96,12 @@ async def test_injected_fault_with_beside_kills_cleanly():
     assert len(errors) == 6
     assert core.grammar_jobs > 0
     assert eng.runner.released
-    assert not any(_flags())
 
 
 @pytest.mark.asyncio
 async def test_two_engines_beside_at_once_with_aborts():
-    """Two engines in one process, both feeding and filling on their helpers (the GIL setting
-    is process-wide): every stream ends once, every completed regex output matches."""
+    """Two engines in one process, each feeding and filling on its own worker: every stream
+    ends once, every completed regex output matches."""
     import re
 
     async def serve(tag):
@@ -132,7 +147,6 @@ async def test_two_engines_beside_at_once_with_aborts():
             if k % 2 and why == "stop":
                 text = bytes(t for t in toks if t < 256).decode("latin-1")
                 assert re.fullmatch(r"(ab|cd){2,9}x", text), (k, text)
-    assert not any(_flags())
 
 
 @pytest.mark.parametrize("after", ["apply-first", "sample-first"])
@@ -140,7 +154,7 @@ async def test_two_engines_beside_at_once_with_aborts():
                                 {"max_num_batched_tokens": 16}], ids=["preempt", "chunked"])
 def test_jobs_mixed_with_synchronous_late_steps(after, kw, monkeypatch):
     """The step before's tokens not back now and then (``Launched.ready`` False): late steps
-    with and without a job alternate -- masks filled on the helper, then read back by
+    with and without a job alternate -- masks filled on the worker, then read back by
     ``allows`` on the step thread, and the other way round -- across preemptions and prompt
     chunks: the outputs are those of the same order without jobs."""
     import random

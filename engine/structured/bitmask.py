@@ -95,6 +95,9 @@ class TokenBitmask:
         self._batch: dict[int, object] = {}
         self._threads = 1
         self._pool: Optional[ThreadPoolExecutor] = None  # the background fill's one thread
+        self._worker = None  # the grammar worker (structured/native.py), made on first use;
+        # False where it cannot be had
+        self._stops: Optional[frozenset] = None  # the matchers' stop tokens (the tokenizer's)
 
     @property
     def max_rows(self) -> int:
@@ -169,30 +172,53 @@ class TokenBitmask:
         return future
 
     def accept_then_fill(self, matchers: Sequence, tokens: Sequence[int],
-                         entries: Sequence[tuple]) -> Future:
-        """On this bitmask's helper thread: feed ``matchers`` their ``tokens`` (each known to
-        be in its mask: :func:`structured.matcher.accept_allowed`), then fill the rows of
-        ``entries`` (the next step's, planned before its forward) whose matchers did not just
-        end. xgrammar's two batch calls give the GIL up meanwhile
-        (:func:`structured.gil.batch_calls_give_up_gil`), so the caller's Python -- the next
-        step's forward launch -- runs beside them. The future's result: (the ids of the
-        matchers that ended, the rows filled). Returns once the helper has begun."""
+                         entries: Sequence[tuple]) -> Optional["GrammarJob"]:
+        """Start on this bitmask's grammar worker (``structured/native.py``, a C++ thread that
+        never takes the GIL): feed ``matchers`` their ``tokens`` (each known to be in its
+        mask: :func:`structured.matcher.accept_allowed`), then fill the rows of ``entries``
+        (the next step's, planned before its forward) whose matchers did not just end. The
+        caller's Python -- the next step's forward launch -- runs meanwhile; it leaves these
+        matchers alone until :meth:`GrammarJob.result`. ``None`` (nothing started) where
+        the worker cannot be had or an entry has drafts (their rows are filled one draft
+        at a time: :meth:`fill`)."""
+        if any(drafts for _, _, drafts in entries):
+            return None
+        if self._worker is None:
+            from .native import new_worker
+
+            self._worker = new_worker() or False
+        if not self._worker:
+            return None
         self._check_rows(entries)
-        host = self.host  # made here, not on the helper thread
-        return self._submit(self._accept_fill, matchers, tokens, entries, host)
+        if self._stops is None and matchers:  # the tokenizer's: every grammar's the same
+            self._stops = frozenset(matchers[0].stop_token_ids)
+        stops = self._stops or frozenset()
+        position = {id(m): i for i, m in enumerate(matchers)}
+        fill_matchers, fill_rows, fill_fed = [], [], []
+        for m, row, _ in entries:
+            i = position.get(id(m), -1)
+            if i < 0 and m.is_terminated():  # not fed now: its state is known already
+                continue
+            fill_matchers.append(m)
+            fill_rows.append(row)
+            fill_fed.append(i)
+        ask = [i for i, t in enumerate(tokens) if t in stops]
+        self._worker.submit(self._batch_matcher(self._threads), matchers, tokens, ask,
+                            fill_matchers, fill_rows, fill_fed, self.host)
+        return GrammarJob(self, matchers, fill_rows, fill_fed)
 
-    def _accept_fill(self, matchers, tokens, entries, host, started) -> tuple[set, list[int]]:
-        started.set()  # first: the caller waits for it
-        from .gil import SWITCH_SECONDS, batch_calls_give_up_gil, switch_interval
-        from .matcher import accept_allowed
+    def _job_done(self, fill_seconds: float) -> None:
+        if fill_seconds > 0:  # the fill's work (wall x threads) sets the next one's threads
+            self._threads = _threads_for(fill_seconds * self._threads, _fill_threads())
 
-        fed = {id(m) for m in matchers}
-        with switch_interval(SWITCH_SECONDS), batch_calls_give_up_gil():
-            ended = accept_allowed(matchers, tokens)
-            live = [e for e in entries if id(e[0]) not in ended
-                    and (id(e[0]) in fed or not e[0].is_terminated())]
-            rows = self._fill(live, host) if live else []
-        return ended, rows
+    def _batch_matcher(self, n: int):
+        """xgrammar's ``BatchGrammarMatcher`` that fills on ``n`` threads (made once)."""
+        batch = self._batch.get(n)
+        if batch is None:
+            from xgrammar import BatchGrammarMatcher
+
+            batch = self._batch[n] = BatchGrammarMatcher(max_threads=n)
+        return batch
 
     def mask(self, logits: torch.Tensor, filling: "Filling", copy: bool = True) -> torch.Tensor:
         """Apply the rows of ``filling`` (waiting for it) to ``logits``: see :meth:`apply`."""
@@ -243,11 +269,7 @@ class TokenBitmask:
             live[0][0].fill_next_token_bitmask(host, rows[0])
         else:  # the rows of the matchers' current states, filled on xgrammar's threads
             n = self._threads
-            batch = self._batch.get(n)
-            if batch is None:
-                from xgrammar import BatchGrammarMatcher
-
-                batch = self._batch[n] = BatchGrammarMatcher(max_threads=n)
+            batch = self._batch_matcher(n)
             t0, c0 = time.perf_counter(), time.thread_time()
             batch.batch_fill_next_token_bitmask([m for m, _, _ in live], host, rows)
             # the work: on one thread xgrammar fills on this one, whose CPU time leaves out
@@ -287,6 +309,9 @@ class TokenBitmask:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._worker:
+            self._worker.close()
+        self._worker = None
         self._batch = {}
         with torch.no_grad():
             self.dev.set_()
@@ -294,4 +319,24 @@ class TokenBitmask:
                 self._host.set_()
 
 
-__all__ = ["TokenBitmask", "Filling"]
+class GrammarJob:
+    """A :meth:`TokenBitmask.accept_then_fill` running on the grammar worker."""
+
+    def __init__(self, bitmask: TokenBitmask, matchers: Sequence, fill_rows: list[int],
+                 fill_fed: list[int]) -> None:
+        self._bitmask = bitmask
+        self._matchers = matchers
+        self._rows = fill_rows
+        self._fed = fill_fed
+
+    def result(self) -> tuple[set[int], list[int]]:
+        """(the ids of the fed matchers that ended, the rows filled), once the job is done
+        (the GIL is given up meanwhile); raises the job's error."""
+        fill_seconds, ended = self._bitmask._worker.wait()
+        self._bitmask._job_done(fill_seconds)
+        gone = set(ended)
+        rows = [r for r, i in zip(self._rows, self._fed) if i < 0 or i not in gone]
+        return {id(self._matchers[i]) for i in ended}, rows
+
+
+__all__ = ["TokenBitmask", "Filling", "GrammarJob"]

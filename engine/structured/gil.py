@@ -22,12 +22,8 @@ compile hold the GIL.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import os
-import sys
-from typing import Optional
 
 log = logging.getLogger("enginecore.structured")
 
@@ -74,60 +70,4 @@ def _batch_functions() -> tuple:
     return _methods("BatchGrammarMatcher", _BATCH)
 
 
-@contextlib.contextmanager
-def batch_calls_give_up_gil():
-    """Within the block, xgrammar's batch accept and batch fill give the GIL up while they run
-    (for a helper thread whose grammar work overlaps the step thread's Python:
-    ``TokenBitmask.accept_then_fill``); afterwards they keep it again. NOTE: the setting is
-    the function objects', so a call another thread makes meanwhile gives the GIL up too, and
-    with two engines in one process the first block to end makes the other's remaining calls
-    keep it -- which changes when a thread holds the GIL, never what a call does."""
-    fns = _batch_functions()
-    for fn in fns:
-        fn.release_gil = True
-    try:
-        yield
-    finally:
-        for fn in fns:
-            fn.release_gil = False
-
-
-def _switch_seconds() -> Optional[float]:
-    raw = os.environ.get("ENGINECORE_GRAMMAR_SWITCH_US", "")
-    if not raw:
-        return None
-    if not raw.isdigit() or not 10 <= int(raw) <= 5000:
-        raise ValueError(f"ENGINECORE_GRAMMAR_SWITCH_US={raw!r}: microseconds in [10, 5000]")
-    return int(raw) * 1e-6
-
-
-#: ENGINECORE_GRAMMAR_SWITCH_US (unset: Python's own, 5 ms): the interpreter's switch interval
-#: while a grammar job runs beside the step thread (:func:`switch_interval`)
-SWITCH_SECONDS = _switch_seconds()
-
-
-@contextlib.contextmanager
-def switch_interval(seconds: Optional[float]):
-    """Within the block, the interpreter's switch interval is ``seconds`` (None: unchanged).
-    A thread that gave the GIL up inside xgrammar waits at most that long to take it back
-    from a thread running Python (the step thread launching a forward), instead of up to
-    5 ms; for the device's A/B (``ENGINECORE_GRAMMAR_SWITCH_US``, scripts/gpu/final.sh
-    PART=20). NOTE: process-wide while it lasts (every thread's switching); afterwards it is
-    put back unless someone changed it meanwhile (two engines' jobs overlapping end with the
-    interval there was before either)."""
-    if seconds is None:
-        yield
-        return
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(seconds)
-    ours = sys.getswitchinterval()  # as the interpreter rounds it
-    try:
-        yield
-    finally:
-        # (the interpreter keeps whole microseconds and rounds down: compare within one)
-        if abs(sys.getswitchinterval() - ours) < 1.5e-6:
-            sys.setswitchinterval(old)
-
-
-__all__ = ["keep_gil_on_step_calls", "batch_calls_give_up_gil", "switch_interval",
-           "SWITCH_SECONDS"]
+__all__ = ["keep_gil_on_step_calls"]

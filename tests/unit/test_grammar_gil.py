@@ -96,24 +96,3 @@ def test_the_compile_still_lets_other_threads_run():
     big = {"type": "object", "properties": {f"k{i}": {"type": "string", "maxLength": 20}
                                            for i in range(40)}}
     assert _ran_beside(lambda: comp.compile_json_schema(json.dumps(big))) > 0
-
-
-def test_switch_interval_is_put_back_also_when_two_blocks_overlap():
-    import sys
-
-    from engine.structured.gil import switch_interval
-
-    base = sys.getswitchinterval()
-    with switch_interval(None):
-        assert sys.getswitchinterval() == base
-    with switch_interval(2e-4):
-        assert sys.getswitchinterval() < base
-    assert sys.getswitchinterval() == base
-    # two engines' jobs overlapping, ending in either order: the interval before either
-    for first_out in (0, 1):
-        a, b = switch_interval(2e-4), switch_interval(2e-4)
-        a.__enter__()
-        b.__enter__()
-        for cm in ((a, b) if first_out == 0 else (b, a)):
-            cm.__exit__(None, None, None)
-        assert sys.getswitchinterval() == base

@@ -1,0 +1,205 @@
+// A late step's grammar work on a thread of its own that never takes the GIL (issue 23).
+//
+// Overlapped scheduling launches step N's forward before step N-1's tokens are fed to the
+// constrained requests' matchers; step N's masks need those tokens. The engine hands the feed
+// and the next masks' fill to this worker (engine/structured/native.py) before it launches the
+// forward, and waits for it only when it applies the masks. A Python helper thread could do
+// the same work, but it must take the GIL back after each xgrammar call and for its own glue:
+// it then waits for the step thread (busy launching the forward in Python) and, when it wins,
+// makes the step thread wait for it (measured on the H200 host, session 15: the forward's
+// launch grew by as much as the read back's wait shrank). This thread calls xgrammar's own
+// functions (tvm-ffi function objects, C++) and nothing else, so it runs beside the step
+// thread's Python without touching the interpreter.
+//
+// Written here because no library offers it: xgrammar's batch calls are reached only through
+// Python, and tvm-ffi gives function objects, not a worker.
+//
+// The job, for a worker made by grammar_worker_new:
+//   1. accept(matchers, tokens, false)      -- every token is in its matcher's mask (checked
+//                                              by the engine), so the result is not read
+//   2. is_terminated(matchers[i]) for i in ask (those fed a stop token): the ended ones
+//   3. fill(batch, fill_matchers', bitmask, rows', false) for the fill entries whose fed
+//      position (fill_fed, -1: not fed this step) did not end
+// grammar_worker_wait returns [fill ns, the ended positions...] or raises the job's error;
+// grammar_worker_done says whether the job has ended, without waiting.
+// The caller leaves every matcher of the job alone until the wait returns.
+
+#include <tvm/ffi/any.h>
+#include <tvm/ffi/container/array.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/function.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+namespace ffi = tvm::ffi;
+
+struct Job {
+  ffi::Function accept, fill, is_terminated;
+  ffi::ObjectRef batch;
+  ffi::Array<ffi::ObjectRef> matchers;
+  ffi::Array<int64_t> tokens, ask;
+  ffi::Array<ffi::ObjectRef> fill_matchers;
+  ffi::Array<int64_t> fill_rows, fill_fed;
+  ffi::Tensor bitmask;
+};
+
+class Worker {
+ public:
+  Worker() : thread_([this] { Loop(); }) {}
+
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+  void Submit(Job job) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (busy_) TVM_FFI_THROW(RuntimeError) << "grammar worker: a job is already running";
+    job_ = std::move(job);
+    busy_ = true;
+    result_.clear();
+    error_.clear();
+    cv_.notify_all();
+  }
+
+  bool Done() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !busy_;
+  }
+
+  ffi::Array<int64_t> Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return !busy_; });
+    if (!error_.empty()) {
+      std::string error;
+      error.swap(error_);
+      TVM_FFI_THROW(RuntimeError) << "grammar worker: " << error;
+    }
+    return ffi::Array<int64_t>(result_.begin(), result_.end());
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [this] { return stop_ || (busy_ && !running_); });
+      if (stop_) return;
+      running_ = true;
+      Job job = std::move(job_);
+      job_ = Job();
+      lock.unlock();
+      std::vector<int64_t> result;
+      std::string error;
+      try {
+        result = Run(job);
+      } catch (const ffi::Error& e) {  // its message, not what() (which adds a backtrace)
+        error = std::string(e.kind()) + ": " + std::string(e.message());
+      } catch (const std::exception& e) {
+        error = e.what();
+        if (error.empty()) error = "xgrammar raised";
+      }
+      job = Job();  // the job's references go before the caller may touch its matchers
+      lock.lock();
+      result_ = std::move(result);
+      error_ = std::move(error);
+      running_ = false;
+      busy_ = false;
+      cv_.notify_all();
+    }
+  }
+
+  static std::vector<int64_t> Run(const Job& job) {
+    std::vector<int64_t> out{0};  // out[0]: the fill's ns; then the ended fed positions
+    if (!job.matchers.empty()) job.accept(job.matchers, job.tokens, false);
+    std::vector<char> ended(job.matchers.size(), 0);
+    for (int64_t i : job.ask) {
+      if (job.is_terminated(job.matchers[i]).cast<bool>()) {
+        ended[i] = 1;
+        out.push_back(i);
+      }
+    }
+    ffi::Array<ffi::ObjectRef> live;
+    ffi::Array<int64_t> rows;
+    for (size_t k = 0; k < job.fill_matchers.size(); ++k) {
+      int64_t pos = job.fill_fed[k];
+      if (pos >= 0 && ended[pos]) continue;
+      live.push_back(job.fill_matchers[k]);
+      rows.push_back(job.fill_rows[k]);
+    }
+    if (!live.empty()) {
+      auto t0 = std::chrono::steady_clock::now();
+      job.fill(job.batch, live, job.bitmask, rows, false);
+      out[0] = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                   std::chrono::steady_clock::now() - t0)
+                   .count();
+    }
+    return out;
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false, busy_ = false, running_ = false;
+  Job job_;
+  std::vector<int64_t> result_;
+  std::string error_;
+  std::thread thread_;  // last: started once the members above exist
+};
+
+Worker* Get(int64_t handle) {
+  if (handle == 0) TVM_FFI_THROW(ValueError) << "grammar worker: closed";
+  return reinterpret_cast<Worker*>(handle);
+}
+
+int64_t WorkerNew() { return reinterpret_cast<int64_t>(new Worker()); }
+
+void WorkerFree(int64_t handle) { delete Get(handle); }
+
+void WorkerSubmit(int64_t handle, ffi::Function accept, ffi::Function fill,
+                  ffi::Function is_terminated, ffi::ObjectRef batch,
+                  ffi::Array<ffi::ObjectRef> matchers, ffi::Array<int64_t> tokens,
+                  ffi::Array<int64_t> ask, ffi::Array<ffi::ObjectRef> fill_matchers,
+                  ffi::Array<int64_t> fill_rows, ffi::Array<int64_t> fill_fed,
+                  ffi::Tensor bitmask) {
+  if (tokens.size() != matchers.size() || fill_rows.size() != fill_matchers.size() ||
+      fill_fed.size() != fill_matchers.size()) {
+    TVM_FFI_THROW(ValueError) << "grammar worker: lists of unequal lengths";
+  }
+  for (int64_t i : ask) {
+    if (i < 0 || i >= static_cast<int64_t>(matchers.size()))
+      TVM_FFI_THROW(IndexError) << "grammar worker: ask position " << i;
+  }
+  for (int64_t i : fill_fed) {
+    if (i < -1 || i >= static_cast<int64_t>(matchers.size()))
+      TVM_FFI_THROW(IndexError) << "grammar worker: fed position " << i;
+  }
+  Get(handle)->Submit(Job{std::move(accept), std::move(fill), std::move(is_terminated),
+                          std::move(batch), std::move(matchers), std::move(tokens),
+                          std::move(ask), std::move(fill_matchers), std::move(fill_rows),
+                          std::move(fill_fed), std::move(bitmask)});
+}
+
+ffi::Array<int64_t> WorkerWait(int64_t handle) { return Get(handle)->Wait(); }
+
+bool WorkerDone(int64_t handle) { return Get(handle)->Done(); }
+
+}  // namespace
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(grammar_worker_new, WorkerNew);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(grammar_worker_free, WorkerFree);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(grammar_worker_submit, WorkerSubmit);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(grammar_worker_wait, WorkerWait);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(grammar_worker_done, WorkerDone);

@@ -1,0 +1,186 @@
+"""The grammar worker: a late step's grammar work on a C++ thread that never takes the GIL
+(``grammar_worker.cc`` beside this file; issue 23).
+
+Overlapped scheduling launches a constrained step's forward before the step before's tokens
+have been fed to the matchers, and needs those tokens' next masks only at sampling. The core
+hands both to a :class:`GrammarWorker` before the forward's launch (``EngineCore._grammar_job``)
+and waits for them after it: xgrammar's batch accept and batch fill then run on another core
+beside the step thread's Python. A Python helper thread did not gain (session 15 on the H200):
+it needs the GIL back after every xgrammar call and for its own glue, so it and the step thread
+took turns.
+
+``worker_module()`` builds the source once (``c++`` against tvm-ffi's headers, a few seconds)
+into ``$TORCH_EXTENSIONS_DIR`` (else ``~/.cache/enginecore``) under a name carrying the
+source's, tvm-ffi's and Python's versions, and loads it; ``None`` where it cannot be had (not
+Linux, no compiler, no xgrammar, a failed build, ``ENGINECORE_GRAMMAR_NATIVE=0``): the core then
+does the grammar work on the step thread, as before. ``scripts/setup.sh`` builds it ahead.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+log = logging.getLogger("enginecore.structured")
+
+SOURCE = Path(__file__).with_name("grammar_worker.cc")
+_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    return os.environ.get("ENGINECORE_GRAMMAR_NATIVE", "1") != "0"
+
+
+def _build_dir() -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "enginecore"
+
+
+def _library(libinfo) -> Path:
+    """The built worker's path (built now if missing)."""
+    import tvm_ffi
+
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(f"{tvm_ffi.__version__} {sys.version_info[:2]}".encode())
+    out = _build_dir() / f"enginecore_grammar_worker_{h.hexdigest()[:12]}.so"
+    if out.exists():
+        return out
+    cxx = shutil.which(os.environ.get("CXX", "c++"))
+    if cxx is None:
+        raise RuntimeError("no C++ compiler")
+    lib = Path(libinfo.find_libtvm_ffi()).parent
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-pthread",
+           f"-I{libinfo.find_include_path()}", f"-I{libinfo.find_dlpack_include_path()}",
+           str(SOURCE), f"-L{lib}", "-ltvm_ffi", f"-Wl,-rpath,{lib}", "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"c++ failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)  # atomic: a concurrent build of the same source loses nothing
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> Optional[Any]:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import tvm_ffi
+        import tvm_ffi.libinfo as libinfo
+        import xgrammar  # noqa: F401  (the functions the worker calls)
+    except ImportError:
+        return None
+    try:
+        mod = tvm_ffi.load_module(str(_library(libinfo)))
+    except Exception as exc:  # a compiler error, a missing header: the step thread does it
+        log.warning("grammar worker: not built (%s); grammar work stays on the step thread", exc)
+        return None
+    for name in ("grammar_worker_new", "grammar_worker_free", "grammar_worker_submit",
+                 "grammar_worker_done"):
+        fn = getattr(mod, name)
+        if hasattr(fn, "release_gil"):  # short calls: giving the GIL up costs a wait for it
+            fn.release_gil = False
+    # grammar_worker_wait keeps tvm-ffi's default: it gives the GIL up while it waits
+    return mod
+
+
+def worker_module() -> Optional[Any]:
+    """The built worker module, or ``None``; see the module docstring."""
+    if not enabled():
+        return None
+    with _lock:
+        return _load()
+
+
+@functools.lru_cache(maxsize=1)
+def _xgrammar_functions() -> tuple:
+    """(batch accept, batch fill, is_terminated): xgrammar's tvm-ffi function objects."""
+    from xgrammar.tvm_ffi_binding import _ffi_api as binding
+
+    def method(cls, name):
+        for m in getattr(binding, cls).__tvm_ffi_type_info__.methods:
+            if m.name == name:
+                return m.func
+        raise RuntimeError(f"xgrammar has no {cls}.{name}")
+
+    return (method("BatchGrammarMatcher", "batch_accept_token"),
+            method("BatchGrammarMatcher", "batch_fill_next_token_bitmask"),
+            method("GrammarMatcher", "is_terminated"))
+
+
+class GrammarWorker:
+    """One C++ thread and at most one job at a time (:meth:`submit`, then :meth:`wait`)."""
+
+    def __init__(self, module) -> None:
+        self._mod = module
+        self._fns = _xgrammar_functions()
+        self._handle = module.grammar_worker_new()
+        self._pending = False
+
+    def submit(self, batch, matchers: Sequence, tokens: Sequence[int], ask: Sequence[int],
+               fill_matchers: Sequence, fill_rows: Sequence[int], fill_fed: Sequence[int],
+               host) -> None:
+        """Start a job: feed ``matchers`` (xgrammar ``GrammarMatcher``) their ``tokens`` (every
+        one in its mask), ask ``is_terminated`` of the positions ``ask``, then fill ``host``'s
+        ``fill_rows`` from ``fill_matchers`` through ``batch`` (a ``BatchGrammarMatcher``),
+        leaving out each fill entry whose position among ``matchers`` (``fill_fed``, -1: not
+        fed) ended. The caller leaves every matcher of the job alone until :meth:`wait`."""
+        if self._pending:
+            raise RuntimeError("grammar worker: the last job was not waited for")
+        accept, fill, is_terminated = self._fns
+        self._mod.grammar_worker_submit(
+            self._handle, accept, fill, is_terminated, batch._handle,
+            [m._handle for m in matchers], list(tokens), list(ask),
+            [m._handle for m in fill_matchers], list(fill_rows), list(fill_fed), host)
+        self._pending = True
+
+    def done(self) -> bool:
+        """Whether the job submitted has ended (without waiting)."""
+        return bool(self._mod.grammar_worker_done(self._handle))
+
+    def wait(self) -> tuple[float, list[int]]:
+        """The job's (fill seconds, positions among its matchers that ended), once it has
+        ended; the GIL is given up meanwhile. Raises the job's error (xgrammar's)."""
+        self._pending = False
+        out = list(self._mod.grammar_worker_wait(self._handle))
+        return out[0] * 1e-9, out[1:]
+
+    def close(self) -> None:
+        """Wait for a job still running, then end the thread (idempotent)."""
+        if self._handle:
+            if self._pending:
+                try:
+                    self.wait()
+                except Exception:  # its request is being dropped with the engine
+                    pass
+            self._mod.grammar_worker_free(self._handle)
+            self._handle = 0
+
+
+def new_worker() -> Optional[GrammarWorker]:
+    """A :class:`GrammarWorker`, or ``None`` where the module cannot be had."""
+    mod = worker_module()
+    return None if mod is None else GrammarWorker(mod)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print("enginecore: the grammar worker is "
+          + ("built" if worker_module() is not None else "not built (see above)"))
+
+__all__ = ["GrammarWorker", "new_worker", "worker_module", "enabled", "SOURCE"]
