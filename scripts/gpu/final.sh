@@ -45,6 +45,9 @@
 #   PART=22 session 15, issue 15: blocks shared inside one step (seal_ahead): its GPU test,
 #           bench.prefix twice, the timeline with the first turn, the release and mixed-graph
 #           engine GPU tests
+#   PART=23 session 16, issues 15 and 23 in one call: PART=22's GPU test and bench.prefix twice,
+#           then structured outputs without and with the grammar worker
+#           (ENGINECORE_GRAMMAR_OVERLAP=1), the structured/overlap/release GPU tests with it
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -211,6 +214,18 @@ elif [[ $PART == 22 ]]; then  # session 15: one step's blocks shared (issue 15)
   TAIL=60 step prefix_timeline 45 python3 -m bench.prefix_timeline --device cuda --first-turn
   step gpu_tests 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_release.py \
     tests/gpu/test_gpu_mixed_graphs.py::test_engine_outputs_with_mixed_graphs
+elif [[ $PART == 23 ]]; then  # session 16: issue 15's last point, issue 23's grammar worker
+  export ONE_LOG=run.log TAIL=14
+  step gpu_prefix 90 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_prefix.py
+  step prefix 60 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix.json"
+  step prefix_again 60 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix_again.json"
+  step grammar_worker 60 python3 -m engine.structured.native
+  TAIL=30 step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
+    --out "$OUT/structured.json"
+  ENGINECORE_GRAMMAR_OVERLAP=1 TAIL=30 step structured_worker 70 python3 scripts/gpu/structured_split.py \
+    -- --device cuda --no-progress --out "$OUT/structured_worker.json"
+  ENGINECORE_GRAMMAR_OVERLAP=1 step gpu_tests_worker 110 python3 -m pytest -q -s -m gpu \
+    -p no:cacheprovider tests/gpu/test_gpu_structured.py tests/gpu/test_gpu_overlap.py tests/gpu/test_gpu_release.py
 elif [[ $PART == 20 ]]; then  # session 14 (no device then), issue 23: grammar work beside the forward
   export ONE_LOG=run.log TAIL=30
   step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \

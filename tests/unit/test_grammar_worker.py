@@ -1,0 +1,188 @@
+"""The grammar worker (``engine/structured/native.py``, ``grammar_worker.cc``): a job's masks and
+verdicts are those of the step thread's own calls, it runs without the GIL, and its errors and
+misuse are reported, never lost."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import sys
+import time
+
+import pytest
+
+xgr = pytest.importorskip("xgrammar")
+torch = pytest.importorskip("torch")
+
+from engine.structured import native  # noqa: E402
+from engine.structured.bitmask import TokenBitmask  # noqa: E402
+from engine.structured.grammars import _SEPARATORS, grammar_vocab_size, tokenizer_info  # noqa: E402
+from engine.structured.matcher import advance_all, new_matcher  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
+
+V = 512
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                                    "maxItems": 3}},
+          "required": ["name", "tags"]}
+
+
+def test_the_worker_is_built_where_a_compiler_is():
+    """CI has a C++ compiler: the worker must build there (else the engine silently keeps the
+    grammar work on the step thread)."""
+    if shutil.which("c++") is None or not sys.platform.startswith("linux"):
+        pytest.skip("no C++ compiler")
+    assert native.worker_module() is not None
+
+
+needs_worker = pytest.mark.skipif(native.worker_module() is None, reason="no grammar worker")
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    tok = Tokenizer.bytes(V)
+    comp = xgr.GrammarCompiler(tokenizer_info(tok, V), max_threads=1, cache_enabled=False)
+    return tok, [comp.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False,
+                                          separators=_SEPARATORS),
+                 comp.compile_regex("(ab|cd){1,3}x")]
+
+
+def _allowed(host, row, vocab):
+    words = host[row].tolist()
+    return [t for t in range(vocab) if (words[t >> 5] >> (t & 31)) & 1]
+
+
+@needs_worker
+def test_jobs_equal_the_step_threads_own_calls_along_random_trajectories(grammars):
+    """Two copies of 24 matchers walk the same random trajectories (stop tokens included, so
+    matchers end mid-walk; some rows not fed in a step, some new): one copy through
+    ``TokenBitmask.accept_then_fill`` on the worker, the other through ``advance_all`` and a
+    fill on this thread. Every step: the same ended matchers, the same rows filled, the same
+    masks."""
+    tok, compiled = grammars
+    gv = grammar_vocab_size(tok, V)
+    rnd = random.Random(5)
+    n = 24
+    a_bits = TokenBitmask(n + 1, V, "cpu", grammar_vocab=gv)
+    b_bits = TokenBitmask(n + 1, V, "cpu", grammar_vocab=gv)
+    pairs = [(new_matcher(compiled[k % 2]), new_matcher(compiled[k % 2])) for k in range(n)]
+    live = list(range(n))
+    for e in (a_bits, b_bits):
+        e.fill([(pairs[k][e is b_bits], k, ()) for k in live], background=False)
+    steps = 0
+    while live and steps < 200:
+        steps += 1
+        fed = [k for k in live if rnd.random() < 0.8]  # the others sit a step out
+        toks = []
+        for k in fed:
+            allowed = _allowed(a_bits.host, k, gv)
+            assert allowed == _allowed(b_bits.host, k, gv)
+            toks.append(rnd.choice(allowed))
+        nxt = live  # every live matcher's row is filled next (fed or not)
+        job = a_bits.accept_then_fill([pairs[k][0] for k in fed], toks,
+                                      [(pairs[k][0], k, ()) for k in nxt])
+        assert job is not None
+        ended_a, rows_a = job.result()
+        verdicts = advance_all([pairs[k][1] for k in fed], toks)
+        ended_b = {k for k, v in zip(fed, verdicts) if v[0] == "stop"}
+        assert {k for k in fed if id(pairs[k][0]) in ended_a} == ended_b
+        assert all(v[0] != "error" for v in verdicts)
+        rows_b = b_bits.fill([(pairs[k][1], k, ()) for k in nxt if k not in ended_b],
+                             background=False).rows()
+        assert rows_a == rows_b == [k for k in nxt if k not in ended_b]
+        for k in rows_a:
+            assert torch.equal(a_bits.host[k], b_bits.host[k])
+        live = [k for k in live if k not in ended_b]
+    assert not live, "every trajectory ends (each grammar is bounded)"
+    a_bits.close()
+    b_bits.close()
+
+
+@needs_worker
+def test_a_job_runs_while_this_thread_keeps_the_gil(grammars):
+    """With a switch interval of 100 s this thread never gives the GIL up while it spins (the
+    ``done`` calls keep it too): a job needing the GIL could not end before the spin's 20 s
+    deadline. It ends."""
+    tok, compiled = grammars
+    bits = TokenBitmask(64, V, "cpu", grammar_vocab=grammar_vocab_size(tok, V))
+    ms = [new_matcher(compiled[0]) for _ in range(64)]
+    entries = [(m, k, ()) for k, m in enumerate(ms)]
+    bits.fill(entries, background=False)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)
+    try:
+        job = bits.accept_then_fill(ms, [ord("{")] * 64, entries)
+        end = time.monotonic() + 20
+        while not bits._worker.done() and time.monotonic() < end:
+            pass
+        finished = bits._worker.done()
+    finally:
+        sys.setswitchinterval(old)
+    assert finished
+    assert job.result() == (set(), list(range(64)))
+    bits.close()
+
+
+@needs_worker
+def test_errors_and_misuse_are_reported(grammars):
+    import tvm_ffi
+
+    tok, compiled = grammars
+    gv = grammar_vocab_size(tok, V)
+    host = torch.full((4, -(-gv // 32)), -1, dtype=torch.int32)
+    batch = xgr.BatchGrammarMatcher(max_threads=1)
+    m = new_matcher(compiled[1])
+    w = native.new_worker()
+    # xgrammar's own error inside the job (a bitmask of the wrong width): raised by wait, and
+    # the worker takes the next job
+    w.submit(batch, [m], [ord("a")], [], [m], [0], [0], torch.zeros((4, 3), dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="bitmask"):
+        w.wait()
+    w.submit(batch, [m], [ord("b")], [], [m], [0], [0], host)
+    assert w.wait()[1] == []
+    assert _allowed(host, 0, gv) == [ord("a"), ord("c"), ord("x")]
+    # a function that raises: its kind and message
+    w._fns = (tvm_ffi.convert(lambda *a: (_ for _ in ()).throw(KeyError("nope"))),) + w._fns[1:]
+    w.submit(batch, [m], [ord("x")], [], [], [], [], host)
+    with pytest.raises(RuntimeError, match="KeyError"):
+        w.wait()
+    w._fns = native._xgrammar_functions()
+    # misuse: a second job before the wait; lists of unequal lengths; positions out of range
+    w.submit(batch, [], [], [], [], [], [], host)
+    with pytest.raises(RuntimeError, match="not waited"):
+        w.submit(batch, [], [], [], [], [], [], host)
+    w.wait()
+    with pytest.raises(ValueError, match="unequal"):
+        w.submit(batch, [m], [], [], [], [], [], host)
+    with pytest.raises(IndexError, match="ask position"):
+        w.submit(batch, [m], [1], [1], [], [], [], host)
+    with pytest.raises(IndexError, match="fed position"):
+        w.submit(batch, [m], [1], [], [m], [0], [3], host)
+    w.close()
+    w.close()  # idempotent
+    with pytest.raises(ValueError, match="closed"):
+        w.submit(batch, [], [], [], [], [], [], host)
+
+
+@needs_worker
+def test_close_waits_for_a_running_job(grammars):
+    tok, compiled = grammars
+    bits = TokenBitmask(256, V, "cpu", grammar_vocab=grammar_vocab_size(tok, V))
+    ms = [new_matcher(compiled[0]) for _ in range(256)]
+    entries = [(m, k, ()) for k, m in enumerate(ms)]
+    bits.fill(entries, background=False)
+    assert bits.accept_then_fill(ms, [ord("{")] * 256, entries) is not None
+    bits.close()  # joins the thread after the job
+    assert bits._worker is None
+    # the matchers took their token: '{' again is refused
+    assert not ms[0].accept_token(ord("{"))
+
+
+@needs_worker
+def test_entries_with_drafts_stay_on_the_step_thread(grammars):
+    tok, compiled = grammars
+    bits = TokenBitmask(8, V, "cpu", grammar_vocab=grammar_vocab_size(tok, V))
+    m = new_matcher(compiled[1])
+    assert bits.accept_then_fill([], [], [(m, 0, (ord("a"),))]) is None
+    bits.close()
