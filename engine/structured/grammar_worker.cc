@@ -82,14 +82,19 @@ class Worker {
   }
 
   ffi::Array<int64_t> Wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [this] { return !busy_; });
-    if (!error_.empty()) {
-      std::string error;
+    Job finished;  // released here, on the caller's thread, after the lock (see Loop)
+    std::string error;
+    std::vector<int64_t> result;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return !busy_; });
+      finished = std::move(finished_);
+      finished_ = Job();
       error.swap(error_);
-      TVM_FFI_THROW(RuntimeError) << "grammar worker: " << error;
+      result.swap(result_);
     }
-    return ffi::Array<int64_t>(result_.begin(), result_.end());
+    if (!error.empty()) TVM_FFI_THROW(RuntimeError) << "grammar worker: " << error;
+    return ffi::Array<int64_t>(result.begin(), result.end());
   }
 
  private:
@@ -112,8 +117,11 @@ class Worker {
         error = e.what();
         if (error.empty()) error = "xgrammar raised";
       }
-      job = Job();  // the job's references go before the caller may touch its matchers
       lock.lock();
+      // NOTE: the job's references are dropped by Wait, not here: the bitmask came from
+      // Python (DLPack), and letting it go takes the GIL -- this thread would then wait for
+      // the step thread to give the GIL up, and the job would end only then
+      finished_ = std::move(job);
       result_ = std::move(result);
       error_ = std::move(error);
       running_ = false;
@@ -153,7 +161,7 @@ class Worker {
   std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false, busy_ = false, running_ = false;
-  Job job_;
+  Job job_, finished_;
   std::vector<int64_t> result_;
   std::string error_;
   std::thread thread_;  // last: started once the members above exist
