@@ -20,8 +20,9 @@ their tokens, the next masks are filled (on a helper thread, while the rest of t
 is applied), and only then are the masks applied and the step sampled -- so the host work of
 applying a step and filling the masks runs beside the forward but no longer beside the
 sampling, and whatever of it outlasts the forward is device idle time. Columns ``late``
-(such steps), ``beside`` (those whose grammar work ran on a helper thread beside the forward's
-launch: ``ENGINECORE_GRAMMAR_OVERLAP=1``) and, per late step, the host's ms by part: ``fwd`` (launching the forward),
+(such steps), ``beside`` (those whose grammar work ran on the grammar worker beside the
+forward's launch, ``engine/structured/native.py``; ``ENGINECORE_GRAMMAR_OVERLAP=0`` turns it
+off) and, per late step, the host's ms by part: ``fwd`` (launching the forward),
 ``read`` (waiting for the step before's tokens, feeding them to the matchers, starting the
 fill), ``apply`` (stop checks, detokenization, outputs of the step before), ``mask`` (waiting
 for the fill, masking, launching the sampling: what the fill costs beyond ``apply``).

@@ -75,9 +75,10 @@ class EngineCore:
         #: a step sampled late applies the step before after launching its sampling (an
         #: asynchronous device), or before it, beside the masks' fill (CPU): EngineCore.step
         self.apply_after_sampling = runner.device.type == "cuda"
-        #: a late step's grammar work beside its forward's launch (EngineCore._grammar_job):
-        #: ENGINECORE_GRAMMAR_OVERLAP=1, off until measured on the device (issue 23)
-        self.grammar_overlap = os.environ.get("ENGINECORE_GRAMMAR_OVERLAP", "0") == "1"
+        #: a late step's grammar work on the grammar worker, beside its forward's launch
+        #: (EngineCore._grammar_job; structured/native.py), where the worker can be had;
+        #: ENGINECORE_GRAMMAR_OVERLAP=0 keeps it on the step thread (issue 23)
+        self.grammar_overlap = os.environ.get("ENGINECORE_GRAMMAR_OVERLAP", "1") != "0"
         self.grammar_jobs = 0  # late steps whose grammar work ran beside the forward
         overlap = cfg.overlap_scheduling
         if overlap is None:
@@ -196,9 +197,9 @@ class EngineCore:
                 # there (a helper thread's hand-over costs more than a fill of hundreds of
                 # rows). On the CPU the fill runs beside the apply instead: the forward has run.
                 t0 = time.perf_counter()
-                # ENGINECORE_GRAMMAR_OVERLAP=1: the step before's tokens are back already, so
-                # its matchers take them and this step's masks are filled on a helper thread
-                # whose xgrammar calls give the GIL up, beside this forward's launch
+                # the step before's tokens are back already: its matchers take them and this
+                # step's masks are filled on the grammar worker (a C++ thread that never takes
+                # the GIL), beside this forward's launch
                 job = self._grammar_job(*prev, batch) if self.grammar_overlap else None
                 fwd = self.runner.forward(batch)
                 t1 = time.perf_counter()

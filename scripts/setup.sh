@@ -24,3 +24,6 @@ fi
 # that neither the tests nor the first generation wait for the compiler; without a compiler
 # the engine runs its Python step.
 .venv/bin/python -m engine.cpu_ext >/dev/null 2>&1 || echo "setup: the C++ decode step was not built; the Python step runs" >&2
+# The grammar worker (engine/structured/native.py): a few seconds, built ahead for the same reason;
+# without it a constrained step's grammar work stays on the step thread.
+.venv/bin/python -m engine.structured.native >/dev/null 2>&1 || echo "setup: the grammar worker was not built" >&2

@@ -24,6 +24,11 @@ the fill on this bitmask's one helper thread while the step thread applies the s
 loop ran at 0.5-0.65x its own speed, not stalled), so the two host costs overlap. ``mask``
 waits for the rows, then copies and applies them. NOTE: the host rows are reused every step;
 a fill may only start once the step before has been read back (its copy of them is done).
+
+On an asynchronous device a late step's grammar work -- the step before's tokens fed, this
+step's rows filled -- runs on the grammar worker instead (``accept_then_fill``: a C++ thread
+that never takes the GIL, ``structured/native.py``), beside the step thread's launch of the
+forward.
 """
 
 from __future__ import annotations

@@ -220,8 +220,8 @@ elif [[ $PART == 23 ]]; then  # session 16: issue 15's last point, issue 23's gr
   step prefix 60 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix.json"
   step prefix_again 60 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix_again.json"
   step grammar_worker 60 python3 -m engine.structured.native
-  TAIL=30 step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
-    --out "$OUT/structured.json"
+  ENGINECORE_GRAMMAR_OVERLAP=0 TAIL=30 step structured 70 python3 scripts/gpu/structured_split.py -- \
+    --device cuda --no-progress --out "$OUT/structured.json"
   ENGINECORE_GRAMMAR_OVERLAP=1 TAIL=30 step structured_worker 70 python3 scripts/gpu/structured_split.py \
     -- --device cuda --no-progress --out "$OUT/structured_worker.json"
   ENGINECORE_GRAMMAR_OVERLAP=1 step gpu_tests_worker 110 python3 -m pytest -q -s -m gpu \
