@@ -117,7 +117,8 @@ def _run_constrained(overlap: bool, kinds: str):
                 final[o.request_id] = o.finish_reason
     late, deferred, steps = core.late_sampled_steps, core.deferred_steps, core.statistics().steps
     runner.shutdown()
-    print(f"\noverlap={overlap} {kinds}: {steps} steps, {deferred} deferred, {late} sampled late")
+    print(f"\noverlap={overlap} {kinds}: {steps} steps, {deferred} deferred, {late} sampled late, "
+          f"{core.grammar_jobs} on the grammar worker")
     assert len(final) == 48
     if kinds == "stop":
         for i in range(48):
