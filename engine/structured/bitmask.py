@@ -194,19 +194,25 @@ class TokenBitmask:
             self._worker = new_worker() or False
         if not self._worker:
             return None
-        self._check_rows(entries)
+        if entries and max(row for _, row, _ in entries) >= self.max_rows:
+            self._check_rows(entries)  # raises
         if self._stops is None and matchers:  # the tokenizer's: every grammar's the same
             self._stops = frozenset(matchers[0].stop_token_ids)
         stops = self._stops or frozenset()
-        position = {id(m): i for i, m in enumerate(matchers)}
-        fill_matchers, fill_rows, fill_fed = [], [], []
-        for m, row, _ in entries:
-            i = position.get(id(m), -1)
-            if i < 0 and m.is_terminated():  # not fed now: its state is known already
-                continue
-            fill_matchers.append(m)
-            fill_rows.append(row)
-            fill_fed.append(i)
+        if len(entries) == len(matchers) and all(e[0] is m for e, m in zip(entries, matchers)):
+            # the usual step: the same requests, in the same order, fed then filled
+            fill_matchers, fill_fed = matchers, list(range(len(matchers)))
+            fill_rows = [row for _, row, _ in entries]
+        else:
+            position = {id(m): i for i, m in enumerate(matchers)}
+            fill_matchers, fill_rows, fill_fed = [], [], []
+            for m, row, _ in entries:
+                i = position.get(id(m), -1)
+                if i < 0 and m.is_terminated():  # not fed now: its state is known already
+                    continue
+                fill_matchers.append(m)
+                fill_rows.append(row)
+                fill_fed.append(i)
         ask = [i for i, t in enumerate(tokens) if t in stops]
         self._worker.submit(self._batch_matcher(self._threads), matchers, tokens, ask,
                             fill_matchers, fill_rows, fill_fed, self.host)

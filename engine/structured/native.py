@@ -142,11 +142,15 @@ class GrammarWorker:
         fed) ended. The caller leaves every matcher of the job alone until :meth:`wait`."""
         if self._pending:
             raise RuntimeError("grammar worker: the last job was not waited for")
+        import tvm_ffi
+
         accept, fill, is_terminated = self._fns
+        handles = tvm_ffi.convert([m._handle for m in matchers])
+        fill_handles = (handles if fill_matchers is matchers
+                        else [m._handle for m in fill_matchers])
         self._mod.grammar_worker_submit(
-            self._handle, accept, fill, is_terminated, batch._handle,
-            [m._handle for m in matchers], list(tokens), list(ask),
-            [m._handle for m in fill_matchers], list(fill_rows), list(fill_fed), host)
+            self._handle, accept, fill, is_terminated, batch._handle, handles, list(tokens),
+            list(ask), fill_handles, list(fill_rows), list(fill_fed), host)
         self._pending = True
 
     def done(self) -> bool:
