@@ -177,9 +177,17 @@ class GrammarWorker:
 
 
 def new_worker() -> Optional[GrammarWorker]:
-    """A :class:`GrammarWorker`, or ``None`` where the module cannot be had."""
+    """A :class:`GrammarWorker`, or ``None`` where the module or xgrammar's functions cannot
+    be had (the grammar work then stays on the step thread)."""
     mod = worker_module()
-    return None if mod is None else GrammarWorker(mod)
+    if mod is None:
+        return None
+    try:
+        return GrammarWorker(mod)
+    except Exception as exc:  # an xgrammar without these tvm-ffi functions
+        log.warning("grammar worker: not started (%s); grammar work stays on the step thread",
+                    exc)
+        return None
 
 
 if __name__ == "__main__":

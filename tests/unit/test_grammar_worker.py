@@ -186,3 +186,14 @@ def test_entries_with_drafts_stay_on_the_step_thread(grammars):
     m = new_matcher(compiled[1])
     assert bits.accept_then_fill([], [], [(m, 0, (ord("a"),))]) is None
     bits.close()
+
+
+def test_an_xgrammar_without_the_functions_keeps_the_work_on_the_step_thread(monkeypatch):
+    def missing():
+        raise RuntimeError("xgrammar has no BatchGrammarMatcher.batch_accept_token")
+
+    monkeypatch.setattr(native, "_xgrammar_functions", missing)
+    assert native.new_worker() is None
+    bits = TokenBitmask(4, V, "cpu", grammar_vocab=V)
+    assert bits.accept_then_fill([], [], []) is None
+    bits.close()
