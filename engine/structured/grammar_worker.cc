@@ -102,7 +102,9 @@ class Worker {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
       cv_.wait(lock, [this] { return stop_ || (busy_ && !running_); });
-      if (stop_) return;
+      // a job submitted before the stop still runs: its matchers are then fed or not
+      // according to what was asked, never by a race with the free (a worker dropped unclosed)
+      if (stop_ && !busy_) return;
       running_ = true;
       Job job = std::move(job_);
       job_ = Job();
