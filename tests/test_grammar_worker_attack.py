@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -60,31 +61,50 @@ def _spin_until_done(worker, seconds: float = 20.0) -> bool:
 
 
 @needs_worker
-def test_host_rows_dropped_by_python_mid_job_need_no_gil_and_stay_valid(grammars):
-    """The host tensor's Python object is dropped right after the submit: the C++ job then
-    holds the tensor's last reference (torch hands the Python object's ownership to it). The
-    job must end without the GIL (its references are dropped by ``wait`` on this thread, not
-    by the worker, which would wait for the GIL there) and its rows must be filled; the wait
-    then frees the tensor (no crash, no leak)."""
+def test_host_rows_dropped_by_python_mid_job_are_released_by_the_wait(grammars):
+    """The host tensor's Python object is dropped while the job runs: the job then holds the
+    tensor's last reference (torch hands the Python object's ownership to it), so releasing it
+    frees a Python object, which takes the GIL. That must happen in ``wait`` on the caller's
+    thread (the worker would otherwise wait for the GIL, i.e. for the step thread, before it
+    reports the job done), and the rows must still be filled. The job is held at its start
+    (an accept that waits for an event) until the tensor is dropped; the Python object's
+    weakref callback says which thread freed it."""
+    import threading
+
+    import tvm_ffi
+
     tok, compiled = grammars
-    n = 512
+    n = 64
     batch = xgr.BatchGrammarMatcher(max_threads=1)
     ms = [new_matcher(compiled[1]) for _ in range(n)]
     host = torch.zeros((n, _words(tok)), dtype=torch.int32)
+    probe = host.untyped_storage()  # the storage only (not the tensor): read after the wait
+    freed_on = []
+    ref = weakref.ref(host, lambda _: freed_on.append(threading.get_ident()))  # noqa: F841
+    go = threading.Event()
     w = native.new_worker()
+    real_accept = w._fns[0]
+
+    def held_accept(matchers, tokens, flag):
+        assert go.wait(60)
+        return real_accept(matchers, tokens, flag)
+
+    w._fns = (tvm_ffi.convert(held_accept),) + w._fns[1:]
     try:
         w.submit(batch, ms, [ord("a")] * n, [], ms, list(range(n)), list(range(n)), host)
-        probe = host.untyped_storage()  # the storage only (not the tensor): read after
         del host
         gc.collect()
-        assert _spin_until_done(w), "the job waited for the GIL"
+        assert not freed_on and not w.done()  # the job holds it
+        go.set()
         _, ended = w.wait()
         assert ended == []
+        assert freed_on == [threading.get_ident()]
         rows = torch.tensor([], dtype=torch.int32).set_(probe).view(n, -1)
         b = ord("b")
         assert all((int(rows[k, b >> 5]) >> (b & 31)) & 1 for k in range(n))
         assert not any((int(rows[k, ord("a") >> 5]) >> (ord("a") & 31)) & 1 for k in range(n))
     finally:
+        go.set()
         w.close()
 
 
