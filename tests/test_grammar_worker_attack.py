@@ -355,3 +355,47 @@ def _umask() -> int:
     old = os.umask(0)
     os.umask(old)
     return old
+
+
+@needs_worker
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_a_forked_child_leaves_its_copy_of_a_worker_alone(how, grammars):
+    """A process forked while a worker exists (a job pending too) has a copy of the worker
+    without its thread: closing or collecting that copy in the child must not join (or wait
+    for) a thread the child does not have -- that waits forever. The parent's worker is
+    unaffected."""
+    import warnings
+
+    tok, compiled = grammars
+    bits = TokenBitmask(8, V, "cpu", grammar_vocab=grammar_vocab_size(tok, V))
+    m = new_matcher(compiled[1])
+    job = bits.accept_then_fill([m], [ord("a")], [(m, 0, ())])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads: the test's own
+        pid = os.fork()
+    if pid == 0:  # the child: only os._exit, whatever happens
+        code = 1
+        try:
+            if how == "close":
+                bits.close()
+            else:
+                bits._worker = None
+                del job
+                gc.collect()
+            code = 0
+        finally:
+            os._exit(code)
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the child hung on its copy of the worker")
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert job.result() == (set(), [0])
+    bits.close()

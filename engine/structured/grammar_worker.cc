@@ -118,6 +118,8 @@ class Worker {
       } catch (const std::exception& e) {
         error = e.what();
         if (error.empty()) error = "xgrammar raised";
+      } catch (...) {  // anything else would end the process (std::terminate on this thread)
+        error = "xgrammar raised a non-standard C++ exception";
       }
       lock.lock();
       // NOTE: the job's references are dropped by Wait, not here: the bitmask came from

@@ -148,7 +148,8 @@ class GrammarWorker:
         # a worker dropped unclosed (its bitmask never closed) ends its thread when collected:
         # the C++ side finishes a job still running first. Not at exit (atexit=False): a step
         # thread may still be waiting on it then, and the process's end stops the thread
-        self._free = weakref.finalize(self, module.grammar_worker_free, self._handle)
+        self._pid = os.getpid()
+        self._free = weakref.finalize(self, _free_here, self._pid, module, self._handle)
         self._free.atexit = False
 
     def submit(self, batch, matchers: Sequence, tokens: Sequence[int], ask: Sequence[int],
@@ -190,14 +191,24 @@ class GrammarWorker:
     def close(self) -> None:
         """Wait for a job still running, then end the thread (idempotent)."""
         if self._handle:
-            if self._pending:
-                try:
-                    self.wait()
-                except Exception:  # its request is being dropped with the engine
-                    pass
             self._free.detach()
-            self._mod.grammar_worker_free(self._handle)
+            if os.getpid() == self._pid:  # (a forked child's copy has no thread: see _free_here)
+                if self._pending:
+                    try:
+                        self.wait()
+                    except Exception:  # its request is being dropped with the engine
+                        pass
+                self._mod.grammar_worker_free(self._handle)
             self._handle = 0
+            self._pending = False
+
+
+def _free_here(pid: int, module, handle: int) -> None:
+    """End worker ``handle``'s thread -- in the process that started it only: a forked child
+    has a copy of the worker without its thread, and joining that thread would wait forever
+    (the child's copy is left as it is)."""
+    if os.getpid() == pid:
+        module.grammar_worker_free(handle)
 
 
 def new_worker() -> Optional[GrammarWorker]:
