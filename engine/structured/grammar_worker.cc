@@ -102,7 +102,9 @@ class Worker {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
       cv_.wait(lock, [this] { return stop_ || (busy_ && !running_); });
-      if (stop_) return;
+      // a job submitted before the stop still runs: its matchers are then fed or not
+      // according to what was asked, never by a race with the free (a worker dropped unclosed)
+      if (stop_ && !busy_) return;
       running_ = true;
       Job job = std::move(job_);
       job_ = Job();
@@ -116,6 +118,8 @@ class Worker {
       } catch (const std::exception& e) {
         error = e.what();
         if (error.empty()) error = "xgrammar raised";
+      } catch (...) {  // anything else would end the process (std::terminate on this thread)
+        error = "xgrammar raised a non-standard C++ exception";
       }
       lock.lock();
       // NOTE: the job's references are dropped by Wait, not here: the bitmask came from

@@ -22,17 +22,21 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 log = logging.getLogger("enginecore.structured")
 
 SOURCE = Path(__file__).with_name("grammar_worker.cc")
+#: the compiler's flags (part of the built library's name, with the rest of the build command)
+FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-pthread")
 _lock = threading.Lock()
 
 
@@ -49,25 +53,35 @@ def _library(libinfo) -> Path:
     """The built worker's path (built now if missing)."""
     import tvm_ffi
 
+    cxx = shutil.which(os.environ.get("CXX", "c++"))
+    lib = Path(libinfo.find_libtvm_ffi()).parent
+    # the name covers everything the build depends on: the source, the compiler and its
+    # flags, the headers and library it is built against, the machine (a cache shared by two
+    # hosts, or a change of flags here, must not load a library built another way)
+    flags = [*FLAGS, f"-I{libinfo.find_include_path()}",
+             f"-I{libinfo.find_dlpack_include_path()}", f"-L{lib}", "-ltvm_ffi",
+             f"-Wl,-rpath,{lib}"]
     h = hashlib.sha256(SOURCE.read_bytes())
-    h.update(f"{tvm_ffi.__version__} {sys.version_info[:2]}".encode())
+    h.update(f"{tvm_ffi.__version__} {sys.version_info[:2]} {platform.machine()} "
+             f"{cxx} {flags}".encode())
     out = _build_dir() / f"enginecore_grammar_worker_{h.hexdigest()[:12]}.so"
     if out.exists():
         return out
-    cxx = shutil.which(os.environ.get("CXX", "c++"))
     if cxx is None:
         raise RuntimeError("no C++ compiler")
-    lib = Path(libinfo.find_libtvm_ffi()).parent
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-pthread",
-           f"-I{libinfo.find_include_path()}", f"-I{libinfo.find_dlpack_include_path()}",
-           str(SOURCE), f"-L{lib}", "-ltvm_ffi", f"-Wl,-rpath,{lib}", "-o", tmp]
+    cmd = [cxx, *flags[:len(FLAGS)], str(SOURCE), *flags[len(FLAGS):], "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"c++ failed: {done.stderr.strip()[-2000:]}")
+        # mkstemp made the file 0600 and the linker keeps its mode: readable (and loadable) by
+        # the other users of a shared cache, as a file the compiler created would be
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o755 & ~umask)
         os.replace(tmp, out)  # atomic: a concurrent build of the same source loses nothing
     finally:
         if os.path.exists(tmp):
@@ -131,6 +145,12 @@ class GrammarWorker:
         self._fns = _xgrammar_functions()
         self._handle = module.grammar_worker_new()
         self._pending = False
+        # a worker dropped unclosed (its bitmask never closed) ends its thread when collected:
+        # the C++ side finishes a job still running first. Not at exit (atexit=False): a step
+        # thread may still be waiting on it then, and the process's end stops the thread
+        self._pid = os.getpid()
+        self._free = weakref.finalize(self, _free_here, self._pid, module, self._handle)
+        self._free.atexit = False
 
     def submit(self, batch, matchers: Sequence, tokens: Sequence[int], ask: Sequence[int],
                fill_matchers: Sequence, fill_rows: Sequence[int], fill_fed: Sequence[int],
@@ -142,6 +162,8 @@ class GrammarWorker:
         fed) ended. The caller leaves every matcher of the job alone until :meth:`wait`."""
         if self._pending:
             raise RuntimeError("grammar worker: the last job was not waited for")
+        if not host.is_contiguous():  # xgrammar fills row r at r * width words: another layout
+            raise ValueError("grammar worker: the bitmask must be contiguous")  # gets wrong rows
         import tvm_ffi
 
         accept, fill, is_terminated = self._fns
@@ -160,6 +182,8 @@ class GrammarWorker:
     def wait(self) -> tuple[float, list[int]]:
         """The job's (fill seconds, positions among its matchers that ended), once it has
         ended; the GIL is given up meanwhile. Raises the job's error (xgrammar's)."""
+        if not self._pending:  # the C++ wait would return at once, with no result
+            raise RuntimeError("grammar worker: no job to wait for")
         self._pending = False
         out = list(self._mod.grammar_worker_wait(self._handle))
         return out[0] * 1e-9, out[1:]
@@ -167,13 +191,24 @@ class GrammarWorker:
     def close(self) -> None:
         """Wait for a job still running, then end the thread (idempotent)."""
         if self._handle:
-            if self._pending:
-                try:
-                    self.wait()
-                except Exception:  # its request is being dropped with the engine
-                    pass
-            self._mod.grammar_worker_free(self._handle)
+            self._free.detach()
+            if os.getpid() == self._pid:  # (a forked child's copy has no thread: see _free_here)
+                if self._pending:
+                    try:
+                        self.wait()
+                    except Exception:  # its request is being dropped with the engine
+                        pass
+                self._mod.grammar_worker_free(self._handle)
             self._handle = 0
+            self._pending = False
+
+
+def _free_here(pid: int, module, handle: int) -> None:
+    """End worker ``handle``'s thread -- in the process that started it only: a forked child
+    has a copy of the worker without its thread, and joining that thread would wait forever
+    (the child's copy is left as it is)."""
+    if os.getpid() == pid:
+        module.grammar_worker_free(handle)
 
 
 def new_worker() -> Optional[GrammarWorker]:
