@@ -45,6 +45,8 @@
 #   PART=22 session 15, issue 15: blocks shared inside one step (seal_ahead): its GPU test,
 #           bench.prefix twice, the timeline with the first turn, the release and mixed-graph
 #           engine GPU tests
+#   (PART=20/21's ENGINECORE_GRAMMAR_SWITCH_US and Python helper are gone since session 16: with
+#   ENGINECORE_GRAMMAR_OVERLAP=1, the default now, those runs measure the C++ grammar worker)
 #   PART=23 session 16, issues 15 and 23 in one call: PART=22's GPU test and bench.prefix twice,
 #           then structured outputs without and with the grammar worker
 #           (ENGINECORE_GRAMMAR_OVERLAP=1), the structured/overlap/release GPU tests with it
