@@ -54,6 +54,8 @@
 #           bench.prefix twice, the overlap GPU tests
 #   PART=25 session 16's last run: bench.prefix with an 8,192-token step budget (vLLM's default on
 #           H100/H200-class GPUs) and with the default 2,048, structured outputs with the worker
+#   PART=26 the next session's first call: PART=25, then structured outputs split by part with the
+#           grammar worker, as the engine delivers and with --deliver-after-step (a diagnostic)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -242,13 +244,17 @@ elif [[ $PART == 24 ]]; then  # session 16: the grammar worker's second cut, ben
   step prefix 60 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix.json"
   step prefix_again 60 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix_again.json"
   step gpu_tests 80 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_overlap.py
-elif [[ $PART == 25 ]]; then  # session 16: the step budget on the prefix workload; the worker
+elif [[ $PART == 25 || $PART == 26 ]]; then  # session 16: the step budget on prefix; the worker
   export ONE_LOG=run.log TAIL=12
   step prefix_8192 80 python3 -m bench.prefix --device cuda --no-progress \
     --engine-config '{"max_num_batched_tokens": 8192}' --out "$OUT/prefix_8192.json"
   step prefix 50 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix.json"
   TAIL=20 step structured 60 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
     --no-plain --fractions 0,1 --out "$OUT/structured.json"
+  if [[ $PART == 26 ]]; then
+    TAIL=20 step structured_after_step 60 python3 scripts/gpu/structured_split.py --deliver-after-step \
+      -- --device cuda --no-progress --no-plain --fractions 0,1 --out "$OUT/structured_after_step.json"
+  fi
 elif [[ $PART == 20 ]]; then  # session 14 (no device then), issue 23: grammar work beside the forward
   export ONE_LOG=run.log TAIL=30
   step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \

@@ -2,7 +2,12 @@
 at the fractions given, with the step thread's parts of a late-sampled step timed in wall and in
 the thread's own CPU time (``time.thread_time``): a part whose wall exceeds its CPU time waited
 -- for the device (the tokens' event) or for the GIL. Variants by flag: ``--fill-threads N``
-(xgrammar's fill threads), ``--torch-threads N``.
+(xgrammar's fill threads), ``--torch-threads N``, ``--deliver-after-step`` (a diagnostic, not
+the engine's behaviour: the loop is let in to deliver outputs only when a step returns, not
+once it is launched -- whether the late step's masking and sampling wait for the GIL while the
+loop delivers). The grammar worker's submit (``job_submit``) and wait (``job_wait``), the
+masking (``mask``: the rows' copy and xgrammar's kernel) and the sampling (``sample``) are
+timed within ``sample_step`` and ``forward``.
 
     python3 scripts/gpu/structured_split.py [--fill-threads 1] [--torch-threads 1] -- <bench.structured args>
 """
@@ -19,6 +24,7 @@ sys.path.insert(0, os.getcwd())
 ap = argparse.ArgumentParser()
 ap.add_argument("--fill-threads", type=int, default=None)
 ap.add_argument("--torch-threads", type=int, default=None)
+ap.add_argument("--deliver-after-step", action="store_true")
 ap.add_argument("rest", nargs=argparse.REMAINDER)
 a = ap.parse_args()
 
@@ -56,7 +62,21 @@ rmod.ModelRunner.fill_masks = timed("fill_masks", rmod.ModelRunner.fill_masks)
 rmod.ModelRunner.forward = timed("forward", rmod.ModelRunner.forward)
 rmod.ModelRunner.sample_step = timed("sample_step", rmod.ModelRunner.sample_step)
 core_mod.EngineCore._complete = timed("apply", core_mod.EngineCore._complete)
-core_mod.EngineCore.step = timed("step", core_mod.EngineCore.step)
+bm.TokenBitmask.accept_then_fill = timed("job_submit", bm.TokenBitmask.accept_then_fill)
+bm.GrammarJob.result = timed("job_wait", bm.GrammarJob.result)
+bm.TokenBitmask.mask = timed("mask", bm.TokenBitmask.mask)
+rmod.sample = timed("sample", rmod.sample)
+_step = core_mod.EngineCore.step
+if a.deliver_after_step:
+    def _step_then_deliver(self, on_launched=None):
+        try:
+            return _step(self)
+        finally:
+            if on_launched is not None:
+                on_launched()
+    core_mod.EngineCore.step = timed("step", _step_then_deliver)
+else:
+    core_mod.EngineCore.step = timed("step", _step)
 _ev_sync = torch.cuda.Event.synchronize if torch.cuda.is_available() else None
 L = launched_mod.Launched
 _wait = L.wait
