@@ -279,3 +279,24 @@ def test_prefill_kernel_sweep_dry_run(tmp_path):
     assert {(r["shape"], r["packed"]) for r in rows} == {(s, k) for s in ("cached", "fresh")
                                                        for k in (1, 2)}
     assert all(r["max_diff"] <= 1e-5 and r["ms"] > 0 for r in rows)
+
+
+def test_structured_split_runs_with_the_worker_and_its_diagnostic(tmp_path):
+    """scripts/gpu/structured_split.py (the device's split of a constrained step, final.sh
+    PART=24-26) on CPU: both modes, with the diagnostic flag; every part it times shows up, the
+    grammar worker's submit and wait included (the worker is built where CI runs)."""
+    from engine.structured import native
+
+    out = tmp_path / "st.json"
+    done = subprocess.run(
+        [sys.executable, "scripts/gpu/structured_split.py", "--deliver-after-step", "--",
+         "--device", "cpu", "--model", "random:tiny-llama", "--requests", "8",
+         "--max-tokens", "12", "--items", "2", "--engine-config",
+         '{"overlap_scheduling": true}', "--fractions", "0,1", "--no-plain", "--no-progress",
+         "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    parts = {line.split()[0] for line in done.stdout.splitlines()[-14:] if line.strip()}
+    assert {"step", "forward", "sample_step", "mask", "sample", "apply"} <= parts, done.stdout
+    if native.worker_module() is not None:
+        assert {"job_submit", "job_wait"} <= parts, done.stdout
+    assert out.exists()
