@@ -157,10 +157,9 @@ class TokenBitmask:
         return Filling(self._submit(self._fill, live, host), None)
 
     def _check_rows(self, entries: Sequence[tuple]) -> None:
-        for _, row, drafts in entries:
-            if row + len(drafts) >= self.max_rows:
-                raise RuntimeError(f"sampled row {row + len(drafts)}; the bitmask has "
-                                   f"{self.max_rows}")
+        last = max((row + len(drafts) for _, row, drafts in entries), default=-1)
+        if last >= self.max_rows:
+            raise RuntimeError(f"sampled row {last}; the bitmask has {self.max_rows}")
 
     def _submit(self, fn, *args) -> Future:
         """``fn(*args, started)`` on this bitmask's one helper thread; returns once it has
@@ -194,8 +193,7 @@ class TokenBitmask:
             self._worker = new_worker() or False
         if not self._worker:
             return None
-        if entries and max(row for _, row, _ in entries) >= self.max_rows:
-            self._check_rows(entries)  # raises
+        self._check_rows(entries)
         if self._stops is None and matchers:  # the tokenizer's: every grammar's the same
             self._stops = frozenset(matchers[0].stop_token_ids)
         stops = self._stops or frozenset()
@@ -216,7 +214,7 @@ class TokenBitmask:
         ask = [i for i, t in enumerate(tokens) if t in stops]
         self._worker.submit(self._batch_matcher(self._threads), matchers, tokens, ask,
                             fill_matchers, fill_rows, fill_fed, self.host)
-        return GrammarJob(self, matchers, fill_rows, fill_fed)
+        return GrammarJob(self._worker, self._job_done, matchers, fill_rows, fill_fed)
 
     def _job_done(self, fill_seconds: float) -> None:
         if fill_seconds > 0:  # the fill's work (wall x threads) sets the next one's threads
@@ -333,9 +331,10 @@ class TokenBitmask:
 class GrammarJob:
     """A :meth:`TokenBitmask.accept_then_fill` running on the grammar worker."""
 
-    def __init__(self, bitmask: TokenBitmask, matchers: Sequence, fill_rows: list[int],
-                 fill_fed: list[int]) -> None:
-        self._bitmask = bitmask
+    def __init__(self, worker, on_done: Callable[[float], None], matchers: Sequence,
+                 fill_rows: list[int], fill_fed: list[int]) -> None:
+        self._worker = worker
+        self._on_done = on_done  # called with the fill's seconds
         self._matchers = matchers
         self._rows = fill_rows
         self._fed = fill_fed
@@ -343,8 +342,8 @@ class GrammarJob:
     def result(self) -> tuple[set[int], list[int]]:
         """(the ids of the fed matchers that ended, the rows filled), once the job is done
         (the GIL is given up meanwhile); raises the job's error."""
-        fill_seconds, ended = self._bitmask._worker.wait()
-        self._bitmask._job_done(fill_seconds)
+        fill_seconds, ended = self._worker.wait()
+        self._on_done(fill_seconds)
         gone = set(ended)
         rows = [r for r, i in zip(self._rows, self._fed) if i < 0 or i not in gone]
         return {id(self._matchers[i]) for i in ended}, rows

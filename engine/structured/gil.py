@@ -34,7 +34,7 @@ _BATCH = ("batch_fill_next_token_bitmask", "batch_accept_token")
 _CONTAINERS = ("ArrayGetItem", "ArraySize")  # a returned Array read back element by element
 
 
-def _methods(cls_name: str, names: tuple) -> tuple:
+def xgrammar_methods(cls_name: str, names: tuple) -> tuple:
     """The tvm-ffi function objects of xgrammar class ``cls_name``'s methods ``names`` (empty
     when this xgrammar is not built on tvm-ffi)."""
     try:
@@ -55,7 +55,7 @@ def keep_gil_on_step_calls() -> int:
         from tvm_ffi import _ffi_api as containers
     except ImportError:
         return 0
-    fns = _methods("GrammarMatcher", _MATCHER) + _batch_functions()
+    fns = xgrammar_methods("GrammarMatcher", _MATCHER) + _batch_functions()
     fns += tuple(fn for fn in (getattr(containers, name, None) for name in _CONTAINERS)
                  if hasattr(fn, "release_gil"))
     for fn in fns:
@@ -67,7 +67,7 @@ def keep_gil_on_step_calls() -> int:
 @functools.cache
 def _batch_functions() -> tuple:
     """xgrammar's batch accept and batch fill functions."""
-    return _methods("BatchGrammarMatcher", _BATCH)
+    return xgrammar_methods("BatchGrammarMatcher", _BATCH)
 
 
-__all__ = ["keep_gil_on_step_calls"]
+__all__ = ["keep_gil_on_step_calls", "xgrammar_methods"]

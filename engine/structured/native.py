@@ -124,13 +124,13 @@ def worker_module() -> Optional[Any]:
 @functools.lru_cache(maxsize=1)
 def _xgrammar_functions() -> tuple:
     """(batch accept, batch fill, is_terminated): xgrammar's tvm-ffi function objects."""
-    from xgrammar.tvm_ffi_binding import _ffi_api as binding
+    from .gil import xgrammar_methods
 
     def method(cls, name):
-        for m in getattr(binding, cls).__tvm_ffi_type_info__.methods:
-            if m.name == name:
-                return m.func
-        raise RuntimeError(f"xgrammar has no {cls}.{name}")
+        found = xgrammar_methods(cls, (name,))
+        if not found:
+            raise RuntimeError(f"xgrammar has no {cls}.{name}")
+        return found[0]
 
     return (method("BatchGrammarMatcher", "batch_accept_token"),
             method("BatchGrammarMatcher", "batch_fill_next_token_bitmask"),
