@@ -254,6 +254,7 @@ elif [[ $PART == 25 || $PART == 26 ]]; then  # session 16: the step budget on pr
   if [[ $PART == 26 ]]; then
     TAIL=20 step structured_after_step 60 python3 scripts/gpu/structured_split.py --deliver-after-step \
       -- --device cuda --no-progress --no-plain --fractions 0,1 --out "$OUT/structured_after_step.json"
+    TAIL=60 step profile_structured 90 python3 scripts/gpu/profile_structured.py --max-tokens 64
   fi
 elif [[ $PART == 20 ]]; then  # session 14 (no device then), issue 23: grammar work beside the forward
   export ONE_LOG=run.log TAIL=30
