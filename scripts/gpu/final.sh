@@ -56,6 +56,8 @@
 #           H100/H200-class GPUs) and with the default 2,048, structured outputs with the worker
 #   PART=26 the next session's first call: PART=25, then structured outputs split by part with the
 #           grammar worker, as the engine delivers and with --deliver-after-step (a diagnostic)
+#   PART=27 session 17: structured outputs (a late step lets the loop in at its end) twice,
+#           bench.prefix, its timeline, a py-spy profile of the caching-on run, GPU tests
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -256,6 +258,20 @@ elif [[ $PART == 25 || $PART == 26 ]]; then  # session 16: the step budget on pr
       -- --device cuda --no-progress --no-plain --fractions 0,1 --out "$OUT/structured_after_step.json"
     TAIL=60 step profile_structured 90 python3 scripts/gpu/profile_structured.py --max-tokens 64
   fi
+elif [[ $PART == 27 ]]; then  # session 17: a late step lets the loop in at its end; prefix TTFT
+  export ONE_LOG=run.log TAIL=12
+  TAIL=20 step structured 60 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
+    --no-plain --fractions 0,0.5,1 --out "$OUT/structured.json"
+  TAIL=20 step structured_again 50 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
+    --no-plain --fractions 0,1 --out "$OUT/structured_again.json"
+  step prefix 50 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix.json"
+  TAIL=45 step prefix_timeline 50 python3 -m bench.prefix_timeline --device cuda
+  if [[ -x .whl/py-spy ]]; then  # (carried: the development box's static py-spy)
+    step prefix_pyspy 60 .whl/py-spy record -r 250 -f raw -o "$OUT/prefix_on.raw" --threads -- \
+      python3 -m bench.prefix --device cuda --no-progress --modes on --out "$OUT/prefix_spy.json"
+  fi
+  step gpu_tests 90 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_structured.py \
+    tests/gpu/test_gpu_overlap.py
 elif [[ $PART == 20 ]]; then  # session 14 (no device then), issue 23: grammar work beside the forward
   export ONE_LOG=run.log TAIL=30
   step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
