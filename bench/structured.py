@@ -177,7 +177,14 @@ async def bench(args) -> dict:
         compiles = await compile_times(eng)
         if args.device == "cuda":  # CUDA graphs are captured lazily: one untimed pass
             await run_mode(eng, args, 0.5, constraint)
-        modes = [await run_mode(eng, args, f, constraint) for f in args.fractions]
+        # NOTE: rounds interleave the fractions (0 %, 100 %, 0 %, 100 % ...): the device host's
+        # step time drifted by 10-20 % between runs a minute apart (sessions 15-17), so one
+        # run of each mode can put the ratio anywhere in that band
+        runs: dict[float, list[dict]] = {f: [] for f in args.fractions}
+        for _ in range(args.rounds):
+            for f in args.fractions:
+                runs[f].append(await run_mode(eng, args, f, constraint))
+        modes = [_median_run(runs[f]) for f in args.fractions]
         if args.plain:
             plain = StructuredOutputs(json_schema=schema_plain(args.items))
             await eng.grammars.compiled(plain)
@@ -185,7 +192,21 @@ async def bench(args) -> dict:
     base = modes[0]["tok_s"] if modes and args.fractions[0] == 0 else None
     for m in modes:
         m["vs_unconstrained"] = m["tok_s"] / base if base else None
+    if base and args.rounds > 1:  # each round's ratios, against that round's 0 % run
+        for f, m in zip(args.fractions, modes):
+            m["vs_unconstrained_by_round"] = [
+                r["tok_s"] / b["tok_s"] for r, b in zip(runs[f], runs[args.fractions[0]])]
     return {"modes": modes, "compile": compiles, "first_compile_ms": first_compile_ms}
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median throughput (the lower middle one of an even count), with every
+    run's throughput beside it."""
+    ranked = sorted(runs, key=lambda r: r["tok_s"])
+    out = dict(ranked[(len(ranked) - 1) // 2])
+    if len(runs) > 1:
+        out["tok_s_by_round"] = [r["tok_s"] for r in runs]
+    return out
 
 
 def main(argv=None) -> int:
@@ -197,6 +218,9 @@ def main(argv=None) -> int:
     ap.add_argument("--items", type=int, default=None, help="strings in the schema's array")
     ap.add_argument("--fractions", type=lambda s: [float(x) for x in s.split(",")],
                     default=[0.0, 0.5, 1.0])
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the fractions this many times, interleaved; each row is the run "
+                         "with the median tok/s, its ratio against the 0 %% median")
     ap.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True,
                     help="one more mode: 100 %% constrained by schema_plain (no maxLength)")
     ap.add_argument("--sim", default=None, choices=sorted(MODELS),
@@ -213,6 +237,8 @@ def main(argv=None) -> int:
     for key in ("requests", "max_tokens", "items"):
         if getattr(args, key) is None:
             setattr(args, key, defaults[key])
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     t0 = time.time()
     res = anyio.run(bench, args)
     table = common.print_table(
@@ -228,6 +254,10 @@ def main(argv=None) -> int:
         + ([("device_busy", "device busy", ".3f")] if args.sim else [])
         + [("valid", "valid JSON", ""),
          ("valid_strict", "strict", "")], res["modes"])
+    for m in res["modes"]:
+        if m.get("vs_unconstrained_by_round"):
+            print(f"  {m['constrained']}: vs 0 % by round "
+                  + " ".join(f"{x:.3f}" for x in m["vs_unconstrained_by_round"]))
     common.print_table("grammar compile (the schema of the timed runs: "
                        f"{res['first_compile_ms']:.0f} ms, with the vocabulary's tokenizer info)",
                        [("schema", "schema", ""), ("cold_ms", "cold ms", ".1f"),
