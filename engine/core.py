@@ -80,6 +80,9 @@ class EngineCore:
         #: ENGINECORE_GRAMMAR_OVERLAP=0 keeps it on the step thread (issue 23)
         self.grammar_overlap = os.environ.get("ENGINECORE_GRAMMAR_OVERLAP", "1") != "0"
         self.grammar_jobs = 0  # late steps whose grammar work ran beside the forward
+        #: a step launched in two halves lets the loop in (``on_launched``) at its end; with
+        #: ENGINECORE_LATE_DELIVERY=between, after its forward's launch (before session 17)
+        self.late_delivery_at_end = os.environ.get("ENGINECORE_LATE_DELIVERY", "end") != "between"
         overlap = cfg.overlap_scheduling
         if overlap is None:
             overlap = runner.device.type == "cuda"
@@ -212,8 +215,10 @@ class EngineCore:
                 # ms a step let in here, 7.87 let in at the step's end (0 %: 7.40 / 7.44;
                 # session 17). The simulated device on the 2-core box says the opposite: trust
                 # the device.
-                late_launched = on_launched
-                on_launched = None
+                if self.late_delivery_at_end:
+                    late_launched, on_launched = on_launched, None
+                elif on_launched is not None:
+                    on_launched()
                 after = self.apply_after_sampling
                 if job is not None:
                     verdicts, masks = self._grammar_done(*job)

@@ -60,6 +60,7 @@
 #           bench.prefix, its timeline, a py-spy profile of the caching-on run, GPU tests
 #   PART=28 session 17: bench.structured in 3 interleaved rounds; bench.prefix and bench.structured
 #           with a 0.5 ms GIL switch interval against the default (a diagnostic)
+#   PART=29 PART=28 with ENGINECORE_LATE_DELIVERY=end / between interleaved (2 rounds each, twice)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -274,18 +275,22 @@ elif [[ $PART == 27 ]]; then  # session 17: a late step lets the loop in at its 
   fi
   step gpu_tests 90 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_structured.py \
     tests/gpu/test_gpu_overlap.py
-elif [[ $PART == 28 ]]; then  # session 17: issue 23 in interleaved rounds; the GIL's switch interval
+elif [[ $PART == 28 || $PART == 29 ]]; then  # session 17: issue 23 in interleaved rounds; the GIL's switch interval
   export ONE_LOG=run.log TAIL=8
-  si() {  # si SECONDS MODULE ARGS...: the module run with sys.setswitchinterval(SECONDS) (a diagnostic)
-    local t=$1 m=$2; shift 2
-    python3 -c "import sys, runpy; sys.setswitchinterval($t); sys.argv = ['$m'] + sys.argv[1:]; runpy.run_module('$m', run_name='__main__')" "$@"
-  }
-  step structured 80 python3 -m bench.structured --device cuda --no-progress --no-plain \
-    --fractions 0,0.5,1 --rounds 3 --out "$OUT/structured.json"
+  if [[ $PART == 29 ]]; then  # the late step's delivery, at its end (the default) against between its halves
+    for d in end between end between; do
+      ENGINECORE_LATE_DELIVERY=$d TAIL=6 step "structured_$d" 45 python3 -m bench.structured --device cuda \
+        --no-progress --no-plain --fractions 0,1 --rounds 2 --out "$OUT/structured_$d.json"
+    done
+  else
+    step structured 80 python3 -m bench.structured --device cuda --no-progress --no-plain \
+      --fractions 0,0.5,1 --rounds 3 --out "$OUT/structured.json"
+  fi
   step prefix 45 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix.json"
-  step prefix_si 45 si 0.0005 bench.prefix --device cuda --no-progress --out "$OUT/prefix_si.json"
-  step structured_si 60 si 0.0005 bench.structured --device cuda --no-progress --no-plain \
-    --fractions 0,1 --rounds 2 --out "$OUT/structured_si.json"
+  step prefix_si 45 python3 scripts/gpu/with_switch.py 0.0005 bench.prefix --device cuda --no-progress \
+    --out "$OUT/prefix_si.json"
+  TAIL=6 step structured_si 50 python3 scripts/gpu/with_switch.py 0.0005 bench.structured --device cuda \
+    --no-progress --no-plain --fractions 0,1 --rounds 2 --out "$OUT/structured_si.json"
 elif [[ $PART == 20 ]]; then  # session 14 (no device then), issue 23: grammar work beside the forward
   export ONE_LOG=run.log TAIL=30
   step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
