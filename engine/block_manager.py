@@ -134,6 +134,7 @@ class BlockManager:
                 del self._evictable[b]
             self._ref[b] += 1
         req.block_ids = list(hit) + self.allocate(n_new)
+        req.block_epoch += 1
         req.num_sealed_blocks = len(hit)
         req.num_computed_tokens = len(hit) * self.block_size
         req.cache_epoch = self.epoch
@@ -156,6 +157,7 @@ class BlockManager:
         if len(req.block_ids) > keep:
             tail = req.block_ids[keep:]
             del req.block_ids[keep:]
+            req.block_epoch += 1
             self._release(tail)
         self._seal(req, num_computed)
 
@@ -176,6 +178,7 @@ class BlockManager:
         references; its last blocks become the first to be evicted."""
         self._seal(req, req.num_computed_tokens)
         blocks, req.block_ids = req.block_ids, []
+        req.block_epoch += 1
         req.num_sealed_blocks = 0
         self._release(reversed(blocks))
 
@@ -267,6 +270,10 @@ class BlockManager:
             assert len(r.block_ids) * bs >= r.num_computed_tokens, f"{r} lacks blocks"
             for b in r.block_ids:
                 holders[b] += 1
+            m = r.block_mirror  # host_arrays.block_table's copy, where it claims to be current
+            if m is not None and m[0] == r.block_epoch and m[1] <= len(r.block_ids):
+                assert m[2][: m[1]].tolist() == r.block_ids[: m[1]], \
+                    f"{r}: its block table's mirror differs from its blocks"
         for r in requests:
             for i, b in enumerate(r.block_ids):
                 if i >= r.num_sealed_blocks:

@@ -24,6 +24,7 @@ class Request:
         "num_sealed_blocks", "block_hashes", "hash_root", "cache_epoch", "first_scheduled",
         "prompt_lps", "num_prompt_lps", "prompt_sent", "bad_words", "matcher",
         "pending", "pending_row", "hold", "overlappable", "token_limit",
+        "block_epoch", "block_mirror",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
@@ -33,6 +34,10 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_ids: list[int] = []  # written only by the BlockManager
+        # bumped by the BlockManager at every change of block_ids other than blocks added at
+        # the end: host_arrays.block_table's int32 mirror of them is current while it holds
+        self.block_epoch = 0
+        self.block_mirror = None  # (epoch, count, buffer, view): host_arrays.block_table's
         self.num_sealed_blocks = 0  # leading block_ids that are full, computed and read-only
         self.block_hashes: list[bytes] = []  # chained hashes of full token blocks (memo)
         self.hash_root: Optional[bytes] = None  # the root block_hashes were computed from

@@ -21,7 +21,7 @@ from .cpu_weights import checkpoint_dtype, choose_format, pack_model
 from .errors import BadRequestError
 from .block_manager import BlockManager
 from .device_stack import device_stack
-from .host_arrays import long_tensor
+from .host_arrays import block_table, long_tensor
 from .kv_cache import KVCache
 from .launched import Launched, by_entry
 from .loader import LoadStopped, create_model, fill_model, resolve_source
@@ -329,6 +329,7 @@ class ModelRunner(RunnerSleep):
         model = self._owner[R.WEIGHTS]
         kv: KVCache = self._owner[R.KV_CACHE]
         seqs = []
+        tables = []  # per entry: a decode row's blocks as an array (host_arrays.block_table)
         sample_rows: list[list[int]] = []  # per entry: rows whose logits are sampled
         row_starts: list[int] = []  # per entry: its first packed row
         fill: list[tuple[int, int]] = []  # (packed row, sampled row) of in-flight tokens
@@ -342,7 +343,9 @@ class ModelRunner(RunnerSleep):
                 fill.append((row + len(toks), req.pending_row))
                 toks.append(0)
             # a decode plus its draft tokens: every row is a decode row (the graphable path)
-            seqs.append((toks, start, req.block_ids, start > 0 and (len(toks) == 1 or bool(spec))))
+            as_decode = start > 0 and (len(toks) == 1 or bool(spec))
+            seqs.append((toks, start, req.block_ids, as_decode))
+            tables.append(block_table(req) if as_decode else None)
             sample_rows.append(list(range(row + n - 1, row + len(toks))) if ends else [])
             row_starts.append(row)
             row += len(toks)
@@ -352,7 +355,7 @@ class ModelRunner(RunnerSleep):
         if self._tp is not None:  # the workers run the same forward (and logits rows) with us
             self._tp.step(seqs, idx)
         hidden = packed_forward(model, kv.tensor, state, self._owner.get(R.CUDA_GRAPHS),
-                                self.device, self.block_size, seqs, fill)
+                                self.device, self.block_size, seqs, fill, tables)
         if not idx:
             return Forwarded(batch, sample_rows, plp, [], None, None, None, None)
         logits_all = self._logits(model, hidden, idx)

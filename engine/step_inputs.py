@@ -4,7 +4,7 @@ device, then the model (or a CUDA-graph replay). Shared by the runner and the dr
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -19,7 +19,8 @@ Seq = tuple[list[int], int, list[int], bool]
 
 def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
                    block_size: int, seqs: Iterable[Seq],
-                   fill: Optional[list[tuple[int, int]]] = None) -> torch.Tensor:
+                   fill: Optional[list[tuple[int, int]]] = None,
+                   tables: Optional[Sequence] = None) -> torch.Tensor:
     """Hidden states ``[T, hidden]`` for every token of ``seqs``, in order.
 
     A sequence computed "as decode rows" gives one batched decode row per token, each attending
@@ -30,6 +31,9 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
     ``fill``: ``(packed row, sampled row)`` pairs whose token id is still on the device (a
     placeholder in ``seqs``): taken from ``state``'s ``sampled`` buffer, written by the step
     before (stream order makes it ready), without a round trip through the host.
+
+    ``tables``: per sequence, its blocks as an array (``host_arrays.block_table``) or None;
+    the decode rows' block tables are then copied from those arrays in one call.
     """
     bs = block_size
     ids: list[int] = []
@@ -39,6 +43,7 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
     dec_rows: list[int] = []
     dec_tables: list[list[int]] = []
     dec_lens: list[int] = []
+    dec_arrays: Optional[list] = None if tables is None else []  # dec_tables' rows as arrays
     with_context: list[tuple[int, int, int, list[int]]] = []
     # on CUDA every prefill chunk goes to one paged Triton kernel a layer (engine/triton_prefill.py);
     # a model told ``use_fused = False`` runs the plain torch path throughout (the reference)
@@ -46,7 +51,7 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
     paged = (cfg is not None and getattr(model, "use_fused", None) is not False
              and triton_prefill.usable(device, cfg.head_dim, bs))
     chunks: list[tuple[int, int, int, list[int]]] = []
-    for toks, start, blocks, as_decode in seqs:
+    for i, (toks, start, blocks, as_decode) in enumerate(seqs):
         m = len(toks)
         row0 = len(ids)
         if as_decode and m == 1:  # (most rows of a step: one decode token, no loop)
@@ -55,6 +60,8 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
             slots.append(blocks[start // bs] * bs + start % bs)
             dec_rows.append(row0)
             dec_tables.append(blocks)
+            if dec_arrays is not None:
+                dec_arrays.append(blocks if tables[i] is None else tables[i])
             dec_lens.append(start + 1)
             continue
         ids.extend(toks)
@@ -64,6 +71,8 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
             for j in range(m):
                 dec_rows.append(row0 + j)
                 dec_tables.append(blocks)
+                if dec_arrays is not None:
+                    dec_arrays.append(blocks if tables[i] is None else tables[i])
                 dec_lens.append(start + j + 1)
         elif paged:
             chunks.append((row0, m, start + m, blocks))
@@ -88,6 +97,8 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
         slots += [graphs.scratch_slot] * pad
         dec_lens += [1] * pad
         dec_tables += [[graphs.scratch_block]] * pad
+        if dec_arrays is not None:
+            dec_arrays += [[graphs.scratch_block]] * pad
     elif graphs is not None and chunks:
         # NOTE: an eager step runs every linear at its own row count, and cuBLAS picks a kernel
         # for each new (rows, shape) on the host: prefill steps of a new token count were
@@ -107,8 +118,8 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
     if mixed is not None:
         assert len(ids) == mixed, (len(ids), mixed)  # padded above, at the eager row count
         slot_mapping = state.load("slot_mapping", long_tensor(slots))
-        meta = graphs.mixed.meta(mixed, slot_mapping, state, chunks, dec_rows, dec_tables,
-                                 dec_lens)
+        meta = graphs.mixed.meta(mixed, slot_mapping, state, chunks, dec_rows,
+                                 dec_tables if dec_arrays is None else dec_arrays, dec_lens)
         return graphs.run_mixed(mixed, model, kv, state, meta)[:t]
     meta = AttentionMetadata(state.load("slot_mapping", long_tensor(slots)), prefills,
                              None, None, None)
@@ -118,7 +129,8 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
         meta.prefill_batch = triton_prefill.build(chunks, bs, device)
     if dec_rows:
         width = max(len(b) for b in dec_tables)
-        meta.decode_block_tables = state.load("block_tables", padded_rows(dec_tables, width))
+        meta.decode_block_tables = state.load(
+            "block_tables", padded_rows(dec_tables if dec_arrays is None else dec_arrays, width))
         meta.decode_context_lens = state.load("context_lens", long_tensor(dec_lens))
         meta.decode_max_len = max(dec_lens)
         if bucket is None:

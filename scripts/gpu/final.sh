@@ -289,8 +289,13 @@ elif [[ $PART == 28 || $PART == 29 ]]; then  # session 17: issue 23 in interleav
   step prefix 45 python3 -m bench.prefix --device cuda --no-progress --out "$OUT/prefix.json"
   step prefix_si 45 python3 scripts/gpu/with_switch.py 0.0005 bench.prefix --device cuda --no-progress \
     --out "$OUT/prefix_si.json"
-  TAIL=6 step structured_si 50 python3 scripts/gpu/with_switch.py 0.0005 bench.structured --device cuda \
-    --no-progress --no-plain --fractions 0,1 --rounds 2 --out "$OUT/structured_si.json"
+  if [[ $PART == 29 ]]; then  # host_arrays.block_table's rows on CUDA (decode and mixed graphs)
+    TAIL=6 step gpu_tests 100 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_prefix.py \
+      tests/gpu/test_gpu_mixed_graphs.py tests/gpu/test_gpu_overlap.py
+  else
+    TAIL=6 step structured_si 50 python3 scripts/gpu/with_switch.py 0.0005 bench.structured --device cuda \
+      --no-progress --no-plain --fractions 0,1 --rounds 2 --out "$OUT/structured_si.json"
+  fi
 elif [[ $PART == 20 ]]; then  # session 14 (no device then), issue 23: grammar work beside the forward
   export ONE_LOG=run.log TAIL=30
   step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
