@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.block_manager import BlockManager
+from engine.host_arrays import block_table
 from engine.kv_cache import BlockAllocator, blocks_needed
 from engine.params import SamplingParams
 from engine.request import Request
@@ -114,6 +115,24 @@ def test_rolled_back_draft_blocks_go_back_and_sealed_ones_stay():
     bm.check_integrity([r])
     with pytest.raises(AssertionError):
         bm.advance(r, 8)  # computed tokens never go back
+
+
+def test_a_block_table_read_before_a_rollback_follows_it():
+    """host_arrays.block_table's mirror, read with draft blocks, then rolled back, the freed
+    blocks taken by another request, and grown past its old length: the blocks it holds now."""
+    bm = BlockManager(16, BS, enable_caching=False)
+    r = req(range(7), "r")
+    run_prompt(bm, r)
+    r.token_ids.append(7)
+    bm.grow(r, 3)  # draft rows
+    assert block_table(r).tolist() == r.block_ids and len(r.block_ids) == 5
+    bm.advance(r, 8)  # no draft accepted: blocks past 9 tokens go back
+    other = req(range(100, 120), "o")
+    run_prompt(bm, other)  # takes the blocks r gave back (and more)
+    bm.grow(r, 4)
+    assert len(r.block_ids) == 7
+    assert block_table(r).tolist() == r.block_ids
+    bm.check_integrity([r, other])
 
 
 def test_reset_drops_every_entry_and_old_requests_never_register():
@@ -368,6 +387,11 @@ def test_random_operations_keep_every_invariant(ops):
         getattr(sim, Sim.OPS[op])(x)
         sim.bm.check_integrity(sim.running)
         assert all(not r.block_ids for r in sim.waiting)
+        # the decode rows' block tables (host_arrays.block_table), read after some operations
+        # only: a mirror must follow every change made while it was not read
+        for i, r in enumerate(sim.running + sim.waiting):
+            if (x >> i) & 1:
+                assert block_table(r).tolist() == r.block_ids, (Sim.OPS[op], r)
     for r in sim.running:
         sim.bm.free(r)
     sim.bm.check_integrity([])

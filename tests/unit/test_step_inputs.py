@@ -46,6 +46,44 @@ def test_padded_rows(rows, width):
     assert int32_tensor([5, -1]).dtype == torch.int32
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=12), min_size=1,
+                max_size=6), st.integers(0, 14), st.randoms())
+def test_padded_rows_from_arrays(rows, width, rnd):
+    """Rows given as int32 arrays (host_arrays.block_table), some as lists: the lists' result."""
+    import numpy as np
+
+    mixed = [np.array(r, dtype=np.int32) if (i == 0 or rnd.random() < 0.7) else r
+             for i, r in enumerate(rows)]
+    for dtype in (np.int64, np.int32):
+        assert torch.equal(padded_rows(mixed, width, dtype), padded_rows(rows, width, dtype))
+
+
+def test_block_table_follows_appends_and_other_changes():
+    from engine.host_arrays import block_table
+    from engine.params import SamplingParams
+    from engine.request import Request
+
+    r = Request("r", [1, 2, 3], SamplingParams(max_tokens=4))
+    assert block_table(r).tolist() == []
+    r.block_ids = [7, 3]
+    r.block_epoch += 1  # a new list (BlockManager.admit)
+    assert block_table(r).tolist() == [7, 3]
+    first = r.block_mirror[2]
+    for n in range(40):  # appends (BlockManager.grow), past the mirror's room
+        r.block_ids += [100 + n]
+        assert block_table(r).tolist() == r.block_ids
+        assert block_table(r) is block_table(r)  # unchanged: the same view, no copy
+    assert r.block_mirror[2] is not first
+    del r.block_ids[5:]  # a rollback (BlockManager.advance) then other blocks appended
+    r.block_epoch += 1
+    r.block_ids += [55, 56]
+    assert block_table(r).tolist() == r.block_ids == [7, 3, 100, 101, 102, 55, 56]
+    r.block_ids = []  # freed (BlockManager.free)
+    r.block_epoch += 1
+    assert block_table(r).tolist() == []
+
+
 def _chain_reference(parent, token_ids, bs):
     out = []
     for i in range(0, len(token_ids) - bs + 1, bs):
