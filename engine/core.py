@@ -80,9 +80,6 @@ class EngineCore:
         #: ENGINECORE_GRAMMAR_OVERLAP=0 keeps it on the step thread (issue 23)
         self.grammar_overlap = os.environ.get("ENGINECORE_GRAMMAR_OVERLAP", "1") != "0"
         self.grammar_jobs = 0  # late steps whose grammar work ran beside the forward
-        #: a step launched in two halves lets the loop in (``on_launched``) at its end; with
-        #: ENGINECORE_LATE_DELIVERY=between, after its forward's launch (before session 17)
-        self.late_delivery_at_end = os.environ.get("ENGINECORE_LATE_DELIVERY", "end") != "between"
         overlap = cfg.overlap_scheduling
         if overlap is None:
             overlap = runner.device.type == "cuda"
@@ -159,10 +156,9 @@ class EngineCore:
         forward, then -- once the step before is applied and its matchers took their tokens --
         the grammar masks and the sampling (``runner.forward`` / ``runner.sample_step``).
 
-        ``on_launched()`` is called (on this thread) once this step is launched, when the host
-        is about to wait for the step before's tokens: the moment to let other host work run.
-        A step launched in two halves calls it at its end instead: between the halves the host's
-        work is what the device waits for."""
+        ``on_launched()`` is called (on this thread) once this step is launched (its forward,
+        in two halves), when the host is about to wait for the step before's tokens: the moment
+        to let other host work run."""
         t0 = time.perf_counter()
         outputs: list[RequestOutput] = []
         prev = self._inflight
@@ -183,7 +179,7 @@ class EngineCore:
         if self.runner.speculator is not None:
             self.runner.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
-        launched = late_launched = None
+        launched = None
         if batch:
             self.timings.scheduled(batch)
             defer = self._overlap and all(req.overlappable for req, _ in batch)
@@ -207,17 +203,13 @@ class EngineCore:
                 job = self._grammar_job(*prev, batch) if self.grammar_overlap else None
                 fwd = self.runner.forward(batch)
                 t1 = time.perf_counter()
-                # NOTE: the loop is let in (``on_launched``) once this step is whole, not here.
-                # Let in here, its delivery (pure Python, ~1-5 ms for a 256-row step with its
-                # consumers) ran beside the masking and the sampling's launch, which the device
-                # waits for: each of their GIL releases (torch's ops, the worker's wait) could
-                # cost a 5 ms switch interval. H100, bench.structured 256 x 256 at 100 %: 10.55
-                # ms a step let in here, 7.87 let in at the step's end (0 %: 7.40 / 7.44;
-                # session 17). The simulated device on the 2-core box says the opposite: trust
-                # the device.
-                if self.late_delivery_at_end:
-                    late_launched, on_launched = on_launched, None
-                elif on_launched is not None:
+                if on_launched is not None:
+                    # NOTE: with a job too: let in after the sampling's launch instead, the
+                    # loop's delivery ran beside the next step's forward and the simulated
+                    # device's 100 % step took 4.33-4.47 ms against 3.80-4.15 (session 16).
+                    # Let in at the step's end: on the H100, four interleaved A/B runs of two
+                    # rounds gave 100 % / 0 % 0.667-0.898 (mean 0.77) against 0.758-0.877
+                    # here (mean 0.80): no gain (session 17, bench/RESULTS.md)
                     on_launched()
                 after = self.apply_after_sampling
                 if job is not None:
@@ -257,8 +249,6 @@ class EngineCore:
             self._defer(batch, launched)
         else:
             outputs += self._update(batch, launched.result)
-        if late_launched is not None:
-            late_launched()
         self._steps += 1
         self.timings.step_time.observe(time.perf_counter() - t0)
         if self.check_integrity:

@@ -60,7 +60,8 @@
 #           bench.prefix, its timeline, a py-spy profile of the caching-on run, GPU tests
 #   PART=28 session 17: bench.structured in 3 interleaved rounds; bench.prefix and bench.structured
 #           with a 0.5 ms GIL switch interval against the default (a diagnostic)
-#   PART=29 PART=28 with ENGINECORE_LATE_DELIVERY=end / between interleaved (2 rounds each, twice)
+#   PART=29 PART=28 with ENGINECORE_LATE_DELIVERY=end / between interleaved (2 rounds each, twice;
+#           that switch was removed after this run: no gain)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
