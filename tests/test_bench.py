@@ -155,13 +155,17 @@ def test_prefix_caching_on_and_off(tmp_path):
     out = tmp_path / "p.json"
     p = _bench("prefix", "--device", "cpu", "--no-progress", "--system-len", "40",
                "--conversations", "3", "--turns", "2", "--min-user", "4", "--max-user", "12",
-               "--max-tokens", "6", "--out", str(out))
+               "--max-tokens", "6", "--rounds", "2", "--out", str(out))
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     rows = {r["mode"]: r for r in res["modes"]}
     assert set(rows) == {"on", "off"}
     for row in rows.values():
         assert row["output_tokens"] == 3 * 2 * 6 and row["ttft_p50_ms"] is not None
+        # two interleaved rounds: the row is the lower of the two TTFT p50s (the median rule)
+        assert len(row["ttft_p50_ms_by_round"]) == 2
+        assert row["ttft_p50_ms"] == min(row["ttft_p50_ms_by_round"])
+    assert len(res["ratios"]["ttft_p50 off/on by round"]) == 2
     assert rows["on"]["identical"] is True
     assert rows["on"]["hit_ratio"] > 0.3 and rows["off"]["prefix_cache_hits"] == 0
     assert rows["on"]["computed_prompt_tokens"] < rows["off"]["computed_prompt_tokens"]
@@ -184,6 +188,23 @@ def test_structured_outputs_bench(tmp_path):
     assert last["valid"] == "2/2"  # random weights: the mask alone makes it JSON
     assert res["modes"][3]["late"] > 0 and res["modes"][3]["output_tokens"] > 0
     assert {c["schema"] for c in res["compile"]} == {"person", "order", "json_object"}
+
+
+def test_structured_bench_rounds(tmp_path):
+    """--rounds: the fractions interleaved; each row the median run, each round's ratio."""
+    out = tmp_path / "s.json"
+    p = _bench("structured", "--device", "cpu", "--model", "random:tiny-llama", "--no-progress",
+               "--requests", "2", "--max-tokens", "8", "--items", "1", "--fractions", "0,1",
+               "--rounds", "3", "--no-plain", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    modes = json.loads(out.read_text())["modes"]
+    assert [m["constrained"] for m in modes] == ["0 %", "100 %"]
+    for m in modes:
+        assert len(m["tok_s_by_round"]) == 3
+        assert m["tok_s"] == sorted(m["tok_s_by_round"])[1]
+    assert modes[0]["vs_unconstrained_by_round"] == [1.0, 1.0, 1.0]
+    assert len(modes[1]["vs_unconstrained_by_round"]) == 3
+    assert "100 %: vs 0 % by round" in p.stdout
 
 
 def test_xgrammar_costs_bench(tmp_path):

@@ -62,6 +62,8 @@
 #           with a 0.5 ms GIL switch interval against the default (a diagnostic)
 #   PART=29 PART=28 with ENGINECORE_LATE_DELIVERY=end / between interleaved (2 rounds each, twice;
 #           that switch was removed after this run: no gain)
+#   PART=30 the acceptance runs of issues 15 and 23 in interleaved rounds (bench.prefix --rounds 3,
+#           bench.structured --rounds 3), then the prefix and release GPU tests
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -297,6 +299,13 @@ elif [[ $PART == 28 || $PART == 29 ]]; then  # session 17: issue 23 in interleav
     TAIL=6 step structured_si 50 python3 scripts/gpu/with_switch.py 0.0005 bench.structured --device cuda \
       --no-progress --no-plain --fractions 0,1 --rounds 2 --out "$OUT/structured_si.json"
   fi
+elif [[ $PART == 30 ]]; then  # the next session: issues 15 and 23 in interleaved rounds (~330 s)
+  export ONE_LOG=run.log TAIL=12
+  step prefix 150 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
+  TAIL=10 step structured 90 python3 -m bench.structured --device cuda --no-progress --no-plain \
+    --fractions 0,0.5,1 --rounds 3 --out "$OUT/structured.json"
+  TAIL=6 step gpu_tests 90 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_prefix.py \
+    tests/gpu/test_gpu_release.py
 elif [[ $PART == 20 ]]; then  # session 14 (no device then), issue 23: grammar work beside the forward
   export ONE_LOG=run.log TAIL=30
   step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
