@@ -33,6 +33,7 @@ forward.
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 import time
@@ -77,6 +78,9 @@ class Filling(NamedTuple):
     def rows(self) -> list[int]:
         """The rows filled (waits for a background fill; re-raises its error)."""
         return self.done if self.future is None else self.future.result()
+
+
+_MATCHER, _ROW, _DRAFTS = (operator.itemgetter(i) for i in range(3))  # of an entry
 
 
 class TokenBitmask:
@@ -185,7 +189,7 @@ class TokenBitmask:
         matchers alone until :meth:`GrammarJob.result`. ``None`` (nothing started) where
         the worker cannot be had or an entry has drafts (their rows are filled one draft
         at a time: :meth:`fill`)."""
-        if any(drafts for _, _, drafts in entries):
+        if any(map(_DRAFTS, entries)):  # (C-level passes: 256 rows are ~10 us, not ~50)
             return None
         if self._worker is None:
             from .native import new_worker
@@ -193,14 +197,16 @@ class TokenBitmask:
             self._worker = new_worker() or False
         if not self._worker:
             return None
-        self._check_rows(entries)
+        rows = list(map(_ROW, entries))
+        if rows and max(rows) >= self.max_rows:  # (no drafts: an entry's last row is its row)
+            raise RuntimeError(f"sampled row {max(rows)}; the bitmask has {self.max_rows}")
         if self._stops is None and matchers:  # the tokenizer's: every grammar's the same
             self._stops = frozenset(matchers[0].stop_token_ids)
         stops = self._stops or frozenset()
-        if len(entries) == len(matchers) and all(e[0] is m for e, m in zip(entries, matchers)):
+        if len(entries) == len(matchers) and all(map(operator.is_, map(_MATCHER, entries),
+                                                     matchers)):
             # the usual step: the same requests, in the same order, fed then filled
-            fill_matchers, fill_fed = matchers, list(range(len(matchers)))
-            fill_rows = [row for _, row, _ in entries]
+            fill_matchers, fill_fed, fill_rows = matchers, list(range(len(matchers))), rows
         else:
             position = {id(m): i for i, m in enumerate(matchers)}
             fill_matchers, fill_rows, fill_fed = [], [], []
