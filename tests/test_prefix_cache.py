@@ -324,3 +324,71 @@ def test_a_chunk_that_preempts_itself_before_its_block_is_full_shares_nothing():
     for overlap in (False, True):
         got, stats = _self_preempting(overlap, True)
         assert got == base and stats.preemptions > 0, (overlap, stats)
+
+
+def _mirrored(mirrors: bool, monkeypatch) -> tuple[dict, object, dict]:
+    """n-gram speculation (8 draft tokens: rollbacks), 12 KV blocks (preemptions), prefix caching
+    (admissions onto cached blocks) and requests arriving as others run; blocks hold garbage when
+    handed out. ``mirrors``: the decode rows' block tables come from ``host_arrays.block_table``
+    (each one checked against the request's blocks when read), else from the lists (as before
+    the mirrors). Returns the tokens, the statistics, and how the mirrors were read."""
+    import engine.runner as runner_mod
+    from engine.host_arrays import block_table
+
+    seen = {"rebuilt": 0, "appended": 0, "reused": 0}
+
+    def checked(req):
+        m = req.block_mirror
+        out = block_table(req)
+        assert out.tolist() == req.block_ids, req  # never a stale or a wrong table
+        if m is not None:
+            key = ("reused" if m[3] is out else "rebuilt" if m[0] != req.block_epoch
+                   else "appended")
+            seen[key] += 1
+        return out
+
+    monkeypatch.setattr(runner_mod, "block_table", checked if mirrors else (lambda req: None))
+    runner = ModelRunner(EngineConfig(model="random:tiny-llama", device="cpu", dtype="float32",
+                                      speculator="ngram", num_speculative_tokens=8, ngram_min=2,
+                                      num_kv_blocks=12, max_model_len=96,
+                                      max_num_batched_tokens=40, seed=3))
+    runner.load()
+    core = EngineCore(runner, check_integrity=True)
+    kv, allocate = runner.resource(R.KV_CACHE).tensor, core.blocks.allocate
+
+    def poisoned(n):
+        out = allocate(n)
+        kv[:, :, out] = 50.0
+        return out
+
+    core.blocks.allocate = poisoned
+    shared = [(3 * j) % 23 + 5 for j in range(36)]  # repeated text: n-gram drafts
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for i in range(4):
+        core.add_request(f"a{i}", shared + [60 + i, 61, 62] * (i % 3), params)
+    out: dict[str, list[int]] = {}
+    steps = 0
+    try:
+        while core.has_work():
+            for o in core.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+            steps += 1
+            if steps % 7 == 0 and steps <= 42:
+                core.add_request(f"b{steps}", shared[: 20 + steps % 13] + [70 + steps], params)
+        assert not core.requests and core.blocks.num_free == core.blocks.num_blocks
+        return out, core.statistics(), seen
+    finally:
+        runner.shutdown()
+
+
+def test_decode_block_tables_from_mirrors_equal_the_lists(monkeypatch):
+    """The decode rows' block tables read from host_arrays.block_table's mirrors give the same
+    greedy tokens as tables made from the lists, through draft rollbacks, preemptions and cache
+    hits; every mirror read equals the blocks, and mirrors were appended to and rebuilt."""
+    base, base_stats, _ = _mirrored(False, monkeypatch)
+    got, stats, seen = _mirrored(True, monkeypatch)
+    assert got == base and len(got) == 10
+    assert stats.preemptions > 0 and stats.prefix_cache_hits > 0, stats
+    assert stats.spec_accepted > 0 and stats.spec_proposed > stats.spec_accepted, stats
+    assert seen["rebuilt"] > 0 and seen["appended"] > 0 and seen["reused"] > 0, seen
+    assert stats.steps == base_stats.steps

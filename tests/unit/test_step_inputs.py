@@ -228,3 +228,89 @@ def test_eager_prefill_rows_padded_to_a_few_sizes(monkeypatch, pad):
     assert meta.decode_rows.tolist() == [0]
     pb = meta.prefill_batch
     assert pb.q_start.tolist() == [1, 71] and pb.q_len.tolist() == [70, 9]
+
+
+class _GraphsCapture:
+    """A ``CudaGraphs`` stand-in on the CPU: decode steps replay bucket ``bucket`` (padded rows
+    attend to the scratch block), steps with prompt chunks the real ``MixedInputs`` views; each
+    "replay" keeps the decode block tables it would read."""
+    scratch_slot, scratch_block = 9999, 624
+
+    def __init__(self, bucket, mixed=None):
+        self._bucket, self.mixed, self.seen = bucket, mixed, None
+
+    def bucket(self, n):
+        return self._bucket
+
+    def mixed_rows(self, t, n_chunks, n_decode):
+        return None if self.mixed is None else self.mixed.fits(t, n_chunks, n_decode)
+
+    def run(self, bucket, model, kv, state):
+        self.seen = state.buffers["block_tables"][:bucket].clone()
+        return torch.zeros(bucket, 4)
+
+    def run_mixed(self, rows, model, kv, state, meta):
+        self.seen = meta.decode_block_tables.clone()
+        return torch.zeros(rows, 4)
+
+
+def test_graphed_steps_read_the_same_block_tables_from_mirrors(monkeypatch):
+    """host_arrays.block_table's mirrors as ``tables`` (read before a rollback, a preemption and
+    growth past their room, as the runner reads them every step) give a CUDA-graphed decode
+    step (rows padded with the scratch block's list) and a mixed graphed step (the real
+    MixedInputs views, on the CPU) the block tables the lists give, row for row."""
+    from engine.block_manager import BlockManager
+    from engine.host_arrays import block_table
+    from engine.mixed_inputs import MixedInputs
+    from engine.params import SamplingParams
+    from engine.request import Request
+
+    monkeypatch.setattr(triton_prefill, "usable", lambda *a: True)
+    bs, nb = 4, 96
+    bm = BlockManager(nb, bs, enable_caching=False)
+    reqs = []
+    for i, n in enumerate((9, 6, 30)):
+        r = Request(f"r{i}", [100 * i + j for j in range(n)], SamplingParams(max_tokens=80))
+        bm.admit(r, [], -(-n // bs))
+        bm.advance(r, n - 1)
+        reqs.append(r)
+    a, b, c = reqs
+    block_table(a)
+    bm.grow(a, 3)  # draft rows: read, then rolled back, other blocks taken
+    block_table(a)
+    bm.advance(a, a.num_computed_tokens)
+    block_table(b)
+    bm.free(b)  # preempted, then admitted again on other blocks
+    b.num_computed_tokens = 0
+    bm.grow(a, 3)  # as many blocks as the mirror read before the rollback
+    bm.admit(b, [], 2)
+    bm.advance(b, 5)
+    block_table(c)
+    bm.grow(c, 40)  # past the mirror's room
+    bm.check_integrity(reqs)
+    assert [block_table(r).tolist() for r in reqs] == [r.block_ids for r in reqs]
+    decode = [([7], a.num_computed_tokens, a.block_ids, True),
+              ([8, 9, 10], b.num_computed_tokens, b.block_ids, True),  # a decode + drafts
+              ([11], c.num_computed_tokens, c.block_ids, True)]
+    prompt = ([1] * 13, 0, list(range(80, 84)), False)
+
+    def tables_read(seqs, graphs, mirrors):
+        state = ModelState(max_tokens=256, max_seqs=8, max_blocks_per_seq=64,
+                           device=torch.device("cpu"))
+        tables = ([block_table(r) if s[3] else None for r, s in zip(reqs + [None], seqs)]
+                  if mirrors else None)
+        packed_forward(_PagedCapture(), torch.zeros(1), state, graphs, torch.device("cpu"), bs,
+                       seqs, None, tables)
+        return graphs.seen
+
+    rows = [a.block_ids, b.block_ids, b.block_ids, b.block_ids, c.block_ids]
+    width = max(map(len, rows))
+    for seqs, make in ((decode, lambda: _GraphsCapture(8)),
+                       (decode + [prompt], lambda: _GraphsCapture(None, MixedInputs(
+                           max_tokens=256, max_rows=8, table_width=64,
+                           scratch_block=_GraphsCapture.scratch_block, block_size=bs,
+                           device=torch.device("cpu"))))):
+        got = tables_read(seqs, make(), True)
+        assert torch.equal(got, tables_read(seqs, make(), False))
+        assert got[:5, :width].tolist() == [r + [0] * (width - len(r)) for r in rows]
+        assert got[5:8, 0].tolist() == [_GraphsCapture.scratch_block] * 3
