@@ -271,8 +271,8 @@ class BlockManager:
             for b in r.block_ids:
                 holders[b] += 1
             m = r.block_mirror  # host_arrays.block_table's copy, where it claims to be current
-            if m is not None and m[0] == r.block_epoch and m[1] <= len(r.block_ids):
-                assert m[2][: m[1]].tolist() == r.block_ids[: m[1]], \
+            if m is not None and m[0] == r.block_epoch:  # (blocks only appended since it)
+                assert m[1] <= len(r.block_ids) and m[2][: m[1]].tolist() == r.block_ids[: m[1]], \
                     f"{r}: its block table's mirror differs from its blocks"
         for r in requests:
             for i, b in enumerate(r.block_ids):
