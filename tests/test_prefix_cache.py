@@ -126,6 +126,20 @@ async def test_reset_drops_the_cache_and_keeps_outputs():
     assert first == again == after
 
 
+
+def _run_until_idle(core, after_step) -> dict[str, list[int]]:
+    """Step ``core`` until idle (``after_step(steps)`` after each step): each request's tokens;
+    every request gone and every block free at the end."""
+    out: dict[str, list[int]] = {}
+    steps = 0
+    while core.has_work():
+        for o in core.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+        steps += 1
+        after_step(steps)
+    assert not core.requests and core.blocks.num_free == core.blocks.num_blocks
+    return out
+
 def _core_tokens(core, rid, prompt) -> list[int]:
     core.add_request(rid, prompt, PARAMS)
     toks: list[int] = []
@@ -263,16 +277,12 @@ def _staggered(overlap: bool, caching: bool, ref: dict | None):
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     for rid, p in prompts.items():
         core.add_request(rid, p, params)
-    out: dict[str, list[int]] = {}
-    steps = 0
+    def later(steps):
+        if ref is not None and steps <= 20:
+            core.add_request(f"x{steps}", prompts["a"] + ref["a"][: steps + 2] + [13], params)
+
     try:
-        while core.has_work():
-            for o in core.step():
-                out.setdefault(o.request_id, []).extend(o.token_ids)
-            steps += 1
-            if ref is not None and steps <= 20:
-                core.add_request(f"x{steps}", prompts["a"] + ref["a"][: steps + 2] + [13], params)
-        assert not core.requests and core.blocks.num_free == core.blocks.num_blocks
+        out = _run_until_idle(core, later)
         return out, core.statistics(), core.deferred_steps, ahead
     finally:
         runner.shutdown()
@@ -366,17 +376,12 @@ def _mirrored(mirrors: bool, monkeypatch) -> tuple[dict, object, dict]:
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     for i in range(4):
         core.add_request(f"a{i}", shared + [60 + i, 61, 62] * (i % 3), params)
-    out: dict[str, list[int]] = {}
-    steps = 0
+    def later(steps):
+        if steps % 7 == 0 and steps <= 42:
+            core.add_request(f"b{steps}", shared[: 20 + steps % 13] + [70 + steps], params)
+
     try:
-        while core.has_work():
-            for o in core.step():
-                out.setdefault(o.request_id, []).extend(o.token_ids)
-            steps += 1
-            if steps % 7 == 0 and steps <= 42:
-                core.add_request(f"b{steps}", shared[: 20 + steps % 13] + [70 + steps], params)
-        assert not core.requests and core.blocks.num_free == core.blocks.num_blocks
-        return out, core.statistics(), seen
+        return _run_until_idle(core, later), core.statistics(), seen
     finally:
         runner.shutdown()
 
