@@ -85,7 +85,9 @@ prefill_sweep() {  # prefill_sweep CAP: the prefill kernel's launch choices; BES
   echo "best prefill choice: ${BEST:-none}"
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-git rev-parse HEAD 2>/dev/null || true
+git rev-parse HEAD 2>/dev/null || true  # (may be stale: the device copies the work tree, not always .git)
+# the tree's own identity: compare with the same command run here on a commit
+echo "tree sha1 (engine/ bench/ *.py): $(find engine bench -name '*.py' -print0 | sort -z | xargs -0 cat | sha1sum | cut -c1-12)"
 if [[ ${PART:-1} == 1 ]]; then
   step throughput 560 python3 -m bench.throughput --device cuda --no-progress --repeat 1 \
     --modes bare,inproc,ipc,hf-generate,hf-cb --out "$OUT/throughput.json"
