@@ -63,7 +63,8 @@
 #   PART=29 PART=28 with ENGINECORE_LATE_DELIVERY=end / between interleaved (2 rounds each, twice;
 #           that switch was removed after this run: no gain)
 #   PART=30 the acceptance runs of issues 15 and 23 in interleaved rounds (bench.prefix --rounds 3,
-#           bench.structured --rounds 3), then the prefix and release GPU tests
+#           bench.structured --rounds 3), then the prefix and release GPU tests, and the step
+#           thread's CUDA calls in bench.prefix's caching-on run (scripts/gpu/profile_prefix.py)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -308,6 +309,7 @@ elif [[ $PART == 30 ]]; then  # the next session: issues 15 and 23 in interleave
     --fractions 0,0.5,1 --rounds 3 --out "$OUT/structured.json"
   TAIL=6 step gpu_tests 90 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_prefix.py \
     tests/gpu/test_gpu_release.py
+  TAIL=40 step profile_prefix 60 python3 scripts/gpu/profile_prefix.py --out "$OUT/profile_prefix.json"
 elif [[ $PART == 20 ]]; then  # session 14 (no device then), issue 23: grammar work beside the forward
   export ONE_LOG=run.log TAIL=30
   step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
