@@ -321,3 +321,16 @@ def test_structured_split_runs_with_the_worker_and_its_diagnostic(tmp_path):
     if native.worker_module() is not None:
         assert {"job_submit", "job_wait"} <= parts, done.stdout
     assert out.exists()
+
+
+def test_prefix_profile_script_runs_on_cpu(tmp_path):
+    """scripts/gpu/profile_prefix.py (final.sh PART=30's last step) on CPU: the profiled
+    caching-on run prints its ops with their time per call and writes them."""
+    out = tmp_path / "pp.json"
+    p = subprocess.run([sys.executable, "scripts/gpu/profile_prefix.py", "--device", "cpu",
+                        "--conversations", "2", "--turns", "2", "--system-len", "40", "--top", "5",
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "us/call" in p.stdout and "caching on:" in p.stdout
+    rows = json.loads(out.read_text())["cpu"]
+    assert len(rows) == 5 and all(r["calls"] > 0 for r in rows)
