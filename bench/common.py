@@ -119,6 +119,18 @@ def percentile(values: Sequence[float], p: float) -> Optional[float]:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def median_run(runs: Sequence[dict], key: str, also: Sequence[str] = ()) -> dict:
+    """Of one mode's interleaved rounds (a bench's ``--rounds``): a copy of the run with the
+    median ``key`` (the lower middle one of an even count; None sorts as 0), with every run's
+    ``key`` and ``also`` values beside it as ``<field>_by_round`` when there are several."""
+    ranked = sorted(runs, key=lambda r: r[key] if r[key] is not None else 0)
+    out = dict(ranked[(len(ranked) - 1) // 2])
+    if len(runs) > 1:
+        for field in (key, *also):
+            out[f"{field}_by_round"] = [r[field] for r in runs]
+    return out
+
+
 # -- memory ----------------------------------------------------------------------------------------
 def rss_bytes() -> int:
     try:

@@ -179,7 +179,10 @@ def main(argv=None) -> int:
     for _ in range(args.rounds):
         for name in modes:
             runs[name].append(anyio.run(run_mode, name, args))
-    rows = [_median_run(runs[name]) for name in modes]
+    rows = [common.median_run(runs[name], "ttft_p50_ms", also=("output_tok_s",))
+            for name in modes]
+    for name, row in zip(modes, rows):
+        row["outputs"] = runs[name][0]["outputs"]  # greedy outputs: the first round's
     base = next((r for r in rows if r["mode"] == "off"), None)
     for r in rows:
         r["identical"] = (r["outputs"] == base["outputs"]) if base not in (None, r) else None
@@ -216,18 +219,6 @@ def main(argv=None) -> int:
         "table": table})
     print(f"wrote {args.out}")
     return 0
-
-
-def _median_run(runs: list[dict]) -> dict:
-    """The run with the median TTFT p50 (the lower middle one of an even count), every run's
-    TTFT p50 and throughput beside it; greedy outputs are those of the first run."""
-    ranked = sorted(runs, key=lambda r: r["ttft_p50_ms"] if r["ttft_p50_ms"] is not None else 0)
-    out = dict(ranked[(len(ranked) - 1) // 2])
-    if len(runs) > 1:
-        out["outputs"] = runs[0]["outputs"]
-        out["ttft_p50_ms_by_round"] = [r["ttft_p50_ms"] for r in runs]
-        out["output_tok_s_by_round"] = [r["output_tok_s"] for r in runs]
-    return out
 
 
 def _ratio(a, b):

@@ -184,7 +184,7 @@ async def bench(args) -> dict:
         for _ in range(args.rounds):
             for f in args.fractions:
                 runs[f].append(await run_mode(eng, args, f, constraint))
-        modes = [_median_run(runs[f]) for f in args.fractions]
+        modes = [common.median_run(runs[f], "tok_s") for f in args.fractions]
         if args.plain:
             plain = StructuredOutputs(json_schema=schema_plain(args.items))
             await eng.grammars.compiled(plain)
@@ -197,16 +197,6 @@ async def bench(args) -> dict:
             m["vs_unconstrained_by_round"] = [
                 r["tok_s"] / b["tok_s"] for r, b in zip(runs[f], runs[args.fractions[0]])]
     return {"modes": modes, "compile": compiles, "first_compile_ms": first_compile_ms}
-
-
-def _median_run(runs: list[dict]) -> dict:
-    """The run with the median throughput (the lower middle one of an even count), with every
-    run's throughput beside it."""
-    ranked = sorted(runs, key=lambda r: r["tok_s"])
-    out = dict(ranked[(len(ranked) - 1) // 2])
-    if len(runs) > 1:
-        out["tok_s_by_round"] = [r["tok_s"] for r in runs]
-    return out
 
 
 def main(argv=None) -> int:

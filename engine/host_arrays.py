@@ -35,20 +35,16 @@ def block_table(req) -> np.ndarray:
     ids = req.block_ids
     n = len(ids)
     m = req.block_mirror
-    if m is not None and m[0] == req.block_epoch:
+    if m is not None and m[0] == req.block_epoch and m[1] <= n:  # blocks only added since
         if m[1] == n:
             return m[3]
-        buf = m[2]
-        if m[1] < n <= buf.shape[0]:  # blocks added at the end (BlockManager.grow)
-            buf[m[1]:n] = ids[m[1]:]
-            view = buf[:n]
-            req.block_mirror = (m[0], n, buf, view)
-            return view
-    buf = np.empty(max(16, 2 * n), dtype=np.int32)  # room to grow without a copy
-    if m is not None and m[0] == req.block_epoch and m[1] < n:  # grown past its room
-        buf[: m[1]] = m[2][: m[1]]
-        buf[m[1]:n] = ids[m[1]:]
+        buf, k = m[2], m[1]
+        if n > buf.shape[0]:  # past its room: a larger buffer, the mirrored part moved over
+            buf = np.empty(2 * n, dtype=np.int32)
+            buf[:k] = m[2][:k]
+        buf[k:n] = ids[k:]
     else:
+        buf = np.empty(max(16, 2 * n), dtype=np.int32)  # room to grow without a copy
         buf[:n] = ids
     view = buf[:n]
     req.block_mirror = (req.block_epoch, n, buf, view)

@@ -54,6 +54,7 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
     for i, (toks, start, blocks, as_decode) in enumerate(seqs):
         m = len(toks)
         row0 = len(ids)
+        table = blocks if tables is None or tables[i] is None else tables[i]  # (dec_arrays')
         if as_decode and m == 1:  # (most rows of a step: one decode token, no loop)
             ids.append(toks[0])
             pos.append(start)
@@ -61,7 +62,7 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
             dec_rows.append(row0)
             dec_tables.append(blocks)
             if dec_arrays is not None:
-                dec_arrays.append(blocks if tables[i] is None else tables[i])
+                dec_arrays.append(table)
             dec_lens.append(start + 1)
             continue
         ids.extend(toks)
@@ -72,7 +73,7 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
                 dec_rows.append(row0 + j)
                 dec_tables.append(blocks)
                 if dec_arrays is not None:
-                    dec_arrays.append(blocks if tables[i] is None else tables[i])
+                    dec_arrays.append(table)
                 dec_lens.append(start + j + 1)
         elif paged:
             chunks.append((row0, m, start + m, blocks))

@@ -161,7 +161,9 @@ class TokenBitmask:
         return Filling(self._submit(self._fill, live, host), None)
 
     def _check_rows(self, entries: Sequence[tuple]) -> None:
-        last = max((row + len(drafts) for _, row, drafts in entries), default=-1)
+        self._check_last(max((row + len(drafts) for _, row, drafts in entries), default=-1))
+
+    def _check_last(self, last: int) -> None:
         if last >= self.max_rows:
             raise RuntimeError(f"sampled row {last}; the bitmask has {self.max_rows}")
 
@@ -198,8 +200,7 @@ class TokenBitmask:
         if not self._worker:
             return None
         rows = list(map(_ROW, entries))
-        if rows and max(rows) >= self.max_rows:  # (no drafts: an entry's last row is its row)
-            raise RuntimeError(f"sampled row {max(rows)}; the bitmask has {self.max_rows}")
+        self._check_last(max(rows, default=-1))  # (no drafts: an entry's last row is its row)
         if self._stops is None and matchers:  # the tokenizer's: every grammar's the same
             self._stops = frozenset(matchers[0].stop_token_ids)
         stops = self._stops or frozenset()

@@ -50,7 +50,13 @@ def _build_dir() -> Path:
 
 
 def _library(libinfo) -> Path:
-    """The built worker's path (built now if missing)."""
+    """The built worker's path (built now if missing).
+
+    NOTE: built by hand, not with ``tvm_ffi.cpp.build`` (which does build and cache): that
+    needs ``ninja``, which the device hosts were never checked to have (this single-file
+    build ran there in sessions 16-17), and its cache key leaves the compiler and the machine
+    out (a cache shared by two hosts). Not ``torch.utils.cpp_extension`` either: the worker
+    links tvm-ffi, not torch, and is loaded by ``tvm_ffi.load_module``."""
     import tvm_ffi
 
     cxx = shutil.which(os.environ.get("CXX", "c++"))
