@@ -42,6 +42,11 @@ _NO_LIMIT: tuple[bool, Optional[str]] = (False, None)
 
 
 class EngineCore:
+    #: a late step whose step before is still on the device at the forward's launch starts its
+    #: grammar job after the launch (waiting for those tokens); False: the step thread feeds
+    #: and fills itself, after the loop's delivery (before session 18; an A/B on the device)
+    grammar_job_after_launch = True
+
     def __init__(self, runner: ModelRunner, *, check_integrity: bool = False):
         self.runner = runner
         self.tokenizer = runner.tokenizer
@@ -80,6 +85,7 @@ class EngineCore:
         #: ENGINECORE_GRAMMAR_OVERLAP=0 keeps it on the step thread (issue 23)
         self.grammar_overlap = os.environ.get("ENGINECORE_GRAMMAR_OVERLAP", "1") != "0"
         self.grammar_jobs = 0  # late steps whose grammar work ran beside the forward
+        self.grammar_jobs_after = 0  # of them, those started after the forward's launch
         overlap = cfg.overlap_scheduling
         if overlap is None:
             overlap = runner.device.type == "cuda"
@@ -200,8 +206,18 @@ class EngineCore:
                 # the step before's tokens are back already: its matchers take them and this
                 # step's masks are filled on the grammar worker (a C++ thread that never takes
                 # the GIL), beside this forward's launch
-                job = self._grammar_job(*prev, batch) if self.grammar_overlap else None
+                ready = self.grammar_overlap and prev[1].ready
+                job = self._grammar_job(*prev, batch) if ready else None
                 fwd = self.runner.forward(batch)
+                if (self.grammar_overlap and not ready and self.grammar_job_after_launch
+                        and self.runner.has_grammar_worker):
+                    # NOTE: still on the device before the launch (a fast host: 215 of 256 late
+                    # steps on an H100 host, session 18), its tokens are back, or nearly, once
+                    # the forward is launched (~1 ms of host work): the job starts now, the
+                    # wait for them without the GIL, and runs beside the loop's delivery of
+                    # the outputs held (on_launched) instead of after it on the step thread
+                    job = self._grammar_job(*prev, batch)
+                    self.grammar_jobs_after += job is not None
                 t1 = time.perf_counter()
                 if on_launched is not None:
                     # NOTE: with a job too: let in after the sampling's launch instead, the
@@ -317,13 +333,11 @@ class EngineCore:
         return dict(zip(fed, verdicts))
 
     def _grammar_job(self, batch, launched, nxt):
-        """When the step before (``batch``, ``launched``) is done on the device and each of its
-        constrained tokens is in its mask: its matchers' tokens and ``nxt``'s masks handed to
-        the grammar worker (``runner.accept_then_fill``), for :meth:`_grammar_done`. None
-        otherwise (a token the mask refused, not yet read back, no worker, drafts): the
-        usual path."""
-        if not launched.ready:
-            return None
+        """When each constrained token of the step before (``batch``, ``launched``; read back
+        here, waiting for the device if need be) is in its mask: its matchers' tokens and
+        ``nxt``'s masks handed to the grammar worker (``runner.accept_then_fill``), for
+        :meth:`_grammar_done`. None otherwise (a token the mask refused, no worker, drafts):
+        the usual path."""
         fed, toks, allowed = self._fed(batch, launched)
         if not all(allowed):
             return None

@@ -388,6 +388,12 @@ class ModelRunner(RunnerSleep):
         bitmask: TokenBitmask = self._owner[R.GRAMMAR_BITMASK]
         return bitmask.accept_then_fill(matchers, tokens, _constrained(batch))
 
+    @property
+    def has_grammar_worker(self) -> bool:
+        """Whether :meth:`accept_then_fill` can start jobs (the grammar worker was built)."""
+        bitmask: TokenBitmask = self._owner[R.GRAMMAR_BITMASK]
+        return bitmask.has_worker
+
     def grammar_allows(self, rows: Sequence[int], tokens: Sequence[int]) -> list[bool]:
         """Whether each sampled token is in the grammar mask its row was sampled with (the
         bitmask's host rows hold the last masked step's until the next fill)."""

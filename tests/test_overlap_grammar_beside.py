@@ -153,13 +153,16 @@ async def test_two_engines_beside_at_once_with_aborts():
 @pytest.mark.parametrize("kw", [{"num_kv_blocks": 24, "block_size": 4},
                                 {"max_num_batched_tokens": 16}], ids=["preempt", "chunked"])
 def test_jobs_mixed_with_synchronous_late_steps(after, kw, monkeypatch):
-    """The step before's tokens not back now and then (``Launched.ready`` False): late steps
-    with and without a job alternate -- masks filled on the worker, then read back by
+    """The step before's tokens not back now and then at the forward's launch
+    (``Launched.ready`` False: the job starts after the launch, once they are), and now and
+    then no job at all (the step thread feeds and fills): late steps with jobs before the
+    launch, after it and without alternate -- masks filled on the worker, then read back by
     ``allows`` on the step thread, and the other way round -- across preemptions and prompt
     chunks: the outputs are those of the same order without jobs."""
     import random
 
     from engine.launched import Launched
+    from engine.runner import ModelRunner
 
     work = list(_mixed(14))
     want = _run(_core(True, after, **kw), work)
@@ -167,6 +170,10 @@ def test_jobs_mixed_with_synchronous_late_steps(after, kw, monkeypatch):
     ready = Launched.ready
     monkeypatch.setattr(Launched, "ready",
                         property(lambda self: ready.fget(self) and rnd.random() < 0.5))
+    start = ModelRunner.accept_then_fill
+    monkeypatch.setattr(ModelRunner, "accept_then_fill",
+                        lambda self, *a: start(self, *a) if rnd.random() < 0.7 else None)
     core = _core(True, after + "-beside", **kw)
     assert _run(core, work) == want
     assert 0 < core.grammar_jobs < core.late_sampled_steps
+    assert 0 < core.grammar_jobs_after < core.grammar_jobs

@@ -193,11 +193,7 @@ class TokenBitmask:
         at a time: :meth:`fill`)."""
         if any(map(_DRAFTS, entries)):  # (C-level passes: 256 rows are ~10 us, not ~50)
             return None
-        if self._worker is None:
-            from .native import new_worker
-
-            self._worker = new_worker() or False
-        if not self._worker:
+        if not self.has_worker:
             return None
         rows = list(map(_ROW, entries))
         self._check_last(max(rows, default=-1))  # (no drafts: an entry's last row is its row)
@@ -222,6 +218,15 @@ class TokenBitmask:
         self._worker.submit(self._batch_matcher(self._threads), matchers, tokens, ask,
                             fill_matchers, fill_rows, fill_fed, self.host)
         return GrammarJob(self._worker, self._job_done, matchers, fill_rows, fill_fed)
+
+    @property
+    def has_worker(self) -> bool:
+        """Whether the grammar worker can be had (made here on first use)."""
+        if self._worker is None:
+            from .native import new_worker
+
+            self._worker = new_worker() or False
+        return bool(self._worker)
 
     def _job_done(self, fill_seconds: float) -> None:
         if fill_seconds > 0:  # the fill's work (wall x threads) sets the next one's threads

@@ -65,6 +65,9 @@
 #   PART=30 the acceptance runs of issues 15 and 23 in interleaved rounds (bench.prefix --rounds 3,
 #           bench.structured --rounds 3), then the prefix and release GPU tests, and the step
 #           thread's CUDA calls in bench.prefix's caching-on run (scripts/gpu/profile_prefix.py)
+#   PART=31 session 18, issue 23: bench.structured with the grammar job started after the forward's
+#           launch (the default) and without (with_switch.py --set), 3 interleaved pairs; py-spy
+#           of the default; the structured and overlap GPU tests; bench.prefix --rounds 2
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -310,6 +313,21 @@ elif [[ $PART == 30 ]]; then  # the next session: issues 15 and 23 in interleave
   TAIL=6 step gpu_tests 90 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_prefix.py \
     tests/gpu/test_gpu_release.py
   TAIL=40 step profile_prefix 60 python3 scripts/gpu/profile_prefix.py --out "$OUT/profile_prefix.json"
+elif [[ $PART == 31 ]]; then  # session 18, issue 23: the job after the forward's launch, A/B
+  export ONE_LOG=run.log TAIL=8
+  for r in 1 2 3; do
+    step "structured_after_$r" 40 python3 -m bench.structured --device cuda --no-progress --no-plain \
+      --fractions 0,1 --rounds 2 --out "$OUT/structured_after_$r.json"
+    step "structured_before_$r" 40 python3 scripts/gpu/with_switch.py \
+      --set engine.core:EngineCore.grammar_job_after_launch=false - bench.structured --device cuda \
+      --no-progress --no-plain --fractions 0,1 --rounds 2 --out "$OUT/structured_before_$r.json"
+  done
+  step structured_pyspy 60 .whl/py-spy record -r 250 -f raw -o "$OUT/structured_100.raw" --threads -- \
+    python3 -m bench.structured --device cuda --no-progress --no-plain --fractions 0,1 --rounds 2 \
+    --out "$OUT/structured_spy.json"
+  TAIL=6 step gpu_tests 100 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_structured.py \
+    tests/gpu/test_gpu_overlap.py
+  step prefix 100 python3 -m bench.prefix --device cuda --no-progress --rounds 2 --out "$OUT/prefix.json"
 elif [[ $PART == 20 ]]; then  # session 14 (no device then), issue 23: grammar work beside the forward
   export ONE_LOG=run.log TAIL=30
   step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
