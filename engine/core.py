@@ -46,6 +46,9 @@ class EngineCore:
     #: grammar job after the launch (waiting for those tokens); False: the step thread feeds
     #: and fills itself, after the loop's delivery (before session 18; an A/B on the device)
     grammar_job_after_launch = True
+    #: a late step lets the loop in (``on_launched``) once its sampling is launched, not
+    #: once its forward is (an A/B on the device, session 18)
+    late_let_in_after_sampling = False
 
     def __init__(self, runner: ModelRunner, *, check_integrity: bool = False):
         self.runner = runner
@@ -219,7 +222,8 @@ class EngineCore:
                     job = self._grammar_job(*prev, batch)
                     self.grammar_jobs_after += job is not None
                 t1 = time.perf_counter()
-                if on_launched is not None:
+                let_in_late = on_launched is not None and self.late_let_in_after_sampling
+                if on_launched is not None and not let_in_late:
                     # NOTE: with a job too: let in after the sampling's launch instead, the
                     # loop's delivery ran beside the next step's forward and the simulated
                     # device's 100 % step took 4.33-4.47 ms against 3.80-4.15 (session 16).
@@ -242,6 +246,8 @@ class EngineCore:
                 t3 = time.perf_counter()
                 launched = self.runner.sample_step(fwd, defer, masks)
                 del fwd
+                if let_in_late:
+                    on_launched()
                 t4 = time.perf_counter()
                 if after:
                     outputs += self._complete(*prev, verdicts)

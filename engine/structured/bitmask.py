@@ -7,8 +7,9 @@ per draft position: its matcher fills the first row, takes draft 1, fills the ne
 rolled back to where it was; at the first draft the grammar refuses it stops (that row's mask
 refuses the draft, so verification rejects it there; the rows after it are never used). On CUDA
 the filled rows are copied to the device buffer in one transfer (pinned host rows, non-blocking);
-then ``apply_token_bitmask_inplace`` sets the disallowed logits to -inf on the logits'
-device (xgrammar's own kernels: Triton on CUDA, its C++ path on CPU), once for the whole batch,
+then xgrammar's kernel sets the disallowed logits to -inf on the logits' device (its Triton
+kernel on CUDA, launched directly: ``_mask_packed``; its C++ path on CPU through
+``apply_token_bitmask_inplace``), once for the whole batch,
 before sampling -- so greedy, temperature, top-k/top-p and seeds all sample from the allowed set.
 Rows without a constraint are left untouched (``indices``). The rows of the matchers' current
 states are filled together on xgrammar's own threads (``BatchGrammarMatcher``). The host rows
@@ -68,6 +69,24 @@ def _threads_for(work_s: float, most: int) -> int:
     return max(1, min(most, int(work_s / _WORK_PER_THREAD_S)))
 
 
+def _direct_kernel(device: torch.device) -> tuple:
+    """(xgrammar's Triton bitmask kernel, the grid's programs) on a CUDA device -- or on the
+    CPU under Triton's interpreter with ``ENGINECORE_BITMASK_KERNEL=1`` (the tests) --
+    where the kernel can be had; else (None, 0): xgrammar's public function."""
+    interpret = (os.environ.get("TRITON_INTERPRET") == "1"
+                 and os.environ.get("ENGINECORE_BITMASK_KERNEL") == "1")
+    if device.type != "cuda" and not interpret:
+        return None, 0
+    try:  # (xgrammar 0.2's module, pinned in pyproject.toml)
+        from xgrammar.kernels.apply_token_bitmask_inplace_triton import (
+            apply_token_bitmask_inplace_kernel as kernel)
+    except Exception:  # no Triton, or another layout: the public function
+        return None, 0
+    if device.type != "cuda":
+        return kernel, 4
+    return kernel, torch.cuda.get_device_properties(device).multi_processor_count
+
+
 class Filling(NamedTuple):
     """Rows of a :class:`TokenBitmask` being filled: on its helper thread (``future``) or
     done (``done``)."""
@@ -89,13 +108,19 @@ class TokenBitmask:
     fills are that wide; the device rows are as wide as the logits, and their words past the
     host rows' stay zero, so the ids past ``grammar_vocab`` (padding) are refused."""
 
+    #: on a device, masks through xgrammar's kernel launched directly (:meth:`_mask_packed`);
+    #: False: through its public function (an A/B on the device, session 18)
+    direct_kernel = True
+
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device,
                  grammar_vocab: Union[int, Callable[[], int], None] = None) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._grammar_vocab = vocab_size if grammar_vocab is None else grammar_vocab
         self._max_rows = max_rows
-        # the device rows (CPU: the rows masks are applied from); zero words refuse their ids
+        # the device rows (CPU: the rows masks are applied from); zero words refuse their ids.
+        # With xgrammar's kernel launched directly (a device: _mask_packed) the rows are
+        # packed at the front instead, ``grammar_vocab`` ids a row, and a fill refuses the rest
         self.dev = torch.zeros((max_rows, -(-vocab_size // 32)), dtype=torch.int32,
                                device=self.device)
         self._host: Optional[torch.Tensor] = None  # the rows xgrammar fills, made on first use
@@ -107,6 +132,9 @@ class TokenBitmask:
         self._worker = None  # the grammar worker (structured/native.py), made on first use;
         # False where it cannot be had
         self._stops: Optional[frozenset] = None  # the matchers' stop tokens (the tokenizer's)
+        # on a device: xgrammar's Triton kernel, launched by _mask_packed; the device rows are
+        # then packed at the front of ``dev`` (``grammar_vocab`` ids a row), never full width
+        self._direct: Optional[tuple] = None  # (kernel, programs), resolved at the first mask
 
     @property
     def max_rows(self) -> int:
@@ -246,18 +274,55 @@ class TokenBitmask:
         rows = filling.rows()
         if not rows:
             return logits
-        from xgrammar import apply_token_bitmask_inplace
-
         n = max(rows) + 1
         host = self.host
-        self.dev[:n, : host.shape[1]].copy_(host[:n], non_blocking=True)
         out = logits.clone() if copy else logits
+        if self._direct is None:  # (xgrammar imported here, not at the runner's start)
+            self._direct = _direct_kernel(self.device) if self.direct_kernel else (None, 0)
+        if self._direct[0] is not None and out.stride(-1) == 1:
+            return self._mask_packed(out, rows, n, host)
+        from xgrammar import apply_token_bitmask_inplace
+
+        self.dev[:n, : host.shape[1]].copy_(host[:n], non_blocking=True)
         vocab = min(self.vocab_size, out.shape[-1])
         if len(rows) == n:  # rows 0 .. n-1 (unique): the first n logits rows, no index list
             apply_token_bitmask_inplace(out[:n], self.dev[:n], vocab_size=vocab)
         else:
             apply_token_bitmask_inplace(out, self.dev[:n], vocab_size=vocab,
                                         indices=self._indices(rows))
+        return out
+
+    def _mask_packed(self, out: torch.Tensor, rows: list[int], n: int,
+                     host: torch.Tensor) -> torch.Tensor:
+        """:meth:`mask` on a device: the host rows copied as they are (one contiguous copy
+        into the front of the device buffer, rows ``grammar_vocab`` ids wide), the ids past
+        them refused with one fill, and xgrammar's Triton kernel launched directly over the
+        ids the rows cover.
+
+        NOTE: xgrammar's ``apply_token_bitmask_inplace`` asks the device's properties twice
+        and checks its arguments on every call, and the copy into the rows' first words of the
+        full-width buffer is strided (a copy kernel after the transfer): the late step pays
+        for those on the host's critical path, once a step (issue 23)."""
+        words = host.shape[1]
+        dev = self.dev.view(-1)[: n * words].view(n, words)
+        dev.copy_(host[:n], non_blocking=True)
+        vocab = min(self.vocab_size, out.shape[-1])
+        covered = min(words * 32, vocab)
+        if len(rows) == n:  # rows 0 .. n-1 (unique): the first n logits rows
+            target, idx = out[:n], None
+            if covered < vocab:
+                target[:, covered:vocab] = float("-inf")
+        else:
+            idx = self._indices(rows)
+            if not isinstance(idx, torch.Tensor):  # (the CPU, under Triton's interpreter)
+                idx = torch.tensor(idx, dtype=torch.int32)
+            if covered < vocab:
+                out[:, covered:vocab].index_fill_(0, idx.long(), float("-inf"))
+        kernel, programs = self._direct
+        block = 4096  # (xgrammar's own choices)
+        warps = block // 32 // max(1, 16 // out.element_size())
+        kernel[(programs,)](target if idx is None else out, dev, idx, len(rows), covered,
+                            out.stride(0), words, programs, block, num_warps=warps, num_stages=3)
         return out
 
     def allows(self, rows: Sequence[int], tokens: Sequence[int]) -> list[bool]:

@@ -68,6 +68,10 @@
 #   PART=31 session 18, issue 23: bench.structured with the grammar job started after the forward's
 #           launch (the default) and without (with_switch.py --set), 3 interleaved pairs; py-spy
 #           of the default; the structured and overlap GPU tests; bench.prefix --rounds 2
+#   PART=32 session 18, issue 23: bench.structured with the defaults, with xgrammar's public mask
+#           function (TokenBitmask.direct_kernel=false) and with the late let-in after the sampling
+#           (EngineCore.late_let_in_after_sampling=true), 2 interleaved triples; GPU tests
+#           (structured, overlap, release); on an H200 first bench.prefix --rounds 3 (issue 15)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -328,6 +332,24 @@ elif [[ $PART == 31 ]]; then  # session 18, issue 23: the job after the forward'
   TAIL=6 step gpu_tests 100 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_structured.py \
     tests/gpu/test_gpu_overlap.py
   step prefix 100 python3 -m bench.prefix --device cuda --no-progress --rounds 2 --out "$OUT/prefix.json"
+elif [[ $PART == 32 ]]; then  # session 18, issue 23: the packed mask kernel and the late let-in, A/B
+  export ONE_LOG=run.log TAIL=8
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then  # issue 15's acceptance
+    step prefix 150 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
+  fi
+  for r in 1 2; do
+    step "structured_default_$r" 40 python3 -m bench.structured --device cuda --no-progress --no-plain \
+      --fractions 0,1 --rounds 2 --out "$OUT/structured_default_$r.json"
+    step "structured_public_$r" 40 python3 scripts/gpu/with_switch.py \
+      --set engine.structured.bitmask:TokenBitmask.direct_kernel=false - bench.structured --device cuda \
+      --no-progress --no-plain --fractions 0,1 --rounds 2 --out "$OUT/structured_public_$r.json"
+    step "structured_letin_$r" 40 python3 scripts/gpu/with_switch.py \
+      --set engine.core:EngineCore.late_let_in_after_sampling=true - bench.structured --device cuda \
+      --no-progress --no-plain --fractions 0,1 --rounds 2 --out "$OUT/structured_letin_$r.json"
+  done
+  TAIL=6 step gpu_tests 100 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_structured.py \
+    tests/gpu/test_gpu_overlap.py
+  TAIL=6 step gpu_release 90 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_release.py
 elif [[ $PART == 20 ]]; then  # session 14 (no device then), issue 23: grammar work beside the forward
   export ONE_LOG=run.log TAIL=30
   step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \

@@ -1,0 +1,61 @@
+"""``TokenBitmask._mask_packed`` (the device path: the host rows copied packed, the ids past
+them refused by a fill, xgrammar's Triton kernel launched directly) gives exactly what
+xgrammar's public ``apply_token_bitmask_inplace`` gives with full-width, zero-padded rows --
+run on the CPU under Triton's interpreter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("xgrammar")
+
+CHECK = r'''
+import random, torch
+from engine.structured.bitmask import TokenBitmask, Filling
+from xgrammar import apply_token_bitmask_inplace
+
+rnd = random.Random(0)
+cases = 0
+for vocab, gv, extra, dtype in [(160, 96, 3, torch.float32), (130, 130, 0, torch.float32),
+                                (4200, 4128, 5, torch.bfloat16), (64, 32, 0, torch.float32)]:
+    for _ in range(3):
+        bits = TokenBitmask(8, vocab, torch.device("cpu"), grammar_vocab=gv)
+        host = bits.host
+        host.copy_(torch.randint(-2**31, 2**31 - 1, host.shape, dtype=torch.int64)
+                   .to(torch.int32))
+        host[0].zero_()  # a row that allows nothing
+        total = rnd.randint(2, 8)
+        n = rnd.randint(1, total)
+        rows = (list(range(n)) if rnd.random() < 0.5
+                else sorted(rnd.sample(range(total), n)))
+        logits = torch.randn(total, vocab + extra).to(dtype)
+        before = logits.clone()
+        for copy in (True, False):
+            src = logits.clone()
+            got = bits.mask(src, Filling(None, rows), copy=copy)
+            assert bits._direct[0] is not None
+            assert (got is src) == (not copy)
+            if copy:
+                assert torch.equal(src, before)
+            full = torch.zeros(total, -(-vocab // 32), dtype=torch.int32)
+            full[:, : host.shape[1]] = host[:total]
+            ref = before.clone()
+            apply_token_bitmask_inplace(ref, full, vocab_size=vocab, indices=rows)
+            assert torch.equal(got, ref), (vocab, gv, rows, copy)
+            cases += 1
+print("cases", cases)
+'''
+
+
+def test_packed_kernel_path_equals_xgrammars_function():
+    env = dict(os.environ, TRITON_INTERPRET="1", ENGINECORE_BITMASK_KERNEL="1")
+    out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env,
+                         timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                             os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "24"
