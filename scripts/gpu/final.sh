@@ -350,6 +350,9 @@ elif [[ $PART == 32 ]]; then  # session 18, issue 23: the packed mask kernel and
   TAIL=6 step gpu_tests 100 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_structured.py \
     tests/gpu/test_gpu_overlap.py
   TAIL=6 step gpu_release 90 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_release.py
+  step structured_si 40 python3 scripts/gpu/with_switch.py 0.0005 bench.structured --device cuda \
+    --no-progress --no-plain --fractions 0,1 --rounds 2 --out "$OUT/structured_si.json"
+  TAIL=60 step profile_structured 60 python3 scripts/gpu/profile_structured.py --max-tokens 64
 elif [[ $PART == 20 ]]; then  # session 14 (no device then), issue 23: grammar work beside the forward
   export ONE_LOG=run.log TAIL=30
   step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
