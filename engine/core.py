@@ -22,7 +22,7 @@ from .sampler import StepResult
 from .scheduler import Scheduler
 from .speculative.base import SpecStats
 from .structured.bitmask import Filling
-from .structured.matcher import advance, advance_all, new_matcher, verdicts_of
+from .structured.matcher import GO_ON, advance, advance_all, new_matcher, verdicts_of
 from .stats import EngineTimings
 
 
@@ -39,6 +39,22 @@ class CoreStats(NamedTuple):
 
 
 _NO_LIMIT: tuple[bool, Optional[str]] = (False, None)
+
+
+class _AllGoOn:
+    """Verdicts (``EngineCore._complete``'s) of a step whose fed matchers all go on: every
+    entry that reaches ``_append`` with a matcher was fed (``EngineCore._fed``'s rule: it is
+    pending, not finished, sampled a token, and outputs tokens), and those without one ignore
+    the verdict."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def get(_k: int) -> tuple:
+        return GO_ON
+
+
+_ALL_GO_ON = _AllGoOn()
 
 
 class EngineCore:
@@ -334,8 +350,9 @@ class EngineCore:
         """A deferred step's tokens read back and fed to the constrained requests' matchers
         (before the rest of the step is applied, so the next masks can be filled meanwhile):
         entry -> the verdict (``structured.matcher.advance``) that ``_append`` then uses."""
-        fed, toks, allowed = self._fed(batch, launched)
-        verdicts = advance_all([batch[k][0].matcher for k in fed], toks, allowed)
+        fed, toks, rows = self._fed(batch, launched)
+        verdicts = advance_all([batch[k][0].matcher for k in fed], toks,
+                               self.runner.grammar_allows(rows, toks))
         return dict(zip(fed, verdicts))
 
     def _grammar_job(self, batch, launched, nxt):
@@ -344,8 +361,8 @@ class EngineCore:
         ``nxt``'s masks handed to the grammar worker (``runner.accept_then_fill``), for
         :meth:`_grammar_done`. None otherwise (a token the mask refused, no worker, drafts):
         the usual path."""
-        fed, toks, allowed = self._fed(batch, launched)
-        if not all(allowed):
+        fed, toks, rows = self._fed(batch, launched)
+        if not self.runner.grammar_allows_all(rows, toks):
             return None
         matchers = [batch[k][0].matcher for k in fed]
         job = self.runner.accept_then_fill(matchers, toks, nxt)
@@ -358,18 +375,20 @@ class EngineCore:
     def _grammar_done(fed, matchers, job):
         """A :meth:`_grammar_job`'s verdicts (entry of the step before -> verdict) and masks."""
         ended, rows = job.result()
+        if not ended:  # the usual step: each entry fed its matcher, and none ended
+            return _ALL_GO_ON, Filling(None, rows)
         return dict(zip(fed, verdicts_of(matchers, ended))), Filling(None, rows)
 
-    def _fed(self, batch, launched) -> tuple[list[int], list[int], list[bool]]:
+    def _fed(self, batch, launched) -> tuple[list[int], list[int], list[int]]:
         """A deferred step read back: the entries whose matcher takes the token it sampled,
-        those tokens, and whether each is in the mask its row was sampled with (the step's
-        masks are still in the host rows)."""
+        those tokens, and the rows they were sampled from (whose masks are still in the
+        bitmask's host rows: ``runner.grammar_allows``)."""
         tokens = self.runner.collect(launched).tokens
         fed = [k for k, (req, _) in enumerate(batch)
                if req.matcher is not None and req.pending and not req.finished and tokens[k]
                and req.params.max_tokens > 0]
         toks = [tokens[k][0] for k in fed]
-        return fed, toks, self.runner.grammar_allows([launched.rows[k] for k in fed], toks)
+        return fed, toks, list(map(launched.rows.__getitem__, fed))
 
     def _update(self, batch, result: StepResult) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []

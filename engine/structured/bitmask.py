@@ -325,17 +325,27 @@ class TokenBitmask:
                             out.stride(0), words, programs, block, num_warps=warps, num_stages=3)
         return out
 
+    def all_allowed(self, rows: Sequence[int], tokens: Sequence[int]) -> bool:
+        """Whether :meth:`allows` holds for every token (one answer, no list)."""
+        return bool(self._allowed(rows, tokens).all()) if rows else True
+
     def allows(self, rows: Sequence[int], tokens: Sequence[int]) -> list[bool]:
         """Whether each token is allowed by its host row as last filled (the mask its step was
         sampled with, until the next :meth:`fill`): one vectorized read of the rows' words."""
         if not rows:
             return []
+        return self._allowed(rows, tokens).tolist()
+
+    def _allowed(self, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         host = self.host.numpy()
         tok = np.asarray(tokens, dtype=np.int64)
+        if tok.min() >= 0 and tok.max() < self.grammar_vocab:  # (sampled from masked logits)
+            words = host[np.asarray(rows, dtype=np.int64), tok >> 5]
+            return ((words >> (tok & 31)) & 1).astype(bool)
         inside = (tok >= 0) & (tok < self.grammar_vocab)
         safe = np.where(inside, tok, 0)
         words = host[np.asarray(rows, dtype=np.int64), safe >> 5]
-        return (inside & ((words >> (safe & 31)) & 1).astype(bool)).tolist()
+        return inside & ((words >> (safe & 31)) & 1).astype(bool)
 
     def _indices(self, rows: list[int]):
         """``rows`` for xgrammar's kernel: on CUDA a device tensor copied from pinned memory
@@ -421,6 +431,8 @@ class GrammarJob:
         (the GIL is given up meanwhile); raises the job's error."""
         fill_seconds, ended = self._worker.wait()
         self._on_done(fill_seconds)
+        if not ended:  # the usual step: no fed matcher ended, every fill entry was filled
+            return set(), self._rows
         gone = set(ended)
         rows = [r for r, i in zip(self._rows, self._fed) if i < 0 or i not in gone]
         return {id(self._matchers[i]) for i in ended}, rows

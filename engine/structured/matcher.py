@@ -19,6 +19,7 @@ def new_matcher(compiled):
 
 Verdict = tuple[Optional[str], Optional[str]]
 _GO_ON: Verdict = (None, None)
+GO_ON = _GO_ON  # the verdict of a matcher that took its token and goes on
 _STOP: Verdict = ("stop", None)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import operator
 import os
 import platform
 import shutil
@@ -143,6 +144,9 @@ def _xgrammar_functions() -> tuple:
             method("GrammarMatcher", "is_terminated"))
 
 
+_HANDLE = operator.attrgetter("_handle")  # an xgrammar object's tvm-ffi object
+
+
 class GrammarWorker:
     """One C++ thread and at most one job at a time (:meth:`submit`, then :meth:`wait`)."""
 
@@ -173,9 +177,9 @@ class GrammarWorker:
         import tvm_ffi
 
         accept, fill, is_terminated = self._fns
-        handles = tvm_ffi.convert([m._handle for m in matchers])
+        handles = tvm_ffi.convert(list(map(_HANDLE, matchers)))
         fill_handles = (handles if fill_matchers is matchers
-                        else [m._handle for m in fill_matchers])
+                        else list(map(_HANDLE, fill_matchers)))
         self._mod.grammar_worker_submit(
             self._handle, accept, fill, is_terminated, batch._handle, handles, list(tokens),
             list(ask), fill_handles, list(fill_rows), list(fill_fed), host)
