@@ -528,7 +528,9 @@ def _constrained(batch) -> list[tuple]:
     out = []
     row = 0
     for req, n in batch:
-        k = len(req.spec_token_ids) + 1 if req.num_computed_tokens + n == req.num_known_tokens else 0
+        # (req.num_known_tokens, inlined: a late step runs this over every entry)
+        ends = req.num_computed_tokens + n == len(req.token_ids) + req.pending
+        k = len(req.spec_token_ids) + 1 if ends else 0
         if k and req.matcher is not None:
             out.append((req.matcher, row, req.spec_token_ids if k > 1 else ()))
         row += k
