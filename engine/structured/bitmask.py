@@ -242,7 +242,9 @@ class TokenBitmask:
                 fill_matchers.append(m)
                 fill_rows.append(row)
                 fill_fed.append(i)
-        ask = [i for i, t in enumerate(tokens) if t in stops]
+        # (most steps feed no stop token: counted at C level first)
+        ask = ([i for i, t in enumerate(tokens) if t in stops]
+               if sum(map(tokens.count, stops)) else [])
         self._worker.submit(self._batch_matcher(self._threads), matchers, tokens, ask,
                             fill_matchers, fill_rows, fill_fed, self.host)
         return GrammarJob(self._worker, self._job_done, matchers, fill_rows, fill_fed)
