@@ -337,6 +337,8 @@ elif [[ $PART == 32 ]]; then  # session 18, issue 23: the packed mask kernel and
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then  # issue 15's acceptance
     step prefix 150 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
   fi
+  TAIL=10 step structured 60 python3 -m bench.structured --device cuda --no-progress --no-plain \
+    --fractions 0,0.5,1 --rounds 3 --out "$OUT/structured.json"
   for r in 1 2; do
     step "structured_default_$r" 40 python3 -m bench.structured --device cuda --no-progress --no-plain \
       --fractions 0,1 --rounds 2 --out "$OUT/structured_default_$r.json"
