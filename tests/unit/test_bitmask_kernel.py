@@ -59,3 +59,50 @@ def test_packed_kernel_path_equals_xgrammars_function():
                              os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-1] == "24"
+
+
+NON_CONTIGUOUS = r'''
+import torch
+from engine.structured.bitmask import TokenBitmask, Filling
+from xgrammar import apply_token_bitmask_inplace
+
+vocab, gv = 160, 96  # host rows 3 words, device rows 5: the packed rows overrun row 0's width
+bits = TokenBitmask(4, vocab, torch.device("cpu"), grammar_vocab=gv)
+host = bits.host
+host.copy_(torch.randint(-2**31, 2**31 - 1, host.shape, dtype=torch.int64,
+                         generator=torch.Generator().manual_seed(1)).to(torch.int32))
+full = torch.zeros(4, 5, dtype=torch.int32)
+full[:, : host.shape[1]] = host
+bad = 0
+for rows in ([0, 1, 2, 3], [1, 3], [0, 1, 2, 3]):
+    bits.mask(torch.randn(4, vocab), Filling(None, rows), copy=False)  # contiguous first
+    for copy in (True, False):
+        src = torch.randn(vocab, 4).t()  # the same logits, each row's ids strided
+        before = src.clone()
+        ref = src.contiguous()
+        apply_token_bitmask_inplace(ref, full, vocab_size=vocab,
+                                    indices=None if len(rows) == 4 else rows)
+        got = bits.mask(src, Filling(None, rows), copy=copy)
+        bad += not torch.equal(got, ref)
+        bad += (got is src) == copy
+        bad += copy and not torch.equal(src, before)
+print("bad", bad)
+'''
+
+
+@pytest.mark.parametrize("kernel", ["packed", "public"])
+def test_logits_with_strided_rows_are_masked_as_dense_ones(kernel):
+    """Logits whose rows are not contiguous (``stride(-1) != 1``): masked exactly as a dense
+    copy is -- xgrammar's kernels (its Triton one, its C++ CPU one) index a row's ids as
+    contiguous, and once the packed path has run the device buffer's rows hold packed words
+    past the host width. The caller's logits are left alone with ``copy``."""
+    env = dict(os.environ)
+    if kernel == "packed":
+        env.update(TRITON_INTERPRET="1", ENGINECORE_BITMASK_KERNEL="1")
+    else:
+        env.pop("ENGINECORE_BITMASK_KERNEL", None)
+    out = subprocess.run([sys.executable, "-c", NON_CONTIGUOUS], capture_output=True, text=True,
+                         env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(
+                             os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "0"
