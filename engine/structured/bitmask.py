@@ -276,12 +276,20 @@ class TokenBitmask:
         rows = filling.rows()
         if not rows:
             return logits
+        if logits.stride(-1) != 1:
+            # xgrammar's kernels (and _mask_packed's launch of one) index a row's ids as
+            # contiguous: a dense copy masked, written back unless ``copy``. (Never a fallback
+            # to the public function here: once _mask_packed ran, the device rows' words past
+            # the host width hold packed words of other rows.)
+            dense = self.mask(logits.clone(memory_format=torch.contiguous_format),
+                              Filling(None, rows), copy=False)
+            return dense if copy else logits.copy_(dense)
         n = max(rows) + 1
         host = self.host
         out = logits.clone() if copy else logits
         if self._direct is None:  # (xgrammar imported here, not at the runner's start)
             self._direct = _direct_kernel(self.device) if self.direct_kernel else (None, 0)
-        if self._direct[0] is not None and out.stride(-1) == 1:
+        if self._direct[0] is not None:
             return self._mask_packed(out, rows, n, host)
         from xgrammar import apply_token_bitmask_inplace
 
