@@ -1,0 +1,82 @@
+"""Attacks on a late step's grammar job started after the forward's launch
+(``EngineCore.grammar_job_after_launch``) and on ``_grammar_done``'s all-go-on verdicts
+(``_ALL_GO_ON``): entries that reach ``_append`` with a matcher but were not fed must not
+take a verdict they never earned."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.params import SamplingParams
+from engine.structured import native
+
+from test_overlap_structured import REGEX, SCHEMA, _core, _run
+
+pytestmark = pytest.mark.skipif(native.worker_module() is None,
+                                reason="no grammar worker (no C++ compiler)")
+
+
+def _odd(n: int):
+    """Constrained requests with every knob that changes what ``_append`` does with a token:
+    scoring only (max_tokens 0), min_tokens, ignore_eos, stop strings, logprobs; and
+    unconstrained ones beside them."""
+    for i in range(n):
+        prompt = [(i * 11 + j * 5) % 200 + 32 for j in range(3 + i % 7)]
+        c = (REGEX, SCHEMA, None)[i % 3]
+        kind = i % 6
+        kw = dict(max_tokens=5 + (i * 7) % 30, temperature=0.0, structured=c)
+        if kind == 0:
+            kw.update(max_tokens=0, prompt_logprobs=1)
+        elif kind == 1:
+            kw.update(min_tokens=3)
+        elif kind == 2:
+            kw.update(ignore_eos=True)
+        elif kind == 3:
+            kw.update(stop=["cd", "}"])
+        elif kind == 4:
+            kw.update(logprobs=True, temperature=0.8, seed=i)
+        yield f"r{i}", prompt, SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("after", ["apply-first", "sample-first"])
+@pytest.mark.parametrize("kw", [{}, {"num_kv_blocks": 24, "block_size": 4},
+                                {"max_num_batched_tokens": 16}],
+                         ids=["plain", "preempt", "chunked"])
+@pytest.mark.parametrize("ready", ["never", "random"])
+def test_after_launch_jobs_with_odd_requests(after, kw, ready, monkeypatch):
+    from engine.launched import Launched
+
+    work = list(_odd(18))
+    adds = {3: [(f"late{i}", [40 + i, 41, 42], SamplingParams(
+        max_tokens=0 if i == 0 else 9, prompt_logprobs=1, structured=REGEX))
+        for i in range(3)]}
+    aborts = {5: ["r4", "r7"], 8: ["r10", "late1"]}
+    _patch_ready(monkeypatch, ready)
+    want = _run(_core(True, after, **kw), work, dict(adds), dict(aborts))
+    monkeypatch.undo()
+    _patch_ready(monkeypatch, ready)  # the same steps not back at the same points
+    core = _core(True, after + "-beside", **kw)
+    assert _run(core, work, dict(adds), dict(aborts)) == want
+    assert core.grammar_jobs_after > 0
+
+
+def _patch_ready(monkeypatch, ready: str) -> None:
+    """``Launched.ready`` False for every deferred step ("never") or for a random half of them
+    (chosen in launch order, so both runs of a test see the same steps not back)."""
+    from engine.launched import Launched
+
+    rnd = random.Random(1)
+    late: dict[int, tuple] = {}  # id -> (the step, whether it is never ready)
+    made = Launched.__dict__["deferred"].__func__
+    was = Launched.ready
+
+    def deferred(cls, *a, **k):
+        launched = made(cls, *a, **k)
+        late[id(launched)] = (launched, ready == "never" or rnd.random() < 0.5)
+        return launched
+
+    monkeypatch.setattr(Launched, "deferred", classmethod(deferred))
+    monkeypatch.setattr(Launched, "ready", property(
+        lambda self: was.fget(self) and not late.get(id(self), (None, False))[1]))
