@@ -72,6 +72,9 @@
 #           function (TokenBitmask.direct_kernel=false) and with the late let-in after the sampling
 #           (EngineCore.late_let_in_after_sampling=true), 2 interleaved triples; GPU tests
 #           (structured, overlap, release); on an H200 first bench.prefix --rounds 3 (issue 15)
+#   PART=33 session 18's last call, issue 23: bench.structured --fractions 0,0.5,1 --rounds 5; py-spy
+#           --gil of --fractions 1 and of --fractions 0 (whose Python holds the GIL); on an H200
+#           first bench.prefix --rounds 3 (issue 15)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -355,6 +358,18 @@ elif [[ $PART == 32 ]]; then  # session 18, issue 23: the packed mask kernel and
   step structured_si 40 python3 scripts/gpu/with_switch.py 0.0005 bench.structured --device cuda \
     --no-progress --no-plain --fractions 0,1 --rounds 2 --out "$OUT/structured_si.json"
   TAIL=60 step profile_structured 60 python3 scripts/gpu/profile_structured.py --max-tokens 64
+elif [[ $PART == 33 ]]; then  # session 18's last call, issue 23: 5 interleaved rounds; whose GIL time
+  export ONE_LOG=run.log TAIL=12
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then  # issue 15's acceptance
+    step prefix 150 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
+  fi
+  step structured 80 python3 -m bench.structured --device cuda --no-progress --no-plain \
+    --fractions 0,0.5,1 --rounds 5 --out "$OUT/structured.json"
+  for f in 1 0; do  # py-spy --gil: the threads' samples while they hold the GIL, by fraction
+    step "gil_$f" 45 .whl/py-spy record --gil --nonblocking -r 500 -f raw -o "$OUT/gil_$f.raw" --threads -- \
+      python3 -m bench.structured --device cuda --no-progress --no-plain --fractions "$f" --rounds 3 \
+      --out "$OUT/gil_$f.json"
+  done
 elif [[ $PART == 20 ]]; then  # session 14 (no device then), issue 23: grammar work beside the forward
   export ONE_LOG=run.log TAIL=30
   step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
