@@ -58,7 +58,10 @@ class Launched:
 
     def wait(self) -> StepResult:
         if self.result is None:
-            if self.event is not None:
+            # NOTE: ``synchronize`` gives the GIL up even when the copy is done (``query``
+            # keeps it): a thread that wants the GIL -- the event loop delivering outputs --
+            # then runs first, and this one waits for it to let go
+            if self.event is not None and not self.event.query():
                 self.event.synchronize()
             flat = self.host.numpy()
             self.result = by_entry(self.entries, self.owners, flat[: self.n_tok].tolist())
