@@ -370,6 +370,7 @@ elif [[ $PART == 33 ]]; then  # session 18's last call, issue 23: 5 interleaved 
       python3 -m bench.structured --device cuda --no-progress --no-plain --fractions "$f" --rounds 3 \
       --out "$OUT/gil_$f.json"
   done
+  TAIL=6 step gpu_overlap 45 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_overlap.py
 elif [[ $PART == 20 ]]; then  # session 14 (no device then), issue 23: grammar work beside the forward
   export ONE_LOG=run.log TAIL=30
   step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
