@@ -80,3 +80,46 @@ def _patch_ready(monkeypatch, ready: str) -> None:
     monkeypatch.setattr(Launched, "deferred", classmethod(deferred))
     monkeypatch.setattr(Launched, "ready", property(
         lambda self: was.fget(self) and not late.get(id(self), (None, False))[1]))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("after_sampling", [False, True])
+async def test_the_loop_let_in_before_or_after_the_sampling_gives_the_same_outputs(
+        after_sampling, monkeypatch):
+    """Through the AsyncEngine (whose loop is let in by ``on_launched``): a late step letting
+    the loop in after its sampling's launch (``EngineCore.late_let_in_after_sampling``, a
+    device A/B) instead of after its forward's gives the outputs of the synchronous engine;
+    every stream ends once."""
+    import anyio
+
+    from engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+
+    async def serve(overlap: bool) -> dict:
+        cfg = EngineConfig(model="random:tiny-llama", device="cpu", dtype="float32",
+                           num_kv_blocks=256, overlap_scheduling=overlap, seed=3)
+        res = {}
+        async with AsyncEngine.open(cfg, check_integrity=True) as eng:
+            async def one(k):
+                toks, ends = [], 0
+                async for o in eng.generate([97 + k % 20] * (2 + k % 5), SamplingParams(
+                        max_tokens=4 + k % 23, temperature=0.0,
+                        structured=(REGEX, SCHEMA, None)[k % 3])):
+                    toks += o.token_ids
+                    ends += o.finished
+                res[k] = (toks, ends, o.finish_reason)
+
+            with anyio.fail_after(120):
+                async with anyio.create_task_group() as tg:
+                    for k in range(18):
+                        tg.start_soon(one, k)
+            if overlap:
+                assert eng.core.late_sampled_steps > 0
+        return res
+
+    want = await serve(False)
+    monkeypatch.setattr(EngineCore, "late_let_in_after_sampling", after_sampling)
+    got = await serve(True)
+    assert got == want
+    assert all(ends == 1 for _, ends, _ in got.values())
