@@ -334,3 +334,32 @@ def test_prefix_profile_script_runs_on_cpu(tmp_path):
     assert "us/call" in p.stdout and "caching on:" in p.stdout
     rows = json.loads(out.read_text())["cpu"]
     assert len(rows) == 5 and all(r["calls"] > 0 for r in rows)
+
+
+def test_spy_summary_counts_one_threads_samples(tmp_path, capsys):
+    """scripts/gpu/spy_summary.py: a py-spy raw profile's samples of one thread, by function
+    (once a sample however often it recurs) and by innermost line; ``within`` keeps the stacks
+    through one frame."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("spy_summary", "scripts/gpu/spy_summary.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    prof = tmp_path / "p.raw"
+    prof.write_text(
+        "thread (1): enginecore-step;run (a.py:1);step (core.py:10);f (x.py:3) 5\n"
+        "thread (1): enginecore-step;run (a.py:1);step (core.py:11);f (x.py:3);f (x.py:4) 2\n"
+        "thread (1): enginecore-step;run (a.py:1);idle (a.py:9) 4\n"
+        "thread (2): MainThread;loop (b.py:2) 7\n"
+        "garbage\n")
+    total, inclusive, by_line = mod.summarize(prof.read_text().splitlines(), "enginecore-step")
+    assert total == 11
+    assert inclusive["run (a.py)"] == 11 and inclusive["step (core.py)"] == 7
+    assert inclusive["f (x.py)"] == 7  # a recursive frame counts once a sample
+    assert by_line["f (x.py:3)"] == 5 and by_line["f (x.py:4)"] == 2
+    total, inclusive, _ = mod.summarize(prof.read_text().splitlines(), "enginecore-step",
+                                        within="step (core.py")
+    assert total == 7 and "idle (a.py)" not in inclusive
+    assert mod.main([str(prof), "--thread", "MainThread", "--top", "3"]) == 0
+    assert "7 samples of thread 'MainThread'" in capsys.readouterr().out
+    assert mod.main([str(prof), "--thread", "nobody"]) == 1

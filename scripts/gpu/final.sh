@@ -73,8 +73,9 @@
 #           (EngineCore.late_let_in_after_sampling=true), 2 interleaved triples; GPU tests
 #           (structured, overlap, release); on an H200 first bench.prefix --rounds 3 (issue 15)
 #   PART=33 session 18's last call, issue 23: bench.structured --fractions 0,0.5,1 --rounds 5; py-spy
-#           --gil of --fractions 1 and of --fractions 0 (whose Python holds the GIL); on an H200
-#           first bench.prefix --rounds 3 (issue 15)
+#           --gil of --fractions 1 and of --fractions 0 (whose Python holds the GIL; read them with
+#           scripts/gpu/spy_summary.py --thread enginecore-step|MainThread); on an H200 first
+#           bench.prefix --rounds 3 (issue 15)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
