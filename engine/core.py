@@ -15,6 +15,7 @@ from .bad_words import bad_word_sequences
 from .detokenizer import IncrementalDetokenizer
 from .errors import BadRequestError
 from .kv_cache import blocks_needed
+from .launched import Launched
 from .params import Logprobs, RequestOutput, SamplingParams
 from .request import Request
 from .runner import ModelRunner
@@ -22,7 +23,7 @@ from .sampler import StepResult
 from .scheduler import Scheduler
 from .speculative.base import SpecStats
 from .structured.bitmask import Filling
-from .structured.matcher import GO_ON, advance, advance_all, new_matcher, verdicts_of
+from .structured.matcher import ALL_GO_ON, advance, advance_all, new_matcher, verdicts_of
 from .stats import EngineTimings
 
 
@@ -39,22 +40,6 @@ class CoreStats(NamedTuple):
 
 
 _NO_LIMIT: tuple[bool, Optional[str]] = (False, None)
-
-
-class _AllGoOn:
-    """Verdicts (``EngineCore._complete``'s) of a step whose fed matchers all go on: every
-    entry that reaches ``_append`` with a matcher was fed (``EngineCore._fed``'s rule: it is
-    pending, not finished, sampled a token, and outputs tokens), and those without one ignore
-    the verdict."""
-
-    __slots__ = ()
-
-    @staticmethod
-    def get(_k: int) -> tuple:
-        return GO_ON
-
-
-_ALL_GO_ON = _AllGoOn()
 
 
 class EngineCore:
@@ -209,72 +194,9 @@ class EngineCore:
             self.timings.scheduled(batch)
             defer = self._overlap and all(req.overlappable for req, _ in batch)
             if prev is not None and any(r.matcher is not None for r, _ in batch):
-                # a constrained request's mask needs its matcher to have taken the token in
-                # flight (and the step before's copy of the mask rows to be done): the forward
-                # first; while the device runs it, the step before is read back, its matchers
-                # take their tokens, the masks are filled in the background while the rest of
-                # that step is applied; then the masks go on and the step is sampled
-                # NOTE: on an asynchronous device (``apply_after_sampling``) the step before
-                # is applied after the sampling is launched: the device then has the sampling
-                # queued behind the forward while the host applies, and the next step's
-                # forward follows sooner (applied first, the host's whole apply is device idle
-                # time on top of the next step's scheduling). The fill runs in the foreground
-                # there (a helper thread's hand-over costs more than a fill of hundreds of
-                # rows). On the CPU the fill runs beside the apply instead: the forward has run.
-                t0 = time.perf_counter()
-                # the step before's tokens are back already: its matchers take them and this
-                # step's masks are filled on the grammar worker (a C++ thread that never takes
-                # the GIL), beside this forward's launch
-                ready = self.grammar_overlap and prev[1].ready
-                job = self._grammar_job(*prev, batch) if ready else None
-                fwd = self.runner.forward(batch)
-                if (self.grammar_overlap and not ready and self.grammar_job_after_launch
-                        and self.runner.has_grammar_worker):
-                    # NOTE: still on the device before the launch (a fast host: 215 of 256 late
-                    # steps on an H100 host, session 18), its tokens are back, or nearly, once
-                    # the forward is launched (~1 ms of host work): the job starts now, the
-                    # wait for them without the GIL, and runs beside the loop's delivery of
-                    # the outputs held (on_launched) instead of after it on the step thread
-                    job = self._grammar_job(*prev, batch)
-                    self.grammar_jobs_after += job is not None
-                t1 = time.perf_counter()
-                let_in_late = on_launched is not None and self.late_let_in_after_sampling
-                if on_launched is not None and not let_in_late:
-                    # NOTE: with a job too: let in after the sampling's launch instead, the
-                    # loop's delivery ran beside the next step's forward and the simulated
-                    # device's 100 % step took 4.33-4.47 ms against 3.80-4.15 (session 16).
-                    # Let in at the step's end: on the H100, four interleaved A/B runs of two
-                    # rounds gave 100 % / 0 % 0.667-0.898 (mean 0.77) against 0.758-0.877
-                    # here (mean 0.80): no gain (session 17, bench/RESULTS.md)
-                    on_launched()
-                after = self.apply_after_sampling
-                if job is not None:
-                    verdicts, masks = self._grammar_done(*job)
-                else:
-                    verdicts = self._advance_matchers(*prev)
-                    # the matchers just fed: terminated exactly when their verdict is a stop
-                    known = {id(prev[0][k][0].matcher): v[0] == "stop"
-                             for k, v in verdicts.items()}
-                    masks = self.runner.fill_masks(fwd, background=not after, terminated=known)
-                t2 = time.perf_counter()
-                if not after:
-                    outputs += self._complete(*prev, verdicts)
-                t3 = time.perf_counter()
-                launched = self.runner.sample_step(fwd, defer, masks)
-                del fwd
-                if let_in_late:
-                    on_launched()
-                t4 = time.perf_counter()
-                if after:
-                    outputs += self._complete(*prev, verdicts)
-                t5 = time.perf_counter()
+                launched, late = self._late_step(prev, batch, defer, on_launched)
+                outputs += late
                 prev = None
-                self.late_sampled_steps += 1
-                part = self.late_seconds
-                part["forward"] += t1 - t0
-                part["read_back"] += t2 - t1
-                part["apply"] += (t3 - t2) + (t5 - t4)
-                part["mask_sample"] += t4 - t3
             else:
                 launched = self.runner.launch(batch, defer)
         if prev is not None:
@@ -292,6 +214,79 @@ class EngineCore:
         if self.check_integrity:
             self.scheduler.check_integrity()
         return outputs
+
+    def _late_step(self, prev, batch, defer: bool, on_launched: Optional[Callable[[], None]]
+                   ) -> tuple[Launched, list[RequestOutput]]:
+        """:meth:`step`'s launch of ``batch`` in two halves, with a constrained request whose
+        token is in flight in ``prev`` (the step before, applied here): the launched step and
+        the step before's outputs."""
+        # a constrained request's mask needs its matcher to have taken the token in
+        # flight (and the step before's copy of the mask rows to be done): the forward
+        # first; while the device runs it, the step before is read back, its matchers
+        # take their tokens, the masks are filled in the background while the rest of
+        # that step is applied; then the masks go on and the step is sampled
+        # NOTE: on an asynchronous device (``apply_after_sampling``) the step before
+        # is applied after the sampling is launched: the device then has the sampling
+        # queued behind the forward while the host applies, and the next step's
+        # forward follows sooner (applied first, the host's whole apply is device idle
+        # time on top of the next step's scheduling). The fill runs in the foreground
+        # there (a helper thread's hand-over costs more than a fill of hundreds of
+        # rows). On the CPU the fill runs beside the apply instead: the forward has run.
+        outputs: list[RequestOutput] = []
+        t0 = time.perf_counter()
+        # the step before's tokens are back already: its matchers take them and this
+        # step's masks are filled on the grammar worker (a C++ thread that never takes
+        # the GIL), beside this forward's launch
+        ready = self.grammar_overlap and prev[1].ready
+        job = self._grammar_job(*prev, batch) if ready else None
+        fwd = self.runner.forward(batch)
+        if (self.grammar_overlap and not ready and self.grammar_job_after_launch
+                and self.runner.has_grammar_worker):
+            # NOTE: still on the device before the launch (a fast host: 215 of 256 late
+            # steps on an H100 host, session 18), its tokens are back, or nearly, once
+            # the forward is launched (~1 ms of host work): the job starts now, the
+            # wait for them without the GIL, and runs beside the loop's delivery of
+            # the outputs held (on_launched) instead of after it on the step thread
+            job = self._grammar_job(*prev, batch)
+            self.grammar_jobs_after += job is not None
+        t1 = time.perf_counter()
+        let_in_late = on_launched is not None and self.late_let_in_after_sampling
+        if on_launched is not None and not let_in_late:
+            # NOTE: with a job too: let in after the sampling's launch instead, the
+            # loop's delivery ran beside the next step's forward and the simulated
+            # device's 100 % step took 4.33-4.47 ms against 3.80-4.15 (session 16).
+            # Let in at the step's end: on the H100, four interleaved A/B runs of two
+            # rounds gave 100 % / 0 % 0.667-0.898 (mean 0.77) against 0.758-0.877
+            # here (mean 0.80): no gain (session 17, bench/RESULTS.md)
+            on_launched()
+        after = self.apply_after_sampling
+        if job is not None:
+            verdicts, masks = self._grammar_done(*job)
+        else:
+            verdicts = self._advance_matchers(*prev)
+            # the matchers just fed: terminated exactly when their verdict is a stop
+            known = {id(prev[0][k][0].matcher): v[0] == "stop"
+                     for k, v in verdicts.items()}
+            masks = self.runner.fill_masks(fwd, background=not after, terminated=known)
+        t2 = time.perf_counter()
+        if not after:
+            outputs += self._complete(*prev, verdicts)
+        t3 = time.perf_counter()
+        launched = self.runner.sample_step(fwd, defer, masks)
+        del fwd
+        if let_in_late:
+            on_launched()
+        t4 = time.perf_counter()
+        if after:
+            outputs += self._complete(*prev, verdicts)
+        t5 = time.perf_counter()
+        self.late_sampled_steps += 1
+        part = self.late_seconds
+        part["forward"] += t1 - t0
+        part["read_back"] += t2 - t1
+        part["apply"] += (t3 - t2) + (t5 - t4)
+        part["mask_sample"] += t4 - t3
+        return launched, outputs
 
     def _defer(self, batch, launched) -> None:
         """A deferred step's bookkeeping that needs no token values: its computed tokens are
@@ -375,8 +370,9 @@ class EngineCore:
     def _grammar_done(fed, matchers, job):
         """A :meth:`_grammar_job`'s verdicts (entry of the step before -> verdict) and masks."""
         ended, rows = job.result()
-        if not ended:  # the usual step: each entry fed its matcher, and none ended
-            return _ALL_GO_ON, Filling(None, rows)
+        if not ended:  # the usual step: each entry with a matcher fed it (``_fed``'s rule:
+            # pending, not finished, a token sampled, max_tokens > 0), and none ended
+            return ALL_GO_ON, Filling(None, rows)
         return dict(zip(fed, verdicts_of(matchers, ended))), Filling(None, rows)
 
     def _fed(self, batch, launched) -> tuple[list[int], list[int], list[int]]:

@@ -1,6 +1,6 @@
 """Attacks on a late step's grammar job started after the forward's launch
 (``EngineCore.grammar_job_after_launch``) and on ``_grammar_done``'s all-go-on verdicts
-(``_ALL_GO_ON``): entries that reach ``_append`` with a matcher but were not fed must not
+(``structured.matcher.ALL_GO_ON``): entries that reach ``_append`` with a matcher but were not fed must not
 take a verdict they never earned."""
 
 from __future__ import annotations

@@ -349,11 +349,8 @@ class TokenBitmask:
     def _allowed(self, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         host = self.host.numpy()
         tok = np.asarray(tokens, dtype=np.int64)
-        if tok.min() >= 0 and tok.max() < self.grammar_vocab:  # (sampled from masked logits)
-            words = host[np.asarray(rows, dtype=np.int64), tok >> 5]
-            return ((words >> (tok & 31)) & 1).astype(bool)
         inside = (tok >= 0) & (tok < self.grammar_vocab)
-        safe = np.where(inside, tok, 0)
+        safe = tok if inside.all() else np.where(inside, tok, 0)  # (sampled: usually inside)
         words = host[np.asarray(rows, dtype=np.int64), safe >> 5]
         return inside & ((words >> (safe & 31)) & 1).astype(bool)
 

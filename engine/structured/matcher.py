@@ -19,7 +19,6 @@ def new_matcher(compiled):
 
 Verdict = tuple[Optional[str], Optional[str]]
 _GO_ON: Verdict = (None, None)
-GO_ON = _GO_ON  # the verdict of a matcher that took its token and goes on
 _STOP: Verdict = ("stop", None)
 
 
@@ -73,6 +72,21 @@ def accept_allowed(matchers: Sequence, tokens: Sequence[int]) -> set[int]:
     _accept_unread(matchers, tokens)
     stops = frozenset(matchers[0].stop_token_ids)  # one tokenizer's: every grammar's the same
     return {id(m) for m, t in zip(matchers, tokens) if t in stops and m.is_terminated()}
+
+
+class _AllGoOn:
+    """Verdicts by entry (``.get(k)``, as a dict of them) of a step none of whose fed matchers
+    ended: every one goes on. Only for a step whose every entry with a matcher was fed
+    (entries without one ignore their verdict)."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def get(_k: int) -> Verdict:
+        return _GO_ON
+
+
+ALL_GO_ON = _AllGoOn()
 
 
 def verdicts_of(matchers: Sequence, ended: set[int]) -> list[Verdict]:
