@@ -260,9 +260,10 @@ class EngineCore:
             # here (mean 0.80): no gain (session 17, bench/RESULTS.md)
             on_launched()
         after = self.apply_after_sampling
-        if job is not None:
-            verdicts, masks = self._grammar_done(*job)
-        else:
+        done = self._grammar_done(*job) if job is not None else None
+        if done is not None:
+            verdicts, masks = done
+        else:  # no job, or a token its mask refused (the job did nothing)
             verdicts = self._advance_matchers(*prev)
             # the matchers just fed: terminated exactly when their verdict is a stop
             known = {id(prev[0][k][0].matcher): v[0] == "stop"
@@ -294,6 +295,8 @@ class EngineCore:
         held back from the next step if that token is certain to be its last."""
         rows = launched.rows
         first = False
+        fed: list[int] = []  # the constrained entries whose matchers take the token (_fed)
+        fed_rows: list[int] = []
         for k, (req, n) in enumerate(batch):
             if req.finished:  # finished while this step was being launched (the step before)
                 continue
@@ -302,6 +305,11 @@ class EngineCore:
                 req.pending, req.pending_row = 1, rows[k]
                 req.hold = self._last_token_pending(req)
                 first = first or req.first_token_time is None
+                if req.matcher is not None and req.params.max_tokens > 0:
+                    fed.append(k)
+                    fed_rows.append(rows[k])
+        # (valid while no request leaves the scheduler: its count of removals is kept with it)
+        launched.fed = (fed, fed_rows, self.scheduler.removed) if fed else None
         self._inflight = (batch, launched)
         self._inflight_first = first
         self.deferred_steps += 1
@@ -357,10 +365,9 @@ class EngineCore:
         :meth:`_grammar_done`. None otherwise (a token the mask refused, no worker, drafts):
         the usual path."""
         fed, toks, rows = self._fed(batch, launched)
-        if not self.runner.grammar_allows_all(rows, toks):
-            return None
         matchers = [batch[k][0].matcher for k in fed]
-        job = self.runner.accept_then_fill(matchers, toks, nxt)
+        # (the worker checks each token against the row it was sampled from first)
+        job = self.runner.accept_then_fill(matchers, toks, nxt, rows)
         if job is None:
             return None
         self.grammar_jobs += 1
@@ -368,8 +375,12 @@ class EngineCore:
 
     @staticmethod
     def _grammar_done(fed, matchers, job):
-        """A :meth:`_grammar_job`'s verdicts (entry of the step before -> verdict) and masks."""
-        ended, rows = job.result()
+        """A :meth:`_grammar_job`'s verdicts (entry of the step before -> verdict) and masks;
+        None: a token was not in its mask, and the job did nothing (the usual path then)."""
+        done = job.result()
+        if done is None:
+            return None
+        ended, rows = done
         if not ended:  # the usual step: each entry with a matcher fed it (``_fed``'s rule:
             # pending, not finished, a token sampled, max_tokens > 0), and none ended
             return ALL_GO_ON, Filling(None, rows)
@@ -380,6 +391,12 @@ class EngineCore:
         those tokens, and the rows they were sampled from (whose masks are still in the
         bitmask's host rows: ``runner.grammar_allows``)."""
         tokens = self.runner.collect(launched).tokens
+        plan = launched.fed
+        if plan is not None and plan[2] == self.scheduler.removed:
+            # none of the step's requests finished since _defer planned it: each entry it
+            # planned is pending, and a deferred step samples one token an entry
+            fed, rows = plan[0], plan[1]
+            return fed, list(map(launched.flat.__getitem__, rows)), rows
         fed = [k for k, (req, _) in enumerate(batch)
                if req.matcher is not None and req.pending and not req.finished and tokens[k]
                and req.params.max_tokens > 0]

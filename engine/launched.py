@@ -25,10 +25,15 @@ class Launched:
     sampled tokens (and logprob rows) under way, with the event that marks it done. Host
     memory only."""
 
-    __slots__ = ("result", "entries", "owners", "rows", "host", "event", "n_tok", "lp_plan")
+    __slots__ = ("result", "entries", "owners", "rows", "host", "event", "n_tok", "lp_plan",
+                 "flat", "fed")
 
     def __init__(self, result: Optional[StepResult]):
         self.result = result
+        #: deferred, once waited for: the sampled tokens in row order
+        self.flat: Optional[list[int]] = None
+        #: the core's plan of the constrained entries fed from it (EngineCore._defer)
+        self.fed: Optional[tuple] = None
 
     @classmethod
     def deferred(cls, entries: int, owners: list[int], packed: torch.Tensor, n_tok: int,
@@ -64,7 +69,8 @@ class Launched:
             if self.event is not None and not self.event.query():
                 self.event.synchronize()
             flat = self.host.numpy()
-            self.result = by_entry(self.entries, self.owners, flat[: self.n_tok].tolist())
+            self.flat = flat[: self.n_tok].tolist()
+            self.result = by_entry(self.entries, self.owners, self.flat)
             if self.lp_plan is not None:
                 words = flat[self.n_tok:].reshape(len(self.lp_plan.rows), -1)
                 self.result.token_lps, self.result.prompt_lps, self.result.logprobs = \

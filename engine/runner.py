@@ -380,13 +380,15 @@ class ModelRunner(RunnerSleep):
         return bitmask.fill(_constrained(fwd.batch), background=background,
                             terminated=terminated)
 
-    def accept_then_fill(self, matchers: Sequence, tokens: Sequence[int], batch):
-        """Feed ``matchers`` their tokens (each in its mask) and fill the grammar masks of the
-        constrained rows ``batch`` will sample, on the grammar worker, beside the caller
-        (:meth:`TokenBitmask.accept_then_fill`; call it before :meth:`forward`): its job, or
-        None (not started)."""
+    def accept_then_fill(self, matchers: Sequence, tokens: Sequence[int], batch,
+                         rows: Optional[Sequence[int]] = None):
+        """Feed ``matchers`` their tokens and fill the grammar masks of the constrained rows
+        ``batch`` will sample, on the grammar worker, beside the caller
+        (:meth:`TokenBitmask.accept_then_fill`): its job, or None (not started). Each token
+        must be in its mask; ``rows`` (those the tokens were sampled from): the worker checks
+        that first (:meth:`grammar_allows`), and the job does nothing if one is not."""
         bitmask: TokenBitmask = self._owner[R.GRAMMAR_BITMASK]
-        return bitmask.accept_then_fill(matchers, tokens, _constrained(batch))
+        return bitmask.accept_then_fill(matchers, tokens, _constrained(batch), rows)
 
     @property
     def has_grammar_worker(self) -> bool:

@@ -27,6 +27,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        #: requests finished or aborted so far (a step planned before sees none left if equal)
+        self.removed = 0
 
     # -- queue ---------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -41,6 +43,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.blocks.free(req)
         req.status = Status.FINISHED
+        self.removed += 1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -39,11 +39,11 @@ def test_a_failure_on_the_worker_fails_the_step(monkeypatch):
     submit = native.GrammarWorker.submit
     calls = {"n": 0}
 
-    def third_fails(self, *args):
+    def third_fails(self, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
             self._fns = (tvm_ffi.convert(boom),) + self._fns[1:]
-        return submit(self, *args)
+        return submit(self, *args, **kwargs)
 
     monkeypatch.setattr(native.GrammarWorker, "submit", third_fails)
     with pytest.raises(RuntimeError, match="ValueError: worker boom"):

@@ -210,44 +210,52 @@ class TokenBitmask:
         return future
 
     def accept_then_fill(self, matchers: Sequence, tokens: Sequence[int],
-                         entries: Sequence[tuple]) -> Optional["GrammarJob"]:
+                         entries: Sequence[tuple], check_rows: Optional[Sequence[int]] = None
+                         ) -> Optional["GrammarJob"]:
         """Start on this bitmask's grammar worker (``structured/native.py``, a C++ thread that
-        never takes the GIL): feed ``matchers`` their ``tokens`` (each known to be in its
-        mask: :func:`structured.matcher.accept_allowed`), then fill the rows of ``entries``
-        (the next step's, planned before its forward) whose matchers did not just end. The
-        caller's Python -- the next step's forward launch -- runs meanwhile; it leaves these
-        matchers alone until :meth:`GrammarJob.result`. ``None`` (nothing started) where
-        the worker cannot be had or an entry has drafts (their rows are filled one draft
-        at a time: :meth:`fill`)."""
+        never takes the GIL): feed ``matchers`` their ``tokens``, then fill the rows of
+        ``entries`` (the next step's, planned before its forward) whose matchers did not just
+        end. Each token must be in its mask: known (:func:`structured.matcher.accept_allowed`),
+        or -- with ``check_rows``, the rows the tokens were sampled from -- checked by the
+        worker first against those rows (:meth:`allows`'s rule), the job then doing nothing
+        if one is not (:meth:`GrammarJob.result` says so). The caller's Python -- the next
+        step's forward launch -- runs meanwhile; it leaves these matchers alone until
+        :meth:`GrammarJob.result`. ``None`` (nothing started) where the worker cannot be had
+        or an entry has drafts (their rows are filled one draft at a time: :meth:`fill`)."""
         if any(map(_DRAFTS, entries)):  # (C-level passes: 256 rows are ~10 us, not ~50)
             return None
         if not self.has_worker:
             return None
         rows = list(map(_ROW, entries))
         self._check_last(max(rows, default=-1))  # (no drafts: an entry's last row is its row)
+        if check_rows is not None:
+            self._check_last(max(check_rows, default=-1))
         if self._stops is None and matchers:  # the tokenizer's: every grammar's the same
             self._stops = frozenset(matchers[0].stop_token_ids)
         stops = self._stops or frozenset()
         if len(entries) == len(matchers) and all(map(operator.is_, map(_MATCHER, entries),
                                                      matchers)):
             # the usual step: the same requests, in the same order, fed then filled
-            fill_matchers, fill_fed, fill_rows = matchers, list(range(len(matchers))), rows
+            fill_matchers = fill_fed = None
         else:
             position = {id(m): i for i, m in enumerate(matchers)}
-            fill_matchers, fill_rows, fill_fed = [], [], []
+            fill_matchers, rows, fill_fed = [], [], []
             for m, row, _ in entries:
                 i = position.get(id(m), -1)
                 if i < 0 and m.is_terminated():  # not fed now: its state is known already
                     continue
                 fill_matchers.append(m)
-                fill_rows.append(row)
+                rows.append(row)
                 fill_fed.append(i)
         # (most steps feed no stop token: counted at C level first)
         ask = ([i for i, t in enumerate(tokens) if t in stops]
                if sum(map(tokens.count, stops)) else [])
         self._worker.submit(self._batch_matcher(self._threads), matchers, tokens, ask,
-                            fill_matchers, fill_rows, fill_fed, self.host)
-        return GrammarJob(self._worker, self._job_done, matchers, fill_rows, fill_fed)
+                            fill_matchers, rows, fill_fed, self.host,
+                            check_rows=check_rows if check_rows is not None else (),
+                            vocab=self.grammar_vocab)
+        return GrammarJob(self._worker, self._job_done, matchers, rows,
+                          fill_fed if fill_fed is not None else range(len(rows)))
 
     @property
     def has_worker(self) -> bool:
@@ -433,10 +441,14 @@ class GrammarJob:
         self._rows = fill_rows
         self._fed = fill_fed
 
-    def result(self) -> tuple[set[int], list[int]]:
+    def result(self) -> Optional[tuple[set[int], list[int]]]:
         """(the ids of the fed matchers that ended, the rows filled), once the job is done
-        (the GIL is given up meanwhile); raises the job's error."""
-        fill_seconds, ended = self._worker.wait()
+        (the GIL is given up meanwhile); None: a token failed the job's check, nothing was fed
+        or filled. Raises the job's error."""
+        done = self._worker.wait()
+        if done is None:
+            return None
+        fill_seconds, ended = done
         self._on_done(fill_seconds)
         if not ended:  # the usual step: no fed matcher ended, every fill entry was filled
             return set(), self._rows

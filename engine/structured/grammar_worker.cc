@@ -15,11 +15,18 @@
 // Python, and tvm-ffi gives function objects, not a worker.
 //
 // The job, for a worker made by grammar_worker_new:
+//   0. with check_rows: token i must be in row check_rows[i] of the bitmask (the mask it was
+//      sampled with, still there: the rows are refilled only in 3) and below vocab; if one
+//      is not, the job ends here, nothing fed or filled, and the wait's fill ns is -1 (the
+//      engine then feeds the matchers one by one, each verdict read)
 //   1. accept(matchers, tokens, false)      -- every token is in its matcher's mask (checked
-//                                              by the engine), so the result is not read
+//                                              in 0, or by the engine), so the result is
+//                                              not read
 //   2. is_terminated(matchers[i]) for i in ask (those fed a stop token): the ended ones
 //   3. fill(batch, fill_matchers', bitmask, rows', false) for the fill entries whose fed
-//      position (fill_fed, -1: not fed this step) did not end
+//      position (fill_fed, -1: not fed this step) did not end; fill_matchers and fill_fed
+//      empty with fill_rows not: the fill entries are the fed matchers, in order (the usual
+//      step: two lists fewer to convert on the caller's thread)
 // grammar_worker_wait returns [fill ns, the ended positions...] or raises the job's error;
 // grammar_worker_done says whether the job has ended, without waiting.
 // The caller leaves every matcher of the job alone until the wait returns.
@@ -47,7 +54,9 @@ struct Job {
   ffi::Function accept, fill, is_terminated;
   ffi::ObjectRef batch;
   ffi::Array<ffi::ObjectRef> matchers;
-  ffi::Array<int64_t> tokens, ask;
+  ffi::Array<int64_t> tokens, check_rows;
+  int64_t vocab = 0;
+  ffi::Array<int64_t> ask;
   ffi::Array<ffi::ObjectRef> fill_matchers;
   ffi::Array<int64_t> fill_rows, fill_fed;
   ffi::Tensor bitmask;
@@ -136,6 +145,7 @@ class Worker {
 
   static std::vector<int64_t> Run(const Job& job) {
     std::vector<int64_t> out{0};  // out[0]: the fill's ns; then the ended fed positions
+    if (!job.check_rows.empty() && !Allowed(job)) return {-1};
     if (!job.matchers.empty()) job.accept(job.matchers, job.tokens, false);
     std::vector<char> ended(job.matchers.size(), 0);
     for (int64_t i : job.ask) {
@@ -146,10 +156,11 @@ class Worker {
     }
     ffi::Array<ffi::ObjectRef> live;
     ffi::Array<int64_t> rows;
-    for (size_t k = 0; k < job.fill_matchers.size(); ++k) {
-      int64_t pos = job.fill_fed[k];
+    const bool same = job.fill_matchers.empty();  // the fed matchers (see the top)
+    for (size_t k = 0; k < job.fill_rows.size(); ++k) {
+      int64_t pos = same ? static_cast<int64_t>(k) : job.fill_fed[k];
       if (pos >= 0 && ended[pos]) continue;
-      live.push_back(job.fill_matchers[k]);
+      live.push_back(same ? job.matchers[k] : job.fill_matchers[k]);
       rows.push_back(job.fill_rows[k]);
     }
     if (!live.empty()) {
@@ -160,6 +171,22 @@ class Worker {
                    .count();
     }
     return out;
+  }
+
+  // whether every token is allowed by its check row (a set bit, below vocab)
+  static bool Allowed(const Job& job) {
+    const DLTensor* t = job.bitmask.GetDLTensorPtr();
+    const int64_t rows = t->shape[0], width = t->shape[1];
+    const int32_t* words = reinterpret_cast<const int32_t*>(
+        static_cast<const char*>(t->data) + t->byte_offset);
+    for (size_t i = 0; i < job.tokens.size(); ++i) {
+      const int64_t tok = job.tokens[i], row = job.check_rows[i];
+      if (tok < 0 || tok >= job.vocab || (tok >> 5) >= width || row < 0 || row >= rows)
+        return false;
+      if (!((static_cast<uint32_t>(words[row * width + (tok >> 5)]) >> (tok & 31)) & 1u))
+        return false;
+    }
+    return true;
   }
 
   std::mutex mu_;
@@ -183,12 +210,22 @@ void WorkerFree(int64_t handle) { delete Get(handle); }
 void WorkerSubmit(int64_t handle, ffi::Function accept, ffi::Function fill,
                   ffi::Function is_terminated, ffi::ObjectRef batch,
                   ffi::Array<ffi::ObjectRef> matchers, ffi::Array<int64_t> tokens,
-                  ffi::Array<int64_t> ask, ffi::Array<ffi::ObjectRef> fill_matchers,
-                  ffi::Array<int64_t> fill_rows, ffi::Array<int64_t> fill_fed,
-                  ffi::Tensor bitmask) {
-  if (tokens.size() != matchers.size() || fill_rows.size() != fill_matchers.size() ||
-      fill_fed.size() != fill_matchers.size()) {
+                  ffi::Array<int64_t> check_rows, int64_t vocab, ffi::Array<int64_t> ask,
+                  ffi::Array<ffi::ObjectRef> fill_matchers, ffi::Array<int64_t> fill_rows,
+                  ffi::Array<int64_t> fill_fed, ffi::Tensor bitmask) {
+  // fill_matchers and fill_fed empty, fill_rows not: the fed matchers fill (see the top)
+  const bool same = fill_matchers.empty() && fill_fed.empty() && !fill_rows.empty();
+  if (tokens.size() != matchers.size() ||
+      (!check_rows.empty() && check_rows.size() != matchers.size()) ||
+      (same ? fill_rows.size() != matchers.size()
+            : fill_rows.size() != fill_matchers.size() ||
+                  fill_fed.size() != fill_matchers.size())) {
     TVM_FFI_THROW(ValueError) << "grammar worker: lists of unequal lengths";
+  }
+  const DLTensor* t = bitmask.GetDLTensorPtr();
+  if (t->ndim != 2 || t->dtype.code != kDLInt || t->dtype.bits != 32 || t->dtype.lanes != 1 ||
+      (t->device.device_type != kDLCPU && t->device.device_type != kDLCUDAHost)) {
+    TVM_FFI_THROW(ValueError) << "grammar worker: the bitmask must be a 2-d int32 host tensor";
   }
   for (int64_t i : ask) {
     if (i < 0 || i >= static_cast<int64_t>(matchers.size()))
@@ -200,8 +237,9 @@ void WorkerSubmit(int64_t handle, ffi::Function accept, ffi::Function fill,
   }
   Get(handle)->Submit(Job{std::move(accept), std::move(fill), std::move(is_terminated),
                           std::move(batch), std::move(matchers), std::move(tokens),
-                          std::move(ask), std::move(fill_matchers), std::move(fill_rows),
-                          std::move(fill_fed), std::move(bitmask)});
+                          std::move(check_rows), vocab, std::move(ask),
+                          std::move(fill_matchers), std::move(fill_rows), std::move(fill_fed),
+                          std::move(bitmask)});
 }
 
 ffi::Array<int64_t> WorkerWait(int64_t handle) { return Get(handle)->Wait(); }

@@ -155,6 +155,7 @@ class GrammarWorker:
         self._fns = _xgrammar_functions()
         self._handle = module.grammar_worker_new()
         self._pending = False
+        self._last: Optional[tuple] = None  # (matchers, their handles): _handles
         # a worker dropped unclosed (its bitmask never closed) ends its thread when collected:
         # the C++ side finishes a job still running first. Not at exit (atexit=False): a step
         # thread may still be waiting on it then, and the process's end stops the thread
@@ -163,39 +164,65 @@ class GrammarWorker:
         self._free.atexit = False
 
     def submit(self, batch, matchers: Sequence, tokens: Sequence[int], ask: Sequence[int],
-               fill_matchers: Sequence, fill_rows: Sequence[int], fill_fed: Sequence[int],
-               host) -> None:
+               fill_matchers: Optional[Sequence], fill_rows: Sequence[int],
+               fill_fed: Optional[Sequence[int]], host, check_rows: Sequence[int] = (),
+               vocab: int = 0) -> None:
         """Start a job: feed ``matchers`` (xgrammar ``GrammarMatcher``) their ``tokens`` (every
         one in its mask), ask ``is_terminated`` of the positions ``ask``, then fill ``host``'s
         ``fill_rows`` from ``fill_matchers`` through ``batch`` (a ``BatchGrammarMatcher``),
         leaving out each fill entry whose position among ``matchers`` (``fill_fed``, -1: not
-        fed) ended. The caller leaves every matcher of the job alone until :meth:`wait`."""
+        fed) ended; ``fill_matchers`` and ``fill_fed`` None: the fill entries are ``matchers``
+        themselves, in order. With ``check_rows`` (one per token): first check that each token
+        is below ``vocab`` and set in that row of ``host`` (the mask it was sampled with); if
+        one is not, nothing is fed or filled (:meth:`wait` says so). The caller leaves every
+        matcher of the job alone until :meth:`wait`."""
         if self._pending:
             raise RuntimeError("grammar worker: the last job was not waited for")
         if not host.is_contiguous():  # xgrammar fills row r at r * width words: another layout
             raise ValueError("grammar worker: the bitmask must be contiguous")  # gets wrong rows
+        accept, fill, is_terminated = self._fns
+        handles = self._handles(matchers)
+        if fill_matchers is None:
+            if fill_fed is not None:
+                raise ValueError("grammar worker: fill_fed without fill_matchers")
+            fill_handles, fill_fed = (), ()
+        else:
+            fill_handles = (handles if fill_matchers is matchers
+                            else list(map(_HANDLE, fill_matchers)))
+        self._mod.grammar_worker_submit(
+            self._handle, accept, fill, is_terminated, batch._handle, handles, tokens,
+            check_rows, vocab, ask, fill_handles, fill_rows, fill_fed, host)
+        self._pending = True
+
+    def _handles(self, matchers: Sequence):
+        """``matchers``' tvm-ffi objects as one tvm-ffi array, the last one's again when the
+        matchers are the same objects in the same order (a late step's usual case: converting
+        256 handles costs more than comparing them; the list kept holds the matchers, so an
+        id cannot be reused meanwhile)."""
+        last = self._last
+        if (last is not None and len(last[0]) == len(matchers)
+                and all(map(operator.is_, last[0], matchers))):
+            return last[1]
         import tvm_ffi
 
-        accept, fill, is_terminated = self._fns
         handles = tvm_ffi.convert(list(map(_HANDLE, matchers)))
-        fill_handles = (handles if fill_matchers is matchers
-                        else list(map(_HANDLE, fill_matchers)))
-        self._mod.grammar_worker_submit(
-            self._handle, accept, fill, is_terminated, batch._handle, handles, list(tokens),
-            list(ask), fill_handles, list(fill_rows), list(fill_fed), host)
-        self._pending = True
+        self._last = (list(matchers), handles)
+        return handles
 
     def done(self) -> bool:
         """Whether the job submitted has ended (without waiting)."""
         return bool(self._mod.grammar_worker_done(self._handle))
 
-    def wait(self) -> tuple[float, list[int]]:
+    def wait(self) -> Optional[tuple[float, list[int]]]:
         """The job's (fill seconds, positions among its matchers that ended), once it has
-        ended; the GIL is given up meanwhile. Raises the job's error (xgrammar's)."""
+        ended; None: a token failed the job's check (nothing fed or filled). The GIL is
+        given up meanwhile. Raises the job's error (xgrammar's)."""
         if not self._pending:  # the C++ wait would return at once, with no result
             raise RuntimeError("grammar worker: no job to wait for")
         self._pending = False
         out = list(self._mod.grammar_worker_wait(self._handle))
+        if out[0] < 0:
+            return None
         return out[0] * 1e-9, out[1:]
 
     def close(self) -> None:
@@ -211,6 +238,7 @@ class GrammarWorker:
                 self._mod.grammar_worker_free(self._handle)
             self._handle = 0
             self._pending = False
+            self._last = None
 
 
 def _free_here(pid: int, module, handle: int) -> None:

@@ -76,6 +76,11 @@
 #           --gil of --fractions 1 and of --fractions 0 (whose Python holds the GIL; read them with
 #           scripts/gpu/spy_summary.py --thread enginecore-step|MainThread); on an H200 first
 #           bench.prefix --rounds 3 (issue 15)
+#   PART=34 session 19, issue 23: bench.structured --fractions 0,1 --rounds 2 of this tree against
+#           ab/base (an untracked copy of an older tree's engine/ and bench/: AB_BASE), 3
+#           interleaved pairs of processes; then the acceptance run (--fractions 0,0.5,1
+#           --rounds 5), the structured and overlap GPU tests; on an H200 first bench.prefix
+#           --rounds 3 (issue 15)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -372,6 +377,24 @@ elif [[ $PART == 33 ]]; then  # session 18's last call, issue 23: 5 interleaved 
       --out "$OUT/gil_$f.json"
   done
   TAIL=6 step gpu_overlap 45 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_overlap.py
+elif [[ $PART == 34 ]]; then  # session 19, issue 23: this tree against ab/base, then acceptance
+  export ONE_LOG=run.log TAIL=12
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then  # issue 15's acceptance
+    step prefix 150 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
+  fi
+  base=${AB_BASE:-ab/base}
+  for i in 1 2 3; do
+    step "structured_new_$i" 45 python3 -m bench.structured --device cuda --no-progress --no-plain \
+      --fractions 0,1 --rounds 2 --out "$OUT/structured_new_$i.json"
+    # (from inside it: python -m puts the working directory first on the path)
+    [[ -d $base ]] && step "structured_base_$i" 45 bash -c "cd $base && PYTHONPATH=/tmp/site:\$PWD \
+      exec python3 -m bench.structured --device cuda --no-progress --no-plain --fractions 0,1 \
+      --rounds 2 --out $OUT/structured_base_$i.json"
+  done
+  step structured 80 python3 -m bench.structured --device cuda --no-progress --no-plain \
+    --fractions 0,0.5,1 --rounds 5 --out "$OUT/structured.json"
+  TAIL=6 step gpu_tests 90 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+    tests/gpu/test_gpu_structured.py tests/gpu/test_gpu_overlap.py
 elif [[ $PART == 20 ]]; then  # session 14 (no device then), issue 23: grammar work beside the forward
   export ONE_LOG=run.log TAIL=30
   step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
