@@ -28,7 +28,8 @@
 //      empty with fill_rows not: the fill entries are the fed matchers, in order (the usual
 //      step: two lists fewer to convert on the caller's thread)
 // grammar_worker_wait returns [fill ns, the ended positions...] or raises the job's error;
-// grammar_worker_done says whether the job has ended, without waiting.
+// grammar_worker_done says whether the job has ended, without waiting; grammar_worker_wait_done
+// is grammar_worker_wait under a name whose Python function object keeps the GIL.
 // The caller leaves every matcher of the job alone until the wait returns.
 
 #include <tvm/ffi/any.h>
@@ -252,4 +253,6 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(grammar_worker_new, WorkerNew);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(grammar_worker_free, WorkerFree);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(grammar_worker_submit, WorkerSubmit);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(grammar_worker_wait, WorkerWait);
+// the same, for a job known to be done: Python keeps the GIL through this one (native.py)
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(grammar_worker_wait_done, WorkerWait);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(grammar_worker_done, WorkerDone);

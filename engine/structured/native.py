@@ -112,7 +112,7 @@ def _load() -> Optional[Any]:
         log.warning("grammar worker: not built (%s); grammar work stays on the step thread", exc)
         return None
     for name in ("grammar_worker_new", "grammar_worker_free", "grammar_worker_submit",
-                 "grammar_worker_done"):
+                 "grammar_worker_done", "grammar_worker_wait_done"):
         fn = getattr(mod, name)
         if hasattr(fn, "release_gil"):  # short calls: giving the GIL up costs a wait for it
             fn.release_gil = False
@@ -220,7 +220,13 @@ class GrammarWorker:
         if not self._pending:  # the C++ wait would return at once, with no result
             raise RuntimeError("grammar worker: no job to wait for")
         self._pending = False
-        out = list(self._mod.grammar_worker_wait(self._handle))
+        # NOTE: a job already done is collected with the GIL kept: given up, a thread that
+        # wants it (the event loop delivering outputs) runs first, and this one waits for it
+        # (as Launched.wait's event query before a synchronize)
+        mod = self._mod
+        wait = mod.grammar_worker_wait_done if mod.grammar_worker_done(self._handle) \
+            else mod.grammar_worker_wait
+        out = list(wait(self._handle))
         if out[0] < 0:
             return None
         return out[0] * 1e-9, out[1:]
