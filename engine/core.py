@@ -90,6 +90,7 @@ class EngineCore:
         self.grammar_overlap = os.environ.get("ENGINECORE_GRAMMAR_OVERLAP", "1") != "0"
         self.grammar_jobs = 0  # late steps whose grammar work ran beside the forward
         self.grammar_jobs_after = 0  # of them, those started after the forward's launch
+        self.grammar_jobs_refused = 0  # of them, those a token out of its mask undid (none fed)
         overlap = cfg.overlap_scheduling
         if overlap is None:
             overlap = runner.device.type == "cuda"
@@ -264,6 +265,7 @@ class EngineCore:
         if done is not None:
             verdicts, masks = done
         else:  # no job, or a token its mask refused (the job did nothing)
+            self.grammar_jobs_refused += job is not None
             verdicts = self._advance_matchers(*prev)
             # the matchers just fed: terminated exactly when their verdict is a stop
             known = {id(prev[0][k][0].matcher): v[0] == "stop"

@@ -177,3 +177,32 @@ def test_jobs_mixed_with_synchronous_late_steps(after, kw, monkeypatch):
     assert _run(core, work) == want
     assert 0 < core.grammar_jobs < core.late_sampled_steps
     assert 0 < core.grammar_jobs_after < core.grammar_jobs
+
+
+@pytest.mark.parametrize("after", ["apply-first", "sample-first"])
+def test_a_token_out_of_its_mask_undoes_the_job(after, monkeypatch):
+    """Every fifth step sampled without its masks (``TokenBitmask.mask`` skipped): tokens out of
+    their masks reach the worker, which checks them against the rows they were sampled from,
+    finds one out and does nothing -- no matcher fed, no row filled; the step thread then feeds
+    the matchers one by one (each verdict read: the refused ones end with an error). The
+    outputs are those of the same order without the worker."""
+    from engine.structured.bitmask import TokenBitmask
+
+    mask = TokenBitmask.mask
+    calls = {"n": 0}
+
+    def sometimes(self, logits, filling, copy=True):
+        calls["n"] += 1
+        if calls["n"] % 5 == 0:
+            filling.rows()  # (waited for, as mask does)
+            return logits
+        return mask(self, logits, filling, copy)
+
+    monkeypatch.setattr(TokenBitmask, "mask", sometimes)
+    want = _run(_core(True, after), list(_mixed(18)))
+    calls["n"] = 0
+    core = _core(True, after + "-beside")
+    got = _run(core, list(_mixed(18)))
+    assert got == want
+    assert core.grammar_jobs_refused > 0
+    assert any(f[0] == "error" for f in got[1].values()), got[1]

@@ -197,3 +197,69 @@ def test_an_xgrammar_without_the_functions_keeps_the_work_on_the_step_thread(mon
     bits = TokenBitmask(4, V, "cpu", grammar_vocab=V)
     assert bits.accept_then_fill([], [], []) is None
     bits.close()
+
+
+@needs_worker
+def test_the_job_checks_each_token_against_its_row_first(grammars):
+    """With check rows, a token out of its row's mask -- not set there, at or past the grammar's
+    vocabulary, negative, or a row out of range -- ends the job before anything: no matcher fed,
+    no row filled, and the wait says so (None). All in: the job runs as without the check."""
+    tok, compiled = grammars
+    gv = grammar_vocab_size(tok, V)
+    batch = xgr.BatchGrammarMatcher(max_threads=1)
+    host = torch.zeros((4, -(-gv // 32)), dtype=torch.int32)
+    w = native.new_worker()
+    ms = [new_matcher(compiled[1]) for _ in range(2)]
+    b = xgr.BatchGrammarMatcher(max_threads=1)
+    b.batch_fill_next_token_bitmask(ms, host, [0, 1])  # rows 0, 1: "a" or "c" first
+    before = host.clone()
+    for toks, rows in (([ord("a"), ord("b")], [0, 1]),   # "b" is not in row 1's mask
+                       ([ord("a"), gv], [0, 1]),         # past the grammar's vocabulary
+                       ([ord("a"), -1], [0, 1]),
+                       ([ord("a"), ord("c")], [0, 4])):  # a row past the bitmask
+        w.submit(batch, ms, toks, [], None, [2, 3], None, host, check_rows=rows, vocab=gv)
+        assert w.wait() is None
+        assert torch.equal(host, before)  # nothing filled
+    # nothing fed: both matchers still take their first token
+    w.submit(batch, ms, [ord("a"), ord("c")], [], None, [2, 3], None, host, check_rows=[0, 1],
+             vocab=gv)
+    assert w.wait()[1] == []
+    assert _allowed(host, 2, gv) == [ord("b")] and _allowed(host, 3, gv) == [ord("d")]
+    with pytest.raises(ValueError, match="unequal"):
+        w.submit(batch, ms, [1, 2], [], None, [0, 1], None, host, check_rows=[0], vocab=gv)
+    with pytest.raises(ValueError, match="int32 host"):
+        w.submit(batch, ms, [1, 2], [], None, [0, 1], None, host.long())
+    with pytest.raises(ValueError, match="fill_fed without"):
+        w.submit(batch, ms, [1, 2], [], None, [0, 1], [0, 1], host)
+    w.close()
+
+
+@needs_worker
+def test_the_fed_matchers_fill_by_default_and_their_handles_are_reused(grammars):
+    """``fill_matchers=None``: the fed matchers fill their rows, in order, as the explicit lists
+    do; the handles' conversion is reused while the matchers are
+    the same objects in the same order, and redone otherwise."""
+    tok, compiled = grammars
+    gv = grammar_vocab_size(tok, V)
+    batch = xgr.BatchGrammarMatcher(max_threads=1)
+    width = -(-gv // 32)
+    a, b = torch.zeros((8, width), dtype=torch.int32), torch.zeros((8, width), dtype=torch.int32)
+    ma = [new_matcher(compiled[1]) for _ in range(3)]
+    mb = [new_matcher(compiled[1]) for _ in range(3)]
+    wa, wb = native.new_worker(), native.new_worker()
+    for toks in ([ord("a")] * 3, [ord("b")] * 3, [ord("x"), ord("c"), ord("c")]):
+        wa.submit(batch, ma, toks, [], None, [5, 6, 7], None, a)
+        wb.submit(batch, mb, toks, [], mb, [5, 6, 7], [0, 1, 2], b)
+        assert wa.wait()[1] == wb.wait()[1] == []
+        assert torch.equal(a, b)
+    handles = wa._last[1]
+    wa.submit(batch, list(ma), [ord("d")] * 3, [], None, [1, 2, 3], None, a)
+    wa.wait()
+    assert wa._last[1] is handles  # a new list of the same matchers
+    other = [ma[1], ma[0], ma[2]]
+    wa.submit(batch, other, [ord("a")] * 3, [], None, [1, 2, 3], None, a)
+    wa.wait()
+    assert wa._last[1] is not handles and wa._last[0] == other
+    wa.close()
+    wb.close()
+    assert wa._last is None
