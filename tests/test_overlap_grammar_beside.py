@@ -206,3 +206,35 @@ def test_a_token_out_of_its_mask_undoes_the_job(after, monkeypatch):
     assert got == want
     assert core.grammar_jobs_refused > 0
     assert any(f[0] == "error" for f in got[1].values()), got[1]
+
+
+def test_an_aborted_requests_matcher_is_not_fed(monkeypatch):
+    """Constrained requests aborted while their tokens are in flight: the jobs after the abort
+    feed the other matchers only (the feed planned at the launch is not reused once a request
+    left), and the ones before fed them."""
+    from engine.runner import ModelRunner
+
+    fed: list[list] = []
+    start = ModelRunner.accept_then_fill
+
+    def spy(self, matchers, *a):
+        fed.append(list(matchers))
+        return start(self, matchers, *a)
+
+    monkeypatch.setattr(ModelRunner, "accept_then_fill", spy)
+    core = _core(True, "sample-first-beside")
+    gone = {}
+    real_abort = core.abort
+
+    def abort(rid, reason):
+        req = core.requests[rid]
+        assert req.pending and req.matcher is not None  # its token in flight
+        gone[rid] = (req.matcher, len(fed))
+        return real_abort(rid, reason)
+
+    core.abort = abort
+    _run(core, list(_mixed(12)), abort_after={3: ["r0", "r1"], 5: ["r4"]})
+    assert set(gone) == {"r0", "r1", "r4"}
+    for rid, (matcher, at) in gone.items():
+        assert any(m is matcher for m in fed[at - 1]), rid
+        assert not any(m is matcher for ms in fed[at:] for m in ms), rid
