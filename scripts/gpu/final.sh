@@ -395,6 +395,11 @@ elif [[ $PART == 34 ]]; then  # session 19, issue 23: this tree against ab/base,
     --fractions 0,0.5,1 --rounds 5 --out "$OUT/structured.json"
   TAIL=6 step gpu_tests 90 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
     tests/gpu/test_gpu_structured.py tests/gpu/test_gpu_overlap.py
+  for f in 1 0; do  # as PART=33, with what time is left
+    step "gil_$f" 40 .whl/py-spy record --gil --nonblocking -r 500 -f raw -o "$OUT/gil_$f.raw" --threads -- \
+      python3 -m bench.structured --device cuda --no-progress --no-plain --fractions "$f" --rounds 2 \
+      --out "$OUT/gil_$f.json"
+  done
 elif [[ $PART == 20 ]]; then  # session 14 (no device then), issue 23: grammar work beside the forward
   export ONE_LOG=run.log TAIL=30
   step structured 70 python3 scripts/gpu/structured_split.py -- --device cuda --no-progress \
