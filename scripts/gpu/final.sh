@@ -77,8 +77,8 @@
 #           scripts/gpu/spy_summary.py --thread enginecore-step|MainThread); on an H200 first
 #           bench.prefix --rounds 3 (issue 15)
 #   PART=34 session 19, issue 23: bench.structured --fractions 0,1 --rounds 2 of this tree against
-#           ab/base (an untracked copy of an older tree's engine/ and bench/: AB_BASE), 3
-#           interleaved pairs of processes; then the acceptance run (--fractions 0,0.5,1
+#           ab/base (an untracked copy of an older tree's engine/ and bench/: AB_BASE) and with
+#           GrammarWorker.spin_s=0.002, 2 interleaved triples of processes; then the acceptance run (--fractions 0,0.5,1
 #           --rounds 5), the structured and overlap GPU tests; on an H200 first bench.prefix
 #           --rounds 3 (issue 15)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
@@ -383,13 +383,16 @@ elif [[ $PART == 34 ]]; then  # session 19, issue 23: this tree against ab/base,
     step prefix 150 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
   fi
   base=${AB_BASE:-ab/base}
-  for i in 1 2 3; do
+  for i in 1 2; do
     step "structured_new_$i" 45 python3 -m bench.structured --device cuda --no-progress --no-plain \
       --fractions 0,1 --rounds 2 --out "$OUT/structured_new_$i.json"
     # (from inside it: python -m puts the working directory first on the path)
     [[ -d $base ]] && step "structured_base_$i" 45 bash -c "cd $base && PYTHONPATH=/tmp/site:\$PWD \
       exec python3 -m bench.structured --device cuda --no-progress --no-plain --fractions 0,1 \
       --rounds 2 --out $OUT/structured_base_$i.json"
+    step "structured_spin_$i" 45 python3 scripts/gpu/with_switch.py \
+      --set engine.structured.native:GrammarWorker.spin_s=0.002 - bench.structured --device cuda \
+      --no-progress --no-plain --fractions 0,1 --rounds 2 --out "$OUT/structured_spin_$i.json"
   done
   step structured 80 python3 -m bench.structured --device cuda --no-progress --no-plain \
     --fractions 0,0.5,1 --rounds 5 --out "$OUT/structured.json"
