@@ -361,11 +361,11 @@ class EngineCore:
         return dict(zip(fed, verdicts))
 
     def _grammar_job(self, batch, launched, nxt):
-        """When each constrained token of the step before (``batch``, ``launched``; read back
-        here, waiting for the device if need be) is in its mask: its matchers' tokens and
-        ``nxt``'s masks handed to the grammar worker (``runner.accept_then_fill``), for
-        :meth:`_grammar_done`. None otherwise (a token the mask refused, no worker, drafts):
-        the usual path."""
+        """The step before's constrained tokens (``batch``, ``launched``; read back here,
+        waiting for the device if need be) and ``nxt``'s masks handed to the grammar worker
+        (``runner.accept_then_fill``: it checks each token against its mask first, and does
+        nothing if one is out), for :meth:`_grammar_done`. None where no job started (no
+        worker, drafts): the usual path."""
         fed, toks, rows = self._fed(batch, launched)
         matchers = [batch[k][0].matcher for k in fed]
         # (the worker checks each token against the row it was sampled from first)

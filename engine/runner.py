@@ -396,11 +396,6 @@ class ModelRunner(RunnerSleep):
         bitmask: TokenBitmask = self._owner[R.GRAMMAR_BITMASK]
         return bitmask.has_worker
 
-    def grammar_allows_all(self, rows: Sequence[int], tokens: Sequence[int]) -> bool:
-        """Whether :meth:`grammar_allows` holds for every token."""
-        bitmask: TokenBitmask = self._owner[R.GRAMMAR_BITMASK]
-        return bitmask.all_allowed(rows, tokens)
-
     def grammar_allows(self, rows: Sequence[int], tokens: Sequence[int]) -> list[bool]:
         """Whether each sampled token is in the grammar mask its row was sampled with (the
         bitmask's host rows hold the last masked step's until the next fill)."""

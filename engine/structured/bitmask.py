@@ -343,10 +343,6 @@ class TokenBitmask:
                             out.stride(0), words, programs, block, num_warps=warps, num_stages=3)
         return out
 
-    def all_allowed(self, rows: Sequence[int], tokens: Sequence[int]) -> bool:
-        """Whether :meth:`allows` holds for every token (one answer, no list)."""
-        return bool(self._allowed(rows, tokens).all()) if rows else True
-
     def allows(self, rows: Sequence[int], tokens: Sequence[int]) -> list[bool]:
         """Whether each token is allowed by its host row as last filled (the mask its step was
         sampled with, until the next :meth:`fill`): one vectorized read of the rows' words."""

@@ -156,7 +156,7 @@ def test_tokens_checked_against_the_masks_are_fed_in_one_unread_call():
         if step % 7 == 3:  # now and then a refused token: a dead end
             toks[0] = 400 if step % 2 else ord("}") if toks[0] != ord("}") else ord("1")
         ok = bits.allows(rows, toks)
-        assert bits.all_allowed(rows, toks) == all(ok)
+        assert all(bits.allows(rows, toks)) == all(ok)
         assert ok == [bool(b[i].accept_token(t)) and (b[i].rollback(1) or True)
                       for i, t in zip(live, toks)]
         got = advance_all([a[i] for i in live], toks, ok)
@@ -168,7 +168,7 @@ def test_tokens_checked_against_the_masks_are_fed_in_one_unread_call():
                 a[i], b[i] = xgr.GrammarMatcher(g), xgr.GrammarMatcher(g)
     assert fast > 10 and slow > 2
     assert [m.is_terminated() for m in a] == [m.is_terminated() for m in b]
-    assert bits.allows([], []) == [] and bits.all_allowed([], [])
+    assert bits.allows([], []) == [] and all(bits.allows([], []))
 
 
 def test_a_background_fill_is_under_way_when_fill_returns():
@@ -235,13 +235,13 @@ def test_allows_is_exactly_what_accept_token_takes(kind):
             bits.fill([(m, 0, ())]).rows()
             allowed = bits.allows([0] * (gv + 3), list(range(-1, gv + 2)))
             assert not allowed[0] and not any(allowed[-2:])
-            assert not bits.all_allowed([0] * (gv + 3), list(range(-1, gv + 2)))
+            assert not all(bits.allows([0] * (gv + 3), list(range(-1, gv + 2))))
             allowed = allowed[1:-2]
             inside = list(range(gv))  # the in-range path equals the general one
             assert bits.allows([0] * gv, inside) == allowed
             ok = [t for t in inside if allowed[t]]
-            assert bits.all_allowed([0] * len(ok), ok) and not (
-                len(ok) < gv and bits.all_allowed([0] * gv, inside))
+            assert all(bits.allows([0] * len(ok), ok)) and not (
+                len(ok) < gv and all(bits.allows([0] * gv, inside)))
             took = []
             for t in range(gv):
                 took.append(bool(m.accept_token(t)))

@@ -225,6 +225,17 @@ def test_the_job_checks_each_token_against_its_row_first(grammars):
              vocab=gv)
     assert w.wait()[1] == []
     assert _allowed(host, 2, gv) == [ord("b")] and _allowed(host, 3, gv) == [ord("d")]
+    # every id, against the step thread's own check (TokenBitmask.allows)
+    bits = TokenBitmask(1, V, "cpu", grammar_vocab=gv)
+    m = new_matcher(compiled[1])
+    bits.fill([(m, 0, ())], background=False)
+    ids = list(range(-1, gv + 2))
+    for t, ok in zip(ids, bits.allows([0] * len(ids), ids)):
+        w.submit(batch, [m], [t], [], None, [], None, bits.host, check_rows=[0], vocab=gv)
+        assert (w.wait() is not None) == ok, t
+        if ok:  # fed: a fresh matcher for the next id
+            m = new_matcher(compiled[1])
+    bits.close()
     with pytest.raises(ValueError, match="unequal"):
         w.submit(batch, ms, [1, 2], [], None, [0, 1], None, host, check_rows=[0], vocab=gv)
     with pytest.raises(ValueError, match="int32 host"):
