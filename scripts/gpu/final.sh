@@ -377,12 +377,18 @@ elif [[ $PART == 33 ]]; then  # session 18's last call, issue 23: 5 interleaved 
       --out "$OUT/gil_$f.json"
   done
   TAIL=6 step gpu_overlap 45 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_overlap.py
-elif [[ $PART == 34 ]]; then  # session 19, issue 23: this tree against ab/base, then acceptance
+elif [[ $PART == 34 ]]; then  # session 19, issue 23: this tree against ab/base, and acceptance
   export ONE_LOG=run.log TAIL=12
-  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then  # issue 15's acceptance
-    step prefix 150 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
-  fi
   base=${AB_BASE:-ab/base}
+  accept() {
+    step structured 80 python3 -m bench.structured --device cuda --no-progress --no-plain \
+      --fractions 0,0.5,1 --rounds 5 --out "$OUT/structured.json"
+  }
+  h200=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -c H200)
+  if ((h200)); then  # issues 15 and 23's acceptance first
+    step prefix 150 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
+    accept
+  fi
   for i in 1 2; do
     step "structured_new_$i" 45 python3 -m bench.structured --device cuda --no-progress --no-plain \
       --fractions 0,1 --rounds 2 --out "$OUT/structured_new_$i.json"
@@ -394,8 +400,7 @@ elif [[ $PART == 34 ]]; then  # session 19, issue 23: this tree against ab/base,
       --set engine.structured.native:GrammarWorker.spin_s=0.002 - bench.structured --device cuda \
       --no-progress --no-plain --fractions 0,1 --rounds 2 --out "$OUT/structured_spin_$i.json"
   done
-  step structured 80 python3 -m bench.structured --device cuda --no-progress --no-plain \
-    --fractions 0,0.5,1 --rounds 5 --out "$OUT/structured.json"
+  ((h200)) || accept
   TAIL=6 step gpu_tests 90 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
     tests/gpu/test_gpu_structured.py tests/gpu/test_gpu_overlap.py
   for f in 1 0; do  # as PART=33, with what time is left
