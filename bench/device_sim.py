@@ -111,14 +111,14 @@ class SimDevice:
         model = self.model
         pending: list = []
 
-        def sim_forward(batch):
+        def sim_forward(batch, poll=None):
             # the device starts with the forward's first launch and cannot end before its last:
             # an eager step's launches (eager_ms of host time) feed it as they go
             fwd_s, sample_s = model.seconds(batch)
             self.enqueue(fwd_s)
             if model.eager_ms and any(n > 1 or req.num_computed_tokens == 0 for req, n in batch):
                 _spin(model.eager_ms * 1e-3)
-            out = forward(batch)
+            out = forward(batch, poll)
             self.free_at = max(self.free_at, time.perf_counter())
             self.steps += 1
             pending.append(sample_s)

@@ -78,10 +78,10 @@ class Tape:
                 if tape.cur is not None:
                     tape.cur["wait"] += time.perf_counter() - t
 
-        def timed_forward(batch):
+        def timed_forward(batch, poll=None):
             t = time.perf_counter()
             try:
-                return forward(batch)
+                return forward(batch, poll)
             finally:
                 if tape.cur is not None:
                     tape.cur["fwd"] += time.perf_counter() - t

@@ -22,8 +22,8 @@ applying a step and filling the masks runs beside the forward but no longer besi
 sampling, and whatever of it outlasts the forward is device idle time. Columns ``late``
 (such steps), ``beside`` (those whose grammar work ran on the grammar worker beside the
 forward's launch, ``engine/structured/native.py``; ``ENGINECORE_GRAMMAR_OVERLAP=0`` turns it
-off; ``after``: of those, the jobs started after the launch, the step before being still on
-the device before it) and, per late step, the host's ms by part: ``fwd`` (launching the forward),
+off; ``inside`` / ``after``: of those, the jobs started inside the forward's launch / after
+it, the step before being still on the device before it) and, per late step, the host's ms by part: ``fwd`` (launching the forward),
 ``read`` (waiting for the step before's tokens, feeding them to the matchers, starting the
 fill), ``apply`` (stop checks, detokenization, outputs of the step before), ``mask`` (waiting
 for the fill, masking, launching the sampling: what the fill costs beyond ``apply``).
@@ -117,6 +117,7 @@ async def run_mode(eng, args, fraction: float, constraint, label: str = "") -> d
     deferred0 = eng.core.deferred_steps
     late0, split0 = eng.core.late_sampled_steps, dict(eng.core.late_seconds)
     jobs0, after0 = eng.core.grammar_jobs, eng.core.grammar_jobs_after
+    inside0 = eng.core.grammar_jobs_inside
 
     async def one(i: int) -> None:
         async for out in eng.generate(f"Request {i}: describe a product as JSON.\n", params[i]):
@@ -151,7 +152,8 @@ async def run_mode(eng, args, fraction: float, constraint, label: str = "") -> d
     return {"constrained": f"{100 * fraction:.0f} %{label}", "requests": n, "output_tokens": out,
             "wall_s": wall, "tok_s": out / wall, "steps": steps, "overlapped": deferred,
             "late": late, "beside": eng.core.grammar_jobs - jobs0,
-            "after_fwd": eng.core.grammar_jobs_after - after0, **split, "device_busy": busy,
+            "after_fwd": eng.core.grammar_jobs_after - after0,
+            "inside_fwd": eng.core.grammar_jobs_inside - inside0, **split, "device_busy": busy,
             "ms_per_step": 1e3 * wall / steps if steps else None,
             "valid": f"{valid}/{k}" if k else "-", "valid_strict": f"{strict}/{k}" if k else "-"}
 
@@ -240,7 +242,7 @@ def main(argv=None) -> int:
          ("wall_s", "wall s", ".2f"), ("tok_s", "tok/s", ".1f"),
          ("vs_unconstrained", "vs 0 %", ".3f"), ("steps", "steps", ""),
          ("overlapped", "overlapped", ""), ("late", "late", ""), ("beside", "beside", ""),
-         ("after_fwd", "after", ""),
+         ("inside_fwd", "inside", ""), ("after_fwd", "after", ""),
          ("late_forward_ms", "fwd", ".2f"), ("late_read_back_ms", "read", ".2f"),
          ("late_apply_ms", "apply", ".2f"), ("late_mask_sample_ms", "mask", ".2f"),
          ("ms_per_step", "ms/step", ".2f")]

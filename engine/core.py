@@ -50,6 +50,12 @@ class EngineCore:
     #: a late step lets the loop in (``on_launched``) once its sampling is launched, not
     #: once its forward is (an A/B on the device, session 18)
     late_let_in_after_sampling = False
+    #: a late step whose step before is still on the device at the forward's launch looks
+    #: again inside the launch (``runner.forward``'s ``poll``: before the graph's replay, and
+    #: before the logits) and starts the grammar job there once those tokens are back, not
+    #: only after the launch: the worker then runs beside the rest of the launch (an A/B on
+    #: the device, session 19)
+    grammar_job_in_forward = True
 
     def __init__(self, runner: ModelRunner, *, check_integrity: bool = False):
         self.runner = runner
@@ -91,6 +97,7 @@ class EngineCore:
         self.grammar_jobs = 0  # late steps whose grammar work ran beside the forward
         self.grammar_jobs_after = 0  # of them, those started after the forward's launch
         self.grammar_jobs_refused = 0  # of them, those a token out of its mask undid (none fed)
+        self.grammar_jobs_inside = 0  # of them, those started inside the forward's launch
         overlap = cfg.overlap_scheduling
         if overlap is None:
             overlap = runner.device.type == "cuda"
@@ -240,8 +247,19 @@ class EngineCore:
         # the GIL), beside this forward's launch
         ready = self.grammar_overlap and prev[1].ready
         job = self._grammar_job(*prev, batch) if ready else None
-        fwd = self.runner.forward(batch)
-        if (self.grammar_overlap and not ready and self.grammar_job_after_launch
+        started: list = []  # the job started inside the forward's launch (poll)
+
+        def poll() -> None:
+            if not started and prev[1].ready:
+                started.append(self._grammar_job(*prev, batch))
+
+        inside = (self.grammar_overlap and not ready and self.grammar_job_in_forward
+                  and self.runner.has_grammar_worker)
+        fwd = self.runner.forward(batch, poll if inside else None)
+        if started:
+            job = started[0]
+            self.grammar_jobs_inside += job is not None
+        elif (self.grammar_overlap and not ready and self.grammar_job_after_launch
                 and self.runner.has_grammar_worker):
             # NOTE: still on the device before the launch (a fast host: 215 of 256 late
             # steps on an H100 host, session 18), its tokens are back, or nearly, once

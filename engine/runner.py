@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -318,10 +318,13 @@ class ModelRunner(RunnerSleep):
         return self.sample_step(self.forward(batch), defer)
 
     @torch.inference_mode()
-    def forward(self, batch: Sequence[tuple[Request, int]]) -> "Forwarded":
+    def forward(self, batch: Sequence[tuple[Request, int]],
+                poll: Optional[Callable[[], None]] = None) -> "Forwarded":
         """The step's forward and logits launched on the device; nothing sampled yet, no grammar
         mask read. Overlapped scheduling with output constraints (EngineCore.step): between this
-        and :meth:`sample_step` the host applies the step before (its matchers take their tokens)."""
+        and :meth:`sample_step` the host applies the step before (its matchers take their tokens).
+        ``poll()``: called twice on the way (before the model's launch, before the logits'),
+        for the caller to start host work beside the rest of the launch."""
         self.steps += 1
         if self.config.fault_at_step is not None and self.steps == self.config.fault_at_step:
             raise InjectedFault(f"injected fault at step {self.steps}")
@@ -354,8 +357,12 @@ class ModelRunner(RunnerSleep):
         idx = flat + [r for _, r, _ in plp]
         if self._tp is not None:  # the workers run the same forward (and logits rows) with us
             self._tp.step(seqs, idx)
+        if poll is not None:
+            poll()
         hidden = packed_forward(model, kv.tensor, state, self._owner.get(R.CUDA_GRAPHS),
                                 self.device, self.block_size, seqs, fill, tables)
+        if poll is not None:
+            poll()
         if not idx:
             return Forwarded(batch, sample_rows, plp, [], None, None, None, None)
         logits_all = self._logits(model, hidden, idx)

@@ -123,3 +123,40 @@ async def test_the_loop_let_in_before_or_after_the_sampling_gives_the_same_outpu
     got = await serve(True)
     assert got == want
     assert all(ends == 1 for _, ends, _ in got.values())
+
+
+@pytest.mark.parametrize("after", ["apply-first", "sample-first"])
+@pytest.mark.parametrize("reads", [1, 2, 3, 9])
+def test_jobs_start_inside_the_forward_once_the_tokens_are_back(after, reads, monkeypatch):
+    """Each deferred step reads as not back for its first ``reads`` looks: the job starts at the
+    forward's first poll (before the model's launch), its second (before the logits), after
+    the launch, or -- never back until then -- after it too (the wait). The outputs are those
+    of the same order without the worker; ``grammar_job_in_forward=False`` starts none inside."""
+    from engine.core import EngineCore
+    from engine.launched import Launched
+
+    work = list(_odd(18))
+    adds = {3: [(f"late{i}", [40 + i, 41, 42], SamplingParams(max_tokens=9, structured=REGEX))
+                for i in range(3)]}
+    aborts = {5: ["r4", "r7"], 8: ["r10", "late1"]}
+    want = _run(_core(True, after), work, dict(adds), dict(aborts))
+    looks: dict[int, int] = {}
+    was = Launched.ready
+
+    def ready(self):
+        n = looks[id(self)] = looks.get(id(self), 0) + 1
+        return was.fget(self) and (self.result is not None or n > reads)
+
+    monkeypatch.setattr(Launched, "ready", property(ready))
+    core = _core(True, after + "-beside")
+    assert _run(core, work, dict(adds), dict(aborts)) == want
+    assert core.grammar_jobs > 0
+    if reads < 3:  # the look before the forward, then its two polls
+        assert core.grammar_jobs_inside > 0
+    else:  # (a step looked at more often -- an earlier step's check -- may start inside)
+        assert core.grammar_jobs_after > core.grammar_jobs_inside
+    looks.clear()
+    monkeypatch.setattr(EngineCore, "grammar_job_in_forward", False)
+    core = _core(True, after + "-beside")
+    assert _run(core, work, dict(adds), dict(aborts)) == want
+    assert core.grammar_jobs_inside == 0 and core.grammar_jobs_after > 0

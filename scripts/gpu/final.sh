@@ -78,7 +78,7 @@
 #           bench.prefix --rounds 3 (issue 15)
 #   PART=34 session 19, issue 23: bench.structured --fractions 0,1 --rounds 2 of this tree against
 #           ab/base (an untracked copy of an older tree's engine/ and bench/: AB_BASE) and with
-#           GrammarWorker.spin_s=0.002, 2 interleaved triples of processes; then the acceptance run (--fractions 0,0.5,1
+#           EngineCore.grammar_job_in_forward=false, 2 interleaved triples of processes; then the acceptance run (--fractions 0,0.5,1
 #           --rounds 5), the structured and overlap GPU tests; on an H200 first bench.prefix
 #           --rounds 3 (issue 15)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
@@ -396,9 +396,9 @@ elif [[ $PART == 34 ]]; then  # session 19, issue 23: this tree against ab/base,
     [[ -d $base ]] && step "structured_base_$i" 45 bash -c "cd $base && PYTHONPATH=/tmp/site:\$PWD \
       exec python3 -m bench.structured --device cuda --no-progress --no-plain --fractions 0,1 \
       --rounds 2 --out $OUT/structured_base_$i.json"
-    step "structured_spin_$i" 45 python3 scripts/gpu/with_switch.py \
-      --set engine.structured.native:GrammarWorker.spin_s=0.002 - bench.structured --device cuda \
-      --no-progress --no-plain --fractions 0,1 --rounds 2 --out "$OUT/structured_spin_$i.json"
+    step "structured_noinside_$i" 45 python3 scripts/gpu/with_switch.py \
+      --set engine.core:EngineCore.grammar_job_in_forward=false - bench.structured --device cuda \
+      --no-progress --no-plain --fractions 0,1 --rounds 2 --out "$OUT/structured_noinside_$i.json"
   done
   ((h200)) || accept
   TAIL=6 step gpu_tests 90 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
