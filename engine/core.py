@@ -316,6 +316,7 @@ class EngineCore:
         rows = launched.rows
         first = False
         fed: list[int] = []  # the constrained entries whose matchers take the token (_fed)
+        fed_matchers: list = []
         fed_rows: list[int] = []
         for k, (req, n) in enumerate(batch):
             if req.finished:  # finished while this step was being launched (the step before)
@@ -327,9 +328,11 @@ class EngineCore:
                 first = first or req.first_token_time is None
                 if req.matcher is not None and req.params.max_tokens > 0:
                     fed.append(k)
+                    fed_matchers.append(req.matcher)
                     fed_rows.append(rows[k])
         # (valid while no request leaves the scheduler: its count of removals is kept with it)
-        launched.fed = (fed, fed_rows, self.scheduler.removed) if fed else None
+        launched.fed = ((fed, fed_matchers, fed_rows, self.scheduler.removed) if fed
+                        else None)
         self._inflight = (batch, launched)
         self._inflight_first = first
         self.deferred_steps += 1
@@ -373,9 +376,8 @@ class EngineCore:
         """A deferred step's tokens read back and fed to the constrained requests' matchers
         (before the rest of the step is applied, so the next masks can be filled meanwhile):
         entry -> the verdict (``structured.matcher.advance``) that ``_append`` then uses."""
-        fed, toks, rows = self._fed(batch, launched)
-        verdicts = advance_all([batch[k][0].matcher for k in fed], toks,
-                               self.runner.grammar_allows(rows, toks))
+        fed, matchers, toks, rows = self._fed(batch, launched)
+        verdicts = advance_all(matchers, toks, self.runner.grammar_allows(rows, toks))
         return dict(zip(fed, verdicts))
 
     def _grammar_job(self, batch, launched, nxt):
@@ -384,8 +386,7 @@ class EngineCore:
         (``runner.accept_then_fill``: it checks each token against its mask first, and does
         nothing if one is out), for :meth:`_grammar_done`. None where no job started (no
         worker, drafts): the usual path."""
-        fed, toks, rows = self._fed(batch, launched)
-        matchers = [batch[k][0].matcher for k in fed]
+        fed, matchers, toks, rows = self._fed(batch, launched)
         # (the worker checks each token against the row it was sampled from first)
         job = self.runner.accept_then_fill(matchers, toks, nxt, rows)
         if job is None:
@@ -406,22 +407,23 @@ class EngineCore:
             return ALL_GO_ON, Filling(None, rows)
         return dict(zip(fed, verdicts_of(matchers, ended))), Filling(None, rows)
 
-    def _fed(self, batch, launched) -> tuple[list[int], list[int], list[int]]:
+    def _fed(self, batch, launched) -> tuple[list[int], list, list[int], list[int]]:
         """A deferred step read back: the entries whose matcher takes the token it sampled,
-        those tokens, and the rows they were sampled from (whose masks are still in the
-        bitmask's host rows: ``runner.grammar_allows``)."""
+        their matchers, those tokens, and the rows they were sampled from (whose masks are
+        still in the bitmask's host rows: ``runner.grammar_allows``)."""
         tokens = self.runner.collect(launched).tokens
         plan = launched.fed
-        if plan is not None and plan[2] == self.scheduler.removed:
+        if plan is not None and plan[3] == self.scheduler.removed:
             # none of the step's requests finished since _defer planned it: each entry it
             # planned is pending, and a deferred step samples one token an entry
-            fed, rows = plan[0], plan[1]
-            return fed, list(map(launched.flat.__getitem__, rows)), rows
+            fed, matchers, rows = plan[0], plan[1], plan[2]
+            return fed, matchers, list(map(launched.flat.__getitem__, rows)), rows
         fed = [k for k, (req, _) in enumerate(batch)
                if req.matcher is not None and req.pending and not req.finished and tokens[k]
                and req.params.max_tokens > 0]
         toks = [tokens[k][0] for k in fed]
-        return fed, toks, list(map(launched.rows.__getitem__, fed))
+        return (fed, [batch[k][0].matcher for k in fed], toks,
+                list(map(launched.rows.__getitem__, fed)))
 
     def _update(self, batch, result: StepResult) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
