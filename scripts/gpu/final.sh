@@ -81,6 +81,9 @@
 #           EngineCore.grammar_job_in_forward=false, 2 interleaved triples of processes; then the acceptance run (--fractions 0,0.5,1
 #           --rounds 5), the structured and overlap GPU tests; on an H200 first bench.prefix
 #           --rounds 3 (issue 15)
+#   PART=35 session 19's last budget (~170 s): on an H200 bench.prefix --rounds 2 and
+#           bench.structured --fractions 0,0.5,1 --rounds 3; elsewhere bench.structured --fractions
+#           0,1 --rounds 2 of this tree and of ab/base, then the same acceptance run
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -377,6 +380,20 @@ elif [[ $PART == 33 ]]; then  # session 18's last call, issue 23: 5 interleaved 
       --out "$OUT/gil_$f.json"
   done
   TAIL=6 step gpu_overlap 45 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_overlap.py
+elif [[ $PART == 35 ]]; then  # session 19's last budget: the acceptance runs first where they count
+  export ONE_LOG=run.log TAIL=12
+  base=${AB_BASE:-ab/base}
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    step prefix 100 python3 -m bench.prefix --device cuda --no-progress --rounds 2 --out "$OUT/prefix.json"
+  else
+    step structured_new 40 python3 -m bench.structured --device cuda --no-progress --no-plain \
+      --fractions 0,1 --rounds 2 --out "$OUT/structured_new.json"
+    [[ -d $base ]] && step structured_base 40 bash -c "cd $base && PYTHONPATH=/tmp/site:\$PWD \
+      exec python3 -m bench.structured --device cuda --no-progress --no-plain --fractions 0,1 \
+      --rounds 2 --out $OUT/structured_base.json"
+  fi
+  step structured 70 python3 -m bench.structured --device cuda --no-progress --no-plain \
+    --fractions 0,0.5,1 --rounds 3 --out "$OUT/structured.json"
 elif [[ $PART == 34 ]]; then  # session 19, issue 23: this tree against ab/base, and acceptance
   export ONE_LOG=run.log TAIL=12
   base=${AB_BASE:-ab/base}
