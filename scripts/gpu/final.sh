@@ -77,7 +77,8 @@
 #           scripts/gpu/spy_summary.py --thread enginecore-step|MainThread); on an H200 first
 #           bench.prefix --rounds 3 (issue 15)
 #   PART=34 session 19, issue 23: bench.structured --fractions 0,1 --rounds 2 of this tree against
-#           ab/base (an untracked copy of an older tree's engine/ and bench/: AB_BASE) and with
+#           ab/base (an older tree's engine/ and bench/, made by `mkdir -p ab/base && git archive
+#           REV engine bench | tar -x -C ab/base`; ignored by git: carry it with .whl; AB_BASE) and with
 #           EngineCore.grammar_job_in_forward=false, 2 interleaved triples of processes; then the acceptance run (--fractions 0,0.5,1
 #           --rounds 5), the structured and overlap GPU tests; on an H200 first bench.prefix
 #           --rounds 3 (issue 15)
