@@ -238,3 +238,28 @@ def test_an_aborted_requests_matcher_is_not_fed(monkeypatch):
     for rid, (matcher, at) in gone.items():
         assert any(m is matcher for m in fed[at - 1]), rid
         assert not any(m is matcher for ms in fed[at:] for m in ms), rid
+
+
+@pytest.mark.parametrize("blocks", [10, 24])
+@pytest.mark.parametrize("after", ["apply-first", "sample-first"])
+def test_the_planned_feed_under_preemption_and_aborts(after, blocks, monkeypatch):
+    """Few KV blocks (preemptions) and aborts mid-run: the late steps' jobs -- with the feed
+    _defer planned, and with it never reused -- give the outputs of the same order without
+    the worker."""
+    from engine.core import EngineCore
+
+    work = list(_mixed(24))
+    aborts = {4: ["r3", "r6"], 7: ["r9"], 11: ["r12", "r13"]}
+    want = _run(_core(True, after, num_kv_blocks=blocks), work, abort_after=dict(aborts))
+    core = _core(True, after + "-beside", num_kv_blocks=blocks)
+    assert _run(core, work, abort_after=dict(aborts)) == want
+    assert core.grammar_jobs > 0
+    fed = EngineCore._fed
+
+    def unplanned(self, batch, launched):
+        launched.fed = None
+        return fed(self, batch, launched)
+
+    monkeypatch.setattr(EngineCore, "_fed", unplanned)
+    assert _run(_core(True, after + "-beside", num_kv_blocks=blocks), work,
+                abort_after=dict(aborts)) == want

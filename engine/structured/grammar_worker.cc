@@ -228,6 +228,9 @@ void WorkerSubmit(int64_t handle, ffi::Function accept, ffi::Function fill,
       (t->device.device_type != kDLCPU && t->device.device_type != kDLCUDAHost)) {
     TVM_FFI_THROW(ValueError) << "grammar worker: the bitmask must be a 2-d int32 host tensor";
   }
+  // the check reads row r at r * width words (as xgrammar's fill writes it): row-major only
+  if (!ffi::IsContiguous(*t))
+    TVM_FFI_THROW(ValueError) << "grammar worker: the bitmask must be contiguous";
   for (int64_t i : ask) {
     if (i < 0 || i >= static_cast<int64_t>(matchers.size()))
       TVM_FFI_THROW(IndexError) << "grammar worker: ask position " << i;

@@ -292,3 +292,30 @@ def test_wait_with_and_without_polling_first(grammars, monkeypatch, spin):
     assert job.result() == (set(), list(range(256)))
     assert time.monotonic() - t0 < 4.0
     bits.close()
+
+
+@needs_worker
+def test_the_check_reads_rows_of_a_view_and_refuses_a_strided_bitmask(grammars):
+    """The worker's check reads the rows of the tensor it is given: a view into a larger one
+    (a storage offset) reads the view's rows; a tensor that is not row-major (an expanded row:
+    one row of storage) is refused by the C++ side itself, not only by ``submit``."""
+    tok, compiled = grammars
+    gv = grammar_vocab_size(tok, V)
+    width = -(-gv // 32)
+    big = torch.zeros((6, width), dtype=torch.int32)
+    host = big[2:]
+    ms = [new_matcher(compiled[1]) for _ in range(2)]
+    batch = xgr.BatchGrammarMatcher(max_threads=1)
+    batch.batch_fill_next_token_bitmask(ms, host, [0, 1])
+    assert big[:2].eq(0).all()
+    w = native.new_worker()
+    w.submit(batch, ms, [ord("a"), ord("c")], [], None, [2, 3], None, host, check_rows=[0, 1],
+             vocab=gv)
+    assert w.wait() is not None
+    strided = torch.zeros((1, width), dtype=torch.int32).expand(4096, width)
+    accept, fill, is_terminated = w._fns
+    with pytest.raises(ValueError, match="contiguous"):
+        w._mod.grammar_worker_submit(w._handle, accept, fill, is_terminated, batch._handle,
+                                     w._handles(ms[:1]), [ord("b")], [4095], gv, [], (), [],
+                                     (), strided)
+    w.close()
