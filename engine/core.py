@@ -253,14 +253,12 @@ class EngineCore:
             if not started and prev[1].ready:
                 started.append(self._grammar_job(*prev, batch))
 
-        inside = (self.grammar_overlap and not ready and self.grammar_job_in_forward
-                  and self.runner.has_grammar_worker)
-        fwd = self.runner.forward(batch, poll if inside else None)
+        later = self.grammar_overlap and not ready and self.runner.has_grammar_worker
+        fwd = self.runner.forward(batch, poll if later and self.grammar_job_in_forward else None)
         if started:
             job = started[0]
             self.grammar_jobs_inside += job is not None
-        elif (self.grammar_overlap and not ready and self.grammar_job_after_launch
-                and self.runner.has_grammar_worker):
+        elif later and self.grammar_job_after_launch:
             # NOTE: still on the device before the launch (a fast host: 215 of 256 late
             # steps on an H100 host, session 18), its tokens are back, or nearly, once
             # the forward is launched (~1 ms of host work): the job starts now, the

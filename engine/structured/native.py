@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import weakref
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -151,13 +150,6 @@ _HANDLE = operator.attrgetter("_handle")  # an xgrammar object's tvm-ffi object
 class GrammarWorker:
     """One C++ thread and at most one job at a time (:meth:`submit`, then :meth:`wait`)."""
 
-    #: seconds :meth:`wait` polls a running job with the GIL kept before it waits without it
-    #: (0: at once). NOTE: a device A/B (``scripts/gpu/final.sh`` PART=34): given up while the
-    #: job runs, the GIL goes to the event loop's delivery of the outputs just handed over, and
-    #: the step thread -- whose sampling launch waits for this job -- gets it back only when the
-    #: loop lets go, after the job ended
-    spin_s = 0.0
-
     def __init__(self, module) -> None:
         self._mod = module
         self._fns = _xgrammar_functions()
@@ -186,8 +178,8 @@ class GrammarWorker:
         matcher of the job alone until :meth:`wait`."""
         if self._pending:
             raise RuntimeError("grammar worker: the last job was not waited for")
-        if not host.is_contiguous():  # xgrammar fills row r at r * width words: another layout
-            raise ValueError("grammar worker: the bitmask must be contiguous")  # gets wrong rows
+        # (a bitmask that is not a 2-d, row-major int32 host tensor: refused by the C++ side,
+        # ValueError -- xgrammar fills row r at r * width words, and the check reads them so)
         accept, fill, is_terminated = self._fns
         handles = self._handles(matchers)
         if fill_matchers is None:
@@ -232,12 +224,9 @@ class GrammarWorker:
         # wants it (the event loop delivering outputs) runs first, and this one waits for it
         # (as Launched.wait's event query before a synchronize)
         mod, handle = self._mod, self._handle
-        done = mod.grammar_worker_done(handle)
-        if not done and self.spin_s > 0:
-            end = time.perf_counter() + self.spin_s
-            while not (done := mod.grammar_worker_done(handle)) and time.perf_counter() < end:
-                pass
-        out = list((mod.grammar_worker_wait_done if done else mod.grammar_worker_wait)(handle))
+        wait = mod.grammar_worker_wait_done if mod.grammar_worker_done(handle) \
+            else mod.grammar_worker_wait
+        out = list(wait(handle))
         if out[0] < 0:
             return None
         return out[0] * 1e-9, out[1:]

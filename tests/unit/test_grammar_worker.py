@@ -277,24 +277,6 @@ def test_the_fed_matchers_fill_by_default_and_their_handles_are_reused(grammars)
 
 
 @needs_worker
-@pytest.mark.parametrize("spin", [0.0, 5.0])
-def test_wait_with_and_without_polling_first(grammars, monkeypatch, spin):
-    """``spin_s``: the wait polls the job with the GIL kept, then collects it (the same result
-    either way; the poll ends with the job, not at its bound)."""
-    tok, compiled = grammars
-    bits = TokenBitmask(256, V, "cpu", grammar_vocab=grammar_vocab_size(tok, V))
-    monkeypatch.setattr(native.GrammarWorker, "spin_s", spin)
-    ms = [new_matcher(compiled[0]) for _ in range(256)]
-    entries = [(m, k, ()) for k, m in enumerate(ms)]
-    bits.fill(entries, background=False)
-    t0 = time.monotonic()
-    job = bits.accept_then_fill(ms, [ord("{")] * 256, entries)
-    assert job.result() == (set(), list(range(256)))
-    assert time.monotonic() - t0 < 4.0
-    bits.close()
-
-
-@needs_worker
 def test_the_check_reads_rows_of_a_view_and_refuses_a_strided_bitmask(grammars):
     """The worker's check reads the rows of the tensor it is given: a view into a larger one
     (a storage offset) reads the view's rows; a tensor that is not row-major (an expanded row:
