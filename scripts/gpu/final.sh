@@ -85,6 +85,9 @@
 #   PART=35 session 19's last budget (~170 s): on an H200 bench.prefix --rounds 2 and
 #           bench.structured --fractions 0,0.5,1 --rounds 3; elsewhere bench.structured --fractions
 #           0,1 --rounds 2 of this tree and of ab/base, then the same acceptance run
+#   PART=36 session 20: bench.prefix --rounds 3 and the acceptance bench.structured (--fractions
+#           0,0.5,1 --rounds 5) on any card, then bench.structured --fractions 0,1 --rounds 2 of this
+#           tree and of ab/base (`git archive REV engine bench states ipc`) interleaved twice
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -395,6 +398,19 @@ elif [[ $PART == 35 ]]; then  # session 19's last budget: the acceptance runs fi
   fi
   step structured 70 python3 -m bench.structured --device cuda --no-progress --no-plain \
     --fractions 0,0.5,1 --rounds 3 --out "$OUT/structured.json"
+elif [[ $PART == 36 ]]; then  # session 20: issues 15 and 23's acceptance on whatever card, then the A/B
+  export ONE_LOG=run.log TAIL=12
+  base=${AB_BASE:-ab/base}
+  step prefix 150 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
+  step structured 80 python3 -m bench.structured --device cuda --no-progress --no-plain \
+    --fractions 0,0.5,1 --rounds 5 --out "$OUT/structured.json"
+  for i in 1 2; do
+    step "structured_new_$i" 45 python3 -m bench.structured --device cuda --no-progress --no-plain \
+      --fractions 0,1 --rounds 2 --out "$OUT/structured_new_$i.json"
+    [[ -d $base ]] && step "structured_base_$i" 45 bash -c "cd $base && PYTHONPATH=/tmp/site:\$PWD \
+      exec python3 -m bench.structured --device cuda --no-progress --no-plain --fractions 0,1 \
+      --rounds 2 --out $OUT/structured_base_$i.json"
+  done
 elif [[ $PART == 34 ]]; then  # session 19, issue 23: this tree against ab/base, and acceptance
   export ONE_LOG=run.log TAIL=12
   base=${AB_BASE:-ab/base}
