@@ -67,6 +67,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # at shutdown): a full collection then walks only what serving allocates, not the model's
     # and torch's objects (a 142 ms pause measured otherwise). engine/gc_freeze.py
     freeze_gc: bool = True
+    # with freeze_gc, the youngest generation's collection threshold while serving (CPython's
+    # 700 made a young collection nearly every decode step: ~6 % of a host-bound run's wall,
+    # measured); 0 leaves the interpreter's. engine/gc_freeze.py
+    gc_young_threshold: int = 10_000
     # AsyncEngine: steps run back to back on the step thread for up to this long while the
     # event loop has nothing for the core (no adds or aborts, no transition): a round trip
     # through the loop between two steps cost 4-5 % of a decode step on the H200
@@ -109,6 +113,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise BadRequestError("max_logprobs must be in [0, 1024]")
         if not (0 < self.grammar_compile_timeout <= 3600):
             raise BadRequestError("grammar_compile_timeout must be in (0, 3600] seconds")
+        if not 0 <= self.gc_young_threshold <= 10_000_000:
+            raise BadRequestError("gc_young_threshold must be in [0, 10000000]")
         if not 0 <= self.step_burst_ms <= 10_000:
             raise BadRequestError("step_burst_ms must be in [0, 10000]")
         if self.grammar_cache_entries < 0 or self.grammar_cache_bytes < 0:

@@ -13,10 +13,11 @@ from typing import Sequence
 from .tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
+_JOIN_EVERY = 32  # pieces of the emitted text kept apart before they are joined
 
 
 class IncrementalDetokenizer:
-    __slots__ = ("_tok", "_ids", "_prefix", "_read", "_stops", "_hold", "_pending", "text",
+    __slots__ = ("_tok", "_ids", "_prefix", "_read", "_stops", "_hold", "_pending", "_out",
                  "stopped", "_skip", "_keep_stop", "_stream")
 
     def __init__(self, tokenizer: Tokenizer, prompt_tail: Sequence[int], stop: Sequence[str],
@@ -31,7 +32,10 @@ class IncrementalDetokenizer:
         self._stops = list(stop)
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._pending = ""  # decoded but not yet emitted (could start a stop string)
-        self.text = ""  # everything emitted so far
+        # everything emitted so far, in pieces joined every _JOIN_EVERY: ``self.text += out``
+        # copied the whole text on every token (CPython concatenates in place only into a
+        # local), quadratic in the output's length on the step thread
+        self._out: list[str] = []
         self.stopped = False
         # the tokenizer's own incremental decoder when it has one (one call a token);
         # otherwise windows of tokens are decoded (two calls a token)
@@ -56,6 +60,13 @@ class IncrementalDetokenizer:
             self._prefix, self._read = self._read, len(self._ids)
         return self._release(final=False)
 
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        if len(self._out) > 1:
+            self._out[:] = ["".join(self._out)]
+        return self._out[0] if self._out else ""
+
     def _decode(self, ids) -> str:
         return self._tok.decode(ids) if self._skip else self._tok.decode(ids, False)
 
@@ -76,7 +87,7 @@ class IncrementalDetokenizer:
                 cut = i - neg if self._keep_stop else i
                 out = self._pending[:cut]
                 self.stopped = True
-                self.text += out
+                self._out.append(out)
                 self._pending = ""
                 return out
         if final or not self._stops:
@@ -85,5 +96,8 @@ class IncrementalDetokenizer:
             keep = min(self._hold, len(self._pending))
             out = self._pending[: len(self._pending) - keep]
             self._pending = self._pending[len(self._pending) - keep:]
-        self.text += out
+        if out:
+            self._out.append(out)
+            if len(self._out) > _JOIN_EVERY:
+                self._out[:] = ["".join(self._out)]
         return out

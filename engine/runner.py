@@ -101,7 +101,7 @@ class ModelRunner(RunnerSleep):
         # freed by now, but glibc keeps their pages resident until trimmed
         trim_host_heap()
         if self.config.freeze_gc and not self._gc_frozen:  # engine/gc_freeze.py
-            gc_freeze.hold()
+            gc_freeze.hold(self.config.gc_young_threshold)
             self._gc_frozen = True
 
     def _load(self, should_stop) -> None:

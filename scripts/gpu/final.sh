@@ -88,6 +88,11 @@
 #   PART=36 session 20: bench.prefix --rounds 3 and the acceptance bench.structured (--fractions
 #           0,0.5,1 --rounds 5) on any card, then bench.structured --fractions 0,1 --rounds 2 of this
 #           tree and of ab/base (`git archive REV engine bench states ipc`) interleaved twice
+#   PART=37 session 20, after the H200's run 2: bench.structured's acceptance run (--fractions
+#           0,0.5,1 --rounds 5), bench.prefix --rounds 3, then bench.structured --fractions 0,1
+#           --rounds 2 with gc_young_threshold 0 (CPython's 700) against the default, interleaved
+#           twice, and py-spy --gil profiles of --fractions 1 and 0 (read them with
+#           spy_summary.py --thread enginecore-step --within EngineCore.step)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -398,6 +403,25 @@ elif [[ $PART == 35 ]]; then  # session 19's last budget: the acceptance runs fi
   fi
   step structured 70 python3 -m bench.structured --device cuda --no-progress --no-plain \
     --fractions 0,0.5,1 --rounds 3 --out "$OUT/structured.json"
+elif [[ $PART == 37 ]]; then  # session 20: the collector's young threshold, the acceptance runs
+  export ONE_LOG=run.log TAIL=12
+  step structured 80 python3 -m bench.structured --device cuda --no-progress --no-plain \
+    --fractions 0,0.5,1 --rounds 5 --out "$OUT/structured.json"
+  step prefix 150 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
+  for i in 1 2; do
+    step "structured_gc700_$i" 45 python3 -m bench.structured --device cuda --no-progress --no-plain \
+      --fractions 0,1 --rounds 2 --engine-config '{"gc_young_threshold": 0}' \
+      --out "$OUT/structured_gc700_$i.json"
+    step "structured_new_$i" 45 python3 -m bench.structured --device cuda --no-progress --no-plain \
+      --fractions 0,1 --rounds 2 --out "$OUT/structured_new_$i.json"
+  done
+  for f in 1 0; do
+    step "gil_$f" 40 .whl/py-spy record --gil --nonblocking -r 500 -f raw -o "$OUT/gil_$f.raw" --threads -- \
+      python3 -m bench.structured --device cuda --no-progress --no-plain --fractions "$f" --rounds 2 \
+      --out "$OUT/gil_$f.json"
+    python3 scripts/gpu/spy_summary.py "$OUT/gil_$f.raw" --thread enginecore-step \
+      --within EngineCore.step --top 40 > "$OUT/gil_${f}_step.txt" 2>&1
+  done
 elif [[ $PART == 36 ]]; then  # session 20: issues 15 and 23's acceptance on whatever card, then the A/B
   export ONE_LOG=run.log TAIL=12
   base=${AB_BASE:-ab/base}

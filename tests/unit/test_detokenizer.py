@@ -121,3 +121,17 @@ def test_byte_stream_equals_window_decoding_on_random_bytes():
         assert got[0] == got[1], (prompt, ids)
     d = IncrementalDetokenizer(BYTES, list("ok".encode()), [])
     assert d._stream is not None  # the byte tokenizer streams
+
+
+def test_a_long_output_text_is_every_delta_joined():
+    from engine.detokenizer import _JOIN_EVERY, IncrementalDetokenizer
+
+    class Chars:  # token i decodes to chr(97 + i % 26): one character a token
+        def decode(self, ids, skip=True):
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    d = IncrementalDetokenizer(Chars(), [], [])
+    deltas = [d.add([i]) for i in range(10 * _JOIN_EVERY + 3)]
+    assert len(d._out) <= _JOIN_EVERY + 1  # kept in few pieces, not one a token
+    assert d.text == "".join(deltas) == "".join(chr(97 + i % 26) for i in range(len(deltas)))
+    assert d.flush() == "" and d.text == "".join(deltas)

@@ -61,3 +61,36 @@ def test_two_runners_compose_and_the_option_turns_it_off():
     c = _runner(freeze_gc=False)
     assert gc_freeze.holders() == 0 and gc.get_freeze_count() == 0
     c.shutdown()
+
+
+def test_the_young_threshold_is_raised_while_serving_and_given_back():
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, *before[1:])
+        a = _runner(gc_young_threshold=20_000)
+        assert gc.get_threshold() == (20_000, *before[1:])
+        b = _runner(gc_young_threshold=500)  # never lowered by a second engine
+        assert gc.get_threshold()[0] == 20_000
+        a.shutdown()
+        assert gc.get_threshold()[0] == 20_000  # b still serves
+        b.shutdown()
+        assert gc.get_threshold() == (700, *before[1:])  # the interpreter's, back
+        c = _runner(gc_young_threshold=0)  # 0: left alone
+        assert gc.get_threshold()[0] == 700
+        c.shutdown()
+        gc.set_threshold(0)  # automatic collection off (the process's choice): left off
+        d = _runner()
+        assert gc.get_threshold()[0] == 0
+        d.shutdown()
+        assert gc.get_threshold()[0] == 0
+    finally:
+        gc.set_threshold(*before)
+
+
+def test_the_young_threshold_is_range_checked():
+    from engine.errors import BadRequestError
+
+    with pytest.raises(BadRequestError, match="gc_young_threshold"):
+        EngineConfig(model="random:tiny-llama", gc_young_threshold=-1).validate()
+    with pytest.raises(BadRequestError, match="gc_young_threshold"):
+        EngineConfig(model="random:tiny-llama", gc_young_threshold=10**8).validate()
