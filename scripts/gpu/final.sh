@@ -91,7 +91,8 @@
 #   PART=37 session 20, after the H200's run 2: bench.structured's acceptance run (--fractions
 #           0,0.5,1 --rounds 5), bench.prefix --rounds 3, then bench.structured --fractions 0,1
 #           --rounds 2 with gc_young_threshold 0 (CPython's 700) against the default, interleaved
-#           twice, and py-spy --gil profiles of --fractions 1 and 0 (read them with
+#           twice, once without the grammar worker (ENGINECORE_GRAMMAR_OVERLAP=0), and py-spy
+#           --gil profiles of --fractions 1 and 0 (read them with
 #           spy_summary.py --thread enginecore-step --within EngineCore.step)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
@@ -405,6 +406,7 @@ elif [[ $PART == 35 ]]; then  # session 19's last budget: the acceptance runs fi
     --fractions 0,0.5,1 --rounds 3 --out "$OUT/structured.json"
 elif [[ $PART == 37 ]]; then  # session 20: the collector's young threshold, the acceptance runs
   export ONE_LOG=run.log TAIL=12
+  lscpu | grep -E "^(Model name|Thread|Core|Socket|CPU\(s\)|CPU max|NUMA node)" | tee -a "$OUT/run.log"
   step structured 80 python3 -m bench.structured --device cuda --no-progress --no-plain \
     --fractions 0,0.5,1 --rounds 5 --out "$OUT/structured.json"
   step prefix 150 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
@@ -415,6 +417,8 @@ elif [[ $PART == 37 ]]; then  # session 20: the collector's young threshold, the
     step "structured_new_$i" 45 python3 -m bench.structured --device cuda --no-progress --no-plain \
       --fractions 0,1 --rounds 2 --out "$OUT/structured_new_$i.json"
   done
+  ENGINECORE_GRAMMAR_OVERLAP=0 step structured_noworker 45 python3 -m bench.structured --device cuda \
+    --no-progress --no-plain --fractions 0,1 --rounds 2 --out "$OUT/structured_noworker.json"
   for f in 1 0; do
     step "gil_$f" 40 .whl/py-spy record --gil --nonblocking -r 500 -f raw -o "$OUT/gil_$f.raw" --threads -- \
       python3 -m bench.structured --device cuda --no-progress --no-plain --fractions "$f" --rounds 2 \
