@@ -407,25 +407,29 @@ elif [[ $PART == 35 ]]; then  # session 19's last budget: the acceptance runs fi
 elif [[ $PART == 37 ]]; then  # session 20: the collector's young threshold, the acceptance runs
   export ONE_LOG=run.log TAIL=12
   lscpu | grep -E "^(Model name|Thread|Core|Socket|CPU\(s\)|CPU max|NUMA node)" | tee -a "$OUT/run.log"
+  gil() {  # gil FRACTION: py-spy --gil of bench.structured, summarized for the step thread
+    step "gil_$1" 40 .whl/py-spy record --gil --nonblocking -r 500 -f raw -o "$OUT/gil_$1.raw" --threads -- \
+      python3 -m bench.structured --device cuda --no-progress --no-plain --fractions "$1" --rounds 2 \
+      --out "$OUT/gil_$1.json"
+    python3 scripts/gpu/spy_summary.py "$OUT/gil_$1.raw" --thread enginecore-step \
+      --within EngineCore.step --top 40 > "$OUT/gil_${1}_step.txt" 2>&1
+  }
+  ab() {  # ab I: gc_young_threshold 0 (CPython's 700) against the default
+    step "structured_gc700_$1" 45 python3 -m bench.structured --device cuda --no-progress --no-plain \
+      --fractions 0,1 --rounds 2 --engine-config '{"gc_young_threshold": 0}' \
+      --out "$OUT/structured_gc700_$1.json"
+    step "structured_new_$1" 45 python3 -m bench.structured --device cuda --no-progress --no-plain \
+      --fractions 0,1 --rounds 2 --out "$OUT/structured_new_$1.json"
+  }
   step structured 80 python3 -m bench.structured --device cuda --no-progress --no-plain \
     --fractions 0,0.5,1 --rounds 5 --out "$OUT/structured.json"
   step prefix 150 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
-  for i in 1 2; do
-    step "structured_gc700_$i" 45 python3 -m bench.structured --device cuda --no-progress --no-plain \
-      --fractions 0,1 --rounds 2 --engine-config '{"gc_young_threshold": 0}' \
-      --out "$OUT/structured_gc700_$i.json"
-    step "structured_new_$i" 45 python3 -m bench.structured --device cuda --no-progress --no-plain \
-      --fractions 0,1 --rounds 2 --out "$OUT/structured_new_$i.json"
-  done
+  ab 1
+  gil 1
+  ab 2
   ENGINECORE_GRAMMAR_OVERLAP=0 step structured_noworker 45 python3 -m bench.structured --device cuda \
     --no-progress --no-plain --fractions 0,1 --rounds 2 --out "$OUT/structured_noworker.json"
-  for f in 1 0; do
-    step "gil_$f" 40 .whl/py-spy record --gil --nonblocking -r 500 -f raw -o "$OUT/gil_$f.raw" --threads -- \
-      python3 -m bench.structured --device cuda --no-progress --no-plain --fractions "$f" --rounds 2 \
-      --out "$OUT/gil_$f.json"
-    python3 scripts/gpu/spy_summary.py "$OUT/gil_$f.raw" --thread enginecore-step \
-      --within EngineCore.step --top 40 > "$OUT/gil_${f}_step.txt" 2>&1
-  done
+  gil 0
 elif [[ $PART == 36 ]]; then  # session 20: issues 15 and 23's acceptance on whatever card, then the A/B
   export ONE_LOG=run.log TAIL=12
   base=${AB_BASE:-ab/base}
