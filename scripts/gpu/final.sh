@@ -108,6 +108,15 @@ step() {  # step NAME CAP CMD...
   timeout -k 10 $r "$@" >> "$f" 2>&1  # stdout+stderr in one file: 8 files come back at most
   echo "== $n rc=$? at ${SECONDS}s"; tail -n ${TAIL:-25} "$f"
 }
+structured_pair() {  # structured_pair I BASE: bench.structured --fractions 0,1 --rounds 2 of
+  # this tree, then of BASE's (an older tree's engine/ bench/ states/ ipc/, if there), as
+  # structured_new_I / structured_base_I (run from inside BASE: python -m puts it first on the path)
+  step "structured_new_$1" 45 python3 -m bench.structured --device cuda --no-progress --no-plain \
+    --fractions 0,1 --rounds 2 --out "$OUT/structured_new_$1.json"
+  [[ -d $2 ]] && step "structured_base_$1" 45 bash -c "cd $2 && PYTHONPATH=/tmp/site:\$PWD \
+    exec python3 -m bench.structured --device cuda --no-progress --no-plain --fractions 0,1 \
+    --rounds 2 --out $OUT/structured_base_$1.json"
+}
 prefill_sweep() {  # prefill_sweep CAP: the prefill kernel's launch choices; BEST = the fastest on
   # qwen3-0.6b's cached shape, as ENGINECORE_PREFILL_KERNEL takes it (empty if none ran)
   step prefill_attn "$1" python3 scripts/gpu/bench_prefill_attn.py --out "$OUT/prefill_attn.json"
@@ -440,13 +449,7 @@ elif [[ $PART == 36 ]]; then  # session 20: issues 15 and 23's acceptance on wha
   step prefix 150 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
   step structured 80 python3 -m bench.structured --device cuda --no-progress --no-plain \
     --fractions 0,0.5,1 --rounds 5 --out "$OUT/structured.json"
-  for i in 1 2; do
-    step "structured_new_$i" 45 python3 -m bench.structured --device cuda --no-progress --no-plain \
-      --fractions 0,1 --rounds 2 --out "$OUT/structured_new_$i.json"
-    [[ -d $base ]] && step "structured_base_$i" 45 bash -c "cd $base && PYTHONPATH=/tmp/site:\$PWD \
-      exec python3 -m bench.structured --device cuda --no-progress --no-plain --fractions 0,1 \
-      --rounds 2 --out $OUT/structured_base_$i.json"
-  done
+  for i in 1 2; do structured_pair $i "$base"; done
 elif [[ $PART == 34 ]]; then  # session 19, issue 23: this tree against ab/base, and acceptance
   export ONE_LOG=run.log TAIL=12
   base=${AB_BASE:-ab/base}
@@ -460,12 +463,7 @@ elif [[ $PART == 34 ]]; then  # session 19, issue 23: this tree against ab/base,
     accept
   fi
   for i in 1 2; do
-    step "structured_new_$i" 45 python3 -m bench.structured --device cuda --no-progress --no-plain \
-      --fractions 0,1 --rounds 2 --out "$OUT/structured_new_$i.json"
-    # (from inside it: python -m puts the working directory first on the path)
-    [[ -d $base ]] && step "structured_base_$i" 45 bash -c "cd $base && PYTHONPATH=/tmp/site:\$PWD \
-      exec python3 -m bench.structured --device cuda --no-progress --no-plain --fractions 0,1 \
-      --rounds 2 --out $OUT/structured_base_$i.json"
+    structured_pair $i "$base"
     step "structured_noinside_$i" 45 python3 scripts/gpu/with_switch.py \
       --set engine.core:EngineCore.grammar_job_in_forward=false - bench.structured --device cuda \
       --no-progress --no-plain --fractions 0,1 --rounds 2 --out "$OUT/structured_noinside_$i.json"
