@@ -26,7 +26,8 @@ off; ``inside`` / ``after``: of those, the jobs started inside the forward's lau
 it, the step before being still on the device before it) and, per late step, the host's ms by part: ``fwd`` (launching the forward),
 ``read`` (waiting for the step before's tokens, feeding them to the matchers, starting the
 fill), ``apply`` (stop checks, detokenization, outputs of the step before), ``mask`` (waiting
-for the fill, masking, launching the sampling: what the fill costs beyond ``apply``).
+for the fill, masking, launching the sampling: what the fill costs beyond ``apply``); ``fill``:
+the grammar worker's mean wall ms a fill of the next step's masks (on its own thread).
 With ``--plain`` (the default) one more mode, ``100 % plain``: every request held to
 :func:`schema_plain`, the same shape without length bounds (on random weights a string ends only
 when the quote is drawn, so most of these outputs end at ``--max-tokens``, not valid JSON: the row
@@ -118,6 +119,7 @@ async def run_mode(eng, args, fraction: float, constraint, label: str = "") -> d
     late0, split0 = eng.core.late_sampled_steps, dict(eng.core.late_seconds)
     jobs0, after0 = eng.core.grammar_jobs, eng.core.grammar_jobs_after
     inside0 = eng.core.grammar_jobs_inside
+    fills0 = eng.runner.grammar_worker_fills
 
     async def one(i: int) -> None:
         async for out in eng.generate(f"Request {i}: describe a product as JSON.\n", params[i]):
@@ -137,6 +139,7 @@ async def run_mode(eng, args, fraction: float, constraint, label: str = "") -> d
     steps = eng.statistics().steps - steps0
     deferred = eng.core.deferred_steps - deferred0
     late = eng.core.late_sampled_steps - late0
+    fills = [b - a for a, b in zip(fills0, eng.runner.grammar_worker_fills)]
     split = {f"late_{part}_ms": 1e3 * (v - split0[part]) / late if late else None
              for part, v in eng.core.late_seconds.items()}
     valid = strict = 0
@@ -154,6 +157,7 @@ async def run_mode(eng, args, fraction: float, constraint, label: str = "") -> d
             "late": late, "beside": eng.core.grammar_jobs - jobs0,
             "after_fwd": eng.core.grammar_jobs_after - after0,
             "inside_fwd": eng.core.grammar_jobs_inside - inside0, **split, "device_busy": busy,
+            "worker_fill_ms": 1e3 * fills[1] / fills[0] if fills[0] else None,
             "ms_per_step": 1e3 * wall / steps if steps else None,
             "valid": f"{valid}/{k}" if k else "-", "valid_strict": f"{strict}/{k}" if k else "-"}
 
@@ -245,7 +249,7 @@ def main(argv=None) -> int:
          ("inside_fwd", "inside", ""), ("after_fwd", "after", ""),
          ("late_forward_ms", "fwd", ".2f"), ("late_read_back_ms", "read", ".2f"),
          ("late_apply_ms", "apply", ".2f"), ("late_mask_sample_ms", "mask", ".2f"),
-         ("ms_per_step", "ms/step", ".2f")]
+         ("worker_fill_ms", "fill", ".2f"), ("ms_per_step", "ms/step", ".2f")]
         + ([("device_busy", "device busy", ".3f")] if args.sim else [])
         + [("valid", "valid JSON", ""),
          ("valid_strict", "strict", "")], res["modes"])

@@ -398,6 +398,12 @@ class ModelRunner(RunnerSleep):
         return bitmask.accept_then_fill(matchers, tokens, _constrained(batch), rows)
 
     @property
+    def grammar_worker_fills(self) -> tuple[int, float]:
+        """The grammar worker's fills so far: (count, wall seconds in all)."""
+        bitmask: TokenBitmask = self._owner[R.GRAMMAR_BITMASK]
+        return bitmask.worker_fills, bitmask.worker_fill_seconds
+
+    @property
     def has_grammar_worker(self) -> bool:
         """Whether :meth:`accept_then_fill` can start jobs (the grammar worker was built)."""
         bitmask: TokenBitmask = self._owner[R.GRAMMAR_BITMASK]

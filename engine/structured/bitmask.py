@@ -128,6 +128,9 @@ class TokenBitmask:
         # fill uses follows the last fill's work (_threads_for)
         self._batch: dict[int, object] = {}
         self._threads = 1
+        #: the grammar worker's fills: their count and wall seconds in all (a statistic)
+        self.worker_fills = 0
+        self.worker_fill_seconds = 0.0
         self._pool: Optional[ThreadPoolExecutor] = None  # the background fill's one thread
         self._worker = None  # the grammar worker (structured/native.py), made on first use;
         # False where it cannot be had
@@ -267,6 +270,8 @@ class TokenBitmask:
         return bool(self._worker)
 
     def _job_done(self, fill_seconds: float) -> None:
+        self.worker_fills += 1
+        self.worker_fill_seconds += max(fill_seconds, 0.0)
         if fill_seconds > 0:  # the fill's work (wall x threads) sets the next one's threads
             self._threads = _threads_for(fill_seconds * self._threads, _fill_threads())
 
