@@ -415,7 +415,8 @@ elif [[ $PART == 35 ]]; then  # session 19's last budget: the acceptance runs fi
     --fractions 0,0.5,1 --rounds 3 --out "$OUT/structured.json"
 elif [[ $PART == 37 ]]; then  # session 20: the collector's young threshold, the acceptance runs
   export ONE_LOG=run.log TAIL=12
-  lscpu | grep -E "^(Model name|Thread|Core|Socket|CPU\(s\)|CPU max|NUMA node)" | tee -a "$OUT/run.log"
+  lscpu | grep -E "^(Model name|Thread|Core|Socket|CPU\(s\)|CPU max|NUMA node|Hypervisor)" | tee -a "$OUT/run.log"
+  lscpu -e=CPU,CORE,SOCKET,MAXMHZ 2>/dev/null | head -20 | tee -a "$OUT/run.log"  # SMT siblings: one CORE
   gil() {  # gil FRACTION: py-spy --gil of bench.structured, summarized for the step thread
     step "gil_$1" 40 .whl/py-spy record --gil --nonblocking -r 500 -f raw -o "$OUT/gil_$1.raw" --threads -- \
       python3 -m bench.structured --device cuda --no-progress --no-plain --fractions "$1" --rounds 2 \
