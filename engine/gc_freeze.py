@@ -34,7 +34,8 @@ from typing import Optional
 
 _lock = threading.Lock()
 _holders = 0
-_saved: Optional[tuple] = None  # the interpreter's thresholds, while one is raised here
+_saved: Optional[tuple] = None  # the thresholds before one was raised here, and what it was
+# raised to: (thresholds, young)
 
 
 def hold(young: int = 0) -> None:
@@ -47,14 +48,14 @@ def hold(young: int = 0) -> None:
         gc.freeze()
         now = gc.get_threshold()
         if young > now[0] > 0:
-            if _saved is None:
-                _saved = now
+            _saved = (now if _saved is None else _saved[0], young)
             gc.set_threshold(young, *now[1:])
 
 
 def release() -> None:
     """One holder fewer; the last one thaws the heap (``gc.unfreeze``) and gives the
-    interpreter its thresholds back."""
+    interpreter its thresholds back -- unless the process set others meanwhile (the young
+    threshold is no longer the one set here): those are left as they are."""
     global _holders, _saved
     with _lock:
         if _holders == 0:
@@ -62,9 +63,9 @@ def release() -> None:
         _holders -= 1
         if _holders == 0:
             gc.unfreeze()
-            if _saved is not None:
-                gc.set_threshold(*_saved)
-                _saved = None
+            if _saved is not None and gc.get_threshold()[0] == _saved[1]:
+                gc.set_threshold(*_saved[0])
+            _saved = None
 
 
 def holders() -> int:

@@ -94,3 +94,21 @@ def test_the_young_threshold_is_range_checked():
         EngineConfig(model="random:tiny-llama", gc_young_threshold=-1).validate()
     with pytest.raises(BadRequestError, match="gc_young_threshold"):
         EngineConfig(model="random:tiny-llama", gc_young_threshold=10**8).validate()
+
+
+def test_thresholds_the_process_set_while_serving_are_left_at_shutdown():
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        a = _runner(gc_young_threshold=20_000)
+        b = _runner(gc_young_threshold=30_000)  # raised further by the second engine
+        assert gc.get_threshold()[0] == 30_000
+        a.shutdown()
+        b.shutdown()
+        assert gc.get_threshold() == (700, 10, 10)  # the thresholds before the first engine
+        c = _runner(gc_young_threshold=20_000)
+        gc.set_threshold(1_234, 5, 5)  # the process's own choice while c serves
+        c.shutdown()
+        assert gc.get_threshold() == (1_234, 5, 5)  # kept, not overwritten
+    finally:
+        gc.set_threshold(*before)
