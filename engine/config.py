@@ -69,8 +69,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     freeze_gc: bool = True
     # with freeze_gc, the youngest generation's collection threshold while serving (CPython's
     # 700 made a young collection nearly every decode step: ~6 % of a host-bound run's wall,
-    # measured); 0 leaves the interpreter's. engine/gc_freeze.py
-    gc_young_threshold: int = 10_000
+    # measured); 0 leaves the interpreter's, and so does a value below it (never lowered).
+    # engine/gc_freeze.py
+    gc_young_threshold: int = 2_000
     # AsyncEngine: steps run back to back on the step thread for up to this long while the
     # event loop has nothing for the core (no adds or aborts, no transition): a round trip
     # through the loop between two steps cost 4-5 % of a decode step on the H200

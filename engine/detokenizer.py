@@ -63,9 +63,7 @@ class IncrementalDetokenizer:
     @property
     def text(self) -> str:
         """Everything emitted so far."""
-        if len(self._out) > 1:
-            self._out[:] = ["".join(self._out)]
-        return self._out[0] if self._out else ""
+        return "".join(self._out)
 
     def _decode(self, ids) -> str:
         return self._tok.decode(ids) if self._skip else self._tok.decode(ids, False)

@@ -399,9 +399,10 @@ class ModelRunner(RunnerSleep):
 
     @property
     def grammar_worker_fills(self) -> tuple[int, float]:
-        """The grammar worker's fills so far: (count, wall seconds in all)."""
-        bitmask: TokenBitmask = self._owner[R.GRAMMAR_BITMASK]
-        return bitmask.worker_fills, bitmask.worker_fill_seconds
+        """The grammar worker's fills so far: (count, wall seconds in all); (0, 0.0) while
+        the bitmask is released (asleep, shut down), and from 0 again after a wake."""
+        bitmask: Optional[TokenBitmask] = self._owner.get(R.GRAMMAR_BITMASK)
+        return (0, 0.0) if bitmask is None else (bitmask.worker_fills, bitmask.worker_fill_seconds)
 
     @property
     def has_grammar_worker(self) -> bool:

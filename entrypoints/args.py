@@ -42,10 +42,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-freeze-gc", dest="freeze_gc", action="store_false",
                    help="leave the garbage collector walking the startup heap (by default it is "
                         "frozen after the load, so full collections skip the model's objects)")
-    p.add_argument("--gc-young-threshold", type=int, default=10_000,
-                   help="while serving (with the freeze), the garbage collector's youngest "
-                        "generation threshold: at CPython's 700 a young collection ran nearly "
-                        "every decode step; 0 leaves the interpreter's")
+    p.add_argument("--gc-young-threshold", type=int, default=2_000,
+                   help="while serving (with the freeze; ignored with --no-freeze-gc), the "
+                        "garbage collector's youngest generation threshold: at CPython's 700 a "
+                        "young collection ran nearly every decode step; 0, or a value below the "
+                        "interpreter's, leaves it as it is")
     p.add_argument("--step-burst-ms", type=float, default=50.0,
                    help="run steps back to back on the step thread for up to this long while the "
                         "event loop has nothing for the engine (0: a round trip through the loop "

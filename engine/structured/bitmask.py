@@ -270,8 +270,9 @@ class TokenBitmask:
         return bool(self._worker)
 
     def _job_done(self, fill_seconds: float) -> None:
-        self.worker_fills += 1
-        self.worker_fill_seconds += max(fill_seconds, 0.0)
+        if fill_seconds > 0:  # (a job with no row to fill is not a fill)
+            self.worker_fills += 1
+            self.worker_fill_seconds += fill_seconds
         if fill_seconds > 0:  # the fill's work (wall x threads) sets the next one's threads
             self._threads = _threads_for(fill_seconds * self._threads, _fill_threads())
 

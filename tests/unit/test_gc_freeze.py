@@ -112,3 +112,29 @@ def test_thresholds_the_process_set_while_serving_are_left_at_shutdown():
         assert gc.get_threshold() == (1_234, 5, 5)  # kept, not overwritten
     finally:
         gc.set_threshold(*before)
+
+
+def test_the_process_own_thresholds_are_neither_raised_nor_overwritten():
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        gc_freeze.hold(10_000)
+        gc.set_threshold(10_000, 50, 50)  # only the older generations changed by the process
+        gc_freeze.release()
+        assert gc.get_threshold() == (10_000, 50, 50)
+        gc.set_threshold(700, 10, 10)
+        gc_freeze.hold(20_000)
+        gc.set_threshold(5_000)  # the process's own, while held
+        gc_freeze.hold(10_000)  # a second engine: not raised over the process's choice
+        assert gc.get_threshold()[0] == 5_000
+        gc_freeze.release()
+        gc_freeze.release()
+        assert gc.get_threshold()[0] == 5_000
+    finally:
+        while gc_freeze.holders():
+            gc_freeze.release()
+        gc.set_threshold(*before)
+
+
+def test_the_default_young_threshold():
+    assert EngineConfig(model="random:tiny-llama").gc_young_threshold == 2_000
