@@ -273,7 +273,7 @@ class TokenBitmask:
         if fill_seconds > 0:  # (a job with no row to fill is not a fill)
             self.worker_fills += 1
             self.worker_fill_seconds += fill_seconds
-        if fill_seconds > 0:  # the fill's work (wall x threads) sets the next one's threads
+            # the fill's work (wall x threads) sets the next one's threads
             self._threads = _threads_for(fill_seconds * self._threads, _fill_threads())
 
     def _batch_matcher(self, n: int):
