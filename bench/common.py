@@ -109,6 +109,71 @@ class DeviceTimer:
             self.seconds = time.perf_counter() - self._t0
 
 
+def cpu_times() -> Optional[list[int]]:
+    """The machine's CPU time counters (``/proc/stat``'s ``cpu`` line, in ticks; None off Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def steal_share(before: Optional[list[int]], after: Optional[list[int]]) -> Optional[float]:
+    """Of the CPU time between two :func:`cpu_times`, the share the hypervisor gave to other
+    guests (``steal``, the 8th field): a noisy virtual host's mark on a timed run."""
+    if before is None or after is None or len(before) < 8 or len(after) < 8:
+        return None
+    total = sum(after[:8]) - sum(before[:8])
+    return (after[7] - before[7]) / total if total > 0 else None
+
+
+def thread_times() -> dict[str, tuple[int, int, int, int]]:
+    """Every thread of this process (Linux; else empty): name -> (ns on a CPU, ns runnable but
+    waiting for one, voluntary and involuntary context switches), from ``/proc/self/task``.
+    Python threads are named by ``threading`` (their ``native_id``), the rest ``comm:tid``.
+
+    Where a host-bound step's wall time goes: a thread's CPU time against the wall says how
+    much of it the thread ran; its voluntary switches count the times it blocked (the GIL, a
+    condition, the device)."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, tuple[int, int, int, int]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            base = f"/proc/self/task/{tid}/"
+            with open(base + "schedstat") as f:
+                run, wait = (int(x) for x in f.read().split()[:2])
+            with open(base + "status") as f:
+                ctx = {k: int(v) for k, _, v in (line.partition(":") for line in f)
+                       if k in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")}
+            with open(base + "comm") as f:
+                comm = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        name = names.get(int(tid), f"{comm}:{tid}")
+        out[name] = (run, wait, ctx.get("voluntary_ctxt_switches", 0),
+                     ctx.get("nonvoluntary_ctxt_switches", 0))
+    return out
+
+
+def thread_deltas(before: dict, after: dict, per: float, min_ms: float = 0.01) -> dict[str, dict]:
+    """:func:`thread_times` between two readings, per ``per`` (e.g. a run's steps): ms on a CPU,
+    ms waiting for one, switches; threads below ``min_ms`` a ``per`` left out."""
+    out = {}
+    for name, b in after.items():
+        a = before.get(name, (0, 0, 0, 0))
+        run = (b[0] - a[0]) / 1e6 / per
+        if run >= min_ms:
+            out[name] = {"cpu_ms": run, "runq_ms": (b[1] - a[1]) / 1e6 / per,
+                         "vol_switches": (b[2] - a[2]) / per, "invol_switches": (b[3] - a[3]) / per}
+    return out
+
+
 def percentile(values: Sequence[float], p: float) -> Optional[float]:
     """Linear-interpolated percentile (p in [0, 100]); None for no values."""
     if not values:

@@ -138,3 +138,62 @@ def print_summary(mode: str, s: dict[str, Any]) -> None:
               f"p99 {v['p99_ms']:.2f} ms, waiting {v['wait_s']:.3f} s")
     for g, v in s["gc"].items():
         print(f"    gc {g}: {v['n']} collections, {v['sum_ms']:.1f} ms, max {v['max_ms']:.1f} ms")
+
+
+#: what ``phases()`` times by default: the step's parts on the step thread (``bench.structured
+#: --phases``), overlapped and late-sampled steps alike
+STEP_PARTS = (
+    "engine.scheduler:Scheduler.schedule", "engine.core:EngineCore._defer",
+    "engine.runner:ModelRunner.launch", "engine.runner:ModelRunner.forward",
+    "engine.runner:ModelRunner.sample_step", "engine.structured.bitmask:TokenBitmask.mask",
+    "engine.core:EngineCore._complete", "engine.launched:Launched.wait",
+    "engine.late_step:LateStep._grammar_job", "engine.late_step:LateStep._advance_matchers",
+    "engine.intake:IntakeAPI._deliver_handed",
+)
+
+
+@contextmanager
+def phases(targets=STEP_PARTS) -> Iterator[dict[str, list]]:
+    """Each of ``targets`` (``module:Class.method``) wrapped at class level for the ``with``
+    block: name -> [calls, wall s, CPU s of the calling thread] (inclusive: a timed function
+    that calls another counts it too). The CPU time against the wall says whether a part is
+    slow for its own work or for waiting (the GIL, the device, another thread)."""
+    import importlib
+
+    totals: dict[str, list] = {}
+    restore = []
+    for target in targets:
+        module, _, attr = target.partition(":")
+        cls_name, _, name = attr.rpartition(".")
+        owner = getattr(importlib.import_module(module), cls_name)
+        raw = owner.__dict__[name]
+        fn = raw.__func__ if isinstance(raw, staticmethod) else raw
+        acc = totals.setdefault(attr, [0, 0.0, 0.0])
+
+        def timed(*a, _fn=fn, _acc=acc, **kw):
+            w, c = time.perf_counter(), time.thread_time()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                _acc[0] += 1
+                _acc[1] += time.perf_counter() - w
+                _acc[2] += time.thread_time() - c
+
+        setattr(owner, name, staticmethod(timed) if isinstance(raw, staticmethod) else timed)
+        restore.append((owner, name, raw))
+    try:
+        yield totals
+    finally:
+        for owner, name, raw in reversed(restore):
+            setattr(owner, name, raw)
+
+
+def phase_deltas(before: dict[str, list], after: dict[str, list], per: int) -> dict[str, dict]:
+    """:func:`phases` totals between two copies, per ``per`` steps (ms)."""
+    out = {}
+    for k, (n, w, c) in after.items():
+        n0, w0, c0 = before.get(k, (0, 0.0, 0.0))
+        if n > n0:
+            out[k] = {"calls": (n - n0) / per, "wall_ms": 1e3 * (w - w0) / per,
+                      "cpu_ms": 1e3 * (c - c0) / per}
+    return out

@@ -41,13 +41,14 @@ measures the cost a token inside unbounded strings). Then mean time per step, va
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from typing import Any
 
 import anyio
 
-from . import common
+from . import common, step_timeline
 from .common import now
 from .device_sim import MODELS
 
@@ -129,14 +130,22 @@ async def run_mode(eng, args, fraction: float, constraint, label: str = "") -> d
     common.sync(args.device)
     device = getattr(eng, "sim_device", None)
     busy0 = device.busy_s if device is not None else 0.0
+    cpu0, threads0 = common.cpu_times(), common.thread_times()
+    parts0 = {k: list(v) for k, v in args._phases.items()} if args._phases is not None else None
     t0 = now()
     async with anyio.create_task_group() as tg:
         for i in range(n):
             tg.start_soon(one, i)
     common.sync(args.device)
     wall = now() - t0
+    steal = common.steal_share(cpu0, common.cpu_times())
+    threads1 = common.thread_times()
     busy = (device.busy_s - busy0) / wall if device is not None else None
+    timeline = args._timeline.summary(t0, t0 + wall) if args._timeline is not None else None
     steps = eng.statistics().steps - steps0
+    threads = common.thread_deltas(threads0, threads1, max(steps, 1))
+    parts = (step_timeline.phase_deltas(parts0, args._phases, max(steps, 1))
+             if parts0 is not None else None)
     deferred = eng.core.deferred_steps - deferred0
     late = eng.core.late_sampled_steps - late0
     fills = [b - a for a, b in zip(fills0, eng.runner.grammar_worker_fills)]
@@ -158,8 +167,11 @@ async def run_mode(eng, args, fraction: float, constraint, label: str = "") -> d
             "after_fwd": eng.core.grammar_jobs_after - after0,
             "inside_fwd": eng.core.grammar_jobs_inside - inside0, **split, "device_busy": busy,
             "worker_fill_ms": 1e3 * fills[1] / fills[0] if fills[0] else None,
-            "ms_per_step": 1e3 * wall / steps if steps else None,
-            "valid": f"{valid}/{k}" if k else "-", "valid_strict": f"{strict}/{k}" if k else "-"}
+            "ms_per_step": 1e3 * wall / steps if steps else None, "steal": steal,
+            "valid": f"{valid}/{k}" if k else "-", "valid_strict": f"{strict}/{k}" if k else "-",
+            "threads_per_step": threads,
+            **({"timeline": timeline} if timeline is not None else {}),
+            **({"phases_per_step": parts} if parts is not None else {})}
 
 
 async def bench(args) -> dict:
@@ -225,6 +237,12 @@ def main(argv=None) -> int:
                     help="cpu only: a null model (a random vector per input token) and a simulated "
                          "device under the engine (bench/device_sim.py): the host's cost of "
                          "constraints against a modelled H200 step")
+    ap.add_argument("--timeline", action="store_true",
+                    help="time every engine step (bench/step_timeline.py): each mode's steps, "
+                         "gaps and collections, and its longest steps (in the JSON)")
+    ap.add_argument("--phases", action="store_true",
+                    help="time the step's parts (bench/step_timeline.py STEP_PARTS): calls, wall "
+                         "and the step thread's CPU ms a step, by mode")
     ap.add_argument("--apply-after-sampling", action=argparse.BooleanOptionalAction,
                     default=True, help="with --sim: the order of a late-sampled step "
                     "(EngineCore.apply_after_sampling; on by default on CUDA)")
@@ -238,7 +256,10 @@ def main(argv=None) -> int:
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
     t0 = time.time()
-    res = anyio.run(bench, args)
+    with contextlib.ExitStack() as stack:
+        args._timeline = stack.enter_context(step_timeline.recording()) if args.timeline else None
+        args._phases = stack.enter_context(step_timeline.phases()) if args.phases else None
+        res = anyio.run(bench, args)
     table = common.print_table(
         f"structured outputs: {args.model} on {args.device}, {args.requests} requests, "
         f"max_tokens {args.max_tokens}",
@@ -249,10 +270,21 @@ def main(argv=None) -> int:
          ("inside_fwd", "inside", ""), ("after_fwd", "after", ""),
          ("late_forward_ms", "fwd", ".2f"), ("late_read_back_ms", "read", ".2f"),
          ("late_apply_ms", "apply", ".2f"), ("late_mask_sample_ms", "mask", ".2f"),
-         ("worker_fill_ms", "fill", ".2f"), ("ms_per_step", "ms/step", ".2f")]
+         ("worker_fill_ms", "fill", ".2f"), ("ms_per_step", "ms/step", ".2f"),
+         ("steal", "steal", ".3f")]
         + ([("device_busy", "device busy", ".3f")] if args.sim else [])
         + [("valid", "valid JSON", ""),
          ("valid_strict", "strict", "")], res["modes"])
+    for m in res["modes"]:
+        print(f"  {m['constrained']}: threads, a step: " + "; ".join(
+            f"{k} cpu {v['cpu_ms']:.2f} runq {v['runq_ms']:.2f} ms, switches "
+            f"{v['vol_switches']:.1f}+{v['invol_switches']:.1f}"
+            for k, v in m.get("threads_per_step", {}).items()))
+        for k, v in m.get("phases_per_step", {}).items():
+            print(f"    {k:34s} {v['calls']:5.2f} calls  wall {v['wall_ms']:6.3f}  "
+                  f"cpu {v['cpu_ms']:6.3f} ms a step")
+        if m.get("timeline"):
+            step_timeline.print_summary(m["constrained"], m["timeline"])
     for m in res["modes"]:
         if m.get("vs_unconstrained_by_round"):
             print(f"  {m['constrained']}: vs 0 % by round "

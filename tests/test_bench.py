@@ -207,6 +207,31 @@ def test_structured_bench_rounds(tmp_path):
     assert "100 %: vs 0 % by round" in p.stdout
 
 
+def test_structured_bench_step_parts(tmp_path):
+    """--timeline --phases: each mode's steps, its threads' CPU a step and the step's parts
+    (calls, wall, CPU a step), the parts timed by the class-level patches the bench installs."""
+    out = tmp_path / "s.json"
+    p = _bench("structured", "--device", "cpu", "--model", "random:tiny-llama", "--no-progress",
+               "--requests", "4", "--max-tokens", "8", "--items", "1", "--fractions", "0,1",
+               "--no-plain", "--timeline", "--phases", "--engine-config",
+               '{"overlap_scheduling": true}', "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    modes = json.loads(out.read_text())["modes"]
+    for m in modes:
+        assert m["timeline"]["steps"] >= m["steps"] > 0
+        parts = m["phases_per_step"]
+        assert 0.9 <= parts["Scheduler.schedule"]["calls"] <= 1.5
+        for v in parts.values():
+            assert v["wall_ms"] >= 0 and v["cpu_ms"] >= 0
+        if sys.platform == "linux":
+            assert m["threads_per_step"]["enginecore-step"]["cpu_ms"] > 0
+            assert 0 <= m["steal"] <= 1
+    # the constrained run's steps are late-sampled: the grammar job is timed, not the launch
+    assert "LateStep._grammar_job" in modes[1]["phases_per_step"]
+    assert "ModelRunner.launch" in modes[0]["phases_per_step"]
+    assert "threads, a step" in p.stdout and "Scheduler.schedule" in p.stdout
+
+
 def test_xgrammar_costs_bench(tmp_path):
     out = tmp_path / "x.json"
     p = _bench("xgrammar_costs", "--model", "random:tiny-llama", "--requests", "4", "--items",
@@ -363,3 +388,23 @@ def test_spy_summary_counts_one_threads_samples(tmp_path, capsys):
     assert mod.main([str(prof), "--thread", "MainThread", "--top", "3"]) == 0
     assert "7 samples of thread 'MainThread'" in capsys.readouterr().out
     assert mod.main([str(prof), "--thread", "nobody"]) == 1
+
+
+def test_step_parts_patches_are_given_back():
+    """bench.step_timeline.phases wraps methods (static ones too) and puts them back."""
+    from bench import step_timeline
+    from engine.late_step import LateStep
+    from engine.scheduler import Scheduler
+
+    done, schedule = LateStep.__dict__["_grammar_done"], Scheduler.__dict__["schedule"]
+    with step_timeline.phases(("engine.late_step:LateStep._grammar_done",
+                               "engine.scheduler:Scheduler.schedule")) as totals:
+        assert isinstance(LateStep.__dict__["_grammar_done"], staticmethod)
+        assert LateStep.__dict__["_grammar_done"] is not done
+        with pytest.raises(AttributeError):  # the wrapped function runs, and is counted
+            LateStep._grammar_done(None, None, None)
+        assert totals["LateStep._grammar_done"][0] == 1
+    assert LateStep.__dict__["_grammar_done"] is done
+    assert Scheduler.__dict__["schedule"] is schedule
+    later = step_timeline.phase_deltas({"a": [1, 0.0, 0.0]}, {"a": [3, 0.004, 0.002]}, 2)
+    assert later == {"a": {"calls": 1.0, "wall_ms": 2.0, "cpu_ms": 1.0}}

@@ -34,6 +34,7 @@ forward.
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 import threading
@@ -82,9 +83,28 @@ def _direct_kernel(device: torch.device) -> tuple:
             apply_token_bitmask_inplace_kernel as kernel)
     except Exception:  # no Triton, or another layout: the public function
         return None, 0
+    kernel = _unspecialized(kernel)
     if device.type != "cuda":
         return kernel, 4
     return kernel, torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _unspecialized(kernel):
+    """xgrammar's kernel compiled once for every row count.
+
+    NOTE: Triton specializes an integer argument on whether it is 1 and whether it divides by
+    16, and compiles the kernel again for each new class: ``num_rows`` is the step's
+    constrained rows, which change as requests end, so serving compiled it anew in the middle
+    of a decode (a 47 ms step in a 100 % constrained run on the H100, session 21). The same
+    kernel body, jitted again without that specialization (the row count only bounds the
+    loop), is the kernel launched here."""
+    try:
+        import triton
+
+        return triton.jit(kernel.fn, do_not_specialize=["num_rows"])
+    except Exception:  # pragma: no cover - another Triton: xgrammar's as it is
+        return kernel
 
 
 class Filling(NamedTuple):

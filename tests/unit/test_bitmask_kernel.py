@@ -106,3 +106,19 @@ def test_logits_with_strided_rows_are_masked_as_dense_ones(kernel):
                              os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-1] == "0"
+
+
+def test_row_count_does_not_compile_the_kernel_again():
+    """The count of constrained rows changes as requests end: the kernel launched is not
+    specialized on it (Triton would compile a variant for 1, for multiples of 16 and for the
+    rest -- in the middle of serving), and it is the same body as xgrammar's."""
+    from xgrammar.kernels.apply_token_bitmask_inplace_triton import (
+        apply_token_bitmask_inplace_kernel as kernel)
+
+    from engine.structured.bitmask import _unspecialized
+
+    ours = _unspecialized(kernel)
+    assert ours is _unspecialized(kernel)  # one JIT function (and its compiled cache) a process
+    assert ours.fn is kernel.fn
+    assert [p.name for p in ours.params if p.do_not_specialize] == ["num_rows"]
+    assert not [p.name for p in kernel.params if p.do_not_specialize]
