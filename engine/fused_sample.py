@@ -24,6 +24,7 @@ ties, refused tokens are never drawn; 256 x 151,936 logits in 0.243 ms against t
 from __future__ import annotations
 
 import os
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -38,8 +39,22 @@ BLOCK = 2048
 TARGET_PROGRAMS = 512
 
 
+class GrammarRows(NamedTuple):
+    """Grammar masks for :func:`sample` on the logits' device: ``words`` [R, W] int32, row r
+    the mask of logits row r (bit j of word w allows id 32 w + j; ids past 32 W refused);
+    ``flags`` [R] (nonzero: the row is masked), None when every row below R is."""
+
+    words: torch.Tensor
+    flags: Optional[torch.Tensor]
+
+
 def usable(logits: torch.Tensor) -> bool:
     return ENABLED and (logits.is_cuda or INTERPRET) and logits.dim() == 2
+
+
+def usable_on(device: torch.device) -> bool:
+    """Whether the sampler runs on ``device`` (CUDA, or any under Triton's interpreter)."""
+    return ENABLED and (device.type == "cuda" or INTERPRET)
 
 
 def splits_for(rows: int, vocab: int) -> int:
@@ -49,14 +64,24 @@ def splits_for(rows: int, vocab: int) -> int:
 
 if triton is not None:
 
-    @triton.jit
+    # (the seed changes every step, the span and the splits with the batch: Triton would compile
+    # another variant whenever one of them turns 1 or a multiple of 16)
+    @triton.jit(do_not_specialize=["seed", "span", "n_splits", "m_rows"])
     def _gumbel_argmax_kernel(L, T, VAL, IDX, stride, vocab, span, seed, n_splits,
-                              BLOCK: tl.constexpr):
+                              M, MF, m_words, m_rows, BLOCK: tl.constexpr, MASK: tl.constexpr):
         row = tl.program_id(0)
         part = tl.program_id(1)
         t = tl.load(T + row)
         noisy = t > 0.0
         inv_t = 1.0 / tl.where(noisy, t, 1.0)
+        # MASK 1: rows below m_rows take their grammar mask (M's row of the same index, m_words
+        # int32 words, bit j of word w allowing id 32 w + j; ids past the words refused);
+        # MASK 2: the rows below m_rows whose MF flag is set
+        masked = row < m_rows
+        if MASK == 2:
+            masked = masked & (tl.load(MF + tl.minimum(row, m_rows - 1)) != 0)
+        limit = m_words * masked.to(tl.int32)  # words read: none for a row without a mask
+        unmasked = masked.to(tl.int32) - 1  # all bits set: every id allowed
         lo = part * span
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_i = tl.full([BLOCK], 2147483647, tl.int32)
@@ -68,6 +93,12 @@ if triton is not None:
             u = tl.rand(seed, row.to(tl.int64) * vocab + cols)
             g = -tl.log(-tl.log(u))
             s = tl.where(noisy, x * inv_t + g, x)
+            if MASK != 0:
+                w = cols // 32
+                word = tl.load(M + row.to(tl.int64) * m_words + w, mask=mask & (w < limit),
+                               other=0)
+                allowed = (((word | unmasked) >> (cols % 32)) & 1) != 0
+                s = tl.where(allowed, s, float("-inf"))
             s = tl.where(mask, s, float("-inf"))
             take = s > best  # strict: a lane keeps its earliest column on ties
             best = tl.where(take, s, best)
@@ -80,10 +111,13 @@ if triton is not None:
         tl.store(IDX + row * n_splits + part, i)
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int) -> torch.Tensor:
+def sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int,
+           mask: Optional["GrammarRows"] = None) -> torch.Tensor:
     """One token per row of ``logits`` [N, V]: a Gumbel-max draw at the row's ``temperature``
     [N] (fp32 on the logits' device), the argmax where it is <= 0. ``seed``: this step's noise
-    (the same seed and logits give the same tokens). Returns [N] long."""
+    (the same seed and logits give the same tokens). ``mask``: grammar masks read in the same
+    pass (the ids a row's mask refuses are never drawn, as if their logits were -inf; the
+    logits are left as they are). Returns [N] long."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -91,8 +125,15 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int) -> torch.
     span = -(-vocab // n)
     vals = torch.empty((rows, n), dtype=torch.float32, device=logits.device)
     idx = torch.empty((rows, n), dtype=torch.int32, device=logits.device)
+    if mask is None:
+        words, flags, m_words, m_rows, mode = logits, logits, 1, 0, 0
+    else:
+        words, flags = mask.words, (mask.flags if mask.flags is not None else mask.words)
+        m_words, m_rows = mask.words.shape[1], mask.words.shape[0]
+        mode = 1 if mask.flags is None else 2
     _gumbel_argmax_kernel[(rows, n)](logits, temperature, vals, idx, logits.stride(0), vocab, span,
-                                    seed & 0x7FFFFFFF, n, BLOCK=BLOCK)
+                                    seed & 0x7FFFFFFF, n, words, flags, m_words, m_rows,
+                                    BLOCK=BLOCK, MASK=mode)
     if n == 1:
         return idx[:, 0].long()
     # the earliest split holding the row's maximum holds its first maximal column

@@ -31,7 +31,7 @@ from .owner import Resource as R
 from .request import Request
 from .runner_sleep import RunnerSleep
 from . import gc_freeze, logprobs
-from .sampler import SamplingBatch, StepResult, build_sampling_batch, process, sample
+from .sampler import SamplingBatch, StepResult, build_sampling_batch, one_pass, process, sample
 from .step_inputs import packed_forward
 from .structured.bitmask import Filling, TokenBitmask
 from .structured.grammars import grammar_vocab_size
@@ -436,16 +436,22 @@ class ModelRunner(RunnerSleep):
             # the constrained rows' grammars: disallowed tokens -inf, before any sampling
             if masks is None:
                 masks = bitmask.fill(_constrained(batch))
-            processed = bitmask.mask(
-                processed, masks,
-                copy=processed is logits and bool(plp or any(r.params.logprobs for r, _ in batch)))
+            want_lp = bool(plp or any(r.params.logprobs for r, _ in batch))
+            grammar = None
+            if (self.speculator is None and not want_lp and bitmask.fusable
+                    and one_pass(processed, sb)):
+                # the one-pass sampler reads the masks as it draws: no pass of their own over
+                # the logits, no kernel launch of their own on the host's critical path
+                grammar = bitmask.grammar_rows(masks)
+            else:
+                processed = bitmask.mask(processed, masks, copy=processed is logits and want_lp)
             if self.speculator is not None:
                 result = self.speculator.verify(batch, sample_rows, processed, sb)
             elif defer:
-                tokens, _ = sample(processed, sb)
+                tokens, _ = sample(processed, sb, grammar)
                 state.buffers["sampled"][: tokens.shape[0]].copy_(tokens)
             else:
-                tokens, _ = sample(processed, sb)
+                tokens, _ = sample(processed, sb, grammar)
         lp_plan = None
         if plp or any(req.params.logprobs for req, _ in batch):
             counts = ([len(r) for r in sample_rows] if tokens is not None

@@ -116,11 +116,19 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(x.detach().contiguous().numpy().argmax(-1))
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """logits: [N, V] fp32 → (tokens [N] long, logprobs of the chosen tokens [N] or None)."""
-    if batch.all_greedy:
+def sample(logits: torch.Tensor, batch: SamplingBatch,
+           grammar: Optional[fused_sample.GrammarRows] = None
+           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """logits: [N, V] fp32 → (tokens [N] long, logprobs of the chosen tokens [N] or None).
+    ``grammar``: masks the one-pass sampler reads as it draws (only where :func:`one_pass`
+    holds; the logits themselves stay unmasked, so no logprobs are asked)."""
+    if grammar is not None:
+        if not one_pass(logits, batch) or batch.need_logprobs:
+            raise ValueError("grammar rows are read by the one-pass sampler alone")
+        tokens = fused_sample.sample(logits, batch.temperature, batch.noise_seed, grammar)
+    elif batch.all_greedy:
         tokens = _argmax(logits)
-    elif _one_pass(logits, batch):
+    elif one_pass(logits, batch):
         tokens = fused_sample.sample(logits, batch.temperature, batch.noise_seed)
     else:
         greedy_tokens = _argmax(logits)
@@ -143,7 +151,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, Op
     return tokens, logprobs
 
 
-def _one_pass(logits: torch.Tensor, batch: SamplingBatch) -> bool:
+def one_pass(logits: torch.Tensor, batch: SamplingBatch) -> bool:
     """Whether :func:`engine.fused_sample.sample` draws this batch: temperature alone (no
     top-k / top-p / min-p), no seeded row, a noise seed given."""
     return (batch.noise_seed is not None and batch.any_top_k is False and batch.any_top_p is False

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 CHECK = r'''
 import json, torch
 from engine import fused_sample
-from engine.sampler import SamplingBatch, sample, _one_pass
+from engine.sampler import SamplingBatch, sample, one_pass as _one_pass
 torch.manual_seed(0)
 out = {}
 p = torch.tensor([0.1, 0.2, 0.3, 0.4])
@@ -56,6 +56,17 @@ out["no_seed"] = _one_pass(x, batch(noise_seed=None))
 out["top_k"] = _one_pass(x, batch(any_top_k=True))
 out["seeded_row"] = _one_pass(x, batch(generators=[None, torch.Generator().manual_seed(1)]))
 out["min_p"] = _one_pass(x, batch(min_p=torch.zeros(2)))
+# grammar rows are for the one-pass sampler alone (the runner masks the logits otherwise)
+from engine.fused_sample import GrammarRows
+rows = GrammarRows(torch.full((2, 2), -1, dtype=torch.int32), None)
+for bad in (batch(any_top_k=True), batch(generators=[None, torch.Generator().manual_seed(1)]),
+            batch(need_logprobs=True)):
+    try:
+        sample(x, bad, rows)
+        out.setdefault("grammar_refused", []).append(False)
+    except ValueError:
+        out.setdefault("grammar_refused", []).append(True)
+out["grammar_ok"] = torch.equal(sample(x, batch(), rows)[0], fused_sample.sample(x, torch.ones(2), 3))
 out["sampled_same_as_kernel"] = torch.equal(sample(x, batch())[0], fused_sample.sample(x, torch.ones(2), 3))
 print(json.dumps(out))
 '''
@@ -74,3 +85,6 @@ def test_one_pass_sampler_in_the_interpreter():
     assert r["refused_drawn"] == 0 and r["same_seed"] and r["other_seed_differs"]
     assert r["plain"] and not (r["no_seed"] or r["top_k"] or r["seeded_row"] or r["min_p"])
     assert r["sampled_same_as_kernel"]
+    # all-allowing grammar rows draw what no rows draw; a batch the one pass does not draw
+    # (top-k, a seeded row, logprobs) refuses them
+    assert r["grammar_ok"] and r["grammar_refused"] == [True, True, True]

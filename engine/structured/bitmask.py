@@ -45,6 +45,9 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .. import fused_sample
+from ..fused_sample import GrammarRows
+
 
 #: a batch fill's work (one thread's time) per thread it is spread over: below it, more
 #: threads cost more than they save (xgrammar starts its threads on every call: 256 rows of the
@@ -131,6 +134,10 @@ class TokenBitmask:
     #: on a device, masks through xgrammar's kernel launched directly (:meth:`_mask_packed`);
     #: False: through its public function (an A/B on the device, session 18)
     direct_kernel = True
+    #: on a device, the one-pass sampler reads the masks itself (:meth:`grammar_rows`) where it
+    #: draws the step's tokens; False: :meth:`mask` writes -inf into the logits first (an A/B
+    #: on the device, session 21)
+    fuse_with_sampler = True
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device,
                  grammar_vocab: Union[int, Callable[[], int], None] = None) -> None:
@@ -348,8 +355,7 @@ class TokenBitmask:
         full-width buffer is strided (a copy kernel after the transfer): the late step pays
         for those on the host's critical path, once a step (issue 23)."""
         words = host.shape[1]
-        dev = self.dev.view(-1)[: n * words].view(n, words)
-        dev.copy_(host[:n], non_blocking=True)
+        dev = self._device_words(n, host)
         vocab = min(self.vocab_size, out.shape[-1])
         covered = min(words * 32, vocab)
         if len(rows) == n:  # rows 0 .. n-1 (unique): the first n logits rows
@@ -368,6 +374,35 @@ class TokenBitmask:
         kernel[(programs,)](target if idx is None else out, dev, idx, len(rows), covered,
                             out.stride(0), words, programs, block, num_warps=warps, num_stages=3)
         return out
+
+    def _device_words(self, n: int, host: torch.Tensor) -> torch.Tensor:
+        """The host rows ``0 .. n-1`` copied as they are (one contiguous, non-blocking copy)
+        into the front of the device buffer: [n, host words] int32."""
+        words = host.shape[1]
+        dev = self.dev.view(-1)[: n * words].view(n, words)
+        dev.copy_(host[:n], non_blocking=True)
+        return dev
+
+    def grammar_rows(self, filling: "Filling") -> Optional[GrammarRows]:
+        """The rows of ``filling`` (waiting for it) on the device, for the sampler to read in
+        its pass over the logits (``fused_sample.sample``'s ``mask``) instead of a pass of
+        their own that writes -inf into them: logits row r takes host row r. None: no row."""
+        rows = filling.rows()
+        if not rows:
+            return None
+        n = max(rows) + 1
+        words = self._device_words(n, self.host)
+        if len(rows) == n:  # rows 0 .. n-1 (unique): every row below n
+            return GrammarRows(words, None)
+        flags = torch.zeros(n, dtype=torch.int8, pin_memory=self.device.type == "cuda")
+        flags[rows] = 1
+        return GrammarRows(words, flags.to(self.device, non_blocking=True))
+
+    @property
+    def fusable(self) -> bool:
+        """Whether :meth:`grammar_rows` can stand for :meth:`mask` before the one-pass sampler
+        (a device the sampler runs on, masks not forced through xgrammar's function)."""
+        return self.fuse_with_sampler and fused_sample.usable_on(self.device)
 
     def allows(self, rows: Sequence[int], tokens: Sequence[int]) -> list[bool]:
         """Whether each token is allowed by its host row as last filled (the mask its step was

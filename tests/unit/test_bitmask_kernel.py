@@ -122,3 +122,53 @@ def test_row_count_does_not_compile_the_kernel_again():
     assert ours.fn is kernel.fn
     assert [p.name for p in ours.params if p.do_not_specialize] == ["num_rows"]
     assert not [p.name for p in kernel.params if p.do_not_specialize]
+
+
+FUSED = r'''
+import random, torch
+from engine import fused_sample
+from engine.structured.bitmask import TokenBitmask, Filling
+
+rnd = random.Random(1)
+cases = 0
+for vocab, gv, extra in [(300, 260, 4), (4200, 4128, 0), (96, 96, 0)]:
+    for trial in range(4):
+        bits = TokenBitmask(8, vocab + extra, torch.device("cpu"), grammar_vocab=gv)
+        host = bits.host
+        # sparse masks (a grammar's): each word allows a few ids
+        host.copy_(torch.randint(-2**31, 2**31 - 1, host.shape, dtype=torch.int64).to(torch.int32)
+                   & torch.randint(-2**31, 2**31 - 1, host.shape, dtype=torch.int64).to(torch.int32))
+        host[1].zero_()  # a row that allows nothing
+        total = rnd.randint(2, 8)
+        n = rnd.randint(1, total)
+        rows = list(range(n)) if trial % 2 == 0 else sorted(rnd.sample(range(total), n))
+        logits = torch.randn(total, vocab + extra) * 3
+        temp = torch.tensor([0.0 if rnd.random() < 0.3 else 0.7 for _ in range(total)])
+        before = logits.clone()
+        grammar = bits.grammar_rows(Filling(None, rows))
+        assert (grammar.flags is None) == (rows == list(range(n)))
+        got = fused_sample.sample(logits, temp, 77 + trial, grammar)
+        assert torch.equal(logits, before)  # read, not written
+        ref = bits.mask(before.clone(), Filling(None, rows), copy=False)
+        want = fused_sample.sample(ref, temp, 77 + trial)
+        assert torch.equal(got, want), (vocab, rows, got, want)
+        for r in rows:  # a drawn id is one its mask allows (a row allowing nothing: any)
+            t = int(got[r])
+            if host[r].any():
+                assert t < 32 * host.shape[1] and (int(host[r, t >> 5]) >> (t & 31)) & 1, (r, t)
+        cases += 1
+print("cases", cases)
+'''
+
+
+def test_sampler_reads_the_masks_as_masking_the_logits_would():
+    """``fused_sample.sample`` with ``TokenBitmask.grammar_rows`` draws exactly the tokens it
+    draws from logits masked by ``TokenBitmask.mask`` (same seed; rows 0..n-1 and a subset;
+    greedy and sampled rows; ids past the grammar's refused), and leaves the logits as they
+    are -- under Triton's interpreter."""
+    env = dict(os.environ, TRITON_INTERPRET="1", ENGINECORE_BITMASK_KERNEL="1")
+    out = subprocess.run([sys.executable, "-c", FUSED], capture_output=True, text=True, env=env,
+                         timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                             os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "cases 12" in out.stdout
