@@ -153,7 +153,7 @@ STEP_PARTS = (
 
 
 @contextmanager
-def phases(targets=STEP_PARTS) -> Iterator[dict[str, list]]:
+def phases(targets=None) -> Iterator[dict[str, list]]:
     """Each of ``targets`` (``module:Class.method``) wrapped at class level for the ``with``
     block: name -> [calls, wall s, CPU s of the calling thread] (inclusive: a timed function
     that calls another counts it too). The CPU time against the wall says whether a part is
@@ -162,7 +162,7 @@ def phases(targets=STEP_PARTS) -> Iterator[dict[str, list]]:
 
     totals: dict[str, list] = {}
     restore = []
-    for target in targets:
+    for target in STEP_PARTS if targets is None else targets:
         module, _, attr = target.partition(":")
         cls_name, _, name = attr.rpartition(".")
         owner = getattr(importlib.import_module(module), cls_name)

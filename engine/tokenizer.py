@@ -233,7 +233,7 @@ class _ByteStream:
     text). A replacement character (an invalid byte) is held back until more text follows,
     as the window decoder does: one at the very end is never emitted."""
 
-    __slots__ = ("_decoder", "_held")
+    __slots__ = ("_decoder", "_held", "_clean")
 
     def __init__(self, tail: list[int]):
         import codecs
@@ -241,10 +241,19 @@ class _ByteStream:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._decoder.decode(bytes(i for i in tail if i < 256))
         self._held = ""
+        # the last byte fed was ASCII: the decoder holds nothing (an ASCII byte completes or
+        # ends any sequence before it) and nothing is held back here
+        self._clean = False
 
     def step(self, token_id: int) -> str:
         if not 0 <= token_id < 256:
             return ""
+        if token_id < 0x80:
+            if self._clean:  # (one call a token on the step thread: JSON is mostly ASCII)
+                return chr(token_id)
+            self._clean = True
+        else:
+            self._clean = False
         text = self._held + self._decoder.decode(bytes((token_id,)))
         if text.endswith("\ufffd"):
             self._held = text

@@ -94,6 +94,11 @@
 #           twice, once without the grammar worker (ENGINECORE_GRAMMAR_OVERLAP=0), and py-spy
 #           --gil profiles of --fractions 1 and 0 (read them with
 #           spy_summary.py --thread enginecore-step --within EngineCore.step)
+#   PART=38 session 21: bench.structured's acceptance run (--fractions 0,0.5,1 --rounds 5
+#           --phases) on any card, bench.prefix --rounds 3 on an H200, scripts/gpu/h2d_cost.py
+#           (the CPU cost of the grammar masks' copy), then --fractions 0,1 --rounds 3 with the
+#           sampler reading the masks (the default) against TokenBitmask.fuse_with_sampler=false,
+#           interleaved twice
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -413,6 +418,22 @@ elif [[ $PART == 35 ]]; then  # session 19's last budget: the acceptance runs fi
   fi
   step structured 70 python3 -m bench.structured --device cuda --no-progress --no-plain \
     --fractions 0,0.5,1 --rounds 3 --out "$OUT/structured.json"
+elif [[ $PART == 38 ]]; then  # session 21: the acceptance runs, the fused mask's A/B, the copy's cost
+  export ONE_LOG=run.log TAIL=14
+  step structured 90 python3 -m bench.structured --device cuda --no-progress --no-plain \
+    --fractions 0,0.5,1 --rounds 5 --phases --out "$OUT/structured.json"
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    step prefix 150 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
+  fi
+  step h2d 40 python3 scripts/gpu/h2d_cost.py --out "$OUT/h2d.json"
+  for i in 1 2; do
+    step "structured_fused_$i" 50 python3 -m bench.structured --device cuda --no-progress --no-plain \
+      --fractions 0,1 --rounds 3 --phases --out "$OUT/structured_fused_$i.json"
+    step "structured_masked_$i" 50 python3 scripts/gpu/with_switch.py \
+      --set engine.structured.bitmask:TokenBitmask.fuse_with_sampler=false - bench.structured \
+      --device cuda --no-progress --no-plain --fractions 0,1 --rounds 3 --phases \
+      --out "$OUT/structured_masked_$i.json"
+  done
 elif [[ $PART == 37 ]]; then  # session 20: the collector's young threshold, the acceptance runs
   export ONE_LOG=run.log TAIL=12
   lscpu | grep -E "^(Model name|Thread|Core|Socket|CPU\(s\)|CPU max|NUMA node|Hypervisor)" | tee -a "$OUT/run.log"

@@ -108,7 +108,7 @@ def test_byte_stream_equals_window_decoding_on_random_bytes():
             return BYTES.decode(ids, skip_special_tokens)
 
     rng = random.Random(3)
-    alphabet = list("aé€😀\n".encode()) + [0x80, 0xC3, 0xE2, 0xF0, 256, 257, 299]
+    alphabet = list("aé€😀\n{\"1".encode()) + [0x80, 0xC3, 0xE2, 0xF0, 256, 257, 299]
     for n in range(800):
         ids = [rng.choice(alphabet) for _ in range(rng.randint(1, 24))]
         prompt = list("ok".encode()) + [rng.choice(alphabet) for _ in range(rng.randint(0, 3))]
