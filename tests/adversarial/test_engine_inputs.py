@@ -196,3 +196,21 @@ async def _hostile_over_ipc(eng, client) -> None:
             outcomes.append("overloaded")
     assert outcomes.count("overloaded") >= 1 and outcomes.count("length") >= 3
     assert eng.state is State.SERVING and (await client.health()).live
+
+
+async def test_prompt_ids_that_are_not_token_ids_are_refused_at_once() -> None:
+    """The prompt's ids are checked where they enter (C-level passes since session 21): any
+    that is not an int (a bool, a float, a string, None), below 0 or not below the
+    vocabulary ends that request with BadRequestError; the engine serves on."""
+    async with AsyncEngine.open(EngineConfig(model=TINY)) as eng:
+        vocab = eng.runner.model_config.vocab_size
+        class Int(int):
+            pass
+
+        for bad in ([5, True], [False], [5, 1.0], [5, "6"], [None], [-1, 5], [5, vocab],
+                    [vocab + 10**30], [-(2**63)], [Int(5)], [5] * 200 + [vocab]):
+            with pytest.raises(BadRequestError, match="prompt token ids"):
+                eng.generate(bad, SamplingParams(max_tokens=2))
+        out = await served(eng, [0, vocab - 1, 5], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert out.finished and out.finish_reason == "length"
+        assert eng.state is State.SERVING
