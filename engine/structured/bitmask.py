@@ -320,17 +320,15 @@ class TokenBitmask:
         if logits.stride(-1) != 1:
             # xgrammar's kernels (and _mask_packed's launch of one) index a row's ids as
             # contiguous: a dense copy masked, written back unless ``copy``. (Never a fallback
-            # to the public function here: once _mask_packed ran, the device rows' words past
-            # the host width hold packed words of other rows.)
+            # to the public function here: once _mask_packed or grammar_rows ran, the device
+            # rows' words past the host width hold packed words of other rows.)
             dense = self.mask(logits.clone(memory_format=torch.contiguous_format),
                               Filling(None, rows), copy=False)
             return dense if copy else logits.copy_(dense)
         n = max(rows) + 1
         host = self.host
         out = logits.clone() if copy else logits
-        if self._direct is None:  # (xgrammar imported here, not at the runner's start)
-            self._direct = _direct_kernel(self.device) if self.direct_kernel else (None, 0)
-        if self._direct[0] is not None:
+        if self._packed():
             return self._mask_packed(out, rows, n, host)
         from xgrammar import apply_token_bitmask_inplace
 
@@ -398,11 +396,21 @@ class TokenBitmask:
         flags[rows] = 1
         return GrammarRows(words, flags.to(self.device, non_blocking=True))
 
+    def _packed(self) -> bool:
+        """Whether the device rows are packed (``grammar_vocab`` ids a row, at the front of
+        ``dev``): where xgrammar's kernel is launched directly. Otherwise its public function
+        masks full-width rows whose words past the host's must stay zero (the padding ids
+        refused), so nothing may pack rows into ``dev`` -- :meth:`grammar_rows` neither."""
+        if self._direct is None:  # (xgrammar imported here, not at the runner's start)
+            self._direct = _direct_kernel(self.device) if self.direct_kernel else (None, 0)
+        return self._direct[0] is not None
+
     @property
     def fusable(self) -> bool:
-        """Whether :meth:`grammar_rows` can stand for :meth:`mask` before the one-pass sampler
-        (a device the sampler runs on, masks not forced through xgrammar's function)."""
-        return self.fuse_with_sampler and fused_sample.usable_on(self.device)
+        """Whether :meth:`grammar_rows` can stand for :meth:`mask` before the one-pass sampler:
+        a device the sampler runs on, and packed device rows (:meth:`_packed`; a step that
+        cannot be fused then masks through the same layout)."""
+        return self.fuse_with_sampler and fused_sample.usable_on(self.device) and self._packed()
 
     def allows(self, rows: Sequence[int], tokens: Sequence[int]) -> list[bool]:
         """Whether each token is allowed by its host row as last filled (the mask its step was

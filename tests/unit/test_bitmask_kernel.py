@@ -172,3 +172,42 @@ def test_sampler_reads_the_masks_as_masking_the_logits_would():
                              os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "cases 12" in out.stdout
+
+
+AFTER_FUSED = r'''
+import sys, torch
+from engine import fused_sample
+from engine.structured.bitmask import TokenBitmask, Filling
+if sys.argv[1] == "nodirect":
+    TokenBitmask.direct_kernel = False
+bits = TokenBitmask(4, 128, torch.device("cpu"), grammar_vocab=40)  # host rows 2 words, dev 4
+h = bits.host
+h[0] = torch.tensor([1 << 3, 0], dtype=torch.int32)  # row 0 allows id 3 alone
+h[1] = -1
+print("fusable", bits.fusable)
+if bits.fusable:  # a fused step (no logprobs in its batch) packs rows into the device buffer
+    g = bits.grammar_rows(Filling(None, [0, 1]))
+    assert fused_sample.sample(torch.zeros(2, 128), torch.zeros(2), 1, g).tolist()[0] == 3
+logits = torch.zeros(1, 128)
+logits[0, 100] = 5.0  # id 100: past the grammar's 40 ids
+out = bits.mask(logits, Filling(None, [0]), copy=True)  # the next step asks for logprobs
+print("allowed", (out[0] > float("-inf")).nonzero().flatten().tolist())
+'''
+
+
+@pytest.mark.parametrize("mode", ["direct", "interpret-no-kernel", "nodirect"])
+def test_a_step_masked_after_a_fused_one_refuses_the_ids_past_the_grammar(mode):
+    """(review rev21) The sampler reads the masks only where the device rows are packed (xgrammar's
+    kernel launched directly): xgrammar's public function masks full-width rows whose words past
+    the grammar's must stay zero, and packed rows left there would let a later step that cannot
+    be fused (logprobs, a seeded row) draw ids past the grammar's vocabulary."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("ENGINECORE_BITMASK_KERNEL", None)
+    if mode != "interpret-no-kernel":
+        env["ENGINECORE_BITMASK_KERNEL"] = "1"
+    out = subprocess.run([sys.executable, "-c", AFTER_FUSED, mode], capture_output=True,
+                         text=True, env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(
+                             os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"fusable {mode == 'direct'}" in out.stdout, out.stdout
+    assert "allowed [3]" in out.stdout, out.stdout
