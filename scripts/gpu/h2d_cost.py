@@ -8,7 +8,8 @@ CPU there on a slow host unexplained).
 For each row count: the step thread's CPU time (``time.thread_time``) and wall time of
 ``dev[:n].copy_(host[:n], non_blocking=True)`` from pinned memory (as ``TokenBitmask``'s host
 rows), from pageable memory, and of the pinned copy into a strided view (the full-width device
-rows of before session 18). A matmul loop keeps the device busy so that no copy finds an idle
+rows of before session 18); then ``TokenBitmask.grammar_rows`` itself at Qwen3's widths (and
+whether its host rows are pinned). A matmul loop keeps the device busy so that no copy finds an idle
 stream. Prints a table; ``--out`` writes JSON.
 """
 
@@ -16,9 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def busy(dev: torch.device) -> None:
@@ -67,6 +72,27 @@ def main() -> int:
                         "cpu_us": cpu, "wall_us": wall})
             print(f"{n:5d} rows {n * args.words * 4 / 1e6:6.2f} MB  {name:16s} "
                   f"cpu {cpu:8.1f} us  wall {wall:8.1f} us", flush=True)
+    # the engine's own path: TokenBitmask's host rows (pinned?) and grammar_rows' CPU cost
+    from engine.structured.bitmask import Filling, TokenBitmask
+
+    bits = TokenBitmask(n_max, 151936, dev, grammar_vocab=151665)  # Qwen3's widths
+    print(f"TokenBitmask host rows pinned: {bits.host.is_pinned()}", flush=True)
+    for n in rows:
+        filling = Filling(None, list(range(n)))
+        cpu = wall = 0.0
+        for i in range(args.reps):
+            if i % 20 == 0:
+                busy(dev)
+            c, w = time.thread_time(), time.perf_counter()
+            bits.grammar_rows(filling)
+            wall += time.perf_counter() - w
+            cpu += time.thread_time() - c
+        torch.cuda.synchronize()
+        cpu, wall = 1e6 * cpu / args.reps, 1e6 * wall / args.reps
+        out.append({"rows": n, "source": "TokenBitmask.grammar_rows", "cpu_us": cpu,
+                    "wall_us": wall, "pinned": bits.host.is_pinned()})
+        print(f"{n:5d} rows  TokenBitmask.grammar_rows  cpu {cpu:8.1f} us  wall {wall:8.1f} us",
+              flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": out}, f, indent=1)
