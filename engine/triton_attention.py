@@ -120,7 +120,7 @@ if triton is not None:
                 tl.store(PL + idx, l_i, mask=gmask)
                 tl.store(PACC + idx[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])  # (as _decode_kernel's: varies in eager steps)
     def _reduce_kernel(
         PM, PL, PACC, Out, CL, ROWS,
         stride_ot, stride_oh, num_heads, num_splits,
