@@ -343,7 +343,9 @@ def run_worker(name: str, a, python: str) -> dict:
 
 def _busy_ticks() -> tuple[int, int]:
     """(busy, total) jiffies of all CPUs since boot (/proc/stat)."""
-    f = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    from bench.common import cpu_times
+
+    f = cpu_times()
     idle = f[3] + (f[4] if len(f) > 4 else 0)
     return sum(f) - idle, sum(f)
 

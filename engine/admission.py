@@ -32,7 +32,6 @@ INLINE_TOKENIZE_CHARS = 4096
 MAX_REQUEST_ID_LEN = 256
 
 
-
 class Admission:
     def __init__(self, runner, *, max_waiting_requests: int, max_queued_tokens: int,
                  tokenizer_threads: int = 2) -> None:

@@ -432,11 +432,11 @@ class ModelRunner(RunnerSleep):
         n_flat = len(owners)
         tokens = None  # the sampled tokens, still on the device (no speculator)
         result = StepResult([[] for _ in batch], None)
+        want_lp = bool(plp or any(r.params.logprobs for r, _ in batch))
         if n_flat:
             # the constrained rows' grammars: disallowed tokens -inf, before any sampling
             if masks is None:
                 masks = bitmask.fill(_constrained(batch))
-            want_lp = bool(plp or any(r.params.logprobs for r, _ in batch))
             grammar = None
             if (self.speculator is None and not want_lp and bitmask.fusable
                     and one_pass(processed, sb)):
@@ -453,7 +453,7 @@ class ModelRunner(RunnerSleep):
             else:
                 tokens, _ = sample(processed, sb, grammar)
         lp_plan = None
-        if plp or any(req.params.logprobs for req, _ in batch):
+        if want_lp:
             counts = ([len(r) for r in sample_rows] if tokens is not None
                       else [len(t) for t in result.tokens])
             lp_plan = logprobs.plan(batch, sample_rows, counts, plp, logits_all.shape[1])
