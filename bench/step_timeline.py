@@ -154,7 +154,8 @@ STEP_PARTS = (
 
 @contextmanager
 def phases(targets=None) -> Iterator[dict[str, list]]:
-    """Each of ``targets`` (``module:Class.method``) wrapped at class level for the ``with``
+    """Each of ``targets`` (``module:Class.method``, or ``module:function``: that module's
+    global, e.g. ``engine.runner:sample`` for the runner's calls of it) wrapped at class level for the ``with``
     block: name -> [calls, wall s, CPU s of the calling thread] (inclusive: a timed function
     that calls another counts it too). The CPU time against the wall says whether a part is
     slow for its own work or for waiting (the GIL, the device, another thread)."""
@@ -165,7 +166,9 @@ def phases(targets=None) -> Iterator[dict[str, list]]:
     for target in STEP_PARTS if targets is None else targets:
         module, _, attr = target.partition(":")
         cls_name, _, name = attr.rpartition(".")
-        owner = getattr(importlib.import_module(module), cls_name)
+        # ``module:function``: a module's global, as its callers in that module look it up
+        mod = importlib.import_module(module)
+        owner = getattr(mod, cls_name) if cls_name else mod
         raw = owner.__dict__[name]
         fn = raw.__func__ if isinstance(raw, staticmethod) else raw
         acc = totals.setdefault(attr, [0, 0.0, 0.0])

@@ -243,6 +243,9 @@ def main(argv=None) -> int:
     ap.add_argument("--phases", action="store_true",
                     help="time the step's parts (bench/step_timeline.py STEP_PARTS): calls, wall "
                          "and the step thread's CPU ms a step, by mode")
+    ap.add_argument("--phase-targets", default="",
+                    help="with --phases: more parts to time, comma-separated module:Class.method "
+                         "or module:function (that module's global)")
     ap.add_argument("--apply-after-sampling", action=argparse.BooleanOptionalAction,
                     default=True, help="with --sim: the order of a late-sampled step "
                     "(EngineCore.apply_after_sampling; on by default on CUDA)")
@@ -258,7 +261,9 @@ def main(argv=None) -> int:
     t0 = time.time()
     with contextlib.ExitStack() as stack:
         args._timeline = stack.enter_context(step_timeline.recording()) if args.timeline else None
-        args._phases = stack.enter_context(step_timeline.phases()) if args.phases else None
+        extra = tuple(t for t in args.phase_targets.split(",") if t)
+        args._phases = (stack.enter_context(step_timeline.phases(step_timeline.STEP_PARTS + extra))
+                        if args.phases else None)
         res = anyio.run(bench, args)
     table = common.print_table(
         f"structured outputs: {args.model} on {args.device}, {args.requests} requests, "

@@ -214,7 +214,8 @@ def test_structured_bench_step_parts(tmp_path):
     p = _bench("structured", "--device", "cpu", "--model", "random:tiny-llama", "--no-progress",
                "--requests", "4", "--max-tokens", "8", "--items", "1", "--fractions", "0,1",
                "--no-plain", "--timeline", "--phases", "--engine-config",
-               '{"overlap_scheduling": true}', "--out", str(out))
+               '{"overlap_scheduling": true}', "--out", str(out),
+               "--phase-targets", "engine.runner:sample,engine.late_step:LateStep._fed")
     assert p.returncode == 0, p.stderr[-3000:]
     modes = json.loads(out.read_text())["modes"]
     for m in modes:
@@ -228,6 +229,9 @@ def test_structured_bench_step_parts(tmp_path):
             assert 0 <= m["steal"] <= 1
     # the constrained run's steps are late-sampled: the grammar job is timed, not the launch
     assert "LateStep._grammar_job" in modes[1]["phases_per_step"]
+    # --phase-targets: a module's global (the runner's sampler calls) and one more method
+    assert modes[0]["phases_per_step"]["sample"]["calls"] >= 0.9
+    assert modes[1]["phases_per_step"]["LateStep._fed"]["calls"] > 0
     assert "ModelRunner.launch" in modes[0]["phases_per_step"]
     assert "threads, a step" in p.stdout and "Scheduler.schedule" in p.stdout
 

@@ -99,6 +99,9 @@
 #           (the CPU cost of the grammar masks' copy), then --fractions 0,1 --rounds 3 with the
 #           sampler reading the masks (the default) against TokenBitmask.fuse_with_sampler=false,
 #           interleaved twice
+#   PART=39 session 22: bench.structured --fractions 0,1 --rounds 3 --phases with the constrained
+#           step's parts split finer (--phase-targets), twice; bench.prefix --rounds 2 and
+#           bench.prefix_timeline on any card
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -434,6 +437,23 @@ elif [[ $PART == 38 ]]; then  # session 21: the acceptance runs, the fused mask'
       --device cuda --no-progress --no-plain --fractions 0,1 --rounds 3 --phases \
       --out "$OUT/structured_masked_$i.json"
   done
+elif [[ $PART == 39 ]]; then  # session 22: the constrained step's extra split finer; issue 15 on any card
+  export ONE_LOG=run.log TAIL=40
+  parts=engine.late_step:LateStep._fed,engine.runner:ModelRunner.accept_then_fill
+  parts+=,engine.runner:_constrained,engine.structured.bitmask:TokenBitmask.accept_then_fill
+  parts+=,engine.structured.native:GrammarWorker.submit,engine.late_step:LateStep._grammar_done
+  parts+=,engine.structured.bitmask:TokenBitmask.grammar_rows,engine.runner:sample
+  parts+=,engine.fused_sample:sample,engine.runner:build_sampling_batch,engine.runner:process
+  parts+=,engine.intake:IntakeAPI._deliver
+  # (per-step calls only; the second run also counts the consumers' wake-ups, ~256 calls a
+  # step whose timing wrappers add to the loop's time)
+  for i in 1 2; do
+    ((i == 2)) && parts+=,engine.mailbox:Mailbox._wake
+    step "structured_parts_$i" 50 python3 -m bench.structured --device cuda --no-progress --no-plain \
+      --fractions 0,1 --rounds 3 --phases --phase-targets "$parts" --out "$OUT/structured_parts_$i.json"
+  done
+  TAIL=12 step prefix 110 python3 -m bench.prefix --device cuda --no-progress --rounds 2 --out "$OUT/prefix.json"
+  TAIL=60 step prefix_timeline 60 python3 -m bench.prefix_timeline --device cuda --no-progress
 elif [[ $PART == 37 ]]; then  # session 20: the collector's young threshold, the acceptance runs
   export ONE_LOG=run.log TAIL=12
   lscpu | grep -E "^(Model name|Thread|Core|Socket|CPU\(s\)|CPU max|NUMA node|Hypervisor)" | tee -a "$OUT/run.log"
