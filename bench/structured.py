@@ -162,6 +162,8 @@ async def run_mode(eng, args, fraction: float, constraint, label: str = "") -> d
             pass
     out = sum(tokens)
     return {"constrained": f"{100 * fraction:.0f} %{label}", "requests": n, "output_tokens": out,
+            # characters of text delivered (all requests): what detokenization had to produce
+            "text_chars": sum(map(len, texts)),
             "wall_s": wall, "tok_s": out / wall, "steps": steps, "overlapped": deferred,
             "late": late, "beside": eng.core.grammar_jobs - jobs0,
             "after_fwd": eng.core.grammar_jobs_after - after0,
@@ -172,6 +174,38 @@ async def run_mode(eng, args, fraction: float, constraint, label: str = "") -> d
             "threads_per_step": threads,
             **({"timeline": timeline} if timeline is not None else {}),
             **({"phases_per_step": parts} if parts is not None else {})}
+
+
+def printable_head(runner) -> int:
+    """Make a ``random:`` preset's unconstrained greedy tokens printable text; returns how many
+    LM-head rows were zeroed (0: not a byte-level tokenizer's model, left alone).
+
+    A ``random:`` preset's byte-level tokenizer spells ids 0..255 as bytes and every id past
+    257 (all but 258 of qwen3-0.6b's 151,936) as nothing, and random weights' argmax is nearly
+    always such an id: the unconstrained requests' output is then empty text, and the 0 %
+    baseline skips the detokenization and text delivery that a real model's output costs
+    (and that the constrained rows, held to JSON, pay). Zeroing the head's rows outside
+    printable ASCII (tab and newline kept) makes those logits 0 while the printable ids' stay
+    random, so the argmax is a printable character, at the same device cost: the same matmul
+    over the same shape. Both modes run the one engine, so both see the same model."""
+    import torch
+
+    from engine.owner import Resource as R
+
+    tok = runner.tokenizer
+    if tok is None or getattr(tok, "_backend", True) is not None:
+        return 0
+    model = runner._owner[R.WEIGHTS]
+    if getattr(model, "packed_head", None) is not None:  # (a CPU checkpoint's int8 head)
+        return 0
+    w = (model.model.embed_tokens.weight if model.config.tie_word_embeddings
+         else model.lm_head.weight)
+    keep = torch.zeros(w.shape[0], dtype=torch.bool, device=w.device)
+    keep[32:127] = True
+    keep[9] = keep[10] = True
+    with torch.no_grad():
+        w[~keep] = 0
+    return int((~keep).sum())
 
 
 async def bench(args) -> dict:
@@ -185,6 +219,7 @@ async def bench(args) -> dict:
 
             device = simulate(eng.runner, args.sim, varied=True)
         eng.sim_device = device
+        zeroed = printable_head(eng.runner) if args.text_head else 0
         if args.sim:  # what the engine does on an asynchronous device (EngineCore.step)
             eng.core.apply_after_sampling = args.apply_after_sampling
         # warm-up, untimed: an unconstrained request and the schema's compile (then cached)
@@ -216,7 +251,8 @@ async def bench(args) -> dict:
         for f, m in zip(args.fractions, modes):
             m["vs_unconstrained_by_round"] = [
                 r["tok_s"] / b["tok_s"] for r, b in zip(runs[f], runs[args.fractions[0]])]
-    return {"modes": modes, "compile": compiles, "first_compile_ms": first_compile_ms}
+    return {"modes": modes, "compile": compiles, "first_compile_ms": first_compile_ms,
+            "head_rows_zeroed": zeroed}
 
 
 def main(argv=None) -> int:
@@ -246,6 +282,10 @@ def main(argv=None) -> int:
     ap.add_argument("--phase-targets", default="",
                     help="with --phases: more parts to time, comma-separated module:Class.method "
                          "or module:function (that module's global)")
+    ap.add_argument("--text-head", action=argparse.BooleanOptionalAction, default=True,
+                    help="a random: preset (byte-level tokenizer): zero the LM head's rows outside "
+                         "printable ASCII, so that unconstrained tokens are text, as a real "
+                         "model's are, not ids that decode to nothing (printable_head)")
     ap.add_argument("--apply-after-sampling", action=argparse.BooleanOptionalAction,
                     default=True, help="with --sim: the order of a late-sampled step "
                     "(EngineCore.apply_after_sampling; on by default on CUDA)")
@@ -276,6 +316,7 @@ def main(argv=None) -> int:
          ("late_forward_ms", "fwd", ".2f"), ("late_read_back_ms", "read", ".2f"),
          ("late_apply_ms", "apply", ".2f"), ("late_mask_sample_ms", "mask", ".2f"),
          ("worker_fill_ms", "fill", ".2f"), ("ms_per_step", "ms/step", ".2f"),
+         ("text_chars", "chars", ""),
          ("steal", "steal", ".3f")]
         + ([("device_busy", "device busy", ".3f")] if args.sim else [])
         + [("valid", "valid JSON", ""),

@@ -217,7 +217,12 @@ def test_structured_bench_step_parts(tmp_path):
                '{"overlap_scheduling": true}', "--out", str(out),
                "--phase-targets", "engine.runner:sample,engine.late_step:LateStep._fed")
     assert p.returncode == 0, p.stderr[-3000:]
-    modes = json.loads(out.read_text())["modes"]
+    res = json.loads(out.read_text())
+    modes = res["modes"]
+    # a random: preset's head keeps printable ASCII alone (and tab, newline): the unconstrained
+    # greedy tokens are text, one character each, not ids that decode to nothing
+    assert res["head_rows_zeroed"] == 512 - 97
+    assert modes[0]["text_chars"] == modes[0]["output_tokens"] > 0
     for m in modes:
         assert m["timeline"]["steps"] >= m["steps"] > 0
         parts = m["phases_per_step"]

@@ -102,6 +102,9 @@
 #   PART=39 session 22: bench.structured --fractions 0,1 --rounds 3 --phases with the constrained
 #           step's parts split finer (--phase-targets), twice; bench.prefix --rounds 2 and
 #           bench.prefix_timeline on any card
+#   PART=40 session 22: bench.structured --fractions 0,1 --rounds 3 with the 0 % baseline's tokens
+#           text (the default, bench.structured.printable_head) against --no-text-head, twice
+#           interleaved; then the acceptance runs of issues 23 and 15 on any card
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -437,6 +440,18 @@ elif [[ $PART == 38 ]]; then  # session 21: the acceptance runs, the fused mask'
       --device cuda --no-progress --no-plain --fractions 0,1 --rounds 3 --phases \
       --out "$OUT/structured_masked_$i.json"
   done
+elif [[ $PART == 40 ]]; then  # session 22: the 0 % baseline with text (printable_head) against without,
+  # then both issues' acceptance runs on any card
+  export ONE_LOG=run.log TAIL=8
+  for i in 1 2; do
+    step "structured_text_$i" 45 python3 -m bench.structured --device cuda --no-progress --no-plain \
+      --fractions 0,1 --rounds 3 --out "$OUT/structured_text_$i.json"
+    step "structured_notext_$i" 45 python3 -m bench.structured --device cuda --no-progress --no-plain \
+      --fractions 0,1 --rounds 3 --no-text-head --out "$OUT/structured_notext_$i.json"
+  done
+  TAIL=14 step structured 80 python3 -m bench.structured --device cuda --no-progress --no-plain \
+    --fractions 0,0.5,1 --rounds 5 --out "$OUT/structured.json"
+  TAIL=12 step prefix 120 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
 elif [[ $PART == 39 ]]; then  # session 22: the constrained step's extra split finer; issue 15 on any card
   export ONE_LOG=run.log TAIL=40
   parts=engine.late_step:LateStep._fed,engine.runner:ModelRunner.accept_then_fill
