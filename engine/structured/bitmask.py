@@ -165,6 +165,9 @@ class TokenBitmask:
         # on a device: xgrammar's Triton kernel, launched by _mask_packed; the device rows are
         # then packed at the front of ``dev`` (``grammar_vocab`` ids a row), never full width
         self._direct: Optional[tuple] = None  # (kernel, programs), resolved at the first mask
+        #: row count -> (the front of ``dev`` as [n, host words], ``host[:n]``): views made
+        #: once (:meth:`_device_words`); dropped by close() with the buffers
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def max_rows(self) -> int:
@@ -376,10 +379,14 @@ class TokenBitmask:
     def _device_words(self, n: int, host: torch.Tensor) -> torch.Tensor:
         """The host rows ``0 .. n-1`` copied as they are (one contiguous, non-blocking copy)
         into the front of the device buffer: [n, host words] int32."""
-        words = host.shape[1]
-        dev = self.dev.view(-1)[: n * words].view(n, words)
-        dev.copy_(host[:n], non_blocking=True)
-        return dev
+        views = self._views.get(n)
+        if views is None or views[1]._base is not host:
+            words = host.shape[1]
+            # (kept by row count, at most max_rows pairs: each torch call here lets the event
+            # loop take the GIL, and a late step waits for it back: one call a step, not five)
+            views = self._views[n] = (self.dev.view(-1)[: n * words].view(n, words), host[:n])
+        views[0].copy_(views[1], non_blocking=True)
+        return views[0]
 
     def grammar_rows(self, filling: "Filling") -> Optional[GrammarRows]:
         """The rows of ``filling`` (waiting for it) on the device, for the sampler to read in
@@ -489,6 +496,7 @@ class TokenBitmask:
             self._worker.close()
         self._worker = None
         self._batch = {}
+        self._views = {}  # (views keep their storage: dropped before the buffers go)
         with torch.no_grad():
             self.dev.set_()
             if self._host is not None:

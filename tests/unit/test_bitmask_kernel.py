@@ -211,3 +211,27 @@ def test_a_step_masked_after_a_fused_one_refuses_the_ids_past_the_grammar(mode):
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"fusable {mode == 'direct'}" in out.stdout, out.stdout
     assert "allowed [3]" in out.stdout, out.stdout
+
+
+def test_device_words_views_are_made_once_and_released_with_the_buffers():
+    """``_device_words`` keeps its [n, words] views by row count (one torch call a step, not
+    five); the copy is of the host rows as they are now, another host tensor gets views of its
+    own, and close() drops the views: they would keep the released buffers' storage alive."""
+    import torch
+
+    from engine.owner import storage_bytes
+    from engine.structured.bitmask import TokenBitmask
+
+    bits = TokenBitmask(4, 96, torch.device("cpu"), grammar_vocab=64)
+    host = bits.host
+    host.copy_(torch.arange(host.numel(), dtype=torch.int32).view_as(host))
+    a = bits._device_words(3, host)
+    host[0, 0] = -5  # a refill between two steps
+    b = bits._device_words(3, host)
+    assert a is b and torch.equal(b, host[:3]) and int(b[0, 0]) == -5
+    other = host.clone() + 7
+    assert torch.equal(bits._device_words(3, other), other[:3])
+    assert torch.equal(bits._device_words(2, host), host[:2])
+    bits.close()
+    assert bits._views == {}
+    assert sum(storage_bytes(bits).values()) == 0
