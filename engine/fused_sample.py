@@ -37,6 +37,10 @@ ENABLED = AVAILABLE and os.environ.get("ENGINECORE_FUSED_SAMPLE", "1") != "0"
 BLOCK = 2048
 #: rows x splits aimed at: enough programs to fill the device for any batch
 TARGET_PROGRAMS = 512
+#: the same for an all-greedy batch (no noise: a plain read of the logits, bound by memory,
+#: not by the noise's arithmetic): from 128 rows on, one program a row, whose winner is then
+#: the token, written as such (no second pass on the host's critical path)
+GREEDY_TARGET_PROGRAMS = 128
 
 
 class GrammarRows(NamedTuple):
@@ -57,9 +61,11 @@ def usable_on(device: torch.device) -> bool:
     return ENABLED and (device.type == "cuda" or INTERPRET)
 
 
-def splits_for(rows: int, vocab: int) -> int:
-    """Programs per row: enough for ``TARGET_PROGRAMS`` in all, each at least one block."""
-    return max(1, min(-(-TARGET_PROGRAMS // max(rows, 1)), -(-vocab // BLOCK)))
+def splits_for(rows: int, vocab: int, greedy: bool = False) -> int:
+    """Programs per row: enough for ``TARGET_PROGRAMS`` (``GREEDY_TARGET_PROGRAMS``) in all,
+    each at least one block."""
+    target = GREEDY_TARGET_PROGRAMS if greedy else TARGET_PROGRAMS
+    return max(1, min(-(-target // max(rows, 1)), -(-vocab // BLOCK)))
 
 
 if triton is not None:
@@ -68,7 +74,10 @@ if triton is not None:
     # another variant whenever one of them turns 1 or a multiple of 16)
     @triton.jit(do_not_specialize=["seed", "span", "n_splits", "m_rows"])
     def _gumbel_argmax_kernel(L, T, VAL, IDX, stride, vocab, span, seed, n_splits,
-                              M, MF, m_words, m_rows, BLOCK: tl.constexpr, MASK: tl.constexpr):
+                              M, MF, m_words, m_rows, BLOCK: tl.constexpr, MASK: tl.constexpr,
+                              GREEDY: tl.constexpr = False, ONE: tl.constexpr = False):
+        # GREEDY: every row's temperature is <= 0 (no noise drawn); ONE: one program a row,
+        # IDX [rows] int64 takes the token itself and VAL is not written
         row = tl.program_id(0)
         part = tl.program_id(1)
         t = tl.load(T + row)
@@ -90,9 +99,12 @@ if triton is not None:
             mask = (cols < vocab) & (start + tl.arange(0, BLOCK) < span)
             x = tl.load(L + row.to(tl.int64) * stride + cols, mask=mask,
                         other=float("-inf")).to(tl.float32)
-            u = tl.rand(seed, row.to(tl.int64) * vocab + cols)
-            g = -tl.log(-tl.log(u))
-            s = tl.where(noisy, x * inv_t + g, x)
+            if GREEDY:
+                s = x
+            else:
+                u = tl.rand(seed, row.to(tl.int64) * vocab + cols)
+                g = -tl.log(-tl.log(u))
+                s = tl.where(noisy, x * inv_t + g, x)
             if MASK != 0:
                 w = cols // 32
                 word = tl.load(M + row.to(tl.int64) * m_words + w, mask=mask & (w < limit),
@@ -107,24 +119,31 @@ if triton is not None:
         # the first column holding the maximum (a row of -inf: its first column)
         i = tl.min(tl.where(best == m, best_i, 2147483647), axis=0)
         i = tl.where(i == 2147483647, lo, i)
-        tl.store(VAL + row * n_splits + part, m)
+        if not ONE:
+            tl.store(VAL + row * n_splits + part, m)
         tl.store(IDX + row * n_splits + part, i)
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int,
-           mask: Optional["GrammarRows"] = None) -> torch.Tensor:
+           mask: Optional["GrammarRows"] = None, greedy: bool = False) -> torch.Tensor:
     """One token per row of ``logits`` [N, V]: a Gumbel-max draw at the row's ``temperature``
     [N] (fp32 on the logits' device), the argmax where it is <= 0. ``seed``: this step's noise
     (the same seed and logits give the same tokens). ``mask``: grammar masks read in the same
     pass (the ids a row's mask refuses are never drawn, as if their logits were -inf; the
-    logits are left as they are). Returns [N] long."""
+    logits are left as they are). ``greedy``: the caller knows every temperature is <= 0 (no
+    noise is drawn: the same tokens, a plain read of the logits). Returns [N] long."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    n = splits_for(rows, vocab)
+    n = splits_for(rows, vocab, greedy)
     span = -(-vocab // n)
-    vals = torch.empty((rows, n), dtype=torch.float32, device=logits.device)
-    idx = torch.empty((rows, n), dtype=torch.int32, device=logits.device)
+    one = n == 1
+    if one:  # the kernel writes the tokens: no second pass (host calls) to pick a split
+        idx = torch.empty(rows, dtype=torch.int64, device=logits.device)
+        vals = idx  # (not written)
+    else:
+        vals = torch.empty((rows, n), dtype=torch.float32, device=logits.device)
+        idx = torch.empty((rows, n), dtype=torch.int32, device=logits.device)
     if mask is None:
         words, flags, m_words, m_rows, mode = logits, logits, 1, 0, 0
     else:
@@ -133,8 +152,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int,
         mode = 1 if mask.flags is None else 2
     _gumbel_argmax_kernel[(rows, n)](logits, temperature, vals, idx, logits.stride(0), vocab, span,
                                     seed & 0x7FFFFFFF, n, words, flags, m_words, m_rows,
-                                    BLOCK=BLOCK, MASK=mode)
-    if n == 1:
-        return idx[:, 0].long()
+                                    BLOCK=BLOCK, MASK=mode, GREEDY=greedy, ONE=one)
+    if one:
+        return idx
     # the earliest split holding the row's maximum holds its first maximal column
     return idx.gather(1, vals.argmax(1, keepdim=True)).squeeze(1).long()

@@ -125,7 +125,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     if grammar is not None:
         if not one_pass(logits, batch) or batch.need_logprobs:
             raise ValueError("grammar rows are read by the one-pass sampler alone")
-        tokens = fused_sample.sample(logits, batch.temperature, batch.noise_seed, grammar)
+        tokens = fused_sample.sample(logits, batch.temperature, batch.noise_seed, grammar,
+                                     greedy=batch.all_greedy)
     elif batch.all_greedy:
         tokens = _argmax(logits)
     elif one_pass(logits, batch):

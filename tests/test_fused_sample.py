@@ -68,6 +68,38 @@ for bad in (batch(any_top_k=True), batch(generators=[None, torch.Generator().man
         out.setdefault("grammar_refused", []).append(True)
 out["grammar_ok"] = torch.equal(sample(x, batch(), rows)[0], fused_sample.sample(x, torch.ones(2), 3))
 out["sampled_same_as_kernel"] = torch.equal(sample(x, batch())[0], fused_sample.sample(x, torch.ones(2), 3))
+# greedy=True (no noise drawn) gives what zero temperatures give, split (6 rows) or one program
+# a row writing the tokens itself (130 rows), with ties, a row of -inf and grammar masks
+out["greedy_splits"] = [fused_sample.splits_for(6, 5000, True), fused_sample.splits_for(130, 5000, True),
+                        fused_sample.splits_for(130, 5000)]
+g = torch.randn(130, 5000)
+g[:, 7] = g[:, 4250] = 9.0
+g[5] = float("-inf")
+words = torch.randint(-2**31, 2**31 - 1, (130, 157), dtype=torch.int64).to(torch.int32)
+words[:, 0] |= 1 << 7  # id 7 allowed everywhere: the tie's first column
+words[3] = 0  # a row that allows nothing: its first column, as a row of -inf
+flags = (torch.arange(130) % 3 == 0).to(torch.int8)
+same = []
+for lg in (l, g):
+    zero = torch.zeros(lg.shape[0])
+    for m in (None, GrammarRows(words[: lg.shape[0]], None), GrammarRows(words[: lg.shape[0]], flags[: lg.shape[0]])):
+        a = fused_sample.sample(lg, zero, 4, m, greedy=True)
+        b = fused_sample.sample(lg, zero, 4, m)
+        same.append(bool(torch.equal(a, b)) and a.dtype == torch.long and a.shape == (lg.shape[0],))
+out["greedy_same"] = same
+masked = g.clone()
+allow = ((words.to(torch.int64)[:, torch.arange(5000) // 32] >> (torch.arange(5000) % 32)) & 1).bool()
+masked[~allow] = float("-inf")
+got = fused_sample.sample(g, torch.zeros(130), 4, GrammarRows(words, None), greedy=True)
+out["greedy_masked_argmax"] = [got[i].item() == (masked[i].argmax().item() if i != 5 else 0) for i in range(130)].count(False)
+# the sampler passes greedy for an all-greedy batch with grammar rows
+out["sampler_greedy"] = torch.equal(sample(g, batch(temperature=torch.zeros(130), generators=[None] * 130,
+                                               all_greedy=True), GrammarRows(words, None))[0], got)
+# 600 sampled rows: one program a row at any temperature too (refused ids never drawn)
+big = torch.zeros(600, 300)
+big[:, ::2] = float("-inf")
+d = fused_sample.sample(big, torch.ones(600), 11)
+out["one_sampled"] = [fused_sample.splits_for(600, 300), int((d % 2 == 0).sum()), str(d.dtype)]
 print(json.dumps(out))
 '''
 
@@ -88,3 +120,7 @@ def test_one_pass_sampler_in_the_interpreter():
     # all-allowing grammar rows draw what no rows draw; a batch the one pass does not draw
     # (top-k, a seeded row, logprobs) refuses them
     assert r["grammar_ok"] and r["grammar_refused"] == [True, True, True]
+    assert r["greedy_splits"] == [3, 1, 3]
+    assert r["greedy_same"] == [True] * 6
+    assert r["greedy_masked_argmax"] == 0 and r["sampler_greedy"]
+    assert r["one_sampled"] == [1, 0, "torch.int64"]
