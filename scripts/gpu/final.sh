@@ -105,6 +105,8 @@
 #   PART=40 session 22: bench.structured --fractions 0,1 --rounds 3 with the 0 % baseline's tokens
 #           text (the default, bench.structured.printable_head) against --no-text-head, twice
 #           interleaved; then the acceptance runs of issues 23 and 15 on any card
+#   PART=41 session 22: the acceptance run of issue 23 with the greedy one-pass sampler, its GPU
+#           tests, bench.prefix --rounds 3, the acceptance run again, the structured GPU tests
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -440,6 +442,16 @@ elif [[ $PART == 38 ]]; then  # session 21: the acceptance runs, the fused mask'
       --device cuda --no-progress --no-plain --fractions 0,1 --rounds 3 --phases \
       --out "$OUT/structured_masked_$i.json"
   done
+elif [[ $PART == 41 ]]; then  # session 22: the greedy one-pass sampler (no noise, one program a row)
+  export ONE_LOG=run.log TAIL=14
+  step structured 80 python3 -m bench.structured --device cuda --no-progress --no-plain \
+    --fractions 0,0.5,1 --rounds 5 --phases --out "$OUT/structured.json"
+  TAIL=8 step gpu_fused 60 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_fused.py \
+    -k "one_pass or greedy"
+  TAIL=12 step prefix 120 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
+  step structured_2 80 python3 -m bench.structured --device cuda --no-progress --no-plain \
+    --fractions 0,0.5,1 --rounds 5 --out "$OUT/structured_2.json"
+  TAIL=8 step gpu_structured 100 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_structured.py
 elif [[ $PART == 40 ]]; then  # session 22: the 0 % baseline with text (printable_head) against without,
   # then both issues' acceptance runs on any card
   export ONE_LOG=run.log TAIL=8

@@ -89,6 +89,53 @@ def test_one_pass_sampler_draws_softmax_and_takes_first_max_on_cuda(monkeypatch)
     print(f"\nsampling 256 x {vocab}: one pass {times['one pass']:.3f} ms, torch {times['torch']:.3f} ms")
 
 
+def test_greedy_one_pass_with_masks_equals_masked_argmax_on_cuda(monkeypatch):
+    """``greedy=True`` (no noise; from 128 rows one program a row writing the tokens) at Qwen3's
+    vocabulary gives the first maximum of the masked logits, as zero temperatures do, at 256
+    rows (one program a row) and 8 (split); prints its time against the noisy pass's (-s)."""
+    from engine import fused_sample
+    from engine.fused_sample import GrammarRows
+
+    monkeypatch.setattr(fused_sample, "ENABLED", True)
+    dev = torch.device("cuda")
+    vocab = 151_936
+    words_n = -(-151_665 // 32)  # a grammar vocabulary short of the logits' (Qwen's padding)
+    for rows in (256, 8):
+        g = torch.randn(rows, vocab, device=dev).bfloat16().float()  # many ties
+        g[:, 99] = g[:, 151_000] = 10.0
+        words = torch.randint(-2**31, 2**31 - 1, (rows, words_n), device=dev, dtype=torch.int64
+                              ).to(torch.int32)
+        words[:, 99 // 32] |= 1 << (99 % 32)
+        ids = torch.arange(vocab, device=dev)
+        w = ids // 32
+        allow = torch.zeros(rows, vocab, dtype=torch.bool, device=dev)
+        inside = w < words_n
+        allow[:, inside] = ((words.long()[:, w[inside]] >> (ids[inside] % 32)) & 1).bool()
+        want = g.masked_fill(~allow, float("-inf")).argmax(-1)
+        zero = torch.zeros(rows, device=dev)
+        got = fused_sample.sample(g, zero, 3, GrammarRows(words, None), greedy=True)
+        assert fused_sample.splits_for(rows, vocab, True) == (1 if rows == 256 else 16)
+        assert got.dtype == torch.long and torch.equal(got, want), rows
+        assert torch.equal(got, fused_sample.sample(g, zero, 3, GrammarRows(words, None)))
+        if rows == 256:
+            timed = (g, zero, GrammarRows(words, None))
+    g, zero, m = timed
+    times = {}
+    for name, greedy in (("greedy", True), ("noisy", False)):
+        for _ in range(3):
+            fused_sample.sample(g, zero, 3, m, greedy=greedy)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            fused_sample.sample(g, zero, 3, m, greedy=greedy)
+        end.record()
+        end.synchronize()
+        times[name] = start.elapsed_time(end) / 20
+    print(f"\nmasked greedy 256 x {vocab}: {times['greedy']:.3f} ms, noisy pass "
+          f"{times['noisy']:.3f} ms")
+
+
 def test_prefill_kernel_plain_and_packed_equal_a_dense_reference_fp32():
     """engine/triton_prefill.py's launch choices (plain, query heads packed two and four a
     program) against a dense torch attention, fp32 (IEEE dots), GQA 4, 2 and 1."""
