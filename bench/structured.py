@@ -9,7 +9,8 @@ the same part in every mode), all submitted at once; greedy; unconstrained reque
 ``--max-tokens`` tokens (``ignore_eos``); constrained ones are held to :data:`SCHEMA` (an object
 with an array of ``--items`` short strings: long enough to keep them decoding, bounded so each
 ends), and end when the grammar completes or at ``--max-tokens``. On random weights the mask
-alone keeps the output valid. Modes: the fraction of requests constrained (``--fractions``),
+alone keeps the output valid; on a ``random:`` preset the unconstrained tokens are made
+printable text first (:func:`printable_head`; ``--no-text-head``: ids that decode to nothing). Modes: the fraction of requests constrained (``--fractions``),
 one after the other on one engine; the schema's grammar is compiled (and cached) before the timed
 runs, so every timed constrained request finds it cached. Reported per mode: output tokens,
 wall time, output tok/s, engine steps and how many of them were overlapped (scheduled and their
