@@ -201,6 +201,8 @@ def printable_head(runner) -> int:
         return 0
     w = (model.model.embed_tokens.weight if model.config.tie_word_embeddings
          else model.lm_head.weight)
+    if w.shape[0] != tok.vocab_size:  # a rank's slice of the vocabulary (tensor parallel): the
+        return 0  # other ranks' rows are out of reach here, so the tokens would not be text
     keep = torch.zeros(w.shape[0], dtype=torch.bool, device=w.device)
     keep[32:127] = True
     keep[9] = keep[10] = True

@@ -417,3 +417,19 @@ def test_step_parts_patches_are_given_back():
     assert Scheduler.__dict__["schedule"] is schedule
     later = step_timeline.phase_deltas({"a": [1, 0.0, 0.0]}, {"a": [3, 0.004, 0.002]}, 2)
     assert later == {"a": {"calls": 1.0, "wall_ms": 2.0, "cpu_ms": 1.0}}
+
+
+def test_text_head_under_tensor_parallel_is_text_or_reports_nothing(tmp_path):
+    """Tensor parallel: the driver holds one slice of the LM head, the workers the rest, out of
+    printable_head's reach: it zeroes nothing and says so, rather than claiming a text baseline
+    whose tokens come from the other slices (review, session 22)."""
+    out = tmp_path / "s.json"
+    p = _bench("structured", "--device", "cpu", "--model", "random:tiny-llama", "--no-progress",
+               "--requests", "2", "--max-tokens", "8", "--items", "1", "--fractions", "0",
+               "--no-plain", "--engine-config", '{"tensor_parallel_size": 2}', "--out", str(out),
+               timeout=150)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    m = res["modes"][0]
+    assert res["head_rows_zeroed"] == 0 or m["text_chars"] == m["output_tokens"], (
+        res["head_rows_zeroed"], m["text_chars"], m["output_tokens"])
