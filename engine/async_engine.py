@@ -46,6 +46,11 @@ log = logging.getLogger("enginecore.engine")
 
 
 class AsyncEngine(IntakeAPI, SleepAPI):
+    #: overlapped, after dispatching a step's outputs with first tokens: True lets the
+    #: consumers (and the clients' next requests) run before the next step is launched, as
+    #: before session 22; False launches it at once, and they run while it is on the device
+    consumers_before_launch = False
+
     def __init__(self, config: EngineConfig, *, check_integrity: bool = False):
         self.config = config.validate()
         self.lifecycle = Lifecycle()
@@ -327,9 +332,14 @@ class AsyncEngine(IntakeAPI, SleepAPI):
                 # the launch. Otherwise the consumers run *before* the next step starts: run
                 # beside it, they fight the step thread for the GIL (5 ms switch interval; on
                 # CPU, measured 3-5 % slower). Their aborts are applied before the step after.
-                # Except a request's first token (once per request): it goes out before the next
-                # step is scheduled and launched, which would add their host time to its TTFT
-                # (issue 15); the step in flight keeps the device busy meanwhile.
+                # Except a request's first token (once per request): it is dispatched before the
+                # next step is scheduled and launched, which would add their host time to its
+                # TTFT (issue 15). Its consumers then run while that step is launched and on the
+                # device, not before it: in a burst of arrivals they are the clients' next
+                # requests too (the loop's `then`, 4.3-5.3 ms with the device idle, in the H100
+                # timelines of sessions 17 and 22). On the simulated H200 (bench.prefix --sim
+                # h200, four interleaved pairs, session 22) the cached TTFT p50 went from
+                # 22.0-22.6 ms to 19.8-21.8 (consumers_before_launch).
                 self._bursting = True
                 try:
                     outputs = await self._on_device(step)
@@ -339,7 +349,8 @@ class AsyncEngine(IntakeAPI, SleepAPI):
                     self._hold(outputs)
                 else:
                     self._dispatch(outputs)
-                    await anyio.lowlevel.checkpoint()
+                    if self.consumers_before_launch or not core.in_flight:
+                        await anyio.lowlevel.checkpoint()
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await self._die(exc)
