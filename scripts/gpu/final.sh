@@ -107,6 +107,9 @@
 #           interleaved; then the acceptance runs of issues 23 and 15 on any card
 #   PART=41 session 22: the acceptance run of issue 23 with the greedy one-pass sampler, its GPU
 #           tests, bench.prefix --rounds 3, the acceptance run again, the structured GPU tests
+#   PART=42 session 22: bench.prefix --rounds 2 with the next step launched before first tokens'
+#           consumers run (the default) against AsyncEngine.consumers_before_launch=true, twice
+#           interleaved; then issue 23's acceptance run
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -442,6 +445,19 @@ elif [[ $PART == 38 ]]; then  # session 21: the acceptance runs, the fused mask'
       --device cuda --no-progress --no-plain --fractions 0,1 --rounds 3 --phases \
       --out "$OUT/structured_masked_$i.json"
   done
+elif [[ $PART == 42 ]]; then  # session 22: the next step launched before first tokens' consumers run
+  # (the default now) against AsyncEngine.consumers_before_launch=true, on bench.prefix; then
+  # both issues' acceptance runs
+  export ONE_LOG=run.log TAIL=10
+  for i in 1 2; do
+    step "prefix_new_$i" 60 python3 -m bench.prefix --device cuda --no-progress --rounds 2 \
+      --out "$OUT/prefix_new_$i.json"
+    step "prefix_before_$i" 60 python3 scripts/gpu/with_switch.py \
+      --set engine.async_engine:AsyncEngine.consumers_before_launch=true - bench.prefix --device cuda \
+      --no-progress --rounds 2 --out "$OUT/prefix_before_$i.json"
+  done
+  TAIL=14 step structured 80 python3 -m bench.structured --device cuda --no-progress --no-plain \
+    --fractions 0,0.5,1 --rounds 5 --out "$OUT/structured.json"
 elif [[ $PART == 41 ]]; then  # session 22: the greedy one-pass sampler (no noise, one program a row)
   export ONE_LOG=run.log TAIL=14
   step structured 80 python3 -m bench.structured --device cuda --no-progress --no-plain \
