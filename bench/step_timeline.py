@@ -153,17 +153,18 @@ STEP_PARTS = (
 
 
 @contextmanager
-def phases(targets=None) -> Iterator[dict[str, list]]:
+def phases(targets=STEP_PARTS) -> Iterator[dict[str, list]]:
     """Each of ``targets`` (``module:Class.method``, or ``module:function``: that module's
-    global, e.g. ``engine.runner:sample`` for the runner's calls of it) wrapped at class level for the ``with``
-    block: name -> [calls, wall s, CPU s of the calling thread] (inclusive: a timed function
-    that calls another counts it too). The CPU time against the wall says whether a part is
-    slow for its own work or for waiting (the GIL, the device, another thread)."""
+    global, e.g. ``engine.runner:sample`` for the runner's calls of it) wrapped at class (or
+    module) level for the ``with`` block: name -> [calls, wall s, CPU s of the calling thread]
+    (inclusive: a timed function that calls another counts it too). The CPU time against the
+    wall says whether a part is slow for its own work or for waiting (the GIL, the device,
+    another thread)."""
     import importlib
 
     totals: dict[str, list] = {}
     restore = []
-    for target in STEP_PARTS if targets is None else targets:
+    for target in targets:
         module, _, attr = target.partition(":")
         cls_name, _, name = attr.rpartition(".")
         # ``module:function``: a module's global, as its callers in that module look it up

@@ -10,8 +10,8 @@ the same part in every mode), all submitted at once; greedy; unconstrained reque
 with an array of ``--items`` short strings: long enough to keep them decoding, bounded so each
 ends), and end when the grammar completes or at ``--max-tokens``. On random weights the mask
 alone keeps the output valid; on a ``random:`` preset the unconstrained tokens are made
-printable text first (:func:`printable_head`; ``--no-text-head``: ids that decode to nothing). Modes: the fraction of requests constrained (``--fractions``),
-one after the other on one engine; the schema's grammar is compiled (and cached) before the timed
+printable text first (:func:`printable_head`; ``--no-text-head``: ids that decode to nothing).
+Modes: the fraction of requests constrained (``--fractions``), one after the other on one engine; the schema's grammar is compiled (and cached) before the timed
 runs, so every timed constrained request finds it cached. Reported per mode: output tokens,
 wall time, output tok/s, engine steps and how many of them were overlapped (scheduled and their
 forward launched before the step before's tokens were read back: ``overlap_scheduling``).
