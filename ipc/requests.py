@@ -3,7 +3,7 @@ the check and encoding of a ``Generate`` frame, and joining a request's pieces."
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import msgspec
 
@@ -80,20 +80,22 @@ class GenerateEncoder:
     """Checks and frames ``Generate`` messages, so a request the engine would refuse as a
     protocol violation (which drops the whole connection) fails in the caller instead."""
 
-    __slots__ = ("_codec", "_check", "vocab_size")
+    __slots__ = ("_codec", "_check", "vocab_size", "_ids")
 
     def __init__(self, codec: FrameCodec, vocab_size: int) -> None:
         self._codec = codec
         self._check = msgspec.msgpack.Decoder(Generate)
         self.vocab_size = vocab_size
+        # every id an int (not a bool: msgspec is strict) in range, in one C pass
+        self._ids = list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size or 2**31)]]
 
     def encode(self, rid: str, prompt: Any, params: SamplingParams) -> bytes:
         if isinstance(prompt, list):
-            vocab = self.vocab_size
-            for t in prompt:
-                if type(t) is not int or t < 0 or (vocab and t >= vocab):
-                    bound = f"[0, {vocab})" if vocab else "[0, 2**31)"
-                    raise BadRequestError(f"prompt token ids must be ints in {bound}")
+            try:
+                prompt = msgspec.convert(prompt, self._ids)
+            except msgspec.ValidationError:
+                bound = f"[0, {self.vocab_size})" if self.vocab_size else "[0, 2**31)"
+                raise BadRequestError(f"prompt token ids must be ints in {bound}") from None
         elif not isinstance(prompt, str):
             raise BadRequestError("prompt must be a string or a list of token ids")
         try:

@@ -199,18 +199,28 @@ async def _hostile_over_ipc(eng, client) -> None:
 
 
 async def test_prompt_ids_that_are_not_token_ids_are_refused_at_once() -> None:
-    """The prompt's ids are checked where they enter (C-level passes since session 21): any
+    """The prompt's ids are checked where they enter (one msgspec pass since session 23): any
     that is not an int (a bool, a float, a string, None), below 0 or not below the
-    vocabulary ends that request with BadRequestError; the engine serves on."""
+    vocabulary ends that request with BadRequestError; the engine serves on. An int subclass
+    is taken as the plain int of its value, and the caller's list is not the engine's."""
     async with AsyncEngine.open(EngineConfig(model=TINY)) as eng:
         vocab = eng.runner.model_config.vocab_size
         class Int(int):
             pass
 
         for bad in ([5, True], [False], [5, 1.0], [5, "6"], [None], [-1, 5], [5, vocab],
-                    [vocab + 10**30], [-(2**63)], [Int(5)], [5] * 200 + [vocab]):
+                    [vocab + 10**30], [-(2**63)], [5] * 200 + [vocab]):
             with pytest.raises(BadRequestError, match="prompt token ids"):
                 eng.generate(bad, SamplingParams(max_tokens=2))
         out = await served(eng, [0, vocab - 1, 5], SamplingParams(max_tokens=2, ignore_eos=True))
         assert out.finished and out.finish_reason == "length"
+        mine = [Int(5), 6, 7]
+        stream = eng.generate(mine, SamplingParams(max_tokens=2, ignore_eos=True))
+        mine[1:] = [True, -1]  # the caller's list changes after submit: the engine's does not
+        added = eng._inbox[-1]  # what the engine loop will add to the core
+        assert added.request_id == stream.request_id
+        assert added.ids == [5, 6, 7] and all(type(t) is int for t in added.ids)
+        async for out in stream:
+            pass
+        assert out.finished and out.finish_reason == "length" and out.num_prompt_tokens == 3
         assert eng.state is State.SERVING
