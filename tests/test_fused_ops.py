@@ -45,13 +45,15 @@ def test_paged_decode_kernel_equals_torch_decode_fp32():
 def test_paged_prefill_kernel_plain_and_packed_equal_a_dense_reference_fp32():
     """engine/triton_prefill.py: the plain kernel (a program a query head) and the packed one
     (``KernelChoice.packed``: the query heads of a KV head in one program, also with a smaller
-    key tile) give a dense torch attention's output, GQA 4, 2 and 1, over scattered blocks."""
+    key tile) give a dense torch attention's output, GQA 4, 2 and 1, over scattered blocks;
+    so does the kernel with every key tile masked (``split=0``; the default runs the tiles
+    every query sees unmasked first)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-m", "engine.fused_check", "prefill", "cpu"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(res) == {"plain", "packed2", "packed4_n32"}
+    assert set(res) == {"plain", "packed2", "packed4_n32", "all_masked"}
     assert max(res.values()) <= 1e-5, res
 
 
@@ -59,7 +61,8 @@ def test_prefill_kernel_choice_parses_and_refuses():
     from engine.triton_prefill import KernelChoice
 
     c = KernelChoice.parse("packed=2, block_n=32,warps=8,stages=3")
-    assert (c.packed, c.block_n, c.warps, c.stages) == (2, 32, 8, 3)
+    assert (c.packed, c.block_n, c.warps, c.stages, c.split) == (2, 32, 8, 3, 1)
+    assert KernelChoice.parse("split=0").split == 0
     assert KernelChoice.parse("") == KernelChoice()
     assert c.heads_per_program(4) == 2 and c.heads_per_program(1) == 1
     assert KernelChoice.parse("packed=4").heads_per_program(2) == 2

@@ -110,6 +110,8 @@
 #   PART=42 session 22: bench.prefix --rounds 2 with the next step launched before first tokens'
 #           consumers run (the default) against AsyncEngine.consumers_before_launch=true, twice
 #           interleaved; then issue 23's acceptance run
+#   PART=43 session 23: the prefill kernel's unmasked key tiles (split) against all masked: the
+#           kernel sweep, its GPU tests and the graphed prompt steps', bench.prefix A/B (2 x 2)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -136,7 +138,7 @@ structured_pair() {  # structured_pair I BASE: bench.structured --fractions 0,1 
 prefill_sweep() {  # prefill_sweep CAP: the prefill kernel's launch choices; BEST = the fastest on
   # qwen3-0.6b's cached shape, as ENGINECORE_PREFILL_KERNEL takes it (empty if none ran)
   step prefill_attn "$1" python3 scripts/gpu/bench_prefill_attn.py --out "$OUT/prefill_attn.json"
-  BEST=$(python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['model']=='qwen3-0.6b' and x['shape']=='cached']; b=min(r,key=lambda x:x['ms']); print(f\"packed={b['packed']},block_n={b['block_n']},warps={b['warps']},stages={b['stages']}\")" "$OUT/prefill_attn.json" 2>/dev/null)
+  BEST=$(python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['model']=='qwen3-0.6b' and x['shape']=='cached']; b=min(r,key=lambda x:x['ms']); print(f\"packed={b['packed']},block_n={b['block_n']},warps={b['warps']},stages={b['stages']},split={b.get('split', 0)}\")" "$OUT/prefill_attn.json" 2>/dev/null)
   echo "best prefill choice: ${BEST:-none}"
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
@@ -444,6 +446,20 @@ elif [[ $PART == 38 ]]; then  # session 21: the acceptance runs, the fused mask'
       --set engine.structured.bitmask:TokenBitmask.fuse_with_sampler=false - bench.structured \
       --device cuda --no-progress --no-plain --fractions 0,1 --rounds 3 --phases \
       --out "$OUT/structured_masked_$i.json"
+  done
+elif [[ $PART == 43 ]]; then  # session 23: the prefill kernel runs the key tiles every query sees
+  # unmasked first (KernelChoice.split); its sweep against the all-masked kernel, the GPU tests of
+  # the prefill kernel and the graphed prompt steps, then bench.prefix with each, interleaved
+  export ONE_LOG=run.log TAIL=16
+  step prefill_attn 150 python3 scripts/gpu/bench_prefill_attn.py --packed 1,2 --block-n 64,128 \
+    --warps 4,8 --split 0,1 --out "$OUT/prefill_attn.json"
+  TAIL=6 step gpu_prefill 100 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/gpu/test_gpu_fused.py tests/gpu/test_gpu_mixed_graphs.py
+  for i in 1 2; do
+    TAIL=8 step "prefix_split_$i" 60 python3 -m bench.prefix --device cuda --no-progress --rounds 2 \
+      --out "$OUT/prefix_split_$i.json"
+    TAIL=8 step "prefix_masked_$i" 60 env ENGINECORE_PREFILL_KERNEL=split=0 python3 -m bench.prefix \
+      --device cuda --no-progress --rounds 2 --out "$OUT/prefix_masked_$i.json"
   done
 elif [[ $PART == 42 ]]; then  # session 22: the next step launched before first tokens' consumers run
   # (the default now) against AsyncEngine.consumers_before_launch=true, on bench.prefix; then
