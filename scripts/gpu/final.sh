@@ -112,6 +112,8 @@
 #           interleaved; then issue 23's acceptance run
 #   PART=43 session 23: the prefill kernel's unmasked key tiles (split) against all masked: the
 #           kernel sweep, its GPU tests and the graphed prompt steps', bench.prefix A/B (2 x 2)
+#   PART=44 session 23: the split prefill kernel by pipeline stages, bench.prefix with the fastest
+#           (if not the default), then both issues' acceptance runs
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -135,9 +137,10 @@ structured_pair() {  # structured_pair I BASE: bench.structured --fractions 0,1 
     exec python3 -m bench.structured --device cuda --no-progress --no-plain --fractions 0,1 \
     --rounds 2 --out $OUT/structured_base_$1.json"
 }
-prefill_sweep() {  # prefill_sweep CAP: the prefill kernel's launch choices; BEST = the fastest on
-  # qwen3-0.6b's cached shape, as ENGINECORE_PREFILL_KERNEL takes it (empty if none ran)
-  step prefill_attn "$1" python3 scripts/gpu/bench_prefill_attn.py --out "$OUT/prefill_attn.json"
+prefill_sweep() {  # prefill_sweep CAP [SWEEP ARGS]: the prefill kernel's launch choices; BEST = the
+  # fastest on qwen3-0.6b's cached shape, as ENGINECORE_PREFILL_KERNEL takes it (empty if none ran)
+  local cap=$1; shift
+  step prefill_attn "$cap" python3 scripts/gpu/bench_prefill_attn.py "$@" --out "$OUT/prefill_attn.json"
   BEST=$(python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['model']=='qwen3-0.6b' and x['shape']=='cached']; b=min(r,key=lambda x:x['ms']); print(f\"packed={b['packed']},block_n={b['block_n']},warps={b['warps']},stages={b['stages']},split={b.get('split', 0)}\")" "$OUT/prefill_attn.json" 2>/dev/null)
   echo "best prefill choice: ${BEST:-none}"
 }
@@ -447,6 +450,19 @@ elif [[ $PART == 38 ]]; then  # session 21: the acceptance runs, the fused mask'
       --device cuda --no-progress --no-plain --fractions 0,1 --rounds 3 --phases \
       --out "$OUT/structured_masked_$i.json"
   done
+elif [[ $PART == 44 ]]; then  # session 23: the split prefill kernel's pipeline stages (its sweep, then
+  # bench.prefix with the fastest choice if it is not the default), both issues' acceptance runs
+  export ONE_LOG=run.log TAIL=14
+  prefill_sweep 90 --packed 1,2 --block-n 64 --warps 4,8 --stages 2,3,4 --split 1
+  TAIL=12 step prefix 100 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
+  if [[ -n $BEST && $BEST != "packed=1,block_n=64,warps=4,stages=2,split=1" ]]; then
+    TAIL=8 step prefix_best 60 env ENGINECORE_PREFILL_KERNEL="$BEST" python3 -m bench.prefix --device cuda \
+      --no-progress --rounds 2 --out "$OUT/prefix_best.json"
+    TAIL=8 step prefix_default 60 python3 -m bench.prefix --device cuda --no-progress --rounds 2 \
+      --out "$OUT/prefix_default.json"
+  fi
+  step structured 80 python3 -m bench.structured --device cuda --no-progress --no-plain \
+    --fractions 0,0.5,1 --rounds 5 --out "$OUT/structured.json"
 elif [[ $PART == 43 ]]; then  # session 23: the prefill kernel runs the key tiles every query sees
   # unmasked first (KernelChoice.split); its sweep against the all-masked kernel, the GPU tests of
   # the prefill kernel and the graphed prompt steps, then bench.prefix with each, interleaved
