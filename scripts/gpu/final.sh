@@ -114,6 +114,7 @@
 #           kernel sweep, its GPU tests and the graphed prompt steps', bench.prefix A/B (2 x 2)
 #   PART=44 session 23: the split prefill kernel by pipeline stages, bench.prefix with the fastest
 #           (if not the default), then both issues' acceptance runs
+#   PART=45 session 23's last call: both acceptance runs, then tests/gpu/test_gpu_prefix.py
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -450,6 +451,13 @@ elif [[ $PART == 38 ]]; then  # session 21: the acceptance runs, the fused mask'
       --device cuda --no-progress --no-plain --fractions 0,1 --rounds 3 --phases \
       --out "$OUT/structured_masked_$i.json"
   done
+elif [[ $PART == 45 ]]; then  # session 23's last call: both issues' acceptance runs on the final
+  # tree, then the prefix-sharing GPU test (outputs equal uncached, hits, 0 B) with the split kernel
+  export ONE_LOG=run.log TAIL=12
+  step prefix 100 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
+  step structured 80 python3 -m bench.structured --device cuda --no-progress --no-plain \
+    --fractions 0,0.5,1 --rounds 5 --out "$OUT/structured.json"
+  TAIL=8 step gpu_prefix 100 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_prefix.py
 elif [[ $PART == 44 ]]; then  # session 23: the split prefill kernel's pipeline stages (its sweep, then
   # bench.prefix with the fastest choice if it is not the default), both issues' acceptance runs
   export ONE_LOG=run.log TAIL=14
