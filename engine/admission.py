@@ -41,7 +41,7 @@ class Admission:
         self.tokens_in_flight = 0  # prompt tokens of accepted, unfinished requests
         self._tokens: dict[str, int] = {}
         self._limiter = anyio.CapacityLimiter(tokenizer_threads)
-        self._ids_type = (0, None)  # (vocabulary size, the prompt ids' msgspec type for it)
+        self._ids_type = (-1, None)  # (vocabulary size, the prompt ids' msgspec type for it)
 
     # -- checks (raise; nothing queued) ---------------------------------------------------------
     def check(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,

@@ -152,7 +152,8 @@ if triton is not None:
         if SPLIT:
             # key tiles every query of the tile sees (keys up to its first query's position,
             # ctx - n + m0): no masks, no per-element select; the rest (the diagonal) below
-            lo = tl.minimum((ctx - n + m0 + 1) // BLOCK_N, hi // BLOCK_N) * BLOCK_N
+            lo = tl.minimum((ctx - n + m0 + 1) // BLOCK_N, hi // BLOCK_N)
+            lo = tl.maximum(lo, 0) * BLOCK_N  # (never below 0, were a chunk's n > ctx)
             for t0 in range(0, lo, BLOCK_N):
                 tok = t0 + nn
                 phys = tl.load(BT + c * stride_bt + tok // BLOCK_SIZE)
