@@ -25,6 +25,7 @@ and are evicted least recently used when ``allocate`` finds no empty block.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from operator import countOf
 from typing import Iterable, NamedTuple
 
 from .block_hash import block_digest, block_key, chain_hashes, root_hash, token_bytes
@@ -123,16 +124,19 @@ class BlockManager:
 
     def can_admit(self, hit: list[int], n_new: int) -> bool:
         """Room for ``n_new`` new blocks once the ``hit`` blocks are taken off the free lists."""
-        return n_new <= self.num_free - sum(1 for b in hit if self._ref[b] == 0)
+        return n_new <= self.num_free - countOf(map(self._ref.__getitem__, hit), 0)
 
     def admit(self, req: Request, hit: list[int], n_new: int) -> None:
         """Give ``req`` (holding nothing) the ``hit`` blocks, shared and sealed, plus ``n_new``
         private ones; its computed tokens start after the hit."""
         assert not req.block_ids and req.num_computed_tokens == 0, f"{req} is not fresh"
+        ref = self._ref
+        if countOf(map(ref.__getitem__, hit), 0):  # (C-level: most hits are held by others)
+            for b in hit:
+                if ref[b] == 0:
+                    del self._evictable[b]
         for b in hit:
-            if self._ref[b] == 0:
-                del self._evictable[b]
-            self._ref[b] += 1
+            ref[b] += 1
         req.block_ids = list(hit) + self.allocate(n_new)
         req.block_epoch += 1
         req.num_sealed_blocks = len(hit)
@@ -141,7 +145,7 @@ class BlockManager:
         if hit and (req.hash_root != self._root or len(req.block_hashes) < len(hit)):
             # its chain starts from the hashes the hit blocks are registered under (the same
             # chain over the same tokens): only the blocks it computes are hashed
-            req.hash_root, req.block_hashes = self._root, [self._hash[b] for b in hit]
+            req.hash_root, req.block_hashes = self._root, list(map(self._hash.__getitem__, hit))
         if self.enable_caching and req.num_preemptions == 0:  # a resume re-reads its own prefix: not a prompt query
             self._queries += req.num_prompt_tokens
             self._hits += min(req.num_computed_tokens, req.num_prompt_tokens)
