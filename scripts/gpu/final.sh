@@ -115,6 +115,8 @@
 #   PART=44 session 23: the split prefill kernel by pipeline stages, bench.prefix with the fastest
 #           (if not the default), then both issues' acceptance runs
 #   PART=45 session 23's last call: both acceptance runs, then tests/gpu/test_gpu_prefix.py
+#   PART=46 session 23's last call: the prefill kernel's hand prefetch by warps and stages (the
+#           fastest kept for the call if >= 8 % faster), GPU tests, both acceptance runs
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -142,7 +144,7 @@ prefill_sweep() {  # prefill_sweep CAP [SWEEP ARGS]: the prefill kernel's launch
   # fastest on qwen3-0.6b's cached shape, as ENGINECORE_PREFILL_KERNEL takes it (empty if none ran)
   local cap=$1; shift
   step prefill_attn "$cap" python3 scripts/gpu/bench_prefill_attn.py "$@" --out "$OUT/prefill_attn.json"
-  BEST=$(python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['model']=='qwen3-0.6b' and x['shape']=='cached']; b=min(r,key=lambda x:x['ms']); print(f\"packed={b['packed']},block_n={b['block_n']},warps={b['warps']},stages={b['stages']},split={b.get('split', 0)}\")" "$OUT/prefill_attn.json" 2>/dev/null)
+  BEST=$(python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['model']=='qwen3-0.6b' and x['shape']=='cached']; b=min(r,key=lambda x:x['ms']); print(f\"packed={b['packed']},block_n={b['block_n']},warps={b['warps']},stages={b['stages']},split={b.get('split', 0)},prefetch={b.get('prefetch', 0)}\")" "$OUT/prefill_attn.json" 2>/dev/null)
   echo "best prefill choice: ${BEST:-none}"
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
@@ -451,6 +453,20 @@ elif [[ $PART == 38 ]]; then  # session 21: the acceptance runs, the fused mask'
       --device cuda --no-progress --no-plain --fractions 0,1 --rounds 3 --phases \
       --out "$OUT/structured_masked_$i.json"
   done
+elif [[ $PART == 46 ]]; then  # session 23's last call: the split prefill kernel with its next tile
+  # loaded by hand (prefetch 1: keys, 2: keys and values) by warps and stages; the fastest on the
+  # cached shape is used for the rest of the call if it beats the default by 8 % or more (KERNEL),
+  # then the prefill GPU tests, the prefix-sharing GPU test and both issues' acceptance runs
+  export ONE_LOG=run.log TAIL=22
+  prefill_sweep 80 --packed 1 --block-n 64 --warps 4,8 --stages 1,2,3 --split 1 --prefetch 0,1,2
+  KERNEL=$(python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['model']=='qwen3-0.6b' and x['shape']=='cached']; d=[x for x in r if (x['warps'],x['stages'],x['prefetch'])==(4,2,0)][0]; b=min(r,key=lambda x:x['ms']); print(f\"packed=1,block_n=64,warps={b['warps']},stages={b['stages']},split=1,prefetch={b['prefetch']}\" if b['ms'] <= 0.92*d['ms'] else '')" "$OUT/prefill_attn.json" 2>/dev/null)
+  echo "kernel for the rest of the call: ${KERNEL:-the default}"
+  [[ -n $KERNEL ]] && export ENGINECORE_PREFILL_KERNEL=$KERNEL
+  TAIL=6 step gpu_prefill 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_fused.py
+  TAIL=8 step gpu_prefix 80 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_prefix.py
+  TAIL=12 step prefix 100 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
+  TAIL=12 step structured 80 python3 -m bench.structured --device cuda --no-progress --no-plain \
+    --fractions 0,0.5,1 --rounds 5 --out "$OUT/structured.json"
 elif [[ $PART == 45 ]]; then  # session 23's last call: both issues' acceptance runs on the final
   # tree, then the prefix-sharing GPU test (outputs equal uncached, hits, 0 B) with the split kernel
   export ONE_LOG=run.log TAIL=12
