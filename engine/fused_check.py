@@ -124,9 +124,7 @@ def compare_prefill(device: str = "cpu") -> dict:
     g = torch.Generator().manual_seed(0)
     choices = {"plain": tp.KernelChoice(), "packed2": tp.KernelChoice(packed=2),
                "packed4_n32": tp.KernelChoice(packed=4, block_n=32, warps=8),
-               "all_masked": tp.KernelChoice(split=0),
-               "prefetch_k": tp.KernelChoice(prefetch=1),
-               "prefetch_kv": tp.KernelChoice(prefetch=2)}
+               "all_masked": tp.KernelChoice(split=0)}
     worst = dict.fromkeys(choices, 0.0)
     for heads, kv_heads, dim in [(8, 2, 32), (4, 2, 64), (4, 4, 16)]:
         bs, nb = 16, 200

@@ -110,24 +110,6 @@ if triton is not None:
             pv = tl.dot(p.to(v.dtype), v)
         return m_new, l_i, acc * alpha[:, None] + pv
 
-    @triton.jit
-    def _attend_kv(q, k, v, scale_log2, m_i, l_i, acc, IEEE: tl.constexpr):
-        """``_attend_seen`` with the tile's keys and values already loaded."""
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = qk * scale_log2
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        return m_new, l_i, acc * alpha[:, None] + pv
-
     # the block table's row stride is its width, which changes from step to step: not a
     # specialization key (Triton would compile a variant for each divisibility class mid-run)
     @triton.jit(do_not_specialize=["stride_bt"])
@@ -138,7 +120,6 @@ if triton is not None:
         stride_kb, stride_kt, stride_kh, stride_bt,
         GQA: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-        PREFETCH: tl.constexpr,
     ):
         """A program: one query tile of one chunk for ``GP`` query heads of one KV head (the
         tile's ``BLOCK_M`` queries of each head are the rows of one ``GP * BLOCK_M`` block, so
@@ -173,39 +154,12 @@ if triton is not None:
             # ctx - n + m0): no masks, no per-element select; the rest (the diagonal) below
             lo = tl.minimum((ctx - n + m0 + 1) // BLOCK_N, hi // BLOCK_N)
             lo = tl.maximum(lo, 0) * BLOCK_N  # (never below 0, were a chunk's n > ctx)
-            if PREFETCH:
-                # by hand, a tile ahead: the next tile's block ids and keys (PREFETCH 2: and
-                # values) are loaded before this tile's dots, their latency behind the arithmetic
-                more = nn < lo
-                phys = tl.load(BT + c * stride_bt + nn // BLOCK_SIZE, mask=more, other=0)
-                off = (phys.to(tl.int64) * stride_kb + (nn % BLOCK_SIZE) * stride_kt
+            for t0 in range(0, lo, BLOCK_N):
+                tok = t0 + nn
+                phys = tl.load(BT + c * stride_bt + tok // BLOCK_SIZE)
+                off = (phys.to(tl.int64) * stride_kb + (tok % BLOCK_SIZE) * stride_kt
                        + kvh * stride_kh)
-                k = tl.load(K + off[:, None] + d[None, :], mask=more[:, None], other=0.0)
-                v = tl.load(V + off[:, None] + d[None, :], mask=more[:, None] & (PREFETCH == 2),
-                            other=0.0)
-                for t0 in range(0, lo, BLOCK_N):
-                    tok = t0 + BLOCK_N + nn
-                    more = tok < lo
-                    phys = tl.load(BT + c * stride_bt + tok // BLOCK_SIZE, mask=more, other=0)
-                    off_n = (phys.to(tl.int64) * stride_kb + (tok % BLOCK_SIZE) * stride_kt
-                             + kvh * stride_kh)
-                    k_n = tl.load(K + off_n[:, None] + d[None, :], mask=more[:, None], other=0.0)
-                    if PREFETCH == 2:
-                        v_n = tl.load(V + off_n[:, None] + d[None, :], mask=more[:, None],
-                                      other=0.0)
-                    else:
-                        v = tl.load(V + off[:, None] + d[None, :])
-                        v_n = v
-                    m_i, l_i, acc = _attend_kv(q, k, v, scale_log2, m_i, l_i, acc, IEEE)
-                    k, v, off = k_n, v_n, off_n
-            else:
-                for t0 in range(0, lo, BLOCK_N):
-                    tok = t0 + nn
-                    phys = tl.load(BT + c * stride_bt + tok // BLOCK_SIZE)
-                    off = (phys.to(tl.int64) * stride_kb + (tok % BLOCK_SIZE) * stride_kt
-                           + kvh * stride_kh)
-                    m_i, l_i, acc = _attend_seen(q, K, V, off, d, scale_log2, m_i, l_i, acc,
-                                                 IEEE)
+                m_i, l_i, acc = _attend_seen(q, K, V, off, d, scale_log2, m_i, l_i, acc, IEEE)
         for t0 in range(lo, hi, BLOCK_N):
             tok = t0 + nn
             valid = tok < hi
@@ -231,20 +185,16 @@ class KernelChoice:
     warps: int = 4
     stages: int = 2
     split: int = 1  # the key tiles every query sees without masks, first (0: all masked)
-    prefetch: int = 0  # with split: the next unmasked tile's keys (1), or keys and values (2)
 
     @classmethod
     def parse(cls, text: str) -> "KernelChoice":
-        fields = {"packed": 1, "block_n": BLOCK_N, "warps": 4, "stages": 2, "split": 1,
-                  "prefetch": 0}
+        fields = {"packed": 1, "block_n": BLOCK_N, "warps": 4, "stages": 2, "split": 1}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, _, value = part.partition("=")
             if key not in fields or not value.isdigit():
                 raise ValueError(f"ENGINECORE_PREFILL_KERNEL: {part!r}; keys: {', '.join(fields)}")
             fields[key] = int(value)
         choice = cls(**fields)
-        if choice.prefetch not in (0, 1, 2):
-            raise ValueError("ENGINECORE_PREFILL_KERNEL: prefetch must be 0, 1 or 2")
         for key in ("packed", "block_n", "warps"):
             v = getattr(choice, key)
             if v < 1 or v & (v - 1):
@@ -280,8 +230,7 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, batch: PrefillBatch,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k.stride(0), k.stride(1), k.stride(2), batch.block_table.stride(0))
     common = dict(HEAD_DIM=dim, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=choice.block_n,
-                  IEEE=q.dtype == torch.float32, SPLIT=bool(choice.split),
-                  PREFETCH=choice.prefetch if choice.split else 0, num_warps=choice.warps,
+                  IEEE=q.dtype == torch.float32, SPLIT=bool(choice.split), num_warps=choice.warps,
                   num_stages=choice.stages)
     _prefill_kernel[(batch.tile_chunk.shape[0], heads // gp)](*args, GQA=gqa, GP=gp, **common)
 

@@ -47,15 +47,13 @@ def test_paged_prefill_kernel_plain_and_packed_equal_a_dense_reference_fp32():
     (``KernelChoice.packed``: the query heads of a KV head in one program, also with a smaller
     key tile) give a dense torch attention's output, GQA 4, 2 and 1, over scattered blocks;
     so does the kernel with every key tile masked (``split=0``; the default runs the tiles
-    every query sees unmasked first), and with those tiles' keys (and values) loaded a tile
-    ahead (``prefetch``)."""
+    every query sees unmasked first)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-m", "engine.fused_check", "prefill", "cpu"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(res) == {"plain", "packed2", "packed4_n32", "all_masked", "prefetch_k",
-                        "prefetch_kv"}
+    assert set(res) == {"plain", "packed2", "packed4_n32", "all_masked"}
     assert max(res.values()) <= 1e-5, res
 
 
@@ -68,7 +66,7 @@ def test_prefill_kernel_choice_parses_and_refuses():
     assert KernelChoice.parse("") == KernelChoice()
     assert c.heads_per_program(4) == 2 and c.heads_per_program(1) == 1
     assert KernelChoice.parse("packed=4").heads_per_program(2) == 2
-    for bad in ("packed=3", "warps=x", "tiles=2", "block_n=0", "prefetch=3"):
+    for bad in ("packed=3", "warps=x", "tiles=2", "block_n=0"):
         with pytest.raises(ValueError):
             KernelChoice.parse(bad)
 

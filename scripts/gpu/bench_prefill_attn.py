@@ -111,9 +111,6 @@ def main() -> int:
     ap.add_argument("--split", type=ints, default=(0, 1),
                     help="0: every key tile masked (the kernel before session 23); 1: the tiles "
                          "every query sees first, unmasked")
-    ap.add_argument("--prefetch", type=ints, default=(0,),
-                    help="with split: the next unmasked tile's keys (1) or keys and values (2) "
-                         "loaded a tile ahead")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU, Triton's interpreter, small shapes: the script's own logic")
     args = ap.parse_args()
@@ -126,9 +123,8 @@ def main() -> int:
         MODELS = {"tiny": (4, 2, 32)}
         SHAPES = {"cached": [(9, 40), (5, 70)], "fresh": [(33, 33)]}
     packs, tiles, warps, stages = args.packed, args.block_n, args.warps, args.stages
-    choices = [tp.KernelChoice(p, n, w, s, sp, pf) for p, n, w, s, sp, pf
-               in itertools.product(packs, tiles, warps, stages, args.split, args.prefetch)
-               if sp or not pf]
+    choices = [tp.KernelChoice(p, n, w, s, sp) for p, n, w, s, sp
+               in itertools.product(packs, tiles, warps, stages, args.split)]
     rows = []
     for model, (heads, kv_heads, dim) in MODELS.items():
         for shape_name, shape in SHAPES.items():
@@ -152,29 +148,27 @@ def main() -> int:
                     print(f"{model} {shape_name} {c}: {type(exc).__name__}: {str(exc)[:200]}")
                     continue
                 rows.append(dict(model=model, shape=shape_name, packed=c.packed, block_n=c.block_n,
-                                 warps=c.warps, stages=c.stages, split=c.split,
-                                 prefetch=c.prefetch, ms=ms,
+                                 warps=c.warps, stages=c.stages, split=c.split, ms=ms,
                                  tflops=work / ms / 1e9, max_diff=diff, sdpa_ms=dense))
             best = min((r for r in rows if r["model"] == model and r["shape"] == shape_name),
                        key=lambda r: r["ms"])
             def launch(sp):  # the default launch (packed 1, 64 keys, 4 warps, 2 stages)
                 return next((r for r in rows if r["model"] == model and r["shape"] == shape_name
-                             and (r["packed"], r["block_n"], r["warps"], r["stages"], r["split"],
-                                  r["prefetch"]) == (1, 64, 4, 2, sp, 0)), best)
+                             and (r["packed"], r["block_n"], r["warps"], r["stages"], r["split"])
+                             == (1, 64, 4, 2, sp)), best)
             plain, split = launch(0), launch(1)
             print(f"{model:13s} {shape_name:7s} plain {plain['ms']:.3f} ms ({plain['tflops']:.0f} "
                   f"TFLOP/s)  split {split['ms']:.3f} ms ({split['tflops']:.0f})  "
                   f"best {best['ms']:.3f} ms ({best['tflops']:.0f}) packed={best['packed']} "
                   f"block_n={best['block_n']} warps={best['warps']} stages={best['stages']} "
-                  f"split={best['split']} prefetch={best['prefetch']} "
+                  f"split={best['split']} "
                   f"diff {best['max_diff']:.3g}  sdpa {dense if dense is None else round(dense, 3)} ms",
                   flush=True)
             if args.out:  # after every shape, so that a run cut off at its limit still leaves rows
                 dump(args.out, rows)
     print(f"{'model':13s} {'shape':7s} {'choice':28s} {'ms':>7s} {'TFLOP/s':>8s} {'diff':>8s}")
     for r in sorted(rows, key=lambda r: (r["model"], r["shape"], r["ms"])):
-        ch = (f"p{r['packed']} n{r['block_n']} w{r['warps']} s{r['stages']} split{r['split']}"
-              f" pf{r['prefetch']}")
+        ch = f"p{r['packed']} n{r['block_n']} w{r['warps']} s{r['stages']} split{r['split']}"
         print(f"{r['model']:13s} {r['shape']:7s} {ch:28s} {r['ms']:7.3f} {r['tflops']:8.0f} "
               f"{r['max_diff']:8.2g}")
     if args.out:

@@ -116,7 +116,8 @@
 #           (if not the default), then both issues' acceptance runs
 #   PART=45 session 23's last call: both acceptance runs, then tests/gpu/test_gpu_prefix.py
 #   PART=46 session 23's last call: the prefill kernel's hand prefetch by warps and stages (the
-#           fastest kept for the call if >= 8 % faster), GPU tests, both acceptance runs
+#           fastest kept for the call if >= 8 % faster), GPU tests, both acceptance runs (the
+#           prefetch choice was slower and is gone: the sweep's --prefetch needs tree faf2608)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -144,7 +145,7 @@ prefill_sweep() {  # prefill_sweep CAP [SWEEP ARGS]: the prefill kernel's launch
   # fastest on qwen3-0.6b's cached shape, as ENGINECORE_PREFILL_KERNEL takes it (empty if none ran)
   local cap=$1; shift
   step prefill_attn "$cap" python3 scripts/gpu/bench_prefill_attn.py "$@" --out "$OUT/prefill_attn.json"
-  BEST=$(python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['model']=='qwen3-0.6b' and x['shape']=='cached']; b=min(r,key=lambda x:x['ms']); print(f\"packed={b['packed']},block_n={b['block_n']},warps={b['warps']},stages={b['stages']},split={b.get('split', 0)},prefetch={b.get('prefetch', 0)}\")" "$OUT/prefill_attn.json" 2>/dev/null)
+  BEST=$(python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['model']=='qwen3-0.6b' and x['shape']=='cached']; b=min(r,key=lambda x:x['ms']); print(f\"packed={b['packed']},block_n={b['block_n']},warps={b['warps']},stages={b['stages']},split={b.get('split', 0)}\")" "$OUT/prefill_attn.json" 2>/dev/null)
   echo "best prefill choice: ${BEST:-none}"
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
