@@ -53,21 +53,33 @@ def supported(q: torch.Tensor, cache: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def attend_tile(q, K, V, off, d, valid, see, scale_log2, m_i, l_i, acc, IEEE: tl.constexpr):
+    def attend_tile(q, K, V, off, d, valid, see, scale_log2, m_i, l_i, acc, IEEE: tl.constexpr,
+                    MASKED: tl.constexpr = True):
         """One key tile of an online softmax: ``off`` the tile's K/V row offsets, ``valid`` the
         keys that exist, ``see`` the [queries, keys] (or [1, keys]) mask of the keys each query
-        attends to; returns the new (max, sum, acc). Shared by the decode and prefill kernels."""
-        k = tl.load(K + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        attends to; returns the new (max, sum, acc). Shared by the decode and prefill kernels.
+        ``MASKED`` False: a tile whose keys all exist and every query sees (``valid`` and
+        ``see`` unused, None): no load masks, no per-element select."""
+        if MASKED:
+            k = tl.load(K + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        else:
+            k = tl.load(K + off[:, None] + d[None, :])
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(see, qk * scale_log2, float("-inf"))
+        if MASKED:
+            qk = tl.where(see, qk * scale_log2, float("-inf"))
+        else:
+            qk = qk * scale_log2
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if MASKED:
+            v = tl.load(V + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        else:
+            v = tl.load(V + off[:, None] + d[None, :])
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:

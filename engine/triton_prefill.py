@@ -90,26 +90,6 @@ def _aligned(n: int) -> int:
 
 if triton is not None:
 
-    @triton.jit
-    def _attend_seen(q, K, V, off, d, scale_log2, m_i, l_i, acc, IEEE: tl.constexpr):
-        """``attend_tile`` for a key tile that exists whole and every query sees: no masks."""
-        k = tl.load(K + off[:, None] + d[None, :])
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = qk * scale_log2
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + off[:, None] + d[None, :])
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        return m_new, l_i, acc * alpha[:, None] + pv
-
     # the block table's row stride is its width, which changes from step to step: not a
     # specialization key (Triton would compile a variant for each divisibility class mid-run)
     @triton.jit(do_not_specialize=["stride_bt"])
@@ -159,7 +139,8 @@ if triton is not None:
                 phys = tl.load(BT + c * stride_bt + tok // BLOCK_SIZE)
                 off = (phys.to(tl.int64) * stride_kb + (tok % BLOCK_SIZE) * stride_kt
                        + kvh * stride_kh)
-                m_i, l_i, acc = _attend_seen(q, K, V, off, d, scale_log2, m_i, l_i, acc, IEEE)
+                m_i, l_i, acc = attend_tile(q, K, V, off, d, None, None, scale_log2, m_i, l_i,
+                                            acc, IEEE, MASKED=False)
         for t0 in range(lo, hi, BLOCK_N):
             tok = t0 + nn
             valid = tok < hi
