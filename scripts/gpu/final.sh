@@ -118,6 +118,8 @@
 #   PART=46 session 23's last call: the prefill kernel's hand prefetch by warps and stages (the
 #           fastest kept for the call if >= 8 % faster), GPU tests, both acceptance runs (the
 #           prefetch choice was slower and is gone: the sweep's --prefetch needs tree faf2608)
+#   PART=47 session 24's first call: issue 15's acceptance run, the cached burst's kernels by
+#           device time (bench.prefix_host, core, torch profiler), the later turns' timeline
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -454,6 +456,12 @@ elif [[ $PART == 38 ]]; then  # session 21: the acceptance runs, the fused mask'
       --device cuda --no-progress --no-plain --fractions 0,1 --rounds 3 --phases \
       --out "$OUT/structured_masked_$i.json"
   done
+elif [[ $PART == 47 ]]; then  # session 24's first call: where a cached burst's device time goes
+  export ONE_LOG=run.log TAIL=14
+  step prefix 100 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
+  TAIL=60 step burst_kernels 70 python3 -m bench.prefix_host --device cuda --model random:qwen3-0.6b \
+    --mode core --rounds 1 --torch-profile 40
+  TAIL=40 step timeline 90 python3 -m bench.prefix_timeline --device cuda
 elif [[ $PART == 46 ]]; then  # session 23's last call: the split prefill kernel with its next tile
   # loaded by hand (prefetch 1: keys, 2: keys and values) by warps and stages; the fastest on the
   # cached shape is used for the rest of the call if it beats the default by 8 % or more (KERNEL),
