@@ -124,11 +124,20 @@ def compare_prefill(device: str = "cpu") -> dict:
     g = torch.Generator().manual_seed(0)
     choices = {"plain": tp.KernelChoice(), "packed2": tp.KernelChoice(packed=2),
                "packed4_n32": tp.KernelChoice(packed=4, block_n=32, warps=8),
-               "all_masked": tp.KernelChoice(split=0)}
+               "all_masked": tp.KernelChoice(split=0),
+               "interleaved2": tp.KernelChoice(packed=2, interleave=1),
+               "interleaved4_lazy": tp.KernelChoice(packed=4, interleave=1, lazy=1),
+               "lazy": tp.KernelChoice(lazy=1),
+               "lazy_all_masked": tp.KernelChoice(split=0, lazy=1)}
     worst = dict.fromkeys(choices, 0.0)
-    for heads, kv_heads, dim in [(8, 2, 32), (4, 2, 64), (4, 4, 16)]:
+    # the last case scales each block's keys by 1-12x: scores whose maximum keeps growing by
+    # more than 2**8 from tile to tile (the lazy maximum's rescale, not only its first tile)
+    for heads, kv_heads, dim, ramp in [(8, 2, 32, False), (4, 2, 64, False), (4, 4, 16, False),
+                                       (4, 2, 32, True)]:
         bs, nb = 16, 200
         cache = torch.randn(2, nb, bs, kv_heads, dim, generator=g)
+        if ramp:
+            cache[0] *= torch.linspace(1.0, 12.0, nb)[:, None, None, None]
         # (queries, context incl. the queries): fresh, after a long context, one query,
         # several tiles ending mid-block
         shapes = [(37, 37), (70, 1100), (1, 300), (130, 161)]

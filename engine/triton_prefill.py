@@ -90,6 +90,48 @@ def _aligned(n: int) -> int:
 
 if triton is not None:
 
+    @triton.jit
+    def _lazy_tile(q, K, V, off, d, valid, see, scale_log2, m_i, l_i, acc, IEEE: tl.constexpr,
+                   MASKED: tl.constexpr = True):
+        """``attend_tile`` with a lazily raised maximum: the sums are kept relative to a
+        running maximum that is raised (and ``l_i``, ``acc`` rescaled) only when some row's
+        scores in this tile exceed it by more than 8 (log2 units: the tile's weights are then
+        at most 2**8, exact in fp32 and in the bf16 of the second product); otherwise the
+        tile adds to the sums as they are, with no [rows, dim] rescale. The result is the same
+        softmax (``acc / l_i`` does not depend on the reference maximum), rounded differently.
+        After the first tiles the maximum rarely moves by 2**8, so most tiles skip the
+        rescale, which costs as much as the exponentials at 64 keys a tile."""
+        if MASKED:
+            k = tl.load(K + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        else:
+            k = tl.load(K + off[:, None] + d[None, :])
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        if MASKED:
+            qk = tl.where(see, qk * scale_log2, float("-inf"))
+        else:
+            qk = qk * scale_log2
+        m_t = tl.max(qk, 1)
+        if tl.max((m_t > m_i + 8.0).to(tl.int32), 0) > 0:
+            m_new = tl.maximum(m_i, m_t)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        p = tl.exp2(qk - m_i[:, None])
+        l_i = l_i + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(V + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        else:
+            v = tl.load(V + off[:, None] + d[None, :])
+        if IEEE:
+            acc = acc + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc + tl.dot(p.to(v.dtype), v)
+        return m_i, l_i, acc
+
     # the block table's row stride is its width, which changes from step to step: not a
     # specialization key (Triton would compile a variant for each divisibility class mid-run)
     @triton.jit(do_not_specialize=["stride_bt"])
@@ -100,33 +142,55 @@ if triton is not None:
         stride_kb, stride_kt, stride_kh, stride_bt,
         GQA: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+        INTERLEAVE: tl.constexpr = False, LAZY: tl.constexpr = False,
     ):
         """A program: one query tile of one chunk for ``GP`` query heads of one KV head (the
         tile's ``BLOCK_M`` queries of each head are the rows of one ``GP * BLOCK_M`` block, so
         every key tile and its block-table read is loaded once for them; ``GP`` 1: a program a
         head), with an online softmax over key tiles up to the tile's last query. ``SPLIT``: the
         tiles of keys every query sees first, without masks (the cached turns' chunks of ~100
-        queries after ~1,300 keys: 20 of 22 tiles), then the diagonal's, masked."""
+        queries after ~1,300 keys: 20 of 22 tiles), then the diagonal's, masked.
+
+        ``INTERLEAVE``: the ``GP`` heads' rows interleaved in one ``BLOCK_M``-row block of
+        ``BLOCK_M // GP`` queries (row r: query ``r // GP``, head ``r % GP``); the tile's queries
+        are then taken by ``GP`` programs in turn (``program_id(1)``: the head group and the
+        part), so the grid stays (tiles, heads) with the host's tiles of ``BLOCK_M`` queries. A
+        chunk of 93 queries then costs 3 programs of 64 rows a KV head, each key tile loaded
+        once for 2 heads, instead of 4 (64 + 29 queries, twice). ``LAZY``: the running maximum
+        is raised (and the sums rescaled) only when a row's tile maximum exceeds it by more
+        than 2**8, see ``_lazy_tile``."""
         tile = tl.program_id(0)
-        h0 = tl.program_id(1) * GP  # the program's first query head
-        kvh = h0 // GQA
         c = tl.load(TC + tile)
         m0 = tl.load(TM + tile)
         qs = tl.load(QS + c)
         n = tl.load(QL + c)
         ctx = tl.load(CL + c)
-        r = tl.arange(0, GP * BLOCK_M)
-        h = h0 + r // BLOCK_M
-        i = m0 + r % BLOCK_M
+        if INTERLEAVE:
+            QT: tl.constexpr = BLOCK_M // GP  # queries a program
+            ROWS: tl.constexpr = BLOCK_M
+            h0 = (tl.program_id(1) // GP) * GP
+            m0 = m0 + (tl.program_id(1) % GP) * QT
+            r = tl.arange(0, ROWS)
+            h = h0 + r % GP
+            i = m0 + r // GP
+        else:
+            QT: tl.constexpr = BLOCK_M
+            ROWS: tl.constexpr = GP * BLOCK_M
+            h0 = tl.program_id(1) * GP  # the program's first query head
+            r = tl.arange(0, ROWS)
+            h = h0 + r // BLOCK_M
+            i = m0 + r % BLOCK_M
+        kvh = h0 // GQA
         qmask = i < n
         qpos = ctx - n + i
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + (qs + i)[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
                     mask=qmask[:, None], other=0.0)
-        hi = tl.minimum(ctx, ctx - n + m0 + BLOCK_M)  # keys up to the tile's last query
-        m_i = tl.full([GP * BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([GP * BLOCK_M], tl.float32)
-        acc = tl.zeros([GP * BLOCK_M, HEAD_DIM], tl.float32)
+        hi = tl.minimum(ctx, ctx - n + m0 + QT)  # keys up to the tile's last query
+        hi = tl.where(m0 < n, hi, 0)  # (a part past the chunk's last query: no keys, no store)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
         nn = tl.arange(0, BLOCK_N)
         lo = 0
         if SPLIT:
@@ -139,16 +203,24 @@ if triton is not None:
                 phys = tl.load(BT + c * stride_bt + tok // BLOCK_SIZE)
                 off = (phys.to(tl.int64) * stride_kb + (tok % BLOCK_SIZE) * stride_kt
                        + kvh * stride_kh)
-                m_i, l_i, acc = attend_tile(q, K, V, off, d, None, None, scale_log2, m_i, l_i,
-                                            acc, IEEE, MASKED=False)
+                if LAZY:
+                    m_i, l_i, acc = _lazy_tile(q, K, V, off, d, None, None, scale_log2, m_i,
+                                               l_i, acc, IEEE, MASKED=False)
+                else:
+                    m_i, l_i, acc = attend_tile(q, K, V, off, d, None, None, scale_log2, m_i,
+                                                l_i, acc, IEEE, MASKED=False)
         for t0 in range(lo, hi, BLOCK_N):
             tok = t0 + nn
             valid = tok < hi
             phys = tl.load(BT + c * stride_bt + tok // BLOCK_SIZE, mask=valid, other=0)
             off = phys.to(tl.int64) * stride_kb + (tok % BLOCK_SIZE) * stride_kt + kvh * stride_kh
             see = valid[None, :] & (tok[None, :] <= qpos[:, None])
-            m_i, l_i, acc = attend_tile(q, K, V, off, d, valid, see, scale_log2, m_i, l_i, acc,
-                                        IEEE)
+            if LAZY:
+                m_i, l_i, acc = _lazy_tile(q, K, V, off, d, valid, see, scale_log2, m_i, l_i,
+                                           acc, IEEE)
+            else:
+                m_i, l_i, acc = attend_tile(q, K, V, off, d, valid, see, scale_log2, m_i, l_i,
+                                            acc, IEEE)
         o = acc / l_i[:, None]
         tl.store(Out + (qs + i)[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
                  o.to(Out.dtype.element_ty), mask=qmask[:, None])
@@ -166,10 +238,12 @@ class KernelChoice:
     warps: int = 4
     stages: int = 2
     split: int = 1  # the key tiles every query sees without masks, first (0: all masked)
+    interleave: int = 0  # packed heads' rows interleaved in one BLOCK_M block (fewer queries)
+    lazy: int = 0  # the running maximum raised only when it grows by more than 2**8
 
     @classmethod
     def parse(cls, text: str) -> "KernelChoice":
-        fields = {"packed": 1, "block_n": BLOCK_N, "warps": 4, "stages": 2, "split": 1}
+        fields = {f.name: f.default for f in dataclasses.fields(cls)}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, _, value = part.partition("=")
             if key not in fields or not value.isdigit():
@@ -210,10 +284,12 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, batch: PrefillBatch,
             scale * 1.4426950408889634,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k.stride(0), k.stride(1), k.stride(2), batch.block_table.stride(0))
+    inter = bool(choice.interleave) and 1 < gp <= BLOCK_M // 8  # (at least 8 queries a part)
     common = dict(HEAD_DIM=dim, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=choice.block_n,
-                  IEEE=q.dtype == torch.float32, SPLIT=bool(choice.split), num_warps=choice.warps,
-                  num_stages=choice.stages)
-    _prefill_kernel[(batch.tile_chunk.shape[0], heads // gp)](*args, GQA=gqa, GP=gp, **common)
+                  IEEE=q.dtype == torch.float32, SPLIT=bool(choice.split), INTERLEAVE=inter,
+                  LAZY=bool(choice.lazy), num_warps=choice.warps, num_stages=choice.stages)
+    grid = (batch.tile_chunk.shape[0], heads if inter else heads // gp)
+    _prefill_kernel[grid](*args, GQA=gqa, GP=gp, **common)
 
 
 _CHOICE = kernel_choice() if triton is not None else KernelChoice()

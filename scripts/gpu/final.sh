@@ -120,6 +120,9 @@
 #           prefetch choice was slower and is gone: the sweep's --prefetch needs tree faf2608)
 #   PART=47 session 24's first call: issue 15's acceptance run, the cached burst's kernels by
 #           device time (bench.prefix_host, core, torch profiler), the later turns' timeline
+#   PART=48 session 24: the prefill kernel's interleaved packed heads and lazy maximum (sweep),
+#           its GPU test, bench.prefix with the fastest choice and the default (interleaved
+#           pairs of processes), the prefix GPU test with the fastest
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -147,7 +150,7 @@ prefill_sweep() {  # prefill_sweep CAP [SWEEP ARGS]: the prefill kernel's launch
   # fastest on qwen3-0.6b's cached shape, as ENGINECORE_PREFILL_KERNEL takes it (empty if none ran)
   local cap=$1; shift
   step prefill_attn "$cap" python3 scripts/gpu/bench_prefill_attn.py "$@" --out "$OUT/prefill_attn.json"
-  BEST=$(python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['model']=='qwen3-0.6b' and x['shape']=='cached']; b=min(r,key=lambda x:x['ms']); print(f\"packed={b['packed']},block_n={b['block_n']},warps={b['warps']},stages={b['stages']},split={b.get('split', 0)}\")" "$OUT/prefill_attn.json" 2>/dev/null)
+  BEST=$(python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['model']=='qwen3-0.6b' and x['shape']=='cached']; b=min(r,key=lambda x:x['ms']); print(f\"packed={b['packed']},block_n={b['block_n']},warps={b['warps']},stages={b['stages']},split={b.get('split', 0)},interleave={b.get('interleave', 0)},lazy={b.get('lazy', 0)}\")" "$OUT/prefill_attn.json" 2>/dev/null)
   echo "best prefill choice: ${BEST:-none}"
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
@@ -456,6 +459,18 @@ elif [[ $PART == 38 ]]; then  # session 21: the acceptance runs, the fused mask'
       --device cuda --no-progress --no-plain --fractions 0,1 --rounds 3 --phases \
       --out "$OUT/structured_masked_$i.json"
   done
+elif [[ $PART == 48 ]]; then  # session 24: interleaved packed heads, lazy maximum
+  export ONE_LOG=run.log TAIL=16
+  prefill_sweep 130 --packed 1,2,4 --block-n 64 --warps 4 --stages 2 --split 1 --interleave 0,1 --lazy 0,1
+  [[ -n $BEST ]] && export ENGINECORE_PREFILL_KERNEL=$BEST
+  TAIL=6 step gpu_prefill 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_fused.py -k prefill
+  for i in 1 2; do
+    TAIL=8 step "prefix_best_$i" 60 python3 -m bench.prefix --device cuda --no-progress --rounds 2 \
+      --out "$OUT/prefix_best_$i.json"
+    TAIL=8 step "prefix_default_$i" 60 env -u ENGINECORE_PREFILL_KERNEL python3 -m bench.prefix \
+      --device cuda --no-progress --rounds 2 --out "$OUT/prefix_default_$i.json"
+  done
+  TAIL=8 step gpu_prefix 80 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_prefix.py
 elif [[ $PART == 47 ]]; then  # session 24's first call: where a cached burst's device time goes
   export ONE_LOG=run.log TAIL=14
   step prefix 100 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
