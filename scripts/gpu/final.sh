@@ -122,7 +122,8 @@
 #           device time (bench.prefix_host, core, torch profiler), the later turns' timeline
 #   PART=48 session 24: the prefill kernel's interleaved packed heads and lazy maximum (sweep),
 #           its GPU test, bench.prefix with the fastest choice and the default (interleaved
-#           pairs of processes), the prefix GPU test with the fastest
+#           pairs of processes), the prefix GPU test with the fastest, the cached burst's host
+#           time by function (cProfile, core)
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -471,6 +472,8 @@ elif [[ $PART == 48 ]]; then  # session 24: interleaved packed heads, lazy maxim
       --device cuda --no-progress --rounds 2 --out "$OUT/prefix_default_$i.json"
   done
   TAIL=8 step gpu_prefix 80 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_prefix.py
+  TAIL=70 step burst_host 60 python3 -m bench.prefix_host --device cuda --model random:qwen3-0.6b \
+    --mode core --rounds 1 --profile 45
 elif [[ $PART == 47 ]]; then  # session 24's first call: where a cached burst's device time goes
   export ONE_LOG=run.log TAIL=14
   step prefix 100 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
