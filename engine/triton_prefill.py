@@ -7,10 +7,11 @@ prompt, the next chunk of a long prompt and a chunk after a prefix-cache hit are
 gather of the context into a dense copy, no per-sequence calls (on the H200 the per-sequence
 SDPA path cost ~8 launches a sequence a layer, which made the prefill steps host-bound).
 
-A program computes ``BLOCK_M`` query rows of one chunk for one query head -- or, packed
-(``KernelChoice``), for the query heads of one KV head together, each key tile loaded once for
-them -- with an online softmax in fp32 over key tiles of ``BLOCK_N`` up to its last query's
-position (causal). The host builds the step's tile list once (``PrefillBatch``), not per layer.
+A program computes ``BLOCK_M`` rows of one chunk: by default (``KernelChoice``) the rows of two
+query heads of one KV head for ``BLOCK_M / 2`` queries, interleaved, each key tile loaded once
+for both; or ``BLOCK_M`` queries of one head, or of several heads stacked. An online softmax
+in fp32 runs over key tiles of ``BLOCK_N`` up to its last query's position (causal). The host
+builds the step's tile list (``BLOCK_M`` queries a tile) once (``PrefillBatch``), not per layer.
 
 Why by hand: torch's flash-attention varlen entry point (``torch.nn.attention.varlen``) takes a
 paged block table only in releases newer than the 2.11 on the GPU machines, and its signature
@@ -90,48 +91,6 @@ def _aligned(n: int) -> int:
 
 if triton is not None:
 
-    @triton.jit
-    def _lazy_tile(q, K, V, off, d, valid, see, scale_log2, m_i, l_i, acc, IEEE: tl.constexpr,
-                   MASKED: tl.constexpr = True):
-        """``attend_tile`` with a lazily raised maximum: the sums are kept relative to a
-        running maximum that is raised (and ``l_i``, ``acc`` rescaled) only when some row's
-        scores in this tile exceed it by more than 8 (log2 units: the tile's weights are then
-        at most 2**8, exact in fp32 and in the bf16 of the second product); otherwise the
-        tile adds to the sums as they are, with no [rows, dim] rescale. The result is the same
-        softmax (``acc / l_i`` does not depend on the reference maximum), rounded differently.
-        After the first tiles the maximum rarely moves by 2**8, so most tiles skip the
-        rescale, which costs as much as the exponentials at 64 keys a tile."""
-        if MASKED:
-            k = tl.load(K + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        else:
-            k = tl.load(K + off[:, None] + d[None, :])
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        if MASKED:
-            qk = tl.where(see, qk * scale_log2, float("-inf"))
-        else:
-            qk = qk * scale_log2
-        m_t = tl.max(qk, 1)
-        if tl.max((m_t > m_i + 8.0).to(tl.int32), 0) > 0:
-            m_new = tl.maximum(m_i, m_t)
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        p = tl.exp2(qk - m_i[:, None])
-        l_i = l_i + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(V + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        else:
-            v = tl.load(V + off[:, None] + d[None, :])
-        if IEEE:
-            acc = acc + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc + tl.dot(p.to(v.dtype), v)
-        return m_i, l_i, acc
-
     # the block table's row stride is its width, which changes from step to step: not a
     # specialization key (Triton would compile a variant for each divisibility class mid-run)
     @triton.jit(do_not_specialize=["stride_bt"])
@@ -142,7 +101,7 @@ if triton is not None:
         stride_kb, stride_kt, stride_kh, stride_bt,
         GQA: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-        INTERLEAVE: tl.constexpr = False, LAZY: tl.constexpr = False,
+        INTERLEAVE: tl.constexpr = False,
     ):
         """A program: one query tile of one chunk for ``GP`` query heads of one KV head (the
         tile's ``BLOCK_M`` queries of each head are the rows of one ``GP * BLOCK_M`` block, so
@@ -156,9 +115,7 @@ if triton is not None:
         are then taken by ``GP`` programs in turn (``program_id(1)``: the head group and the
         part), so the grid stays (tiles, heads) with the host's tiles of ``BLOCK_M`` queries. A
         chunk of 93 queries then costs 3 programs of 64 rows a KV head, each key tile loaded
-        once for 2 heads, instead of 4 (64 + 29 queries, twice). ``LAZY``: the running maximum
-        is raised (and the sums rescaled) only when a row's tile maximum exceeds it by more
-        than 2**8, see ``_lazy_tile``."""
+        once for 2 heads, instead of 4 (64 + 29 queries, twice)."""
         tile = tl.program_id(0)
         c = tl.load(TC + tile)
         m0 = tl.load(TM + tile)
@@ -203,24 +160,16 @@ if triton is not None:
                 phys = tl.load(BT + c * stride_bt + tok // BLOCK_SIZE)
                 off = (phys.to(tl.int64) * stride_kb + (tok % BLOCK_SIZE) * stride_kt
                        + kvh * stride_kh)
-                if LAZY:
-                    m_i, l_i, acc = _lazy_tile(q, K, V, off, d, None, None, scale_log2, m_i,
-                                               l_i, acc, IEEE, MASKED=False)
-                else:
-                    m_i, l_i, acc = attend_tile(q, K, V, off, d, None, None, scale_log2, m_i,
-                                                l_i, acc, IEEE, MASKED=False)
+                m_i, l_i, acc = attend_tile(q, K, V, off, d, None, None, scale_log2, m_i, l_i,
+                                            acc, IEEE, MASKED=False)
         for t0 in range(lo, hi, BLOCK_N):
             tok = t0 + nn
             valid = tok < hi
             phys = tl.load(BT + c * stride_bt + tok // BLOCK_SIZE, mask=valid, other=0)
             off = phys.to(tl.int64) * stride_kb + (tok % BLOCK_SIZE) * stride_kt + kvh * stride_kh
             see = valid[None, :] & (tok[None, :] <= qpos[:, None])
-            if LAZY:
-                m_i, l_i, acc = _lazy_tile(q, K, V, off, d, valid, see, scale_log2, m_i, l_i,
-                                           acc, IEEE)
-            else:
-                m_i, l_i, acc = attend_tile(q, K, V, off, d, valid, see, scale_log2, m_i, l_i,
-                                            acc, IEEE)
+            m_i, l_i, acc = attend_tile(q, K, V, off, d, valid, see, scale_log2, m_i, l_i, acc,
+                                        IEEE)
         o = acc / l_i[:, None]
         tl.store(Out + (qs + i)[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
                  o.to(Out.dtype.element_ty), mask=qmask[:, None])
@@ -229,17 +178,19 @@ if triton is not None:
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
     """How the prefill attention is launched: ``packed`` query heads of a KV head per program
-    (1: a program a head), the key tile, warps and pipeline stages. The
-    default is the kernel measured on the H200 so far; ``ENGINECORE_PREFILL_KERNEL`` (for the
-    device's sweep, scripts/gpu/bench_prefill_attn.py) picks another:
-    ``packed=2,block_n=64,warps=8,stages=2``."""
-    packed: int = 1
+    (1: a program a head), whether their rows are ``interleave``d in one block of ``BLOCK_M``
+    rows (a part of the tile's queries a program) or stacked (``BLOCK_M`` queries a head), the
+    key tile, warps and pipeline stages. The default is the fastest measured (session 24, H100:
+    interleaved pairs took the cached turns' shape from 0.152 to 0.125 ms a layer on
+    qwen3-0.6b, 0.141 to 0.114 on llama-3.2-1b, the fresh prompts' shapes unchanged);
+    ``ENGINECORE_PREFILL_KERNEL`` (for the device's sweep, scripts/gpu/bench_prefill_attn.py)
+    picks another: ``packed=1,interleave=0`` (the kernel before), ``warps=8,stages=3``."""
+    packed: int = 2
     block_n: int = BLOCK_N
     warps: int = 4
     stages: int = 2
     split: int = 1  # the key tiles every query sees without masks, first (0: all masked)
-    interleave: int = 0  # packed heads' rows interleaved in one BLOCK_M block (fewer queries)
-    lazy: int = 0  # the running maximum raised only when it grows by more than 2**8
+    interleave: int = 1  # packed heads' rows interleaved in one block (0: stacked)
 
     @classmethod
     def parse(cls, text: str) -> "KernelChoice":
@@ -287,7 +238,7 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, batch: PrefillBatch,
     inter = bool(choice.interleave) and 1 < gp <= BLOCK_M // 8  # (at least 8 queries a part)
     common = dict(HEAD_DIM=dim, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=choice.block_n,
                   IEEE=q.dtype == torch.float32, SPLIT=bool(choice.split), INTERLEAVE=inter,
-                  LAZY=bool(choice.lazy), num_warps=choice.warps, num_stages=choice.stages)
+                  num_warps=choice.warps, num_stages=choice.stages)
     grid = (batch.tile_chunk.shape[0], heads if inter else heads // gp)
     _prefill_kernel[grid](*args, GQA=gqa, GP=gp, **common)
 

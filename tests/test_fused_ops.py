@@ -48,15 +48,15 @@ def test_paged_prefill_kernel_plain_and_packed_equal_a_dense_reference_fp32():
     key tile) give a dense torch attention's output, GQA 4, 2 and 1, over scattered blocks;
     so does the kernel with every key tile masked (``split=0``; the default runs the tiles
     every query sees unmasked first); so do the packed heads' rows interleaved in one block
-    (``interleave``: a part of the tile's queries a program) and the lazily raised maximum
-    (``lazy``), also over keys whose scores keep growing from tile to tile."""
+    (``interleave``, the default: a part of the tile's queries a program), also over keys whose
+    scores keep growing from tile to tile."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-m", "engine.fused_check", "prefill", "cpu"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(res) == {"plain", "packed2", "packed4_n32", "all_masked", "interleaved2",
-                        "interleaved4_lazy", "lazy", "lazy_all_masked"}
+    assert set(res) == {"default", "plain", "packed2", "packed4_n32", "all_masked",
+                        "interleaved4"}
     assert max(res.values()) <= 1e-5, res
 
 

@@ -10,8 +10,9 @@ Shapes (bf16, block size 16, the KV blocks scattered through a cache of 20k bloc
 ``cached``: bench.prefix's later turns, 22 chunks of 93 queries after ~1,200 cached tokens;
 ``fresh``: one 2,048-token prompt; ``halves``: two fresh 1,024-token prompts. Models:
 qwen3-0.6b (16 heads, 8 KV heads, dim 128) and llama-3.2-1b (32 / 8, dim 64). Every choice of
-``KernelChoice`` in the sweep (heads packed a program 1 / 2, key tile 32 / 64 / 128, warps 4 /
-8, stages 2 / 3) is checked against the plain kernel's output (bf16: max |diff| reported) and
+``KernelChoice`` in the sweep (heads packed a program 1 / 2, stacked or interleaved, key tile
+32 / 64 / 128, warps 4 / 8, stages 2 / 3) is checked against the default kernel's output (bf16:
+max |diff| reported) and
 timed with CUDA events (median of ``--reps``, after warm-up). TFLOP/s counts the causal work
 (4 x queries x keys seen x dim x heads). For scale, torch's SDPA (flash) over a dense copy of the
 same keys, non-causal (a little more work than ours), where it runs.
@@ -111,11 +112,9 @@ def main() -> int:
     ap.add_argument("--split", type=ints, default=(0, 1),
                     help="0: every key tile masked (the kernel before session 23); 1: the tiles "
                          "every query sees first, unmasked")
-    ap.add_argument("--interleave", type=ints, default=(0,),
+    ap.add_argument("--interleave", type=ints, default=(0, 1),
                     help="1: packed heads' rows interleaved in one 64-row block (a part of the "
                          "tile's queries a program; only with packed > 1)")
-    ap.add_argument("--lazy", type=ints, default=(0,),
-                    help="1: the running maximum raised only when it grows by more than 2**8")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU, Triton's interpreter, small shapes: the script's own logic")
     args = ap.parse_args()
@@ -128,9 +127,8 @@ def main() -> int:
         MODELS = {"tiny": (4, 2, 32)}
         SHAPES = {"cached": [(9, 40), (5, 70)], "fresh": [(33, 33)]}
     packs, tiles, warps, stages = args.packed, args.block_n, args.warps, args.stages
-    choices = [tp.KernelChoice(p, n, w, s, sp, il, lz) for p, n, w, s, sp, il, lz
-               in itertools.product(packs, tiles, warps, stages, args.split, args.interleave,
-                                    args.lazy)
+    choices = [tp.KernelChoice(p, n, w, s, sp, il) for p, n, w, s, sp, il
+               in itertools.product(packs, tiles, warps, stages, args.split, args.interleave)
                if not (il and p == 1)]  # (interleaving one head is the plain layout)
     rows = []
     for model, (heads, kv_heads, dim) in MODELS.items():
@@ -156,20 +154,20 @@ def main() -> int:
                     continue
                 rows.append(dict(model=model, shape=shape_name, packed=c.packed, block_n=c.block_n,
                                  warps=c.warps, stages=c.stages, split=c.split,
-                                 interleave=c.interleave, lazy=c.lazy, ms=ms,
+                                 interleave=c.interleave, ms=ms,
                                  tflops=work / ms / 1e9, max_diff=diff, sdpa_ms=dense))
             best = min((r for r in rows if r["model"] == model and r["shape"] == shape_name),
                        key=lambda r: r["ms"])
             def launch(sp):  # the default launch (packed 1, 64 keys, 4 warps, 2 stages)
                 return next((r for r in rows if r["model"] == model and r["shape"] == shape_name
                              and (r["packed"], r["block_n"], r["warps"], r["stages"], r["split"],
-                                  r["interleave"], r["lazy"]) == (1, 64, 4, 2, sp, 0, 0)), best)
+                                  r["interleave"]) == (1, 64, 4, 2, sp, 0)), best)
             plain, split = launch(0), launch(1)
             print(f"{model:13s} {shape_name:7s} plain {plain['ms']:.3f} ms ({plain['tflops']:.0f} "
                   f"TFLOP/s)  split {split['ms']:.3f} ms ({split['tflops']:.0f})  "
                   f"best {best['ms']:.3f} ms ({best['tflops']:.0f}) packed={best['packed']} "
                   f"block_n={best['block_n']} warps={best['warps']} stages={best['stages']} "
-                  f"split={best['split']} interleave={best['interleave']} lazy={best['lazy']} "
+                  f"split={best['split']} interleave={best['interleave']} "
                   f"diff {best['max_diff']:.3g}  sdpa {dense if dense is None else round(dense, 3)} ms",
                   flush=True)
             if args.out:  # after every shape, so that a run cut off at its limit still leaves rows
@@ -177,7 +175,7 @@ def main() -> int:
     print(f"{'model':13s} {'shape':7s} {'choice':28s} {'ms':>7s} {'TFLOP/s':>8s} {'diff':>8s}")
     for r in sorted(rows, key=lambda r: (r["model"], r["shape"], r["ms"])):
         ch = (f"p{r['packed']} n{r['block_n']} w{r['warps']} s{r['stages']} split{r['split']}"
-              f" il{r['interleave']} lz{r['lazy']}")
+              f" il{r['interleave']}")
         print(f"{r['model']:13s} {r['shape']:7s} {ch:28s} {r['ms']:7.3f} {r['tflops']:8.0f} "
               f"{r['max_diff']:8.2g}")
     if args.out:

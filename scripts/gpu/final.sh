@@ -124,6 +124,9 @@
 #           its GPU test, bench.prefix with the fastest choice and the default (interleaved
 #           pairs of processes), the prefix GPU test with the fastest, the cached burst's host
 #           time by function (cProfile, core)
+#   PART=49 session 24's last call: the default prefill kernel (interleaved pairs) against a
+#           dense reference on the device, the graphed prompt steps' GPU tests, issue 15's
+#           acceptance run, the prefix GPU test
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -460,6 +463,12 @@ elif [[ $PART == 38 ]]; then  # session 21: the acceptance runs, the fused mask'
       --device cuda --no-progress --no-plain --fractions 0,1 --rounds 3 --phases \
       --out "$OUT/structured_masked_$i.json"
   done
+elif [[ $PART == 49 ]]; then  # session 24's last call, on the final tree
+  export ONE_LOG=run.log TAIL=10
+  step prefix 100 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
+  TAIL=8 step gpu_prefix 80 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_prefix.py
+  TAIL=6 step gpu_prefill 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_fused.py -k prefill
+  TAIL=6 step gpu_mixed 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_mixed_graphs.py
 elif [[ $PART == 48 ]]; then  # session 24: interleaved packed heads, lazy maximum
   export ONE_LOG=run.log TAIL=16
   prefill_sweep 130 --packed 1,2,4 --block-n 64 --warps 4 --stages 2 --split 1 --interleave 0,1 --lazy 0,1
