@@ -468,14 +468,14 @@ elif [[ $PART == 38 ]]; then  # session 21: the acceptance runs, the fused mask'
   done
 elif [[ $PART == 50 ]]; then  # session 24: the rotary kernel a program per token and part
   export ONE_LOG=run.log TAIL=10
-  TAIL=6 step gpu_fused 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_fused.py -k "rope or prefill"
-  step prefix 100 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
-  TAIL=30 step burst_kernels 60 python3 -m bench.prefix_host --device cuda --model random:qwen3-0.6b \
+  TAIL=6 step gpu_fused 70 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_fused.py -k "rope or prefill"
+  TAIL=30 step burst_kernels 45 python3 -m bench.prefix_host --device cuda --model random:qwen3-0.6b \
     --mode core --rounds 1 --torch-profile 12
-  TAIL=40 ENGINECORE_CUDA_GRAPHS=0 step kernels 60 python3 scripts/gpu/profile_decode.py --batches 1 256 \
+  step prefix 80 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
+  TAIL=8 step gpu_prefix 70 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_prefix.py
+  TAIL=40 ENGINECORE_CUDA_GRAPHS=0 step kernels 45 python3 scripts/gpu/profile_decode.py --batches 1 256 \
     --steps 5 --kernels --table
-  TAIL=6 step gpu_mixed 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_mixed_graphs.py
-  TAIL=8 step gpu_prefix 80 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_prefix.py
+  TAIL=6 step gpu_mixed 80 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_mixed_graphs.py
 elif [[ $PART == 49 ]]; then  # session 24's last call, on the final tree
   export ONE_LOG=run.log TAIL=10
   step prefix 100 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
