@@ -87,23 +87,13 @@ if triton is not None:
         pos = tl.load(POS + t)
         cos = tl.load(COS + pos * stride_tab + d)[None, :]
         sin = tl.load(SIN + pos * stride_tab + d)[None, :]
-        # (the two parts' blocks differ in shape: no name is shared between the branches)
         if tl.program_id(1) == 0:
-            hq = tl.arange(0, QP)
-            mq = (hq < num_heads)[:, None]
-            q1, q2 = _norm_rope(Q + t * stride_qt + hq[:, None] * stride_qh + d[None, :], QW, d,
-                                cos, sin, mq, eps, HAS_NORM, HALF)
-            qd = QO + t * stride_ot + hq[:, None] * stride_oh + d[None, :]
-            tl.store(qd, q1, mask=mq)
-            tl.store(qd + HALF, q2, mask=mq)
-        else:
-            hk = tl.arange(0, KP)
-            mk = (hk < num_kv_heads)[:, None]
-            k1, k2 = _norm_rope(K + t * stride_kt + hk[:, None] * stride_kh + d[None, :], KW, d,
-                                cos, sin, mk, eps, HAS_NORM, HALF)
-            kd = KO + t * stride_kot + hk[:, None] * stride_koh + d[None, :]
-            tl.store(kd, k1, mask=mk)
-            tl.store(kd + HALF, k2, mask=mk)
+            _rope_heads(Q + t * stride_qt, stride_qh, QW, QO + t * stride_ot, stride_oh,
+                        num_heads, d, cos, sin, eps, HAS_NORM, HALF, QP)
+        else:  # (its blocks differ in shape from the branch above: no name shared with it)
+            k1, k2, hk, mk = _rope_heads(K + t * stride_kt, stride_kh, KW, KO + t * stride_kot,
+                                         stride_koh, num_kv_heads, d, cos, sin, eps, HAS_NORM,
+                                         HALF, KP)
             slot = tl.load(SLOT + t)
             kc = KC + slot * stride_cs + hk[:, None] * stride_ch + d[None, :]
             tl.store(kc, k1.to(KC.dtype.element_ty), mask=mk)
@@ -112,6 +102,20 @@ if triton is not None:
             vc = VC + slot * stride_cs + hk[:, None] * stride_ch + d[None, :]
             tl.store(vc, tl.load(vs, mask=mk).to(VC.dtype.element_ty), mask=mk)
             tl.store(vc + HALF, tl.load(vs + HALF, mask=mk).to(VC.dtype.element_ty), mask=mk)
+
+    @triton.jit
+    def _rope_heads(X, stride_xh, W, O, stride_oh, count, d, cos, sin, eps,
+                    HAS_NORM: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr):
+        """The ``count`` heads at ``X`` (one token's, ``P`` a power of two >= count) normed and
+        rotated into ``O``; returns the rotated halves, the head indices and their mask."""
+        h = tl.arange(0, P)
+        m = (h < count)[:, None]
+        o1, o2 = _norm_rope(X + h[:, None] * stride_xh + d[None, :], W, d, cos, sin, m, eps,
+                            HAS_NORM, HALF)
+        dst = O + h[:, None] * stride_oh + d[None, :]
+        tl.store(dst, o1, mask=m)
+        tl.store(dst + HALF, o2, mask=m)
+        return o1, o2, h, m
 
     @triton.jit
     def _norm_rope(src, W, d, cos, sin, hm, eps, HAS_NORM: tl.constexpr, HALF: tl.constexpr):
