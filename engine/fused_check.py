@@ -114,44 +114,6 @@ def compare_decode(device: str = "cpu") -> float:
     return worst
 
 
-def compare_rope(device: str = "cpu") -> float:
-    """``fused_ops.qk_norm_rope_write`` (a program per token and part: its query heads, or its
-    key heads with the values' cache writes) against torch, fp32: head counts that are not
-    powers of two (9 / 3), MQA (5 / 1), with and without Qwen3's per-head norm. The largest
-    absolute difference over q, k and the cache."""
-    from . import fused_ops
-
-    g = torch.Generator().manual_seed(0)
-    worst = 0.0
-    for heads, kv_heads, dim, norm in [(9, 3, 64, True), (9, 3, 64, False), (16, 8, 128, True),
-                                       (5, 1, 32, True)]:
-        t, eps = 7, 1e-6
-        q, k, v = (torch.randn(t, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
-        qw, kw = (torch.randn(dim, generator=g) if norm else None for _ in range(2))
-        cos, sin = torch.randn(50, dim // 2, generator=g), torch.randn(50, dim // 2, generator=g)
-        pos = torch.randint(0, 50, (t,), generator=g)
-        slots = torch.randperm(40, generator=g)[:t]
-        cache = torch.zeros(2, 10, 4, kv_heads, dim)
-        dev = [x.to(device) if x is not None else None
-               for x in (q, k, v, qw, kw, cos, sin, pos, slots, cache)]
-        qo, ko = fused_ops.qk_norm_rope_write(*dev[:5], eps, *dev[5:])
-
-        def norm_rope(x, w):
-            if w is not None:
-                x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * w
-            a, b = x[..., : dim // 2], x[..., dim // 2:]
-            c, s = cos[pos][:, None, :], sin[pos][:, None, :]
-            return torch.cat([a * c - b * s, b * c + a * s], -1)
-
-        rq, rk = norm_rope(q, qw), norm_rope(k, kw)
-        rc = torch.zeros_like(cache)
-        rc[0].view(-1, kv_heads, dim)[slots] = rk
-        rc[1].view(-1, kv_heads, dim)[slots] = v
-        for got, want in ((qo, rq), (ko, rk), (dev[9], rc)):
-            worst = max(worst, (got.cpu() - want).abs().max().item())
-    return worst
-
-
 def compare_prefill(device: str = "cpu", names: Optional[Sequence[str]] = None) -> dict:
     """The paged prefill kernel (engine/triton_prefill.py), plain and with query heads packed
     per program, stacked or interleaved (``KernelChoice``), against a dense torch reference
@@ -363,8 +325,6 @@ if __name__ == "__main__":  # python -m engine.fused_check MODEL DEVICE DTYPE ->
 
     if sys.argv[1] == "decode":
         print(json.dumps({"decode_max_abs": compare_decode(sys.argv[2])}))
-    elif sys.argv[1] == "rope":  # python -m engine.fused_check rope DEVICE
-        print(json.dumps({"rope_max_abs": compare_rope(sys.argv[2])}))
     elif sys.argv[1] == "prefill":  # python -m engine.fused_check prefill DEVICE
         print(json.dumps(compare_prefill(sys.argv[2])))
     elif sys.argv[1] == "mixed":  # python -m engine.fused_check mixed MODEL DEVICE [DTYPE [VARIANT]]

@@ -75,65 +75,54 @@ if triton is not None:
     def _qk_rope_kv_kernel(Q, K, V, QW, KW, COS, SIN, POS, SLOT, QO, KO, KC, VC,
                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                            stride_ot, stride_oh, stride_kot, stride_koh,
-                           stride_cs, stride_ch, stride_tab, num_heads, num_kv_heads, eps,
-                           HAS_NORM: tl.constexpr, HALF: tl.constexpr, QP: tl.constexpr,
-                           KP: tl.constexpr):
-        # one program per (token, part): part 0 takes the token's query heads, part 1 its key
-        # heads (which also carry their value heads into the cache), all heads of the part as
-        # the rows of one [heads, HALF] block (a program per head and token, before, made a
-        # 2,048-token prompt step launch ~49k programs of 64 values a layer: ~23 us on the H100)
+                           stride_cs, stride_ch, stride_tab, num_heads, eps,
+                           HAS_NORM: tl.constexpr, HALF: tl.constexpr):
+        # one program per (token, head): heads [0, H) are query heads, [H, H + Hkv) key heads
+        # (which also carry their value head into the cache)
         t = tl.program_id(0)
+        h = tl.program_id(1)
         d = tl.arange(0, HALF)
         pos = tl.load(POS + t)
-        cos = tl.load(COS + pos * stride_tab + d)[None, :]
-        sin = tl.load(SIN + pos * stride_tab + d)[None, :]
-        if tl.program_id(1) == 0:
-            _rope_heads(Q + t * stride_qt, stride_qh, QW, QO + t * stride_ot, stride_oh,
-                        num_heads, d, cos, sin, eps, HAS_NORM, HALF, QP)
-        else:  # (its blocks differ in shape from the branch above: no name shared with it)
-            k1, k2, hk, mk = _rope_heads(K + t * stride_kt, stride_kh, KW, KO + t * stride_kot,
-                                         stride_koh, num_kv_heads, d, cos, sin, eps, HAS_NORM,
-                                         HALF, KP)
-            slot = tl.load(SLOT + t)
-            kc = KC + slot * stride_cs + hk[:, None] * stride_ch + d[None, :]
-            tl.store(kc, k1.to(KC.dtype.element_ty), mask=mk)
-            tl.store(kc + HALF, k2.to(KC.dtype.element_ty), mask=mk)
-            vs = V + t * stride_vt + hk[:, None] * stride_vh + d[None, :]
-            vc = VC + slot * stride_cs + hk[:, None] * stride_ch + d[None, :]
-            tl.store(vc, tl.load(vs, mask=mk).to(VC.dtype.element_ty), mask=mk)
-            tl.store(vc + HALF, tl.load(vs + HALF, mask=mk).to(VC.dtype.element_ty), mask=mk)
-
-    @triton.jit
-    def _rope_heads(X, stride_xh, W, O, stride_oh, count, d, cos, sin, eps,
-                    HAS_NORM: tl.constexpr, HALF: tl.constexpr, P: tl.constexpr):
-        """The ``count`` heads at ``X`` (one token's, ``P`` a power of two >= count) normed and
-        rotated into ``O``; returns the rotated halves, the head indices and their mask."""
-        h = tl.arange(0, P)
-        m = (h < count)[:, None]
-        o1, o2 = _norm_rope(X + h[:, None] * stride_xh + d[None, :], W, d, cos, sin, m, eps,
-                            HAS_NORM, HALF)
-        dst = O + h[:, None] * stride_oh + d[None, :]
-        tl.store(dst, o1, mask=m)
-        tl.store(dst + HALF, o2, mask=m)
-        return o1, o2, h, m
-
-    @triton.jit
-    def _norm_rope(src, W, d, cos, sin, hm, eps, HAS_NORM: tl.constexpr, HALF: tl.constexpr):
-        """Rows of heads at ``src`` (``[heads, HALF]`` pointers to each head's first half):
-        Qwen3's per-head RMSNorm (``HAS_NORM``, weights ``W``) then the rotation; returns the
-        two rotated halves in the input's dtype."""
-        x1 = tl.load(src, mask=hm, other=0.0)
-        x2 = tl.load(src + HALF, mask=hm, other=0.0)
-        if HAS_NORM:
+        cos = tl.load(COS + pos * stride_tab + d)
+        sin = tl.load(SIN + pos * stride_tab + d)
+        is_q = h < num_heads
+        kh = h - num_heads
+        if is_q:
+            src = Q + t * stride_qt + h * stride_qh
+        else:
+            src = K + t * stride_kt + kh * stride_kh
+        x1 = tl.load(src + d)
+        x2 = tl.load(src + HALF + d)
+        if HAS_NORM:  # Qwen3's per-head RMSNorm of q and k, before the rotation
+            if is_q:
+                wp = QW
+            else:
+                wp = KW
             f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-            rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF)
-                                 + eps)
-            w1 = tl.load(W + d).to(tl.float32)[None, :]
-            w2 = tl.load(W + HALF + d).to(tl.float32)[None, :]
-            x1 = ((f1 * rstd[:, None]).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype)
-            x2 = ((f2 * rstd[:, None]).to(x2.dtype).to(tl.float32) * w2).to(x2.dtype)
+            rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / (2 * HALF) + eps)
+            w1 = tl.load(wp + d).to(tl.float32)
+            w2 = tl.load(wp + HALF + d).to(tl.float32)
+            x1 = ((f1 * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype)
+            x2 = ((f2 * rstd).to(x2.dtype).to(tl.float32) * w2).to(x2.dtype)
         a, b = x1.to(tl.float32), x2.to(tl.float32)
-        return (a * cos - b * sin).to(x1.dtype), (b * cos + a * sin).to(x1.dtype)
+        o1 = (a * cos - b * sin).to(x1.dtype)
+        o2 = (b * cos + a * sin).to(x1.dtype)
+        if is_q:
+            dst = QO + t * stride_ot + h * stride_oh
+            tl.store(dst + d, o1)
+            tl.store(dst + HALF + d, o2)
+        else:
+            dst = KO + t * stride_kot + kh * stride_koh
+            tl.store(dst + d, o1)
+            tl.store(dst + HALF + d, o2)
+            slot = tl.load(SLOT + t)
+            kc = KC + slot * stride_cs + kh * stride_ch
+            tl.store(kc + d, o1.to(KC.dtype.element_ty))
+            tl.store(kc + HALF + d, o2.to(KC.dtype.element_ty))
+            vs = V + t * stride_vt + kh * stride_vh
+            vc = VC + slot * stride_cs + kh * stride_ch
+            tl.store(vc + d, tl.load(vs + d).to(VC.dtype.element_ty))
+            tl.store(vc + HALF + d, tl.load(vs + HALF + d).to(VC.dtype.element_ty))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -193,12 +182,11 @@ def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kc = cache[0].view(-1, kv_heads, dim)
         vc = cache[1].view(-1, kv_heads, dim)
         has_norm = q_weight is not None
-        _qk_rope_kv_kernel[(t, 2)](
+        _qk_rope_kv_kernel[(t, heads + kv_heads)](
             q, k, v, q_weight if has_norm else q, k_weight if has_norm else k, cos, sin,
             positions, slots, qo, ko, kc, vc,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
-            kc.stride(0), kc.stride(1), cos.stride(0), heads, kv_heads, eps,
-            HAS_NORM=has_norm, HALF=dim // 2, QP=triton.next_power_of_2(heads),
-            KP=triton.next_power_of_2(kv_heads), num_warps=4)
+            kc.stride(0), kc.stride(1), cos.stride(0), heads, eps,
+            HAS_NORM=has_norm, HALF=dim // 2, num_warps=1)
     return qo, ko

@@ -42,17 +42,6 @@ def test_paged_decode_kernel_equals_torch_decode_fp32():
     assert json.loads(out.stdout.strip().splitlines()[-1])["decode_max_abs"] <= 1e-5
 
 
-def test_qk_norm_rope_write_equals_torch_fp32():
-    """engine/fused_ops.py's rotary kernel (a program per token and part) against torch: head
-    counts that are not powers of two, MQA, with and without the per-head norm; the K/V cache
-    writes included."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-m", "engine.fused_check", "rope", "cpu"],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1])["rope_max_abs"] <= 1e-5
-
-
 def test_paged_prefill_kernel_plain_and_packed_equal_a_dense_reference_fp32():
     """engine/triton_prefill.py: the plain kernel (a program a query head) and the packed one
     (``KernelChoice.packed``: the query heads of a KV head in one program, also with a smaller

@@ -127,9 +127,6 @@
 #   PART=49 session 24's last call: the default prefill kernel (interleaved pairs) against a
 #           dense reference on the device, the graphed prompt steps' GPU tests, issue 15's
 #           acceptance run, the prefix GPU test
-#   PART=50 session 24: the rotary kernel a program per token and part: its GPU tests (and the
-#           prefill kernel's, the graphed prompt steps'), the decode step's kernels at 1 and 256
-#           rows, the cached burst's kernels, issue 15's acceptance run, the prefix GPU test
 #   PART=9  overlapped scheduling: GPU tests, engine modes in 2 interleaved rounds, the bare
 #           loop without overlap, llama-3.2-1b, prefix caching, sleep/wake (5 cycles)
 export PYTHONUNBUFFERED=1
@@ -466,16 +463,6 @@ elif [[ $PART == 38 ]]; then  # session 21: the acceptance runs, the fused mask'
       --device cuda --no-progress --no-plain --fractions 0,1 --rounds 3 --phases \
       --out "$OUT/structured_masked_$i.json"
   done
-elif [[ $PART == 50 ]]; then  # session 24: the rotary kernel a program per token and part
-  export ONE_LOG=run.log TAIL=10
-  TAIL=6 step gpu_fused 70 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_fused.py -k "rope or prefill"
-  TAIL=30 step burst_kernels 45 python3 -m bench.prefix_host --device cuda --model random:qwen3-0.6b \
-    --mode core --rounds 1 --torch-profile 12
-  step prefix 80 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
-  TAIL=8 step gpu_prefix 70 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_prefix.py
-  TAIL=40 ENGINECORE_CUDA_GRAPHS=0 step kernels 45 python3 scripts/gpu/profile_decode.py --batches 1 256 \
-    --steps 5 --kernels --table
-  TAIL=6 step gpu_mixed 80 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_mixed_graphs.py
 elif [[ $PART == 49 ]]; then  # session 24's last call, on the final tree
   export ONE_LOG=run.log TAIL=10
   step prefix 100 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"

@@ -136,13 +136,6 @@ def test_greedy_one_pass_with_masks_equals_masked_argmax_on_cuda(monkeypatch):
           f"{times['noisy']:.3f} ms")
 
 
-def test_qk_norm_rope_write_equals_torch_fp32():
-    """engine/fused_ops.py's rotary kernel against torch on the device (fp32)."""
-    from engine.fused_check import compare_rope
-
-    assert compare_rope("cuda") <= 1e-4
-
-
 def test_prefill_kernel_plain_and_packed_equal_a_dense_reference_fp32():
     """engine/triton_prefill.py's default launch (query heads interleaved two a program) and
     the plain one (a program a head) against a dense torch attention, fp32 (IEEE dots), GQA 4,
