@@ -158,7 +158,7 @@ def main() -> int:
                                  tflops=work / ms / 1e9, max_diff=diff, sdpa_ms=dense))
             best = min((r for r in rows if r["model"] == model and r["shape"] == shape_name),
                        key=lambda r: r["ms"])
-            def launch(sp):  # the default launch (packed 1, 64 keys, 4 warps, 2 stages)
+            def launch(sp):  # the launch before session 24 (packed 1, 64 keys, 4 warps, 2 stages)
                 return next((r for r in rows if r["model"] == model and r["shape"] == shape_name
                              and (r["packed"], r["block_n"], r["warps"], r["stages"], r["split"],
                                   r["interleave"]) == (1, 64, 4, 2, sp, 0)), best)
