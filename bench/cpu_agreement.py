@@ -30,7 +30,7 @@ SEEDS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, the
 
 def greedy(runner, prompts, n):
     from engine import SamplingParams
-    from engine.core import EngineCore
+    from engine.core.engine_core import EngineCore
 
     core = EngineCore(runner)
     for i, ids in enumerate(prompts):
@@ -44,8 +44,8 @@ def greedy(runner, prompts, n):
 
 def last_logits(runner, ids) -> torch.Tensor:
     """float32 logits at the last position of ``ids`` computed as one prefill chunk."""
-    from engine.kv_cache import blocks_needed
-    from engine.step_inputs import packed_forward
+    from engine.kv.kv_cache import blocks_needed
+    from engine.forward.step_inputs import packed_forward
 
     model = runner.resource("weights")
     kv, state = runner.resource("kv_cache").tensor, runner.resource("model_state")

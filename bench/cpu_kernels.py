@@ -3,7 +3,7 @@ and int4 kernels, fbgemm's fp16-weight GEMM; best-of-N microseconds per call (ra
 
     python -m bench.cpu_kernels [--threads 2] [--rows 1 8 64] [--iters 30]
 
-What ``engine/cpu_weights.py`` bases its ``auto`` choice on: run it on a new CPU to check.
+What ``engine/model/cpu_weights.py`` bases its ``auto`` choice on: run it on a new CPU to check.
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def work_enginecore(a) -> dict:
 
     adaptive = None
     if a.threads == "auto":  # what `enginecore serve` does by default (entrypoints/cli.py)
-        from engine.cpu_threads import adaptive_ceiling, cpu_budget, default_threads
+        from engine.serving.cpu_threads import adaptive_ceiling, cpu_budget, default_threads
 
         torch.set_num_threads(default_threads(cpu_budget()[0]))
         adaptive = adaptive_ceiling()
@@ -376,7 +376,7 @@ def main(argv=None) -> int:
                     help="enginecore's intra-op threads: a number, or auto (the default: what "
                          "`enginecore serve` does without --threads -- the CPU budget less one "
                          "at start, then as many CPUs as other processes leave free, up to the "
-                         "budget: engine/cpu_threads.py ThreadGovernor)")
+                         "budget: engine/serving/cpu_threads.py ThreadGovernor)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--dtype", default="auto", help="enginecore --dtype (auto: packed weights where faster)")

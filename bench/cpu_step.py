@@ -29,8 +29,8 @@ def point(threads: int, batch: int, context: int, steps: int, dtype: str, profil
 
     torch.set_num_threads(threads)
     from engine import EngineConfig
-    from engine.kv_cache import blocks_needed
-    from engine.runner import ModelRunner
+    from engine.kv.kv_cache import blocks_needed
+    from engine.runner.model_runner import ModelRunner
 
     from .roofline import decode_batch
 

@@ -63,8 +63,8 @@ def _params(max_tokens: int):
 
 
 def run_bare(cfg, work, sim: Optional[str] = None, eager_ms: Optional[float] = None) -> dict[str, Any]:
-    from engine.core import EngineCore
-    from engine.runner import ModelRunner
+    from engine.core.engine_core import EngineCore
+    from engine.runner.model_runner import ModelRunner
 
     runner = ModelRunner(cfg)
     runner.load()

@@ -51,7 +51,7 @@ async def cold_start(cfg, device) -> dict[str, Any]:
         res["cuda_context_s"] = now() - t
     # the baseline comes after the imports and a first torch op, so it counts only what an
     # engine holds, not what importing the package costs once
-    import engine.async_engine, engine.core, engine.runner, states  # noqa: F401,E401
+    import engine.serving.async_engine, engine.core.engine_core, engine.runner.model_runner, states  # noqa: F401,E401
 
     torch.ones(8, device=device).sum().item()
     res["memory_before"] = memory_snapshot(device)

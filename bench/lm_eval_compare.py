@@ -9,7 +9,7 @@ Steps (each one checked; the script exits 1 if a comparison fails, 2 on a setup 
    dependencies.
 2. The checkpoint: transformers dequantizes the default model's GGUF file to fp32 once and saves it
    (weights, config, tokenizer) to ``WORKDIR/checkpoint`` -- transformers' GGUF tokenizer lacks the
-   file's ``smollm`` digit pre-tokenizer, so it is added (``engine/gguf_loader.py`` has it, as
+   file's ``smollm`` digit pre-tokenizer, so it is added (``engine/loader/gguf_loader.py`` has it, as
    SmolLM2's own tokenizer.json does); every task text is then tokenized by both sides and must agree.
 3. Local tasks (``bench/lm_eval_data.py``): multiple choice (loglikelihood), generate_until, chat.
 4. ``enginecore serve --model default --dtype float32 --http 127.0.0.1:PORT`` (the exact fp32

@@ -139,7 +139,7 @@ def _finish(core):
 
 def core_round(args, seed, prof=None):
     from engine import ModelRunner
-    from engine.core import EngineCore
+    from engine.core.engine_core import EngineCore
 
     runner = ModelRunner(_config(args))
     runner.load()

@@ -144,9 +144,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def float_weight_bytes(cfg, dtype: torch.dtype) -> int:
     """``weight_bytes`` of ``cfg``'s model with every weight in ``dtype``, built on the meta
-    device (no memory, nothing loaded). A packed CPU format (engine/cpu_weights.py) is not
+    device (no memory, nothing loaded). A packed CPU format (engine/model/cpu_weights.py) is not
     modelled: measure a loaded model with ``weight_bytes`` for that."""
-    from engine.model import CausalLM
+    from engine.model.llama import CausalLM
 
     with torch.device("meta"):
         model = CausalLM(cfg)
@@ -180,7 +180,7 @@ def workload_bytes(work: Sequence[tuple[Sequence[int], int]], steps: int, wbytes
 
 def decode_batch(runner, batch: int, context: int, first_block: int = 0):
     """``batch`` requests whose first ``context - 1`` tokens are in the cache; each decodes one."""
-    from engine.kv_cache import blocks_needed
+    from engine.kv.kv_cache import blocks_needed
     from engine.params import SamplingParams
     from engine.request import Request, Status
 
@@ -217,9 +217,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     iters = args.iters or (10 if device.type == "cuda" else 3)
     budget = int((args.kv_budget_gib or (48 if device.type == "cuda" else 2)) * 2**30)
 
-    from engine.kv_cache import blocks_needed
-    from engine.loader import resolve_source
-    from engine.runner import ModelRunner
+    from engine.kv.kv_cache import blocks_needed
+    from engine.loader.checkpoint import resolve_source
+    from engine.runner.model_runner import ModelRunner
 
     cfg, _, _ = resolve_source(args.model)
     dtype = common.torch_dtype(args.dtype)

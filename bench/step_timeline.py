@@ -87,9 +87,9 @@ def _us(x):
 
 @contextmanager
 def recording() -> Iterator[Timeline]:
-    from engine.core import EngineCore
-    from engine.launched import Launched
-    from engine.scheduler import Scheduler
+    from engine.core.engine_core import EngineCore
+    from engine.runner.launched import Launched
+    from engine.core.scheduler import Scheduler
 
     tl = Timeline()
     step, schedule, wait = EngineCore.step, Scheduler.schedule, Launched.wait
@@ -143,19 +143,19 @@ def print_summary(mode: str, s: dict[str, Any]) -> None:
 #: what ``phases()`` times by default: the step's parts on the step thread (``bench.structured
 #: --phases``), overlapped and late-sampled steps alike
 STEP_PARTS = (
-    "engine.scheduler:Scheduler.schedule", "engine.core:EngineCore._defer",
-    "engine.runner:ModelRunner.launch", "engine.runner:ModelRunner.forward",
-    "engine.runner:ModelRunner.sample_step", "engine.structured.bitmask:TokenBitmask.mask",
-    "engine.core:EngineCore._complete", "engine.launched:Launched.wait",
-    "engine.late_step:LateStep._grammar_job", "engine.late_step:LateStep._advance_matchers",
-    "engine.intake:IntakeAPI._deliver_handed",
+    "engine.core.scheduler:Scheduler.schedule", "engine.core.engine_core:EngineCore._defer",
+    "engine.runner.model_runner:ModelRunner.launch", "engine.runner.model_runner:ModelRunner.forward",
+    "engine.runner.model_runner:ModelRunner.sample_step", "engine.structured.bitmask:TokenBitmask.mask",
+    "engine.core.engine_core:EngineCore._complete", "engine.runner.launched:Launched.wait",
+    "engine.core.late_step:LateStep._grammar_job", "engine.core.late_step:LateStep._advance_matchers",
+    "engine.serving.intake:IntakeAPI._deliver_handed",
 )
 
 
 @contextmanager
 def phases(targets=STEP_PARTS) -> Iterator[dict[str, list]]:
     """Each of ``targets`` (``module:Class.method``, or ``module:function``: that module's
-    global, e.g. ``engine.runner:sample`` for the runner's calls of it) wrapped at class (or
+    global, e.g. ``engine.runner.model_runner:sample`` for the runner's calls of it) wrapped at class (or
     module) level for the ``with`` block: name -> [calls, wall s, CPU s of the calling thread]
     (inclusive: a timed function that calls another counts it too). The CPU time against the
     wall says whether a part is slow for its own work or for waiting (the GIL, the device,

@@ -191,7 +191,7 @@ def printable_head(runner) -> int:
     over the same shape. Both modes run the one engine, so both see the same model."""
     import torch
 
-    from engine.owner import Resource as R
+    from engine.memory.owner import Resource as R
 
     tok = runner.tokenizer
     if tok is None or getattr(tok, "_backend", True) is not None:

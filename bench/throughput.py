@@ -107,8 +107,8 @@ def _best(runs: list[dict], **extra) -> dict[str, Any]:
 
 # -- mode: bare EngineCore.step() loop --------------------------------------------------------------
 def run_bare(args, work) -> dict[str, Any]:
-    from engine.core import EngineCore
-    from engine.runner import ModelRunner
+    from engine.core.engine_core import EngineCore
+    from engine.runner.model_runner import ModelRunner
 
     cfg = _engine_cfg(args)
     t_load = now()
@@ -386,7 +386,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if m not in ENGINE_MODES + HF_MODES:
             ap.error(f"unknown mode {m!r}")
 
-    from engine.loader import resolve_source
+    from engine.loader.checkpoint import resolve_source
 
     cfg, _, _ = resolve_source(args.model)
     work = common.nano_vllm_workload(args.num_requests, args.min_input, args.max_input,

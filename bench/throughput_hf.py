@@ -19,7 +19,7 @@ def build_hf_model(args):
     engine's synthetic weights (same seed, same fill), on the benchmark device and dtype."""
     import transformers
 
-    from engine.loader import build_model, resolve_source
+    from engine.loader.checkpoint import build_model, resolve_source
 
     device, dtype = torch.device(args.device), common.torch_dtype(args.dtype)
     cfg, tensors, _ = resolve_source(args.model)

@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "xgrammar_costs.json")
     args = ap.parse_args(argv)
-    from engine.loader import resolve_source
+    from engine.loader.checkpoint import resolve_source
     from engine.structured.bitmask import _fill_threads
 
     threads = args.fill_threads or sorted({1, _fill_threads()})

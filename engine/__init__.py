@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "AsyncEngine": ".async_engine",
-    "EngineStats": ".stats",
+    "AsyncEngine": ".serving.async_engine",
+    "EngineStats": ".core.stats",
     "Health": ".interface",
     "Engine": ".interface",
-    "RequestStream": ".request_stream",
+    "RequestStream": ".serving.request_stream",
     "EngineConfig": ".config",
     "BadRequestError": ".errors",
     "CheckpointError": ".errors",
@@ -27,20 +27,20 @@ _EXPORTS = {
     "RequestOutput": ".params",
     "SamplingParams": ".params",
     "StructuredOutputs": ".params",
-    "ModelRunner": ".runner",
+    "ModelRunner": ".runner.model_runner",
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from .async_engine import AsyncEngine
-    from .request_stream import RequestStream
-    from .stats import EngineStats
+    from engine.serving.async_engine import AsyncEngine
+    from engine.serving.request_stream import RequestStream
+    from engine.core.stats import EngineStats
     from .interface import Engine, Health
     from .config import EngineConfig
     from .errors import (BadRequestError, CheckpointError, EngineDeadError, EngineDrainingError,
                          EngineError, EngineShutdownError, EngineSleepingError,
                          InvalidTransitionError)
     from .params import RequestOutput, SamplingParams, StructuredOutputs
-    from .runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
 
 
 def __getattr__(name: str) -> Any:
@@ -48,8 +48,8 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     # Static imports only (tests/test_no_pickle.py rejects import_module with a variable name).
-    if module == ".async_engine":
-        from . import async_engine as mod
+    if module == ".serving.async_engine":
+        from .serving import async_engine as mod
     elif module == ".config":
         from . import config as mod
     elif module == ".errors":
@@ -58,10 +58,12 @@ def __getattr__(name: str) -> Any:
         from . import interface as mod
     elif module == ".params":
         from . import params as mod
-    elif module == ".request_stream":
-        from . import request_stream as mod
+    elif module == ".serving.request_stream":
+        from .serving import request_stream as mod
+    elif module == ".core.stats":
+        from .core import stats as mod
     else:
-        from . import runner as mod
+        from .runner import model_runner as mod
     value = getattr(mod, name)
     globals()[name] = value  # later lookups skip __getattr__
     return value

@@ -10,6 +10,9 @@ import torch
 
 from .errors import BadRequestError
 
+#: the CPU weight formats ``cpu_weights`` may name (engine/model/cpu_weights.py runs them)
+CPU_WEIGHT_FORMATS = ("auto", "float", "woq", "fbgemm_fp16")
+
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str = "default"
@@ -18,7 +21,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # "auto" = bfloat16 on cuda, float32 on cpu -- except a float checkpoint (safetensors, an
     # unquantized GGUF) on a CPU with AVX512-BF16: bfloat16 (cpu_weights.checkpoint_dtype)
     dtype: str = "auto"
-    # CPU weight format (engine/cpu_weights.py): "auto" = the fastest packed format for this CPU
+    # CPU weight format (engine/model/cpu_weights.py): "auto" = the fastest packed format for this CPU
     # when dtype is "auto" and the checkpoint is a quantized GGUF, else "float" (dequantized)
     cpu_weights: str = "auto"
     seed: int = 0  # for random: presets and unseeded sampling
@@ -54,23 +57,23 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     grammar_cache_entries: int = 256
     grammar_cache_bytes: int = 512 * 2**20
     cuda_graphs: bool = True  # capture decode-only steps as CUDA graphs (CUDA + Triton only)
-    # schedule and launch step N+1 before step N's tokens are read back (engine/core.py): the
+    # schedule and launch step N+1 before step N's tokens are read back (engine/core/engine_core.py): the
     # host's stop checks, detokenization and outputs of N run while the device runs N+1.
     # None: on CUDA only (a CPU executes each op as it is called: nothing to overlap with, and
     # the deferred bookkeeping cost ~10 % of CPU throughput, measured)
     overlap_scheduling: Optional[bool] = None
-    # CPU: intra-op threads that follow the machine, between 1 and this many (engine/cpu_threads.py
+    # CPU: intra-op threads that follow the machine, between 1 and this many (engine/serving/cpu_threads.py
     # ThreadGovernor: as many as the CPUs other processes leave free). Process-wide state: None
     # leaves torch's count alone; entry points set it when the count is their default.
     cpu_threads_max: Optional[int] = None
     # after a load, keep the cyclic garbage collector off the startup heap (gc.freeze; thawed
     # at shutdown): a full collection then walks only what serving allocates, not the model's
-    # and torch's objects (a 142 ms pause measured otherwise). engine/gc_freeze.py
+    # and torch's objects (a 142 ms pause measured otherwise). engine/runner/gc_freeze.py
     freeze_gc: bool = True
     # with freeze_gc, the youngest generation's collection threshold while serving (CPython's
     # 700 made a young collection nearly every decode step: ~6 % of a host-bound run's wall,
     # measured); 0 leaves the interpreter's, and so does a value below it (never lowered).
-    # engine/gc_freeze.py
+    # engine/runner/gc_freeze.py
     gc_young_threshold: int = 2_000
     # AsyncEngine: steps run back to back on the step thread for up to this long while the
     # event loop has nothing for the core (no adds or aborts, no transition): a round trip
@@ -122,10 +125,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise BadRequestError("grammar_cache_entries and grammar_cache_bytes must be >= 0")
         self._validate_tp()
         self.resolved_dtype()
-        from .cpu_weights import FORMATS
-
-        if self.cpu_weights not in FORMATS:
-            raise BadRequestError(f"unknown cpu_weights {self.cpu_weights!r}; one of {', '.join(FORMATS)}")
+        if self.cpu_weights not in CPU_WEIGHT_FORMATS:
+            raise BadRequestError(f"unknown cpu_weights {self.cpu_weights!r}; "
+                                  f"one of {', '.join(CPU_WEIGHT_FORMATS)}")
         return self
 
     def _validate_tp(self) -> None:

@@ -42,7 +42,7 @@ class Health(msgspec.Struct, tag_field="t", tag="Health", forbid_unknown_fields=
     call_id: Optional[_Count] = None
     # Engine counters since it started serving (0 = unknown), for /metrics: steps run, requests
     # preempted, prefix-cache queries and hits (tokens). Then two histograms as per-bucket counts
-    # over engine/stats.py's fixed bounds (STEP_TIME_BUCKETS, QUEUE_TIME_BUCKETS; the last
+    # over engine/core/stats.py's fixed bounds (STEP_TIME_BUCKETS, QUEUE_TIME_BUCKETS; the last
     # count is the +Inf bucket; empty = unknown) with their sums in seconds. Appended with
     # defaults (omitted on the wire when unset): a frame without them decodes as before.
     steps: _Count = 0
@@ -57,7 +57,7 @@ class Health(msgspec.Struct, tag_field="t", tag="Health", forbid_unknown_fields=
 
 class TokenizerInfo(NamedTuple):
     """What a client needs to build prompts itself (absent = unknown): the Jinja chat template
-    and the texts of the BOS / (lowest) EOS tokens, as ``engine.tokenizer.render_chat_template``
+    and the texts of the BOS / (lowest) EOS tokens, as ``engine.loader.tokenizer.render_chat_template``
     takes them, and the vocabulary size (prompt token ids must be below it; 0 = unknown)."""
 
     chat_template: Optional[str] = None
@@ -147,7 +147,7 @@ class Engine(Protocol):
 
     async def wait_stopped(self) -> None: ...
 
-    # sleep mode (engine/sleep.py); update_weights_from_tensors is in-process only
+    # sleep mode (engine/serving/sleep.py); update_weights_from_tensors is in-process only
     async def sleep(self, level: int = 1, mode: str = "abort", timeout: Optional[float] = None) -> None: ...
 
     async def wake_up(self, tags: Optional[list[str]] = None) -> None: ...

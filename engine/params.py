@@ -68,7 +68,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: Optional[int] = None  # keep only the prompt's last k tokens
-    bad_words: list[str] = []  # never in the output (engine.bad_words)
+    bad_words: list[str] = []  # never in the output (engine.sample.bad_words)
     #: the output's one constraint (JSON schema, JSON object, regex, choice or grammar)
     structured: Optional[StructuredOutputs] = None
 

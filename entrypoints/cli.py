@@ -47,7 +47,7 @@ async def _generate(a: argparse.Namespace) -> int:
             print(f"enginecore: cannot connect to {a.connect}: {exc}", file=sys.stderr)
             return 2
     else:
-        from engine.async_engine import AsyncEngine
+        from engine.serving.async_engine import AsyncEngine
 
         async with AsyncEngine.open(config_from_args(a)) as eng:
             prompt = a.prompt
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # (glibc's malloc keeps its defaults here: entrypoints/malloc.py says why)
     if a.cmd == "serve" or not a.connect:  # this process runs the engine
-        from engine.cpu_threads import adaptive_ceiling, apply_threads
+        from engine.serving.cpu_threads import adaptive_ceiling, apply_threads
 
         # the default count (no --threads, no $OMP_NUM_THREADS) then follows the machine: a CPU
         # engine uses up to every CPU while other processes leave them free (ThreadGovernor)

@@ -27,9 +27,9 @@ from typing import Optional
 import anyio
 import msgspec
 
-from engine.async_engine import AsyncEngine
+from engine.serving.async_engine import AsyncEngine
 from engine.errors import EngineError
-from engine.hf_hub import display_name
+from engine.loader.hf_hub import display_name
 from states import State
 
 from .args import config_from_args, token_from_args

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional
 import anyio
 
 from engine.errors import EngineDeadError, EngineShutdownError
-from engine.mailbox import Mailbox
+from engine.serving.mailbox import Mailbox
 from states import State
 
 from .calls import Calls, death_message

@@ -35,8 +35,8 @@ import msgspec
 from engine.errors import BadRequestError
 from engine.interface import Prompt, TokenizerInfo, unavailable_error
 from engine.params import RequestOutput, SamplingParams
-from engine.sleep import MODES, check_tags
-from engine.tokenizer import render_chat_template
+from engine.serving.sleep import MODES, check_tags
+from engine.loader.tokenizer import render_chat_template
 from states import State
 
 from .channel import ClientChannel, ConnState
@@ -263,7 +263,7 @@ class EngineClient(ClientChannel):
 
     async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` with the model's chat template, client-side (the template came
-        in the handshake), exactly as ``engine.tokenizer.Tokenizer.apply_chat_template``."""
+        in the handshake), exactly as ``engine.loader.tokenizer.Tokenizer.apply_chat_template``."""
         w = self.welcome
         return render_chat_template(w.chat_template, messages, w.bos_token, w.eos_token,
                                     add_generation_prompt)

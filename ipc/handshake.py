@@ -62,7 +62,7 @@ def hello_error(msg: Any) -> Optional[Error]:
 
 
 def describe_model(engine: Engine) -> dict:
-    """Welcome's fields that describe the model, from ``engine.model``, ``max_model_len`` and
+    """Welcome's fields that describe the model, from ``engine.model.llama``, ``max_model_len`` and
     ``tokenizer_info()`` (parts too long for the wire are left out)."""
     tok = engine.tokenizer_info()
     info: dict = {"model": str(engine.model)[:MAX_NAME_LEN],

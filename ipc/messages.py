@@ -141,7 +141,7 @@ from typing import Annotated, Literal, Optional, Union
 import msgspec
 from msgspec import Meta
 
-from engine.admission import MAX_REQUEST_ID_LEN as _ENGINE_MAX_REQUEST_ID_LEN
+from engine.serving.admission import MAX_REQUEST_ID_LEN as _ENGINE_MAX_REQUEST_ID_LEN
 from engine.interface import Health
 from engine.params import RequestOutput, SamplingParams
 from states import State
@@ -293,7 +293,7 @@ class Welcome(_Message, tag="Welcome"):
     model: Annotated[str, Meta(max_length=MAX_NAME_LEN)] = ""
     # What a client needs to build prompts itself (all optional; absent = unknown):
     # the tokenizer's Jinja chat template and the texts of its BOS / (lowest) EOS tokens, as
-    # engine.tokenizer.render_chat_template takes them; the context limit and the vocabulary
+    # engine.loader.tokenizer.render_chat_template takes them; the context limit and the vocabulary
     # size (prompt token ids must be < vocab_size; 0 = unknown).
     chat_template: Optional[Annotated[str, Meta(max_length=MAX_CHAT_TEMPLATE_LEN)]] = None
     bos_token: Optional[Annotated[str, Meta(max_length=MAX_NAME_LEN)]] = None

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Callable, Optional
 import msgspec
 
 from engine.errors import BadRequestError
-from engine.mailbox import Mailbox
+from engine.serving.mailbox import Mailbox
 from engine.params import Logprobs, RequestOutput, SamplingParams
 
 from .errors import FrameTooLargeError

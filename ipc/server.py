@@ -315,7 +315,7 @@ class IPCServer:
             self._call(conn, msg.call_id, self.engine.drain, msg.timeout)
         elif t is Shutdown:
             self._call(conn, msg.call_id, self.engine.shutdown)
-        elif t is Sleep:  # sleep mode (engine/sleep.py): the frame's fields are bounded already
+        elif t is Sleep:  # sleep mode (engine/serving/sleep.py): the frame's fields are bounded already
             self._call(conn, msg.call_id, self.engine.sleep, msg.level, msg.mode, msg.timeout)
         elif t is WakeUp:
             self._call(conn, msg.call_id, self.engine.wake_up, msg.tags)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from engine.mailbox import Mailbox
+from engine.serving.mailbox import Mailbox
 from engine.params import RequestOutput
 
 #: ``abandon(request_id, mailbox)``: the iterator went away; abort the request (any thread).
@@ -17,7 +17,7 @@ Abandon = Callable[[str, Mailbox], None]
 
 
 class RemoteStream:
-    """Async iterator of one request's outputs (like :class:`engine.request_stream.RequestStream`).
+    """Async iterator of one request's outputs (like :class:`engine.serving.request_stream.RequestStream`).
 
     Errors the engine reports for the request are raised by ``__anext__``. Leaving it early
     (``break`` and dropping it, ``aclose()``, ``cancel()``) aborts the request."""

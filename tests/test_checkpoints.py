@@ -16,7 +16,7 @@ import torch
 
 from engine import AsyncEngine, EngineConfig, ModelRunner
 from engine.errors import CheckpointError
-from engine.owner import reachable_tensors
+from engine.memory.owner import reachable_tensors
 from states import State
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -110,16 +110,16 @@ def built_models(monkeypatch):
     """Weak references to every model the loader builds during the test."""
     import weakref
 
-    import engine.loader
+    import engine.loader.checkpoint
 
     refs: list = []
 
-    class Recorded(engine.loader.CausalLM):
+    class Recorded(engine.loader.checkpoint.CausalLM):
         def __init__(self, cfg):
             super().__init__(cfg)
             refs.append(weakref.ref(self))
 
-    monkeypatch.setattr(engine.loader, "CausalLM", Recorded)
+    monkeypatch.setattr(engine.loader.checkpoint, "CausalLM", Recorded)
     return refs
 
 

@@ -1,4 +1,4 @@
-"""Packed CPU weights (engine/packed_linear.py, engine/cpu_weights.py): each kernel's result
+"""Packed CPU weights (engine/ops/cpu/packed_linear.py, engine/model/cpu_weights.py): each kernel's result
 against the float linear, the format choice, the default GGUF packed against today's fp32 path
 (logits tolerance and greedy agreement), release and update_weights of packed weights."""
 
@@ -10,15 +10,15 @@ import weakref
 import pytest
 import torch
 
-from engine import cpu_ext
+from engine.ops.cpu import cpu_ext
 
 from engine import EngineConfig, ModelRunner, SamplingParams
-from engine.core import EngineCore
-from engine.cpu_weights import choose_format, cpu_capability, is_packed, pack_model
-from engine.owner import reachable_tensors
-from engine.packed_linear import KINDS, PackedLinear
+from engine.core.engine_core import EngineCore
+from engine.model.cpu_weights import choose_format, cpu_capability, is_packed, pack_model
+from engine.memory.owner import reachable_tensors
+from engine.ops.cpu.packed_linear import KINDS, PackedLinear
 from engine.request import Request, Status
-from engine.step_inputs import packed_forward
+from engine.forward.step_inputs import packed_forward
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -29,7 +29,7 @@ TAIL_TOL = {"woq": 0.15}
 # greedy agreement with the fp32 path, share of positions. woq computes with bf16 weights and
 # activations inside torch's kernels: on 32 prompts x 32 tokens (bench.cpu_agreement) it agreed
 # on 74 %, the whole model in bf16 on 79 %, fbgemm fp16 on 99 % (bench/RESULTS.md, session 8)
-# engine/csrc/int4_mm.cpp (exact group scales, ~16-bit inputs, float32 sums): 95.3 % on
+# engine/ops/cpu/csrc/int4_mm.cpp (exact group scales, ~16-bit inputs, float32 sums): 95.3 % on
 # bench.cpu_agreement, the best 20 logits ~1e-5 relative off here (session 11)
 MIN_AGREE = {"fbgemm_fp16": 0.9, "woq": 0.6, "woq+int4_mm": 0.9}
 PROMPTS = [list(range(100, 140)), [1, 520, 3001, 77, 9, 14000, 250], list(range(4000, 4100, 3))]
@@ -59,7 +59,7 @@ def test_packed_linear_matches_float(kind, tol):
 def test_int4_bf16_dense_prefill_path_matches_the_kernel():
     """From DENSE_ROWS rows a bf16 int4 linear runs the dense GEMM on its weight dequantized at
     load (the kernel's grid): the same result within bf16 rounding, and the weight back."""
-    from engine.packed_linear import DENSE_ROWS
+    from engine.ops.cpu.packed_linear import DENSE_ROWS
 
     w = _q4_1_weight(96, 128)
     lin = PackedLinear(w, "int4", torch.bfloat16)
@@ -87,13 +87,13 @@ def test_int8_head_top_logits_are_exact(n, approx, tol):
     product with the exact int8 groups, the argmax is the dequantized head's; the others stay
     within the approximate pass's error (int4 groups; one int8 scale per row where the int4
     kernel cannot take the shape). Rows past _HEAD_ROWS too."""
-    from engine import packed_linear
+    from engine.ops.cpu import packed_linear
 
     g = torch.Generator().manual_seed(4)
     w = torch.randn(n, 64, generator=g) * torch.rand(n, 2, 1, generator=g).repeat_interleave(32, 1).view(n, 64)
     head = PackedLinear(w, "int8", torch.bfloat16, head_top=32)
     if approx == "approx_qweight" and cpu_ext.int4_usable(n, 64):
-        approx = "approx_q4"  # engine/csrc/int4_mm.cpp's layout
+        approx = "approx_q4"  # engine/ops/cpu/csrc/int4_mm.cpp's layout
     assert hasattr(head, approx)
     exact = head.rows(torch.arange(n))  # the int8 groups dequantized in float32
     x = torch.randn(packed_linear._HEAD_ROWS + 5, 64, generator=g)
@@ -258,7 +258,7 @@ def _q4_1_grid(n: int, k: int, seed: int) -> torch.Tensor:
 
 
 def test_int4_blocks_keep_a_q4_1_tensor_exactly():
-    from engine.packed_linear import pack_int4_blocks
+    from engine.ops.cpu.packed_linear import pack_int4_blocks
 
     w = _q4_1_grid(48, 96, 1)
     q4, d16, m16, back = pack_int4_blocks(w)
@@ -268,12 +268,12 @@ def test_int4_blocks_keep_a_q4_1_tensor_exactly():
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, 17, 40])
 def test_int4_kernel_is_float32_exact_on_its_grid(rows):
-    """engine/csrc/int4_mm.cpp against float64, with the two-part input: AVX512-BF16 at one row,
+    """engine/ops/cpu/csrc/int4_mm.cpp against float64, with the two-part input: AVX512-BF16 at one row,
     AMX tiles (where the CPU has them) from two, past 16 rows in tiles; without the two-part
     input, within bf16's rounding of the input."""
     if not cpu_ext.int4_usable(64, 64):
         pytest.skip("the int4 kernel does not run here (no extension or no AVX512-BF16)")
-    from engine.packed_linear import pack_int4_blocks
+    from engine.ops.cpu.packed_linear import pack_int4_blocks
 
     ext = cpu_ext.module()
     w = _q4_1_grid(80, 192, 2)
@@ -295,7 +295,7 @@ def test_int4_many_rows_take_the_weight_dequantized():
     (``int4_dequant_t``: bf16 of d q + m, as torch rounds), not a stored dense copy."""
     if not cpu_ext.int4_usable(64, 64):
         pytest.skip("the int4 kernel does not run here (no extension or no AVX512-BF16)")
-    from engine.packed_linear import Q4_DENSE_ROWS, pack_int4_blocks
+    from engine.ops.cpu.packed_linear import Q4_DENSE_ROWS, pack_int4_blocks
 
     w = _q4_1_grid(48, 128, 3)
     lin = PackedLinear(w, "int4", torch.bfloat16)
@@ -311,7 +311,7 @@ def test_int4_many_rows_take_the_weight_dequantized():
 
 
 def test_head_exact_logits_in_cpp_are_the_gathered_rows_product():
-    """The head's exact pass (engine/csrc/decode_ops.cpp head_logits) against its rows
+    """The head's exact pass (engine/ops/cpu/csrc/decode_ops.cpp head_logits) against its rows
     dequantized in float32 and multiplied (the path without the extension); ids out of range
     are refused."""
     ext = cpu_ext.module()

@@ -8,7 +8,7 @@ import pytest
 from engine import (AsyncEngine, BadRequestError, EngineConfig, EngineDeadError,
                     EngineDrainingError, EngineShutdownError, InvalidTransitionError,
                     SamplingParams)
-from engine.owner import reachable_tensors
+from engine.memory.owner import reachable_tensors
 from states import State
 
 TINY = "random:tiny-llama"

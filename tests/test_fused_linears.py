@@ -1,4 +1,4 @@
-"""q/k/v and gate/up fused into one linear each (engine/fused_linears.py): the same logits as
+"""q/k/v and gate/up fused into one linear each (engine/model/fused_linears.py): the same logits as
 the separate linears on the plain torch path, and weight updates by checkpoint names written
 into the fused weights' rows."""
 
@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from engine import EngineConfig, ModelRunner
-from engine import fused_linears
-from engine.owner import Resource as R
-from engine.step_inputs import packed_forward
-from engine.weights import weight_spec
+from engine.model import fused_linears
+from engine.memory.owner import Resource as R
+from engine.forward.step_inputs import packed_forward
+from engine.memory.weights import weight_spec
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 SEQS = [(list(range(3, 40)), 0, [0, 1, 2], False), (list(range(50, 61)), 0, [3], False)]

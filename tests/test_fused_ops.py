@@ -1,4 +1,4 @@
-"""The Triton kernels (engine/fused_ops.py, triton_prefill.py, triton_attention.py), run on CPU
+"""The Triton kernels (engine/ops/triton/fused_ops.py, triton_prefill.py, triton_attention.py), run on CPU
 by Triton's interpreter.
 
 The interpreter executes the kernels' own code (indexing, masks, the residual carried in place,
@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 @pytest.mark.parametrize("model", ["random:tiny-qwen3", "random:tiny-llama"])
 def test_fused_path_equals_plain_path_fp32(model):
     env = dict(os.environ, TRITON_INTERPRET="1", ENGINECORE_FUSED="1")
-    out = subprocess.run([sys.executable, "-m", "engine.fused_check", model, "cpu", "float32"],
+    out = subprocess.run([sys.executable, "-m", "tests.fused_check", model, "cpu", "float32"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
@@ -36,14 +36,14 @@ def test_fused_path_equals_plain_path_fp32(model):
 
 def test_paged_decode_kernel_equals_torch_decode_fp32():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-m", "engine.fused_check", "decode", "cpu"],
+    out = subprocess.run([sys.executable, "-m", "tests.fused_check", "decode", "cpu"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1])["decode_max_abs"] <= 1e-5
 
 
 def test_paged_prefill_kernel_plain_and_packed_equal_a_dense_reference_fp32():
-    """engine/triton_prefill.py: the plain kernel (a program a query head) and the packed one
+    """engine/ops/triton/prefill_attention.py: the plain kernel (a program a query head) and the packed one
     (``KernelChoice.packed``: the query heads of a KV head in one program, also with a smaller
     key tile) give a dense torch attention's output, GQA 4, 2 and 1, over scattered blocks;
     so does the kernel with every key tile masked (``split=0``; the default runs the tiles
@@ -51,7 +51,7 @@ def test_paged_prefill_kernel_plain_and_packed_equal_a_dense_reference_fp32():
     (``interleave``, the default: a part of the tile's queries a program), also over keys whose
     scores keep growing from tile to tile."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-m", "engine.fused_check", "prefill", "cpu"],
+    out = subprocess.run([sys.executable, "-m", "tests.fused_check", "prefill", "cpu"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
@@ -61,7 +61,7 @@ def test_paged_prefill_kernel_plain_and_packed_equal_a_dense_reference_fp32():
 
 
 def test_prefill_kernel_choice_parses_and_refuses():
-    from engine.triton_prefill import KernelChoice
+    from engine.ops.triton.prefill_attention import KernelChoice
 
     c = KernelChoice.parse("packed=2, block_n=32,warps=8,stages=3")
     assert (c.packed, c.block_n, c.warps, c.stages, c.split) == (2, 32, 8, 3, 1)
@@ -75,7 +75,7 @@ def test_prefill_kernel_choice_parses_and_refuses():
 
 
 def test_fixed_shape_inputs_of_graphed_prompt_steps_equal_the_eager_ones_fp32():
-    """engine/mixed_inputs.py: steps with prompt chunks (fresh, after context, one-token) and
+    """engine/forward/mixed_inputs.py: steps with prompt chunks (fresh, after context, one-token) and
     decode rows, padded to their row count with tiles of an empty chunk and decode rows of the
     scratch block, give the eager inputs' logits and KV cache (the scratch block aside)."""
     res = _mixed("basic")
@@ -84,7 +84,7 @@ def test_fixed_shape_inputs_of_graphed_prompt_steps_equal_the_eager_ones_fp32():
 
 
 def test_fixed_shape_inputs_of_rarer_prompt_steps_equal_the_eager_ones_fp32():
-    """engine/mixed_inputs.py, the rarer shapes (engine/fused_check.py ``_more_mixed_steps``):
+    """engine/forward/mixed_inputs.py, the rarer shapes (tests/fused_check.py ``_more_mixed_steps``):
     as many chunks as the cap, chunks after a context of many blocks, a decode row over two
     splits, every decode row real, in-flight tokens, stale tiles and tables of a wider step
     before; the fixed-shape inputs' decode rows through the Triton decode kernel (split-K and
@@ -96,10 +96,10 @@ def test_fixed_shape_inputs_of_rarer_prompt_steps_equal_the_eager_ones_fp32():
 
 
 def _mixed(variant: str) -> dict:
-    """``engine.fused_check mixed`` in the interpreter (fp32): the fixed-shape inputs' logits and
+    """``tests.fused_check mixed`` in the interpreter (fp32): the fixed-shape inputs' logits and
     KV cache against the eager inputs', checked here; its figures returned."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-m", "engine.fused_check", "mixed", "random:tiny-llama",
+    out = subprocess.run([sys.executable, "-m", "tests.fused_check", "mixed", "random:tiny-llama",
                           "cpu", "float32", variant], capture_output=True, text=True, env=env,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

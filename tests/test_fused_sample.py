@@ -1,6 +1,6 @@
-"""The one-pass sampler (engine/fused_sample.py) run by Triton's CPU interpreter: it draws from
+"""The one-pass sampler (engine/ops/triton/fused_sample.py) run by Triton's CPU interpreter: it draws from
 softmax(logits / T), takes the first maximum where T <= 0, never picks a refused (-inf) token,
-repeats with its seed, and ``engine.sampler.sample`` uses it only for the plain case."""
+repeats with its seed, and ``engine.sample.sampler.sample`` uses it only for the plain case."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 CHECK = r'''
 import json, torch
 from engine import fused_sample
-from engine.sampler import SamplingBatch, sample, one_pass as _one_pass
+from engine.sample.sampler import SamplingBatch, sample, one_pass as _one_pass
 torch.manual_seed(0)
 out = {}
 p = torch.tensor([0.1, 0.2, 0.3, 0.4])
@@ -43,7 +43,7 @@ a = fused_sample.sample(m, torch.ones(128), 9)
 out["refused_drawn"] = int((a % 2 == 0).sum())
 out["same_seed"] = torch.equal(a, fused_sample.sample(m, torch.ones(128), 9))
 out["other_seed_differs"] = not torch.equal(a, fused_sample.sample(m, torch.ones(128), 10))
-# engine.sampler.sample: the one pass for temperature alone, the torch path otherwise
+# engine.sample.sampler.sample: the one pass for temperature alone, the torch path otherwise
 def batch(**kw):
     base = dict(temperature=torch.ones(2), top_k=torch.zeros(2, dtype=torch.long), top_p=torch.ones(2),
                 generators=[None, None], all_greedy=False, need_logprobs=False,
@@ -57,7 +57,7 @@ out["top_k"] = _one_pass(x, batch(any_top_k=True))
 out["seeded_row"] = _one_pass(x, batch(generators=[None, torch.Generator().manual_seed(1)]))
 out["min_p"] = _one_pass(x, batch(min_p=torch.zeros(2)))
 # grammar rows are for the one-pass sampler alone (the runner masks the logits otherwise)
-from engine.fused_sample import GrammarRows
+from engine.ops.triton.fused_sample import GrammarRows
 rows = GrammarRows(torch.full((2, 2), -1, dtype=torch.int32), None)
 for bad in (batch(any_top_k=True), batch(generators=[None, torch.Generator().manual_seed(1)]),
             batch(need_logprobs=True)):

@@ -1,4 +1,4 @@
-"""engine.gguf_loader against transformers' own GGUF loading of the embedded SmolLM2 model."""
+"""engine.loader.gguf_loader against transformers' own GGUF loading of the embedded SmolLM2 model."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine.errors import CheckpointError
-from engine.gguf_loader import _unpermute_rotary, default_model_path, load_gguf
-from engine.model_config import ModelConfig
+from engine.loader.gguf_loader import _unpermute_rotary, default_model_path, load_gguf
+from engine.model.model_config import ModelConfig
 
 TEXTS = [
     "Hello, world!",
@@ -281,7 +281,7 @@ def test_streamed_detokenization_equals_window_decoding(loaded):
     special tokens kept and skipped, and prompt tails that end mid-character."""
     import random
 
-    from engine.detokenizer import IncrementalDetokenizer
+    from engine.core.detokenizer import IncrementalDetokenizer
 
     tokenizer = loaded[2]
     rng = random.Random(7)

@@ -25,7 +25,7 @@ from engine.structured import native  # noqa: E402
 from engine.structured.bitmask import TokenBitmask  # noqa: E402
 from engine.structured.grammars import _SEPARATORS, grammar_vocab_size, tokenizer_info  # noqa: E402
 from engine.structured.matcher import advance_all, new_matcher  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
+from engine.loader.tokenizer import Tokenizer  # noqa: E402
 
 V = 512
 ROOT = Path(__file__).resolve().parents[1]
@@ -250,7 +250,7 @@ _EXIT_SCRIPT = textwrap.dedent("""
     from engine.structured.bitmask import TokenBitmask
     from engine.structured.grammars import grammar_vocab_size, tokenizer_info
     from engine.structured.matcher import new_matcher
-    from engine.tokenizer import Tokenizer
+    from engine.loader.tokenizer import Tokenizer
     tok = Tokenizer.bytes(512)
     comp = xgr.GrammarCompiler(tokenizer_info(tok, 512), max_threads=1, cache_enabled=False)
     g = comp.compile_builtin_json_grammar()

@@ -13,7 +13,7 @@ import pytest
 
 from engine import EngineConfig, ModelRunner
 from engine.errors import CheckpointError
-from engine.hf_hub import display_name, looks_like_repo_id, resolve_model_path
+from engine.loader.hf_hub import display_name, looks_like_repo_id, resolve_model_path
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 MAIN = "0123456789abcdef0123456789abcdef01234567"

@@ -10,10 +10,10 @@ import anyio
 import pytest
 
 from engine import AsyncEngine, EngineConfig, EngineDeadError, SamplingParams
-from engine.output_merge import merge_outputs
+from engine.serving.output_merge import merge_outputs
 from engine.params import Logprobs, RequestOutput
-from engine.request_stream import RequestStream
-from engine.step_thread import StepThread
+from engine.serving.request_stream import RequestStream
+from engine.serving.step_thread import StepThread
 
 TINY = "random:tiny-llama"
 
@@ -179,8 +179,8 @@ async def test_an_abandonable_call_returns_at_once_when_cancelled() -> None:
 @pytest.mark.asyncio
 async def test_the_load_and_the_steps_run_on_one_thread(monkeypatch) -> None:
     """One thread runs torch's parallel ops from the load on (one OpenMP team: see
-    engine/step_thread.py)."""
-    from engine.runner import ModelRunner
+    engine/serving/step_thread.py)."""
+    from engine.runner.model_runner import ModelRunner
 
     seen: dict[str, set] = {"load": set(), "step": set()}
     load, launch = ModelRunner.load, ModelRunner.launch

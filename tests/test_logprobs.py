@@ -86,7 +86,7 @@ def _check_logprobs(ref, ids, outs, score) -> None:
 
 
 def _process(row: torch.Tensor, seq: list[int], n_prompt: int, p: SamplingParams) -> torch.Tensor:
-    """The reference of engine.logits, one row at a time, written out plainly."""
+    """The reference of engine.sample.logits, one row at a time, written out plainly."""
     row = row.clone()
     if p.allowed_token_ids:
         keep = torch.full_like(row, float("-inf"))

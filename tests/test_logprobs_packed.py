@@ -1,5 +1,5 @@
 """Packed logprob rows (engine.params.Logprobs), the step's plan / device rows / unpack
-(engine.logprobs) against a log-softmax computed here, and the HTTP rendering of token ids
+(engine.sample.logprobs) against a log-softmax computed here, and the HTTP rendering of token ids
 through the frontend's token table -- all without a model (milliseconds)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import logprobs as L
+from engine.sample import logprobs as L
 from engine.params import Logprobs, RequestOutput, TokenLogprob
 from entrypoints.http.choices import TokenTable, chat_logprobs, completion_logprobs, prompt_logprobs
 

@@ -1,9 +1,9 @@
-"""engine.mailbox.Mailbox: order, the terminal error, closing, and a consumer cancelled mid-wait."""
+"""engine.serving.mailbox.Mailbox: order, the terminal error, closing, and a consumer cancelled mid-wait."""
 
 import anyio
 import pytest
 
-from engine.mailbox import Mailbox
+from engine.serving.mailbox import Mailbox
 
 pytestmark = pytest.mark.asyncio
 

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import yaml
 
-from engine.stats import STEP_TIME_BUCKETS, Histogram
+from engine.core.stats import STEP_TIME_BUCKETS, Histogram
 from entrypoints.cli import build_parser
 from entrypoints.http.app import create_app
 from entrypoints.http.metrics import EngineCollector
@@ -94,7 +94,7 @@ def test_stats_line_rates_and_quiet_when_idle():
 
 
 def test_loading_progress_lines(caplog):
-    from engine.progress import LoadProgress
+    from engine.loader.progress import LoadProgress
 
     with caplog.at_level(logging.INFO, logger="enginecore.loader"):
         with LoadProgress("loading weights", 3, 3 << 20, interval=0.0, bar=False) as p:

@@ -1,4 +1,4 @@
-"""Overlapped scheduling (``EngineConfig.overlap_scheduling``, engine/core.py): step N+1 is
+"""Overlapped scheduling (``EngineConfig.overlap_scheduling``, engine/core/engine_core.py): step N+1 is
 scheduled and launched before step N's tokens are read back. The outputs must be exactly those
 of the synchronous engine -- greedy and seeded sampling, stop tokens that end a request which
 was already scheduled into the next step, length limits, preemption pressure -- and every
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.params import SamplingParams
-from engine.runner import ModelRunner
+from engine.runner.model_runner import ModelRunner
 
 TINY = "random:tiny-llama"
 

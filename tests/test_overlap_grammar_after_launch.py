@@ -46,7 +46,7 @@ def _odd(n: int):
                          ids=["plain", "preempt", "chunked"])
 @pytest.mark.parametrize("ready", ["never", "random"])
 def test_after_launch_jobs_with_odd_requests(after, kw, ready, monkeypatch):
-    from engine.launched import Launched
+    from engine.runner.launched import Launched
 
     work = list(_odd(18))
     adds = {3: [(f"late{i}", [40 + i, 41, 42], SamplingParams(
@@ -65,7 +65,7 @@ def test_after_launch_jobs_with_odd_requests(after, kw, ready, monkeypatch):
 def _patch_ready(monkeypatch, ready: str) -> None:
     """``Launched.ready`` False for every deferred step ("never") or for a random half of them
     (chosen in launch order, so both runs of a test see the same steps not back)."""
-    from engine.launched import Launched
+    from engine.runner.launched import Launched
 
     rnd = random.Random(1)
     late: dict[int, tuple] = {}  # id -> (the step, whether it is never ready)
@@ -94,7 +94,7 @@ async def test_the_loop_let_in_before_or_after_the_sampling_gives_the_same_outpu
 
     from engine import AsyncEngine
     from engine.config import EngineConfig
-    from engine.core import EngineCore
+    from engine.core.engine_core import EngineCore
 
     async def serve(overlap: bool) -> dict:
         cfg = EngineConfig(model="random:tiny-llama", device="cpu", dtype="float32",
@@ -132,8 +132,8 @@ def test_jobs_start_inside_the_forward_once_the_tokens_are_back(after, reads, mo
     forward's first poll (before the model's launch), its second (before the logits), after
     the launch, or -- never back until then -- after it too (the wait). The outputs are those
     of the same order without the worker; ``grammar_job_in_forward=False`` starts none inside."""
-    from engine.core import EngineCore
-    from engine.launched import Launched
+    from engine.core.engine_core import EngineCore
+    from engine.runner.launched import Launched
 
     work = list(_odd(18))
     adds = {3: [(f"late{i}", [40 + i, 41, 42], SamplingParams(max_tokens=9, structured=REGEX))

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(native.worker_module() is None,
 
 
 def _bitmask(core):
-    from engine.owner import Resource as R
+    from engine.memory.owner import Resource as R
 
     return core.runner._owner[R.GRAMMAR_BITMASK]
 
@@ -161,8 +161,8 @@ def test_jobs_mixed_with_synchronous_late_steps(after, kw, monkeypatch):
     chunks: the outputs are those of the same order without jobs."""
     import random
 
-    from engine.launched import Launched
-    from engine.runner import ModelRunner
+    from engine.runner.launched import Launched
+    from engine.runner.model_runner import ModelRunner
 
     work = list(_mixed(14))
     want = _run(_core(True, after, **kw), work)
@@ -212,7 +212,7 @@ def test_an_aborted_requests_matcher_is_not_fed(monkeypatch):
     """Constrained requests aborted while their tokens are in flight: the jobs after the abort
     feed the other matchers only (the feed planned at the launch is not reused once a request
     left), and the ones before fed them."""
-    from engine.runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
 
     fed: list[list] = []
     start = ModelRunner.accept_then_fill
@@ -246,7 +246,7 @@ def test_the_planned_feed_under_preemption_and_aborts(after, blocks, monkeypatch
     """Few KV blocks (preemptions) and aborts mid-run: the late steps' jobs -- with the feed
     _defer planned, and with it never reused -- give the outputs of the same order without
     the worker."""
-    from engine.core import EngineCore
+    from engine.core.engine_core import EngineCore
 
     work = list(_mixed(24))
     aborts = {4: ["r3", "r6"], 7: ["r9"], 11: ["r12", "r13"]}

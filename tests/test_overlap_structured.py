@@ -1,4 +1,4 @@
-"""Overlapped scheduling with output constraints (engine/core.py ``EngineCore.step``): a step
+"""Overlapped scheduling with output constraints (engine/core/engine_core.py ``EngineCore.step``): a step
 with a constrained request whose token is in flight is launched as its forward first; the step
 before is applied (its matchers take their tokens) while the device runs it; then the masks
 are filled and the step sampled. The outputs must be exactly those of the synchronous engine --
@@ -14,9 +14,9 @@ import pytest
 
 from engine import AsyncEngine, StructuredOutputs
 from engine.config import EngineConfig
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.params import SamplingParams
-from engine.runner import ModelRunner
+from engine.runner.model_runner import ModelRunner
 from engine.structured.grammars import GrammarService
 
 TINY = "random:tiny-llama"  # byte tokenizer: a byte is a token

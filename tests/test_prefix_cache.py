@@ -9,8 +9,8 @@ import anyio
 import pytest
 
 from engine import AsyncEngine, EngineConfig, ModelRunner, SamplingParams
-from engine.core import EngineCore
-from engine.owner import Resource as R
+from engine.core.engine_core import EngineCore
+from engine.memory.owner import Resource as R
 from engine.request import Request
 from entrypoints.args import add_model_args, config_from_args
 
@@ -342,8 +342,8 @@ def _mirrored(mirrors: bool, monkeypatch) -> tuple[dict, object, dict]:
     handed out. ``mirrors``: the decode rows' block tables come from ``host_arrays.block_table``
     (each one checked against the request's blocks when read), else from the lists (as before
     the mirrors). Returns the tokens, the statistics, and how the mirrors were read."""
-    import engine.runner as runner_mod
-    from engine.host_arrays import block_table
+    import engine.runner.model_runner as runner_mod
+    from engine.ops.host_arrays import block_table
 
     seen = {"rebuilt": 0, "appended": 0, "reused": 0}
 

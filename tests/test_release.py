@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from engine import AsyncEngine, EngineConfig, ModelRunner, SamplingParams
-from engine.core import EngineCore
-from engine.owner import reachable_tensors
+from engine.core.engine_core import EngineCore
+from engine.memory.owner import reachable_tensors
 from states import State
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -95,7 +95,7 @@ def test_shutdown_releases_everything(model):
 
 
 def test_shutdown_releases_speculator_first():
-    pytest.importorskip("engine.speculative")
+    pytest.importorskip("engine.spec_decode")
     runner = ModelRunner(EngineConfig(model="random:tiny-llama", speculator="draft",
                                       draft_model="random:tiny-llama@seed=1", **CFG))
     runner.load()
@@ -189,10 +189,10 @@ def _mapping_rss(addr: int) -> int | None:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs /proc/self/smaps")
 def test_cpu_kv_cache_resident_only_where_written_and_unmapped_at_close():
-    """The CPU cache's memory map (engine/kv_cache.py ``zeroed_host``): reads as zeros, is
+    """The CPU cache's memory map (engine/kv/kv_cache.py ``zeroed_host``): reads as zeros, is
     resident only where written, and is unmapped by close() -- or, if a view of it leaked,
     when that view dies, never while it can still be read."""
-    from engine.kv_cache import KVCache
+    from engine.kv.kv_cache import KVCache
 
     kv = KVCache(num_layers=2, num_blocks=1024, block_size=16, num_kv_heads=2, head_dim=64,
                  dtype=torch.float32, device=torch.device("cpu"))  # 32 MiB

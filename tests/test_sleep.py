@@ -15,7 +15,7 @@ import torch
 from engine import (AsyncEngine, BadRequestError, CheckpointError, EngineConfig,
                     EngineShutdownError, EngineSleepingError, InvalidTransitionError,
                     SamplingParams)
-from engine.owner import reachable_tensors
+from engine.memory.owner import reachable_tensors
 from states import State
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("torch_one_thread")]

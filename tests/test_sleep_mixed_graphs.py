@@ -1,4 +1,4 @@
-"""Sleep mode with graphed prompt steps (engine/mixed_inputs.py, on by default on CUDA):
+"""Sleep mode with graphed prompt steps (engine/forward/mixed_inputs.py, on by default on CUDA):
 when the runner captures them. On CPU, with a stand-in for the CUDA graphs object."""
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ def cfg() -> EngineConfig:
 
 
 def test_mixed_graphs_are_captured_only_with_the_weights_on_the_device(monkeypatch) -> None:
-    """The graphed prompt steps (engine/mixed_inputs.py) are captured by running the model: a
+    """The graphed prompt steps (engine/forward/mixed_inputs.py) are captured by running the model: a
     wake of the KV cache alone, before the weights, must not capture (the weights are gone at
     level 2, in host memory at level 1); the weights' wake after it does. (A stand-in for the
     CUDA graphs object on CPU: what the runner asks of it.)"""
-    from engine import cuda_graphs, runner as runner_mod
+    from engine.forward import cuda_graphs
+    from engine.runner import model_runner as runner_mod
 
     captures: list[int] = []
 

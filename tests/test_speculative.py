@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/speculative): n-gram and draft-model proposers.
+"""Speculative decoding (engine/spec_decode): n-gram and draft-model proposers.
 
 * greedy outputs are token-identical to plain decoding (32 mixed requests, stop strings,
   max_tokens, the context limit, a small KV cache that forces preemption);
@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from engine import AsyncEngine, BadRequestError, EngineConfig, ModelRunner, SamplingParams
-from engine.core import EngineCore
-from engine.owner import reachable_tensors
-from engine.sampler import SamplingBatch
-from engine.speculative import DraftSpeculator, NgramSpeculator, ngram_lookup, verify_tokens
+from engine.core.engine_core import EngineCore
+from engine.memory.owner import reachable_tensors
+from engine.sample.sampler import SamplingBatch
+from engine.spec_decode import DraftSpeculator, NgramSpeculator, ngram_lookup, verify_tokens
 
 MODEL = "random:tiny-llama"
 
@@ -116,7 +116,7 @@ def test_verify_sampling_preserves_target_distribution(mode, filters):
     base = torch.randn(m + 1, v) * 1.5
     logits = base.repeat(n, 1)  # entry e has rows 3e, 3e+1, 3e+2
     sb = _batch(n * (m + 1), **filters)
-    from engine.sampler import apply_penalty_free_filters
+    from engine.sample.sampler import apply_penalty_free_filters
 
     p = apply_penalty_free_filters(base, _batch(m + 1, **filters)).softmax(-1)
     q = torch.softmax(torch.randn(m, v) * 1.5, -1)  # the draft's (different) law

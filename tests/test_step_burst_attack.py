@@ -17,7 +17,7 @@ import anyio
 import pytest
 
 from engine import AsyncEngine, EngineConfig, SamplingParams
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.errors import EngineDeadError
 from states import State
 
@@ -369,7 +369,7 @@ async def test_rank_failure_between_a_launch_taking_the_held_outputs_and_their_d
     # step thread but before the delivery it posts: the outputs held then were due before
     # the EngineDeadError (``_fail_streams``: "after the outputs it was due"), as when the
     # loop itself flushed ``_pending``.
-    from engine.step_thread import StepThread
+    from engine.serving.step_thread import StepThread
 
     table, state = hooks
     real_poster = StepThread.poster

@@ -26,9 +26,9 @@ import anyio
 import torch
 from engine import StructuredOutputs
 from engine.config import EngineConfig
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.params import SamplingParams
-from engine.runner import ModelRunner
+from engine.runner.model_runner import ModelRunner
 from engine.structured import bitmask as bm
 from engine.structured.grammars import GrammarService
 

@@ -52,7 +52,7 @@ async def test_default_model_tp3_matches_tp1() -> None:
 
 
 def test_sizes_that_do_not_divide_are_refused() -> None:
-    from engine.presets import PRESETS
+    from engine.model.presets import PRESETS
 
     with pytest.raises(BadRequestError, match=r"must divide num_attention_heads \(9\), "
                                               r"num_key_value_heads \(3\)"):

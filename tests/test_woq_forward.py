@@ -1,4 +1,4 @@
-"""engine/woq_forward.py: the woq model's forward in fewer ops computes what the generic forward
+"""engine/model/woq_forward.py: the woq model's forward in fewer ops computes what the generic forward
 computes with the same packed weights (prefill, mixed and decode steps; K/V read through views
 of consecutive blocks or gathered), and its pieces (rotation, spans) are exact."""
 
@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from engine import EngineConfig, ModelRunner, SamplingParams
-from engine import woq_forward
-from engine.core import EngineCore
-from engine.cpu_weights import pack_model
-from engine.model import Rotary
-from engine.model_config import ModelConfig
+from engine.model import woq_forward
+from engine.core.engine_core import EngineCore
+from engine.model.cpu_weights import pack_model
+from engine.model.llama import Rotary
+from engine.model.model_config import ModelConfig
 from engine.request import Request, Status
-from engine.step_inputs import _spans, packed_forward
+from engine.forward.step_inputs import _spans, packed_forward
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -69,7 +69,7 @@ def test_woq_forward_generates_what_the_generic_forward_does(woq_runner, monkeyp
             model.woq_forward = flag
             out[flag] = _greedy(woq_runner, prompts)
         model.woq_forward = True
-        # the same arithmetic up to float32 summation order (decode steps: engine/csrc's loops)
+        # the same arithmetic up to float32 summation order (decode steps: engine/ops/cpu/csrc's loops)
         assert out[True][0] == out[False][0]
         for rid, ref in out[False][1].items():
             assert out[True][1][rid] == pytest.approx(ref, abs=1e-4)
@@ -116,8 +116,8 @@ def test_spans_only_for_consecutive_blocks():
 def test_cpu_argmax_and_top_indices_match_torch():
     """The sampler's CPU argmax (numpy) keeps torch's first-maximum rule; the head's top-k
     selection (numpy) returns topk's set where there are no ties."""
-    from engine.packed_linear import _top_indices
-    from engine.sampler import _argmax
+    from engine.ops.cpu.packed_linear import _top_indices
+    from engine.sample.sampler import _argmax
 
     x = torch.randn(5, 3000, generator=torch.Generator().manual_seed(7))
     x[1, 10] = x[1, 20] = x[1].max() + 1  # a tie: the first wins
@@ -136,10 +136,10 @@ def woq_runner_wide():
 
 @pytest.mark.parametrize("requests,span_rows", [(1, 64), (3, 64), (3, 1), (18, 64)])
 def test_cpp_decode_step_is_the_python_step(woq_runner_wide, monkeypatch, requests, span_rows):
-    """engine/csrc/woq_decode.cpp computes what the Python decode loop does (its own norm,
+    """engine/ops/cpu/csrc/woq_decode.cpp computes what the Python decode loop does (its own norm,
     rotary and attention loops; the same matmuls): the same tokens, logprobs within float32
     summation order, for 1, 3 and 18 rows (the Python loop through views or gathered K/V)."""
-    from engine import cpu_ext
+    from engine.ops.cpu import cpu_ext
 
     ext = cpu_ext.module()
     if ext is None:
@@ -162,7 +162,7 @@ def test_cpp_decode_step_is_the_python_step(woq_runner_wide, monkeypatch, reques
 def test_cpp_step_refuses_indices_out_of_range(woq_runner_wide):
     """The C++ step reads the cache through slots, block tables and lengths: any out of range
     is a RuntimeError naming it, never a read past the cache."""
-    from engine import cpu_ext
+    from engine.ops.cpu import cpu_ext
 
     ext = cpu_ext.module()
     if ext is None or not woq_forward.cpp_step_fits(woq_runner_wide.resource("weights")):

@@ -1,4 +1,4 @@
-"""engine/csrc's decode step (woq_decode.cpp, decode_ops.cpp, int4_mm.cpp) on the default model
+"""engine/ops/cpu/csrc's decode step (woq_decode.cpp, decode_ops.cpp, int4_mm.cpp) on the default model
 (SmolLM2-135M-Instruct Q4_1) under the schedules that stress it: contexts ending on block
 boundaries, preemption and resume, aborts, prefix-cache hits (rows sharing blocks), several
 rows of one sequence, 64/65 and 127-129 rows, two threads, top logprobs and seeded sampling.
@@ -21,9 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import EngineConfig, ModelRunner, SamplingParams, cpu_ext, woq_forward
-from engine.core import EngineCore
-from engine.step_inputs import packed_forward
+from engine import EngineConfig, ModelRunner, SamplingParams
+from engine.ops.cpu import cpu_ext
+from engine.model import woq_forward
+from engine.core.engine_core import EngineCore
+from engine.forward.step_inputs import packed_forward
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -252,7 +254,7 @@ def test_decode_rows_around_the_kernels_thresholds(runner, monkeypatch, rows):
     """Row counts at and around DENSE_ROWS (16), MAX_SPAN_ROWS (64) and Q4_DENSE_ROWS (128),
     the int4 kernel's AVX tiles of 8 and AMX tiles of 16; scattered, shared blocks. From 128
     rows the int4 kernel is kept (Q4_DENSE_ROWS raised in both paths): see the next test."""
-    from engine import packed_linear
+    from engine.ops.cpu import packed_linear
 
     for mod in (woq_forward, packed_linear):
         monkeypatch.setattr(mod, "Q4_DENSE_ROWS", 1 << 30)
@@ -289,7 +291,7 @@ def test_two_threads(runner):
 _MISMATCH = textwrap.dedent("""
     import torch
     from engine import EngineConfig, ModelRunner, cpu_ext, woq_forward
-    from engine.cpu_weights import pack_model
+    from engine.model.cpu_weights import pack_model
     r = ModelRunner(EngineConfig(model="random:tiny-llama", num_kv_blocks=8, max_num_seqs=2,
                                  max_model_len=64, enable_prefix_caching=False))
     r.load()
@@ -328,7 +330,7 @@ def test_calls_let_go_of_the_gil():
     ext = cpu_ext.module()
     if ext is None or not cpu_ext.bf16_cpu():
         pytest.skip("the int4 kernel does not run here")
-    from engine.packed_linear import pack_int4_blocks
+    from engine.ops.cpu.packed_linear import pack_int4_blocks
 
     q4, d16, m16, _ = pack_int4_blocks(torch.randn(1536, 576))
     x = torch.randn(96, 576)

@@ -1,5 +1,5 @@
 """``TokenBitmask``: the runner's one token-bitmask buffer (a device resource, owned by the
-runner's :class:`engine.owner.DeviceOwner` and released with it) and the per-step masking.
+runner's :class:`engine.memory.owner.DeviceOwner` and released with it) and the per-step masking.
 
 Each step, every constrained row's matcher fills its row of the host bitmask (xgrammar's
 ``fill_next_token_bitmask``, CPU). A request with draft tokens (speculative decoding) has one row
@@ -18,7 +18,7 @@ or an EOS id); the device rows are as wide as the logits, and their words past t
 are zero, so the padding ids past them are refused too. The logits are
 copied first only when the step reports logprobs (they are those of the raw distribution).
 
-Overlapped scheduling (engine/core.py) fills in the background: ``fill(background=True)`` runs
+Overlapped scheduling (engine/core/engine_core.py) fills in the background: ``fill(background=True)`` runs
 the fill on this bitmask's one helper thread while the step thread applies the step before
 (detokenization, stop checks, outputs); xgrammar releases the GIL while it fills (both
 ``fill_next_token_bitmask`` and ``batch_fill_next_token_bitmask``: a Python loop beside a fill
@@ -45,8 +45,8 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .. import fused_sample
-from ..fused_sample import GrammarRows
+from engine.ops.triton import fused_sample
+from engine.ops.triton.fused_sample import GrammarRows
 
 
 #: a batch fill's work (one thread's time) per thread it is spread over: below it, more

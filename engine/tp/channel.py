@@ -57,7 +57,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
 
 
 class Step(msgspec.Struct, tag=True, array_like=True, gc=False):
-    # (token ids, first position, KV block ids, as decode rows): engine.step_inputs.Seq
+    # (token ids, first position, KV block ids, as decode rows): engine.forward.step_inputs.Seq
     seqs: list[tuple[list[int], int, list[int], bool]]
     logits_rows: list[int]
 

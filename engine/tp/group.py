@@ -1,6 +1,6 @@
 """The driver's side of tensor parallelism (rank 0, in the engine process).
 
-``start`` launches the local workers as plain subprocesses (``python -m engine.tp.worker``;
+``start`` launches the local workers as plain subprocesses (``python -m entrypoints.tp_worker``;
 ranks of other hosts are started there by ``enginecore serve --node-rank R``), accepts one
 control connection per rank, hands each the rendezvous and the EngineConfig, and joins the
 process group. ``agree_blocks`` / ``wait_ready`` make LOADED mean "every rank loaded".
@@ -106,7 +106,7 @@ class DriverGroup:
             env = {**os.environ, TOKEN_ENV: token, "PYTHONPATH": _pythonpath()}
             for r in range(1, per_node):
                 self._procs[r] = subprocess.Popen(
-                    [sys.executable, "-m", "engine.tp.worker", "--connect", f"{host}:{port}",
+                    [sys.executable, "-m", "entrypoints.tp_worker", "--connect", f"{host}:{port}",
                      "--rank", str(r), "--local-rank", str(r), "--parent-pid", str(os.getpid())],
                     env=env, stdin=subprocess.DEVNULL)
             log.info("tensor parallel: %d ranks (%d local workers started, %d from other "

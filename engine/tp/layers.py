@@ -1,4 +1,4 @@
-"""The parallel layers: a rank's :class:`~engine.model.CausalLM` is built from its local shapes
+"""The parallel layers: a rank's :class:`~engine.model.llama.CausalLM` is built from its local shapes
 (``shard.local_config``) and gets three kinds of modules swapped in, keeping Hugging Face's
 parameter names so the loader fills them as it fills the full model:
 
@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..model import CausalLM
-from ..model_config import ModelConfig
+from engine.model.llama import CausalLM
+from engine.model.model_config import ModelConfig
 
 
 def _staged(t: torch.Tensor, group) -> bool:

@@ -13,7 +13,7 @@ class WorkerLink:
         self.on_failure = None
 
     def start(self, should_stop) -> None:
-        pass  # connected and in the process group already (engine.tp.worker)
+        pass  # connected and in the process group already (entrypoints.tp_worker)
 
     def agree_blocks(self, mine: int) -> int:
         self._ch.send(Loaded(self.rank, mine))

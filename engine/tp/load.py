@@ -1,16 +1,16 @@
 """A rank's weights: its shard's modules (``layers.create_tp_model``), adopted by the runner's
 owner before they are filled from the sharded checkpoint (``shard.ShardedTensors``).
 
-Packed CPU formats (engine/cpu_weights.py) are not used with TP: a rank keeps float weights.
+Packed CPU formats (engine/model/cpu_weights.py) are not used with TP: a rank keeps float weights.
 Random presets are seeded per rank (each rank's shard is its own draw, not a slice of TP=1's
 weights): for lifecycle tests and benchmarks, not for parity.
 """
 
 from __future__ import annotations
 
-from ..model_config import ModelConfig
-from ..owner import Resource as R
-from ..weights import weight_spec
+from engine.model.model_config import ModelConfig
+from engine.memory.owner import Resource as R
+from engine.memory.weights import weight_spec
 from .layers import create_tp_model
 from .shard import ShardedTensors, local_config
 

@@ -30,7 +30,7 @@ def run_node(config) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     env = {**os.environ, "PYTHONPATH": _pythonpath()}
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "engine.tp.worker", "--connect",
+        [sys.executable, "-m", "entrypoints.tp_worker", "--connect",
          f"{config.master_addr}:{config.master_port}", "--rank", str(first + i),
          "--local-rank", str(i), "--parent-pid", str(os.getpid())],
         env=env, stdin=subprocess.DEVNULL) for i in range(k)]

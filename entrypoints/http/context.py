@@ -21,7 +21,7 @@ import anyio
 from states import LIVE_STATES, State
 
 from engine.errors import EngineDeadError, EngineError
-from engine.hf_hub import display_name
+from engine.loader.hf_hub import display_name
 from engine.interface import Engine, Health, RequestStreamLike
 from engine.params import SamplingParams
 from . import protocol as P
@@ -43,7 +43,7 @@ class Frontend:
         self.engine = engine
         self.limits = limits
         served = [model_name] if isinstance(model_name, str) else list(model_name or ())
-        #: The served names (``--served-model-name``; else the model's own, engine/hf_hub.py):
+        #: The served names (``--served-model-name``; else the model's own, engine/loader/hf_hub.py):
         #: all are listed; the first is the one responses report. ``default`` and the
         #: ``--model`` value are accepted as aliases.
         self.served: list[str] = served or [display_name(engine.model)]

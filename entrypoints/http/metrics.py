@@ -27,7 +27,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
 
-from engine.stats import QUEUE_TIME_BUCKETS, STEP_TIME_BUCKETS
+from engine.core.stats import QUEUE_TIME_BUCKETS, STEP_TIME_BUCKETS
 from states import State
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"

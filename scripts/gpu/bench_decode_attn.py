@@ -2,8 +2,8 @@
 block 16), batch 256, contexts 100..450: the Triton kernel vs the torch gather path, with the
 bytes of K/V read against the time (memory roofline ~4.3-4.8 TB/s)."""
 import torch
-from engine import triton_attention as ta
-from engine.attention import AttentionMetadata, decode_attention_torch
+from engine.ops.triton import decode_attention as ta
+from engine.model.attention import AttentionMetadata, decode_attention_torch
 
 torch.manual_seed(0)
 B, H, KVH, D, bs = 256, 16, 8, 128, 16

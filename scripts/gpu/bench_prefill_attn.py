@@ -1,4 +1,4 @@
-"""The paged prefill attention kernel (engine/triton_prefill.py) by launch choice, on the device
+"""The paged prefill attention kernel (engine/ops/triton/prefill_attention.py) by launch choice, on the device
 (issue 15: a graphed ~2,000-token prompt step of random:qwen3-0.6b took 9-11 ms on the H200, about
 3x what its FLOPs need; attention is the part that grows with the cached context).
 
@@ -33,7 +33,7 @@ sys.path.insert(0, os.getcwd())
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from engine import triton_prefill as tp  # noqa: E402
+from engine.ops.triton import prefill_attention as tp  # noqa: E402
 
 MODELS = {"qwen3-0.6b": (16, 8, 128), "llama-3.2-1b": (32, 8, 64)}
 SHAPES = {"cached": [(93, 1300 + 7 * (i % 5)) for i in range(22)],

@@ -388,7 +388,7 @@ elif [[ $PART == 31 ]]; then  # session 18, issue 23: the job after the forward'
     step "structured_after_$r" 40 python3 -m bench.structured --device cuda --no-progress --no-plain \
       --fractions 0,1 --rounds 2 --out "$OUT/structured_after_$r.json"
     step "structured_before_$r" 40 python3 scripts/gpu/with_switch.py \
-      --set engine.core:EngineCore.grammar_job_after_launch=false - bench.structured --device cuda \
+      --set engine.core.engine_core:EngineCore.grammar_job_after_launch=false - bench.structured --device cuda \
       --no-progress --no-plain --fractions 0,1 --rounds 2 --out "$OUT/structured_before_$r.json"
   done
   step structured_pyspy 60 .whl/py-spy record -r 250 -f raw -o "$OUT/structured_100.raw" --threads -- \
@@ -411,7 +411,7 @@ elif [[ $PART == 32 ]]; then  # session 18, issue 23: the packed mask kernel and
       --set engine.structured.bitmask:TokenBitmask.direct_kernel=false - bench.structured --device cuda \
       --no-progress --no-plain --fractions 0,1 --rounds 2 --out "$OUT/structured_public_$r.json"
     step "structured_letin_$r" 40 python3 scripts/gpu/with_switch.py \
-      --set engine.core:EngineCore.late_let_in_after_sampling=true - bench.structured --device cuda \
+      --set engine.core.engine_core:EngineCore.late_let_in_after_sampling=true - bench.structured --device cuda \
       --no-progress --no-plain --fractions 0,1 --rounds 2 --out "$OUT/structured_letin_$r.json"
   done
   TAIL=6 step gpu_tests 100 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_gpu_structured.py \
@@ -545,7 +545,7 @@ elif [[ $PART == 42 ]]; then  # session 22: the next step launched before first 
     step "prefix_new_$i" 60 python3 -m bench.prefix --device cuda --no-progress --rounds 2 \
       --out "$OUT/prefix_new_$i.json"
     step "prefix_before_$i" 60 python3 scripts/gpu/with_switch.py \
-      --set engine.async_engine:AsyncEngine.consumers_before_launch=true - bench.prefix --device cuda \
+      --set engine.serving.async_engine:AsyncEngine.consumers_before_launch=true - bench.prefix --device cuda \
       --no-progress --rounds 2 --out "$OUT/prefix_before_$i.json"
   done
   TAIL=14 step structured 80 python3 -m bench.structured --device cuda --no-progress --no-plain \
@@ -574,16 +574,16 @@ elif [[ $PART == 40 ]]; then  # session 22: the 0 % baseline with text (printabl
   TAIL=12 step prefix 120 python3 -m bench.prefix --device cuda --no-progress --rounds 3 --out "$OUT/prefix.json"
 elif [[ $PART == 39 ]]; then  # session 22: the constrained step's extra split finer; issue 15 on any card
   export ONE_LOG=run.log TAIL=40
-  parts=engine.late_step:LateStep._fed,engine.runner:ModelRunner.accept_then_fill
-  parts+=,engine.runner:_constrained,engine.structured.bitmask:TokenBitmask.accept_then_fill
-  parts+=,engine.structured.native:GrammarWorker.submit,engine.late_step:LateStep._grammar_done
-  parts+=,engine.structured.bitmask:TokenBitmask.grammar_rows,engine.runner:sample
-  parts+=,engine.fused_sample:sample,engine.runner:build_sampling_batch,engine.runner:process
-  parts+=,engine.intake:IntakeAPI._deliver
+  parts=engine.core.late_step:LateStep._fed,engine.runner.model_runner:ModelRunner.accept_then_fill
+  parts+=,engine.runner.model_runner:_constrained,engine.structured.bitmask:TokenBitmask.accept_then_fill
+  parts+=,engine.structured.native:GrammarWorker.submit,engine.core.late_step:LateStep._grammar_done
+  parts+=,engine.structured.bitmask:TokenBitmask.grammar_rows,engine.runner.model_runner:sample
+  parts+=,engine.ops.triton.fused_sample:sample,engine.runner.model_runner:build_sampling_batch,engine.runner.model_runner:process
+  parts+=,engine.serving.intake:IntakeAPI._deliver
   # (per-step calls only; the second run also counts the consumers' wake-ups, ~256 calls a
   # step whose timing wrappers add to the loop's time)
   for i in 1 2; do
-    ((i == 2)) && parts+=,engine.mailbox:Mailbox._wake
+    ((i == 2)) && parts+=,engine.serving.mailbox:Mailbox._wake
     step "structured_parts_$i" 50 python3 -m bench.structured --device cuda --no-progress --no-plain \
       --fractions 0,1 --rounds 3 --phases --phase-targets "$parts" --out "$OUT/structured_parts_$i.json"
   done
@@ -642,7 +642,7 @@ elif [[ $PART == 34 ]]; then  # session 19, issue 23: this tree against ab/base,
   for i in 1 2; do
     structured_pair $i "$base"
     step "structured_noinside_$i" 45 python3 scripts/gpu/with_switch.py \
-      --set engine.core:EngineCore.grammar_job_in_forward=false - bench.structured --device cuda \
+      --set engine.core.engine_core:EngineCore.grammar_job_in_forward=false - bench.structured --device cuda \
       --no-progress --no-plain --fractions 0,1 --rounds 2 --out "$OUT/structured_noinside_$i.json"
   done
   ((h200)) || accept

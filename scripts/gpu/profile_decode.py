@@ -21,10 +21,10 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.params import SamplingParams
-from engine.owner import Resource as R
-from engine.runner import ModelRunner
+from engine.memory.owner import Resource as R
+from engine.runner.model_runner import ModelRunner
 
 
 def sync() -> None:

@@ -23,9 +23,9 @@ from collections import defaultdict
 import torch
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.params import SamplingParams
-from engine.runner import ModelRunner
+from engine.runner.model_runner import ModelRunner
 
 
 def sync(dev: str) -> None:

@@ -9,9 +9,9 @@ import os, sys, time
 import torch
 from torch.profiler import ProfilerActivity, profile
 from engine.config import EngineConfig
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.params import SamplingParams
-from engine.runner import ModelRunner
+from engine.runner.model_runner import ModelRunner
 
 r = ModelRunner(EngineConfig(model="random:qwen3-0.6b", kv_cache_bytes=16 * 2**30))
 r.load()

@@ -30,10 +30,10 @@ a = ap.parse_args()
 
 import torch  # noqa: E402
 
-import engine.core as core_mod  # noqa: E402
-import engine.late_step as late_mod  # noqa: E402
-import engine.launched as launched_mod  # noqa: E402
-import engine.runner as rmod  # noqa: E402
+import engine.core.engine_core as core_mod  # noqa: E402
+import engine.core.late_step as late_mod  # noqa: E402
+import engine.runner.launched as launched_mod  # noqa: E402
+import engine.runner.model_runner as rmod  # noqa: E402
 import engine.structured.bitmask as bm  # noqa: E402
 
 if a.fill_threads is not None:

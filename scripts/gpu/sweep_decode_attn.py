@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from engine import triton_attention as ta
+from engine.ops.triton import decode_attention as ta
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", default=None)

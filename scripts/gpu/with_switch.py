@@ -4,7 +4,7 @@ engine choice in one call). The engine never sets the switch interval.
 
     python3 scripts/gpu/with_switch.py [--set MODULE:CLASS.ATTR=JSON]... SECONDS|- MODULE [ARGS...]
 
-e.g. ``--set engine.core:EngineCore.grammar_job_after_launch=false - bench.structured ...``
+e.g. ``--set engine.core.engine_core:EngineCore.grammar_job_after_launch=false - bench.structured ...``
 """
 import importlib
 import json

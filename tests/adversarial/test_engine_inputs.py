@@ -73,7 +73,7 @@ async def test_a_request_that_fails_its_preparation_ends_alone(monkeypatch) -> N
     """The step cannot be killed by one request: what fails in ModelRunner.admit ends that
     request with finish_reason="error"; the others are served."""
     async with AsyncEngine.open(EngineConfig(model=TINY)) as eng:
-        from engine.runner import ModelRunner
+        from engine.runner.model_runner import ModelRunner
 
         real = ModelRunner.admit
 
@@ -125,7 +125,7 @@ async def test_finding3_engine_wide_admission_limit() -> None:
 async def test_finding6_giant_prompts_are_never_tokenized_on_the_event_loop(monkeypatch) -> None:
     import threading
 
-    from engine.tokenizer import Tokenizer
+    from engine.loader.tokenizer import Tokenizer
 
     loop_thread = threading.get_ident()
     calls: list[tuple[int, int]] = []

@@ -26,8 +26,8 @@ import torch
 
 from engine import EngineConfig, ModelRunner, SamplingParams
 from gpu_memory import baseline, mem
-from engine.attention import AttentionMetadata, decode_attention_torch
-from engine.core import EngineCore
+from engine.model.attention import AttentionMetadata, decode_attention_torch
+from engine.core.engine_core import EngineCore
 
 pytestmark = [
     pytest.mark.gpu,
@@ -65,9 +65,9 @@ CASES = [  # (batch, heads, kv_heads, head_dim, context lengths or None for rand
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-H{c[1]}-KV{c[2]}-D{c[3]}")
 def test_triton_decode_matches_torch(case, dtype):
-    from engine import triton_attention
+    from engine.ops.triton import decode_attention
 
-    if not triton_attention.HAVE_TRITON:
+    if not decode_attention.HAVE_TRITON:
         pytest.skip("triton unavailable")
     bsz, heads, kv_heads, dim, lens = case
     gen = torch.Generator(device="cuda").manual_seed(bsz * 1000 + dim)
@@ -85,7 +85,7 @@ def test_triton_decode_matches_torch(case, dtype):
     ctx = torch.tensor(lens, device="cuda")
     scale = dim ** -0.5
     out = torch.full_like(q, 7.0)
-    triton_attention.decode_attention(q, cache, rows, bt, ctx, scale, out)
+    decode_attention.decode_attention(q, cache, rows, bt, ctx, scale, out)
     ref = _reference(q, cache, rows, bt, ctx, scale)
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out[rows].float(), ref[rows], **tol)

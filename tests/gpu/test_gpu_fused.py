@@ -1,8 +1,8 @@
-"""GPU: the fused Triton path (engine/fused_ops.py, the paged prefill of engine/triton_prefill.py)
+"""GPU: the fused Triton path (engine/ops/triton/fused_ops.py, the paged prefill of engine/ops/triton/prefill_attention.py)
 against the plain torch path, bf16.
 
 The same three packed steps (two prefills, a chunk after a cached prefix, a decode batch) run
-through both paths from an empty cache (``engine.fused_check.compare``). Every rounding to bf16
+through both paths from an empty cache (``tests.fused_check.compare``). Every rounding to bf16
 happens at the same point in both; only fp32 reduction order (and therefore a last-bit tie
 now and then) differs, and 28 layers carry such one-ulp differences forward: the logits must
 agree to within 3 % of their largest magnitude (measured: 1.2 % on Qwen3-0.6B, 1.8 % on
@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.fused_check import compare
-from engine import fused_ops
+from tests.fused_check import compare
+from engine.ops.triton import fused_ops
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,12 +44,12 @@ def test_fused_logits_match_plain_fp32():
 
 
 def test_one_pass_sampler_draws_softmax_and_takes_first_max_on_cuda(monkeypatch):
-    """engine/fused_sample.py on the device at Qwen3's vocabulary: 8,192 rows whose mass sits on
+    """engine/ops/triton/fused_sample.py on the device at Qwen3's vocabulary: 8,192 rows whose mass sits on
     4 tokens spread over the vocabulary draw each with its probability (T = 1 and 0.7); greedy
     rows equal torch.argmax (ties included); refused (-inf) tokens are never drawn. Prints the
     one-pass time against the torch path's at 256 rows (run with -s)."""
-    from engine import fused_sample
-    from engine.sampler import SamplingBatch, sample
+    from engine.ops.triton import fused_sample
+    from engine.sample.sampler import SamplingBatch, sample
 
     monkeypatch.setattr(fused_sample, "ENABLED", True)  # (the default; ENGINECORE_FUSED_SAMPLE=0)
     dev = torch.device("cuda")
@@ -93,8 +93,8 @@ def test_greedy_one_pass_with_masks_equals_masked_argmax_on_cuda(monkeypatch):
     """``greedy=True`` (no noise; from 128 rows one program a row writing the tokens) at Qwen3's
     vocabulary gives the first maximum of the masked logits, as zero temperatures do, at 256
     rows (one program a row) and 8 (split); prints its time against the noisy pass's (-s)."""
-    from engine import fused_sample
-    from engine.fused_sample import GrammarRows
+    from engine.ops.triton import fused_sample
+    from engine.ops.triton.fused_sample import GrammarRows
 
     monkeypatch.setattr(fused_sample, "ENABLED", True)
     dev = torch.device("cuda")
@@ -137,11 +137,11 @@ def test_greedy_one_pass_with_masks_equals_masked_argmax_on_cuda(monkeypatch):
 
 
 def test_prefill_kernel_plain_and_packed_equal_a_dense_reference_fp32():
-    """engine/triton_prefill.py's default launch (query heads interleaved two a program) and
+    """engine/ops/triton/prefill_attention.py's default launch (query heads interleaved two a program) and
     the plain one (a program a head) against a dense torch attention, fp32 (IEEE dots), GQA 4,
     2 and 1 (the other choices are checked in the interpreter: each fp32 variant compiles for
     ~10 s here)."""
-    from engine.fused_check import compare_prefill
+    from tests.fused_check import compare_prefill
 
     res = compare_prefill("cuda", ["default", "plain"])
     print(res)

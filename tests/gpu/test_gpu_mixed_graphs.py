@@ -1,4 +1,4 @@
-"""GPU: steps with prompt tokens replayed from CUDA graphs (engine/mixed_inputs.py,
+"""GPU: steps with prompt tokens replayed from CUDA graphs (engine/forward/mixed_inputs.py,
 on by default since these passed on the H200; ``ENGINECORE_MIXED_GRAPHS=0`` turns them off).
 
 (a) The same packed steps (fresh prompts, chunks after context, decode rows beside chunks, a
@@ -22,7 +22,7 @@ import torch
 
 from engine import EngineConfig, ModelRunner, SamplingParams
 from gpu_memory import baseline, mem
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,8 +39,8 @@ def _mixed_on(monkeypatch):
 @pytest.mark.parametrize("variant", ["basic", "more"])
 def test_graphed_prompt_steps_equal_eager_ones(dtype, variant):
     """``more``: the rarer shapes (chunks at the cap, long contexts, a decode row over two
-    splits, in-flight tokens, stale inputs: engine/fused_check.py)."""
-    from engine.fused_check import compare_mixed
+    splits, in-flight tokens, stale inputs: tests/fused_check.py)."""
+    from tests.fused_check import compare_mixed
 
     res = compare_mixed("random:qwen3-0.6b", "cuda", dtype, variant)
     print(f"\n{dtype} {variant}: {res}")

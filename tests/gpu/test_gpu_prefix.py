@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, ModelRunner, SamplingParams
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
 from gpu_memory import baseline, mem
 
 pytestmark = [

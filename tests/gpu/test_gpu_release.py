@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import AsyncEngine, EngineConfig, ModelRunner, SamplingParams
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
 
 pytestmark = [
     pytest.mark.gpu,

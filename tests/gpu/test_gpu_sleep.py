@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import AsyncEngine, EngineConfig, SamplingParams
-from engine.owner import reachable_tensors
+from engine.memory.owner import reachable_tensors
 
 pytestmark = [
     pytest.mark.gpu,

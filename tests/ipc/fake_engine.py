@@ -29,7 +29,7 @@ class FakeEngine:
         self.lifecycle.trigger("load")
         self.lifecycle.trigger("serve")
         self.config = SimpleNamespace(model="fake:counter")
-        self.tokenizer = tokenizer  # an engine.tokenizer.Tokenizer, or None (no template)
+        self.tokenizer = tokenizer  # an engine.loader.tokenizer.Tokenizer, or None (no template)
         self.max_model_len = max_model_len
         self.step_interval = step_interval
         self.text_size = text_size
@@ -74,7 +74,7 @@ class FakeEngine:
         return [bytes([i]) for i in range(256)]
 
     async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        from engine.tokenizer import render_chat_template
+        from engine.loader.tokenizer import render_chat_template
 
         info = self.tokenizer_info()
         return render_chat_template(info.chat_template, messages, info.bos_token, info.eos_token,
@@ -82,7 +82,7 @@ class FakeEngine:
 
     def generate(self, prompt, params: Optional[SamplingParams] = None,
                  request_id: Optional[str] = None) -> RequestStreamLike:
-        from engine.request_stream import RequestStream
+        from engine.serving.request_stream import RequestStream
 
         rid = request_id or f"fake-{len(self.submitted)}"
         stream = RequestStream(self, rid)

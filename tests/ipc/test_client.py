@@ -11,7 +11,7 @@ import pytest
 from engine.errors import (BadRequestError, EngineDeadError, EngineDrainingError,
                            EngineShutdownError)
 from engine.params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.loader.tokenizer import Tokenizer
 from fake_engine import FakeEngine
 from ipc.client import EngineClient
 from ipc.errors import AuthError, ConnectionClosed

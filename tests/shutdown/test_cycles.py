@@ -2,7 +2,7 @@
 
 Each cycle loads a model with a 64 MiB KV cache, serves a few concurrent requests and shuts
 down. A leak of any cycle's KV cache alone would add 64 MiB of virtual memory (on CPU the cache
-is its own memory map, resident only where written: engine/kv_cache.py) and the RSS of what the
+is its own memory map, resident only where written: engine/kv/kv_cache.py) and the RSS of what the
 requests wrote; a leaked tensor object of any size shows up in the live-tensor count.
 """
 
@@ -48,7 +48,7 @@ def vm_size() -> int:
 
 async def one_cycle(probe: list | None = None) -> None:
     # (the probe's cycle leaves the heap unfrozen: gc.get_objects does not list frozen objects,
-    # and a serving engine freezes its startup heap, engine/gc_freeze.py; shut down, it thaws)
+    # and a serving engine freezes its startup heap, engine/runner/gc_freeze.py; shut down, it thaws)
     cfg = CONFIG if probe is None else msgspec.structs.replace(CONFIG, freeze_gc=False)
     async with AsyncEngine.open(cfg) as engine:
         assert engine.runner.resource("kv_cache").nbytes == KV_BYTES

@@ -1,6 +1,6 @@
-"""engine.bad_words: the token forms of each word and which of them a step bans."""
+"""engine.sample.bad_words: the token forms of each word and which of them a step bans."""
 
-from engine.bad_words import bad_word_sequences, banned_now
+from engine.sample.bad_words import bad_word_sequences, banned_now
 from engine.params import SamplingParams
 
 

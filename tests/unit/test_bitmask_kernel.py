@@ -219,7 +219,7 @@ def test_device_words_views_are_made_once_and_released_with_the_buffers():
     own, and close() drops the views: they would keep the released buffers' storage alive."""
     import torch
 
-    from engine.owner import storage_bytes
+    from engine.memory.owner import storage_bytes
     from engine.structured.bitmask import TokenBitmask
 
     bits = TokenBitmask(4, 96, torch.device("cpu"), grammar_vocab=64)

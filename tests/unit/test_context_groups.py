@@ -1,5 +1,5 @@
 """Prefill chunks that continue earlier context are batched into padded groups
-(engine.attention.context_groups): the result equals the per-sequence computation."""
+(engine.model.attention.context_groups): the result equals the per-sequence computation."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from engine.attention import (AttentionMetadata, PrefillSeq, context_groups, paged_attention,
-                              write_kv)
+from engine.model.attention import (AttentionMetadata, PrefillSeq, context_groups, paged_attention,
+                                    write_kv)
 
 BS, NB, HKV, H, D = 4, 512, 2, 4, 8
 

@@ -1,11 +1,11 @@
-"""Intra-op threads from the CPUs the process may use (engine/cpu_threads.py)."""
+"""Intra-op threads from the CPUs the process may use (engine/serving/cpu_threads.py)."""
 
 import os
 
 import pytest
 
-from engine import cpu_threads
-from engine.cpu_threads import cgroup_cpu_quota, choose_threads, cpu_budget
+from engine.serving import cpu_threads
+from engine.serving.cpu_threads import cgroup_cpu_quota, choose_threads, cpu_budget
 
 
 def test_cgroup_v2_quota(tmp_path):
@@ -50,7 +50,7 @@ def test_import_sets_nothing():
     import subprocess
     import sys
 
-    code = ("import os, torch; n = torch.get_num_threads(); import engine.cpu_threads, engine.runner; "
+    code = ("import os, torch; n = torch.get_num_threads(); import engine.serving.cpu_threads, engine.runner.model_runner; "
             "assert torch.get_num_threads() == n and os.environ.get('OMP_NUM_THREADS') == '5'")
     env = {**os.environ, "OMP_NUM_THREADS": "5"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)

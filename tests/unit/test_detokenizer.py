@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import Tokenizer
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.loader.tokenizer import Tokenizer
 
 
 class WordPieces:
@@ -124,7 +124,7 @@ def test_byte_stream_equals_window_decoding_on_random_bytes():
 
 
 def test_a_long_output_text_is_every_delta_joined():
-    from engine.detokenizer import _JOIN_EVERY, IncrementalDetokenizer
+    from engine.core.detokenizer import _JOIN_EVERY, IncrementalDetokenizer
 
     class Chars:  # token i decodes to chr(97 + i % 26): one character a token
         def decode(self, ids, skip=True):

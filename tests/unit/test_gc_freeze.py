@@ -1,13 +1,13 @@
-"""engine/gc_freeze.py: a loaded runner keeps the cyclic collector off the startup heap, and
+"""engine/runner/gc_freeze.py: a loaded runner keeps the cyclic collector off the startup heap, and
 gives it back at shutdown -- the last of two runners, not the first."""
 
 import gc
 
 import pytest
 
-from engine import gc_freeze
+from engine.runner import gc_freeze
 from engine.config import EngineConfig
-from engine.runner import ModelRunner
+from engine.runner.model_runner import ModelRunner
 
 
 @pytest.fixture(autouse=True)

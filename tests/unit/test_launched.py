@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.launched import Launched
+from engine.runner.launched import Launched
 
 
 class _Event:

@@ -3,10 +3,10 @@ budget, preemption order, prefix hits at admission and draft-block rollback."""
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager
 from engine.params import SamplingParams
 from engine.request import Request, Status
-from engine.scheduler import Scheduler
+from engine.core.scheduler import Scheduler
 
 BS = 4
 
@@ -167,7 +167,7 @@ def test_rejected_draft_blocks_are_rolled_back_by_the_scheduler():
 
 def _blocks_short_by_loop(s: Scheduler) -> bool:
     """The definition, request by request (what the bound in ``blocks_short`` must agree with)."""
-    from engine.kv_cache import blocks_needed
+    from engine.kv.kv_cache import blocks_needed
 
     budget, need = s.token_budget, 0
     for r in s.running:

@@ -1,4 +1,4 @@
-"""A step's host-side inputs (engine/step_inputs.py, engine/host_arrays.py, the paged prefill's
+"""A step's host-side inputs (engine/forward/step_inputs.py, engine/ops/host_arrays.py, the paged prefill's
 tile lists, the prefix cache's block hashes) equal the per-token / per-block definitions they
 replace: positions, KV slots, padded block tables, chained hashes."""
 
@@ -13,11 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import triton_prefill
-from engine.block_hash import chain_hashes
-from engine.host_arrays import int32_tensor, long_tensor, padded_rows
-from engine.model_state import ModelState
-from engine.step_inputs import _extend_slots, eager_rows, packed_forward
+from engine.ops.triton import prefill_attention
+from engine.kv.block_hash import chain_hashes
+from engine.ops.host_arrays import int32_tensor, long_tensor, padded_rows
+from engine.forward.model_state import ModelState
+from engine.forward.step_inputs import _extend_slots, eager_rows, packed_forward
 
 
 def _slot(blocks, p, bs):
@@ -60,7 +60,7 @@ def test_padded_rows_from_arrays(rows, width, rnd):
 
 
 def test_block_table_follows_appends_and_other_changes():
-    from engine.host_arrays import block_table
+    from engine.ops.host_arrays import block_table
     from engine.params import SamplingParams
     from engine.request import Request
 
@@ -108,9 +108,9 @@ def test_prefill_tiles_and_tables():
         blocks = rng.sample(range(5000), -(-ctx // bs) + rng.randint(0, 2))
         chunks.append((row, n, ctx, blocks))
         row += n
-    got = triton_prefill.build(chunks, bs, torch.device("cpu"))
+    got = prefill_attention.build(chunks, bs, torch.device("cpu"))
     tiles = [(j, m0) for j, (_, n, _, _) in enumerate(chunks)
-             for m0 in range(0, n, triton_prefill.BLOCK_M)]
+             for m0 in range(0, n, prefill_attention.BLOCK_M)]
     assert got.tile_chunk.tolist() == [j for j, _ in tiles]
     assert got.tile_m0.tolist() == [m for _, m in tiles]
     assert got.q_start.tolist() == [c[0] for c in chunks]
@@ -132,17 +132,17 @@ def test_prefill_arrays_start_16_byte_aligned(num_chunks):
     for extra in range(4):  # tile counts of every class mod 4
         chunks, row = [], 0
         for j in range(num_chunks):
-            n = 1 + (j == 0) * extra * triton_prefill.BLOCK_M
+            n = 1 + (j == 0) * extra * prefill_attention.BLOCK_M
             chunks.append((row, n, 40 + n, list(range(10))))
             row += n
-        got = triton_prefill.build(chunks, bs, torch.device("cpu"))
+        got = prefill_attention.build(chunks, bs, torch.device("cpu"))
         assert got.tile_chunk.shape[0] == num_chunks + extra
         for name in ("tile_chunk", "tile_m0", "q_start", "q_len", "ctx_len", "block_table"):
             t = getattr(got, name)
             assert t.data_ptr() % 16 == 0, (name, num_chunks, extra)
         assert got.q_len.tolist() == [c[1] for c in chunks]
         assert got.ctx_len.tolist() == [c[2] for c in chunks]
-        assert got.tile_m0.tolist()[:1 + extra] == [m * triton_prefill.BLOCK_M for m in range(1 + extra)]
+        assert got.tile_m0.tolist()[:1 + extra] == [m * prefill_attention.BLOCK_M for m in range(1 + extra)]
 
 
 class _Capture:
@@ -208,7 +208,7 @@ def test_eager_prefill_rows_padded_to_a_few_sizes(monkeypatch, pad):
     ``eager_rows(t)`` rows (cuBLAS picks kernels per row count on the host): padded rows write
     K/V to the scratch slot only, no chunk or decode row names them, and the caller gets ``t``
     rows back."""
-    monkeypatch.setattr(triton_prefill, "usable", lambda *a: True)
+    monkeypatch.setattr(prefill_attention, "usable", lambda *a: True)
     bs = 4
     state = ModelState(max_tokens=256, max_seqs=8, max_blocks_per_seq=64,
                        device=torch.device("cpu"))
@@ -259,13 +259,13 @@ def test_graphed_steps_read_the_same_block_tables_from_mirrors(monkeypatch):
     growth past their room, as the runner reads them every step) give a CUDA-graphed decode
     step (rows padded with the scratch block's list) and a mixed graphed step (the real
     MixedInputs views, on the CPU) the block tables the lists give, row for row."""
-    from engine.block_manager import BlockManager
-    from engine.host_arrays import block_table
-    from engine.mixed_inputs import MixedInputs
+    from engine.kv.block_manager import BlockManager
+    from engine.ops.host_arrays import block_table
+    from engine.forward.mixed_inputs import MixedInputs
     from engine.params import SamplingParams
     from engine.request import Request
 
-    monkeypatch.setattr(triton_prefill, "usable", lambda *a: True)
+    monkeypatch.setattr(prefill_attention, "usable", lambda *a: True)
     bs, nb = 4, 96
     bm = BlockManager(nb, bs, enable_caching=False)
     reqs = []

@@ -1,0 +1,398 @@
+"""``EngineCore``: the synchronous heart. ``step()`` is propose → schedule → execute → update.
+
+It owns the requests, the scheduler and the runner; it knows nothing about async, processes or
+lifecycles. The async engine calls ``step()`` on a worker thread and applies adds/aborts only
+between steps, so nothing here needs a lock.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, NamedTuple, Optional, Sequence
+
+from engine.sample.bad_words import bad_word_sequences
+from .detokenizer import IncrementalDetokenizer
+from engine.errors import BadRequestError
+from engine.kv.kv_cache import blocks_needed
+from .late_step import LateStep
+from engine.params import Logprobs, RequestOutput, SamplingParams
+from engine.request import Request
+from engine.runner.model_runner import ModelRunner
+from engine.sample.sampler import StepResult
+from .scheduler import Scheduler
+from engine.spec_decode.base import SpecStats
+from engine.structured.matcher import advance, new_matcher
+from .stats import EngineTimings
+
+
+class CoreStats(NamedTuple):
+    steps: int
+    prompt_tokens: int
+    generation_tokens: int
+    finished: dict
+    preemptions: int
+    spec_proposed: int
+    spec_accepted: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens whose K/V came from the cache
+
+
+_NO_LIMIT: tuple[bool, Optional[str]] = (False, None)
+
+
+class EngineCore(LateStep):
+    def __init__(self, runner: ModelRunner, *, check_integrity: bool = False):
+        self.runner = runner
+        self.tokenizer = runner.tokenizer
+        cfg = runner.config
+        self.blocks = runner.block_manager
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.check_integrity = check_integrity
+        self._eos = runner.tokenizer.eos_token_ids | set(runner.model_config.eos_token_ids)
+        self._steps = 0
+        self._prompt_tokens = 0
+        self._gen_tokens = 0
+        self._finished: dict[str, int] = {}
+        # the one speculation counter is the speculator's (verification knows it exactly); kept
+        # here so that the figures outlive the speculator, which the release drops
+        spec = runner.speculator
+        self._spec = spec.stats_ if spec is not None else SpecStats()
+        self.timings = EngineTimings()
+        # overlapped scheduling: the step launched but not yet applied, (batch, Launched)
+        self._inflight = None
+        self._inflight_first = False  # a request's first token is in the step in flight
+        self.early_completions = 0  # steps applied before the next launch (EngineCore.step)
+        self.deferred_steps = 0  # steps whose tokens were read back during the next one
+        # steps sampled only after the step before was applied (a constrained request's token
+        # was in flight: EngineCore.step)
+        self.late_sampled_steps = 0
+        # their host time by part: the forward's launch; reading the step before back and
+        # feeding its tokens to the matchers; applying it (the masks fill meanwhile); waiting
+        # for the masks, masking and launching the sampling
+        self.late_seconds = dict.fromkeys(("forward", "read_back", "apply", "mask_sample"), 0.0)
+        #: a step sampled late applies the step before after launching its sampling (an
+        #: asynchronous device), or before it, beside the masks' fill (CPU): EngineCore.step
+        self.apply_after_sampling = runner.device.type == "cuda"
+        #: a late step's grammar work on the grammar worker, beside its forward's launch
+        #: (EngineCore._grammar_job; structured/native.py), where the worker can be had;
+        #: ENGINECORE_GRAMMAR_OVERLAP=0 keeps it on the step thread (issue 23)
+        self.grammar_overlap = os.environ.get("ENGINECORE_GRAMMAR_OVERLAP", "1") != "0"
+        self.grammar_jobs = 0  # late steps whose grammar work ran beside the forward
+        self.grammar_jobs_after = 0  # of them, those started after the forward's launch
+        self.grammar_jobs_refused = 0  # of them, those a token out of its mask undid (none fed)
+        self.grammar_jobs_inside = 0  # of them, those started inside the forward's launch
+        overlap = cfg.overlap_scheduling
+        if overlap is None:
+            overlap = runner.device.type == "cuda"
+        self._overlap = overlap and runner.speculator is None and not runner.tensor_parallel
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    params: SamplingParams, grammar=None) -> Request:
+        """Validated input only (the async engine checks ids, params and length first).
+
+        The request's per-request state is prepared here, once (``ModelRunner.admit``): if that
+        fails, nothing is added and the error is raised for this request alone. ``grammar``:
+        the compiled grammar of ``params.structured`` (the async engine compiled it); the
+        request gets its own matcher of it."""
+        req = Request(request_id, prompt_token_ids, params)  # Request keeps its own copy
+        try:
+            if params.structured is not None:
+                if grammar is None:
+                    raise BadRequestError("a structured output needs its compiled grammar")
+                req.matcher = new_matcher(grammar)
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.token_ids, params.stop,
+                                               params.skip_special_tokens,
+                                               params.include_stop_str_in_output)
+            if params.bad_words:
+                req.bad_words = bad_word_sequences(self.tokenizer, params.bad_words)
+            self.runner.admit(req)
+        except Exception as exc:
+            self.runner.forget(request_id)
+            raise BadRequestError(f"request {request_id!r} cannot be prepared: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+        # the fewest tokens at which _length_limit can say yes (its three limits, one number)
+        req.token_limit = min(req.num_prompt_tokens + params.max_tokens, self.runner.max_model_len,
+                              self.blocks.num_blocks * self.runner.block_size)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self._prompt_tokens += req.num_prompt_tokens
+        return req
+
+    def abort(self, request_id: str, reason: str) -> Optional[RequestOutput]:
+        """Finish ``request_id`` with "abort"; returns its terminal output (None if unknown)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        return self._finish(req, "abort", reason, RequestOutput(request_id=request_id))
+
+    def abort_all(self, reason: str) -> list[RequestOutput]:
+        return [o for rid in list(self.requests) if (o := self.abort(rid, reason)) is not None]
+
+    def has_work(self) -> bool:
+        return self._inflight is not None or self.scheduler.has_work()
+
+    @property
+    def in_flight(self) -> bool:
+        """A deferred step is launched and not yet applied: the next ``step()`` waits for it."""
+        return self._inflight is not None
+
+    def reset_kv(self) -> None:
+        """The KV cache's contents are stale (new weights, or a cache rebuilt after a sleep):
+        nothing cached may be reused. Only with no request in the engine, so it frees nothing
+        in use. NOTE: prefix caching invalidates its cached blocks here."""
+        if self.requests or self.scheduler.has_work():
+            raise RuntimeError(f"reset_kv with {len(self.requests)} request(s) in the engine")
+        self.blocks.reset_prefix_cache()
+        self.blocks.check_integrity([])
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self, on_launched: Optional[Callable[[], None]] = None) -> list[RequestOutput]:
+        """Schedule, launch and apply one step. Overlapped (``overlap_scheduling``): when the
+        step before was deferred, this one is scheduled and launched *before* that one's
+        tokens are read back, so the device runs this step while the host applies the last
+        one (stop checks, detokenization, outputs): the outputs returned are the previous
+        step's, and this step's follow with the next call (``has_work`` stays true). A step
+        with a constrained request whose token is in flight is launched in two halves: the
+        forward, then -- once the step before is applied and its matchers took their tokens --
+        the grammar masks and the sampling (``runner.forward`` / ``runner.sample_step``).
+
+        ``on_launched()`` is called (on this thread) once this step is launched (its forward,
+        in two halves), when the host is about to wait for the step before's tokens: the moment
+        to let other host work run."""
+        t0 = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        prev = self._inflight
+        self._inflight = None
+        if prev is not None and self.scheduler.blocks_short():
+            # scheduling could preempt a request whose token is in flight: apply it first
+            outputs += self._complete(*prev)
+            prev = None
+        elif (prev is not None and self._inflight_first and prev[1].ready
+              and self.scheduler.prefill_pending()):
+            # NOTE: the step in flight carries first tokens and the device is done with it,
+            # while the next step is an eager one (prompt tokens) whose launch is long host
+            # work (~30 ms on the H200): launched first, it would hold those first tokens back
+            # that long (issue 15). Applied now and returned at once, without a launch; the
+            # next call launches (the device is idle either way: its step is done).
+            self.early_completions += 1
+            return self._complete(*prev)
+        if self.runner.speculator is not None:
+            self.runner.speculator.propose(self.scheduler.running)
+        batch = self.scheduler.schedule()
+        launched = None
+        if batch:
+            self.timings.scheduled(batch)
+            defer = self._overlap and all(req.overlappable for req, _ in batch)
+            if prev is not None and any(r.matcher is not None for r, _ in batch):
+                launched, late = self._late_step(prev, batch, defer, on_launched)
+                outputs += late
+                prev = None
+            else:
+                launched = self.runner.launch(batch, defer)
+        if prev is not None:
+            if on_launched is not None:
+                on_launched()
+            outputs += self._complete(*prev)
+        if launched is None:
+            return outputs
+        if launched.is_deferred:
+            self._defer(batch, launched)
+        else:
+            outputs += self._update(batch, launched.result)
+        self._steps += 1
+        self.timings.step_time.observe(time.perf_counter() - t0)
+        if self.check_integrity:
+            self.scheduler.check_integrity()
+        return outputs
+
+    def _defer(self, batch, launched) -> None:
+        """A deferred step's bookkeeping that needs no token values: its computed tokens are
+        in the cache; a request that samples has one token in flight (``pending``) and is
+        held back from the next step if that token is certain to be its last."""
+        rows = launched.rows
+        first = False
+        fed: list[int] = []  # the constrained entries whose matchers take the token (_fed)
+        fed_matchers: list = []
+        fed_rows: list[int] = []
+        for k, (req, n) in enumerate(batch):
+            if req.finished:  # finished while this step was being launched (the step before)
+                continue
+            self.scheduler.advance(req, req.num_computed_tokens + n)
+            if k in rows:
+                req.pending, req.pending_row = 1, rows[k]
+                req.hold = self._last_token_pending(req)
+                first = first or req.first_token_time is None
+                if req.matcher is not None and req.params.max_tokens > 0:
+                    fed.append(k)
+                    fed_matchers.append(req.matcher)
+                    fed_rows.append(rows[k])
+        # (valid while no request leaves the scheduler: its count of removals is kept with it)
+        launched.fed = ((fed, fed_matchers, fed_rows, self.scheduler.removed) if fed
+                        else None)
+        self._inflight = (batch, launched)
+        self._inflight_first = first
+        self.deferred_steps += 1
+
+    def _last_token_pending(self, req: Request) -> bool:
+        return self._length_limit(req, req.num_known_tokens)[0]
+
+    def _length_limit(self, req: Request, num_tokens: int) -> tuple[bool, Optional[str]]:
+        """Whether ``req`` with ``num_tokens`` tokens ends by length, and the reason given
+        (None: its own max_tokens)."""
+        if num_tokens < req.token_limit:  # (the three checks below, as one comparison)
+            return _NO_LIMIT
+        if num_tokens - req.num_prompt_tokens >= req.params.max_tokens:
+            return True, None
+        if num_tokens >= self.runner.max_model_len:
+            return True, "context limit"
+        if blocks_needed(num_tokens + 1, self.runner.block_size) > self.blocks.num_blocks:
+            return True, "KV cache capacity"
+        return False, None
+
+    def _complete(self, batch, launched, verdicts: Optional[dict] = None) -> list[RequestOutput]:
+        """Apply a deferred step: read its tokens back, then stop checks and outputs. Requests
+        that finished or were aborted since it was launched are skipped (their terminal
+        output was sent then). ``verdicts``: entry -> its matcher's verdict on its token,
+        when :meth:`_advance_matchers` fed them already."""
+        result = self.runner.collect(launched)
+        outputs: list[RequestOutput] = []
+        for k, (req, _) in enumerate(batch):
+            if req.finished:
+                req.pending, req.hold = 0, False
+                continue
+            new = result.tokens[k]
+            self._prompt_lps(req, k, result)
+            if new and req.pending:
+                req.pending, req.hold = 0, False
+                outputs.append(self._output(req, k, new, result,
+                                            verdicts.get(k) if verdicts else None))
+        return outputs
+
+    def _update(self, batch, result: StepResult) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for k, (req, n) in enumerate(batch):
+            if req.finished:  # by the deferred step applied just before this one
+                continue
+            new = result.tokens[k]
+            self._prompt_lps(req, k, result)
+            req.spec_token_ids = []
+            if not new:
+                self.scheduler.advance(req, req.num_computed_tokens + n)
+                continue
+            # accepted drafts are in the cache too; blocks only rejected ones used go back
+            self.scheduler.advance(req, req.num_computed_tokens + n + len(new) - 1)
+            outputs.append(self._output(req, k, new, result))
+        return outputs
+
+    @staticmethod
+    def _prompt_lps(req: Request, k: int, result: StepResult) -> None:
+        if k in result.prompt_lps:
+            chunk = result.prompt_lps[k]
+            req.prompt_lps.append(chunk)
+            req.num_prompt_lps += len(chunk)
+
+    def _output(self, req: Request, k: int, new: list[int], result: StepResult,
+                verdict: Optional[tuple] = None) -> RequestOutput:
+        out = self._append(req, new, result.logprobs[k] if result.logprobs else None, verdict)
+        if result.token_lps is not None and req.params.logprobs:
+            got = result.token_lps[k]  # a row per new token; a stop drops those after it
+            if got is not None:
+                out.token_logprobs = got if len(out.token_ids) == len(new) else got[: len(out.token_ids)]
+        return out
+
+    def _first_output(self, req: Request, out: RequestOutput) -> None:
+        """The prompt's logprobs and text go with a request's first output."""
+        p = req.params
+        req.prompt_sent = True
+        if p.prompt_logprobs is not None:
+            k = min(p.prompt_logprobs, self.runner.model_config.vocab_size)
+            first = Logprobs.first_prompt_token(req.token_ids[0], k)
+            rows = Logprobs.join([first, *req.prompt_lps])
+            out.prompt_logprobs = rows[: req.num_prompt_tokens]
+        if p.echo:
+            out.prompt_text = self.tokenizer.decode(req.token_ids[: req.num_prompt_tokens])
+
+    def _append(self, req: Request, new: list[int], logprobs,
+                verdict: Optional[tuple] = None) -> RequestOutput:
+        """``verdict``: the matcher's on ``new[0]``, when it was fed that token already."""
+        p = req.params
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        finish: Optional[str] = None
+        reason = None
+        accepted: list[int] = []
+        text = ""
+        if p.max_tokens == 0:  # scoring only: the prompt's logprobs, no token
+            finish, new = "length", []
+        for tok in new:
+            if req.matcher is not None:  # the grammar's verdict: complete, or a dead end
+                finish, reason = verdict or advance(req.matcher, tok)
+                verdict = None
+                if finish == "error":
+                    break  # a token the grammar refuses is not part of the output
+            req.token_ids.append(tok)
+            accepted.append(tok)
+            n_out = req.num_output_tokens
+            if finish:
+                pass
+            elif n_out >= p.min_tokens and ((tok in self._eos and not p.ignore_eos)
+                                          or tok in req.stop_ids):
+                finish = "stop"
+            elif (limit := self._length_limit(req, req.num_tokens))[0]:
+                finish, reason = "length", limit[1]
+            # token by token, so a stop string ends the output where it would without
+            # speculation (accepted drafts after it are dropped)
+            if not (tok in self._eos and finish == "stop"):
+                text += req.detok.add([tok])
+            if req.detok.stopped:
+                finish = "stop"
+            if finish:
+                break
+        self._gen_tokens += len(accepted)
+        out = RequestOutput(request_id=req.request_id, token_ids=accepted, text=text)
+        if p.logprobs:  # the accepted tokens' (a prefix of the step's new tokens)
+            lps = logprobs or []
+            out.logprobs = lps if len(lps) == len(accepted) else lps[: len(accepted)]
+        if not req.prompt_sent and (p.prompt_logprobs is not None or p.echo):
+            self._first_output(req, out)
+        if finish:
+            out.text += req.detok.flush()
+            return self._finish(req, finish, reason, out)
+        out.num_prompt_tokens = req.num_prompt_tokens
+        out.num_output_tokens = req.num_output_tokens
+        return out
+
+    def _finish(self, req: Request, finish_reason: str, reason: Optional[str],
+                out: RequestOutput) -> RequestOutput:
+        self.scheduler.remove(req)
+        self.runner.forget(req.request_id)
+        del self.requests[req.request_id]
+        self._finished[finish_reason] = self._finished.get(finish_reason, 0) + 1
+        out.finished = True
+        out.finish_reason = finish_reason  # type: ignore[assignment]
+        out.reason = reason
+        out.num_prompt_tokens = req.num_prompt_tokens
+        out.num_output_tokens = req.num_output_tokens
+        return out
+
+    # -- introspection --------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.blocks.usage
+
+    def statistics(self) -> CoreStats:
+        cache = self.blocks.statistics()
+        return CoreStats(self._steps, self._prompt_tokens, self._gen_tokens, dict(self._finished),
+                         self.scheduler.num_preemptions, self._spec.proposed, self._spec.accepted,
+                         cache.queries, cache.hits)

@@ -1,0 +1,161 @@
+"""The sleep-mode and weight-update half of :class:`engine.runner.model_runner.ModelRunner` (a mixin):
+``sleep`` frees the device through the owner, ``wake`` brings the parts back, ``update_weights*``
+write a validated checkpoint into the weights' storage. engine/serving/sleep.py drives it.
+
+It uses the runner's ``_owner``, ``device``, ``dtype``, ``config``, ``model_config``,
+``speculator``, ``weight_format``, ``weights_source``, ``asleep``/``sleep_level``/
+``sleep_timings``, ``loaded``, ``_build_stack()``, ``_capture_mixed()`` and ``_pack()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from typing import Sequence
+
+import torch
+
+from engine.model.cpu_weights import is_packed, pack_model, packed_types
+from engine.errors import BadRequestError, CheckpointError
+from engine.loader.checkpoint import create_model, fill_model, resolve_source
+from engine.memory.owner import Resource as R
+from engine.memory.weights import (NamedTensors, check_architecture, copy_into, validated,
+                                   weight_spec)
+
+log = logging.getLogger("enginecore.runner")
+
+
+class RunnerSleep:
+    # -- sleep mode (engine/serving/sleep.py drives it) ----------------------------------------------
+    def sleep(self, level: int) -> int:
+        """Free the device, with no request in flight: the speculator, the grammar bitmask, CUDA
+        graphs, model state and KV cache are released through the owner (reverse creation order); the weights are
+        offloaded to host memory (level 1; page-locked on CUDA) or released too (level 2).
+        Returns the bytes kept in host memory."""
+        if level not in (1, 2):
+            raise BadRequestError(f"sleep level must be 1 or 2, not {level!r}")
+        pin, own, held = self.device.type == "cuda", self._owner, 0
+        if pin:
+            torch.cuda.synchronize(self.device)
+        t = [time.perf_counter()]
+        if R.SPECULATOR in own:
+            if level == 1:
+                held += own.offload(R.SPECULATOR, pin)
+            else:
+                own.release(R.SPECULATOR)
+        for name in (R.GRAMMAR_BITMASK, R.CUDA_GRAPHS, R.MODEL_STATE, R.KV_CACHE):
+            if name in own:
+                own.release(name)
+        t.append(time.perf_counter())
+        if R.WEIGHTS in own:
+            if level == 1:
+                held += own.offload(R.WEIGHTS, pin)
+            else:
+                own.release(R.WEIGHTS)
+        t.append(time.perf_counter())
+        own.empty_device_cache()
+        t.append(time.perf_counter())
+        self.sleep_timings = {"release_s": t[1] - t[0], "offload_s": t[2] - t[1],
+                              "empty_cache_s": t[3] - t[2]}
+        self.asleep, self.sleep_level = ("weights", "kv_cache"), level
+        log.info("asleep at level %d: %.1f MiB kept in host memory", level, held / 2**20)
+        return held
+
+    def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        """Bring back the parts ``tags`` name: the weights (copied back, or reloaded from
+        ``weights_source`` after level 2), the KV cache with model state and graphs (graphs
+        are captured again on first use). The speculator comes back with the last part. A wake
+        that fails releases what it brought back (asleep again) before it raises."""
+        t0, self.sleep_timings = time.perf_counter(), {}
+        try:
+            if "weights" in tags and "weights" in self.asleep:
+                if R.WEIGHTS in self._owner:
+                    self._owner.restore(R.WEIGHTS)
+                else:
+                    self._reload_weights()
+                self.asleep = tuple(t for t in self.asleep if t != "weights")
+                if "kv_cache" not in self.asleep:  # the stack woke first: its graphs now
+                    self._capture_mixed()
+                t0 = self._lap("weights_s", t0)
+            if "kv_cache" in tags and "kv_cache" in self.asleep:
+                self._build_stack()
+                self.asleep = tuple(t for t in self.asleep if t != "kv_cache")
+                t0 = self._lap("kv_cache_s", t0)
+            if not self.asleep and self.speculator is not None:
+                if R.SPECULATOR in self._owner:
+                    self._owner.restore(R.SPECULATOR)
+                self.speculator.wake()
+                self._lap("speculator_s", t0)
+        except BaseException as exc:
+            self.sleep(1 if self.weights_source is None else max(1, self.sleep_level))
+            traceback.clear_frames(exc.__traceback__)
+            raise
+        if not self.asleep:
+            self.sleep_level = 0
+
+    def _lap(self, part: str, t0: float) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.sleep_timings = {**self.sleep_timings, part: now - t0}
+        return now
+
+    def _reload_weights(self) -> None:
+        if self.weights_source is None:
+            raise BadRequestError(
+                "the weights were discarded (sleep level 2) and came from "
+                "update_weights_from_tensors: load them again with update_weights* first")
+        src = self.weights_source
+        cfg, tensors, _tok = resolve_source(src, self.config.revision if src == self.config.model else None)
+        check_architecture(self.model_config, cfg, src)
+        model = self._owner.adopt(R.WEIGHTS, create_model(self.model_config, self.device, self.dtype))
+        fill_model(model, tensors, self.config.seed, self.weights_source)
+        self._pack(model, tensors)
+
+    def update_weights(self, source: str) -> None:
+        """Load checkpoint ``source`` (same architecture) into the weights' storage, on the
+        device or offloaded; every tensor is checked (names, shapes, floating dtypes) before
+        the first copy, so a refused checkpoint leaves the old weights as they were. After a
+        level-2 sleep the weights are allocated on the device for it."""
+        if source.startswith("random:"):
+            raise BadRequestError(f"{source!r}: random presets carry no weights to load")
+        try:
+            cfg, tensors, _tok = resolve_source(source)
+            check_architecture(self.model_config, cfg, source)
+            spec = weight_spec(self.model_config, self.dtype)
+            new = validated(spec, tensors(), self.model_config, source, exact_dtype=False)
+        except OSError as exc:  # a name too long, no permission, a read error: the caller's path
+            raise CheckpointError(source, f"cannot read it: {exc}") from None
+        self._write_weights(new)
+        self.weights_source = source
+
+    def update_weights_from_tensors(self, named: NamedTensors) -> None:
+        """As :meth:`update_weights`, from ``(name, tensor)`` pairs of exactly the weights'
+        shapes and dtype (any device); a later level-2 sleep cannot reload them."""
+        spec = weight_spec(self.model_config, self.dtype)
+        self._write_weights(validated(spec, named, self.model_config, "tensors", exact_dtype=True))
+        self.weights_source = None
+
+    def _write_weights(self, tensors) -> None:
+        if not self.loaded and not self.asleep:
+            raise BadRequestError("update_weights needs a loaded model")
+        model = self._owner.get(R.WEIGHTS)
+        if model is not None and is_packed(model):
+            # packed kernels' layouts cannot be written in place: new float weights, repacked
+            # like the old ones, then the old ones released (the new ones are owned first)
+            fresh = create_model(self.model_config, self.device, self.dtype)
+            copy_into(fresh, tensors)
+            pack_model(fresh, self.weight_format, packed_types(model))
+            self._owner.release(R.WEIGHTS)
+            self._owner.adopt(R.WEIGHTS, fresh)
+            del fresh
+        else:
+            woke = model is None
+            if woke:  # discarded by a level-2 sleep: these are the weights now
+                model = self._owner.adopt(R.WEIGHTS, create_model(self.model_config, self.device, self.dtype))
+                self.asleep = tuple(t for t in self.asleep if t != "weights")
+            copy_into(model, tensors)
+            if woke and "kv_cache" not in self.asleep:  # the stack woke first: its graphs now
+                self._capture_mixed()
+        log.info("weights updated (%d tensors)", len(tensors))

@@ -1,0 +1,2 @@
+"""Sampling on the device: batched greedy/temperature/top-k/top-p/min-p (``sampler``), logits
+processing (``logits``, ``bad_words``) and logprobs."""
