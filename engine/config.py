@@ -57,6 +57,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     grammar_cache_entries: int = 256
     grammar_cache_bytes: int = 512 * 2**20
     cuda_graphs: bool = True  # capture decode-only steps as CUDA graphs (CUDA + Triton only)
+    # with cuda_graphs, steps with prompt tokens too: a graph per row count up to
+    # max_num_batched_tokens, captured at load (an eager prompt step costs the host ~300
+    # kernel launches; engine/forward/mixed_inputs.py)
+    mixed_cuda_graphs: bool = True
     # schedule and launch step N+1 before step N's tokens are read back (engine/core/engine_core.py): the
     # host's stop checks, detokenization and outputs of N run while the device runs N+1.
     # None: on CUDA only (a CPU executes each op as it is called: nothing to overlap with, and
