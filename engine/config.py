@@ -85,8 +85,6 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # (AsyncEngine._burst). It bounds how long a cancellation of the loop waits. 0: a round
     # trip after every step.
     step_burst_ms: float = 50.0
-    # Test hook: raise inside the model forward on this (1-based) step. Never set in production.
-    fault_at_step: Optional[int] = None
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

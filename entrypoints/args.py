@@ -107,7 +107,7 @@ def add_ops_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_token_args(p: argparse.ArgumentParser) -> None:
-    """The shared secret: ``--token-file`` or ``$ENGINECORE_TOKEN`` (``--token`` still works,
+    """The shared secret: ``--token-file`` or ``$TOKEN_ENV`` (``--token`` still works,
     but argv is visible to every local user)."""
     p.add_argument("--token-file", default=None,
                    help=f"file holding the shared secret (mode 0600); or set ${TOKEN_ENV}")
@@ -122,7 +122,7 @@ def add_listen_args(p: argparse.ArgumentParser) -> None:
 
 
 def token_from_args(a: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Optional[str]:
-    """The token from ``--token-file``, else ``$ENGINECORE_TOKEN``, else ``--token`` (with a
+    """The token from ``--token-file``, else ``$TOKEN_ENV``, else ``--token`` (with a
     warning); None if none is given. Raises ``OSError``/``ValueError`` for a bad token file."""
     if a.token_file:
         return read_token_file(a.token_file)

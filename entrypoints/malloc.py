@@ -25,6 +25,8 @@ import os
 import platform
 import time
 
+from engine import envs
+
 log = logging.getLogger("enginecore.malloc")
 
 M_ARENA_MAX = -8  # a mallopt parameter number from glibc's <malloc.h>
@@ -41,9 +43,9 @@ def _mallopt():
 
 
 def _ours_to_set(env) -> bool:
-    """Not when disabled (``ENGINECORE_MALLOC_TUNING=0``), when the user set a ``MALLOC_*``
+    """Not when disabled (the ``malloc_tuning`` kill switch, engine/envs.py), when the user set a ``MALLOC_*``
     variable or a ``glibc.malloc`` tunable (theirs win), or off glibc."""
-    if env.get("ENGINECORE_MALLOC_TUNING", "1") == "0":
+    if not envs.on(envs.MALLOC_TUNING, env):
         return False
     if any(k.startswith("MALLOC_") for k in env) or "glibc.malloc" in env.get("GLIBC_TUNABLES", ""):
         return False
@@ -72,7 +74,7 @@ def one_arena(environ: "os._Environ[str] | dict[str, str] | None" = None) -> boo
     left a process 12 MB up even after ``malloc_trim`` (34.0 -> 46.3 MB; 2 arenas: the same),
     and 0 MB with one arena (34.0 -> 34.1 MB); on the main thread: 0 MB. The frontend's threads
     are few and hold the GIL for most of their work, so one arena costs little contention.
-    Skipped (False) off glibc, with ``ENGINECORE_MALLOC_TUNING=0``, or when the user already set
+    Skipped (False) off glibc, with the ``malloc_tuning`` kill switch off, or when the user already set
     a ``MALLOC_*`` variable or a ``glibc.malloc`` tunable (their settings win)."""
     return _set(environ, M_ARENA_MAX, 1, "M_ARENA_MAX")
 

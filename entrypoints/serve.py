@@ -27,6 +27,7 @@ from typing import Optional
 import anyio
 import msgspec
 
+from engine import envs
 from engine.serving.async_engine import AsyncEngine
 from engine.errors import EngineError
 from engine.loader.hf_hub import display_name
@@ -168,15 +169,15 @@ def serve_main(a) -> int:
     try:
         config = config_from_args(a)
         config.validate()
-        a.token = token_from_args(a)  # --token-file, $ENGINECORE_TOKEN or --token
+        a.token = token_from_args(a)  # --token-file, the token variable or --token
         if a.max_ipc_connections < 1:
             raise ValueError("--max-ipc-connections must be >= 1")
     except (EngineError, ValueError, OSError) as exc:
         print(f"enginecore: bad configuration: {exc}", file=sys.stderr)
         return EXIT_STARTUP
-    os.environ.pop("ENGINECORE_TOKEN", None)  # read; children get it only when meant to
-    if config.node_rank > 0:  # multi-host TP: this host only runs its ranks (engine/tp/node.py)
-        from engine.tp.node import run_node
+    os.environ.pop(envs.TOKEN, None)  # read; children get it only when meant to
+    if config.node_rank > 0:  # multi-host TP: this host only runs its ranks (entrypoints/tp_node.py)
+        from entrypoints.tp_node import run_node
 
         return run_node(config)
     if not getattr(a, "http", None):
@@ -226,7 +227,7 @@ def _serve_http(a, config) -> int:
         open_admin = False  # a bad --http: bind_http says so below
     if open_admin:
         print("enginecore: bad configuration: --enable-sleep-mode on a non-loopback --http "
-              "address needs a token (--token-file or $ENGINECORE_TOKEN): the admin endpoints "
+              f"address needs a token (--token-file or ${envs.TOKEN}): the admin endpoints "
               "require it", file=sys.stderr)
         return EXIT_STARTUP
     try:

@@ -29,6 +29,8 @@ import time
 import traceback
 from datetime import timedelta
 
+from engine import envs
+
 log = logging.getLogger("enginecore.tp.worker")
 
 
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
         if os.getppid() != a.parent_pid:
             return 1
         threading.Thread(target=_watch_parent, args=(a.parent_pid,), daemon=True).start()
-    logging.basicConfig(level=os.environ.get("ENGINECORE_TP_LOG_LEVEL", "WARNING").upper(),
+    logging.basicConfig(level=envs.get(envs.TP_LOG_LEVEL).upper(),
                         format=f"%(asctime)s rank {a.rank} %(name)s %(levelname)s: %(message)s")
     return run(a.connect, a.rank, a.local_rank)
 

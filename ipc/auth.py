@@ -20,10 +20,12 @@ from typing import Optional
 
 import anyio
 
+from engine import envs
+
 log = logging.getLogger("enginecore.ipc")
 
 #: The environment variable ``enginecore serve`` / ``generate`` read a token from.
-TOKEN_ENV = "ENGINECORE_TOKEN"
+TOKEN_ENV = envs.TOKEN
 
 
 def read_token_file(path: str) -> str:

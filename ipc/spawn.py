@@ -11,7 +11,7 @@ The child is ``python -m entrypoints.cli serve --config-json <config> --listen <
 * The child's stdout and stderr go through a pipe that a thread copies to our stderr (fd 2)
   line by line, keeping the last lines for error messages.
 * ``--parent-pid``: the engine drains and exits when we die (even by SIGKILL).
-* A ``token`` travels in the child's environment (``ENGINECORE_TOKEN``; ``/proc/<pid>/environ``
+* A ``token`` travels in the child's environment (``TOKEN_ENV``; ``/proc/<pid>/environ``
   is readable by the same user only), never on its command line, which every local user can
   read (``ps``); the default private socket needs none.
 * On exit of the context: ``Shutdown`` (running requests are aborted), wait for the process to

@@ -30,6 +30,8 @@ from urllib.parse import urlsplit
 import anyio
 from anyio.abc import ByteStream, Listener, SocketAttribute
 
+from engine import envs
+
 log = logging.getLogger("enginecore.ipc")
 
 DEFAULT_TCP_HOST = "127.0.0.1"
@@ -177,10 +179,10 @@ async def preflight_listen(address: str | Address, token: str | None) -> Listene
         raise ListenError(f"bad address: {exc}") from None
     if addr.kind == "tcp" and not addr.is_loopback and not token:
         raise ListenError(f"refusing to listen on non-loopback {addr} without a token "
-                          "(set ENGINECORE_TOKEN or --token-file, or use 127.0.0.1 / a unix socket)")
+                          f"(set {envs.TOKEN} or --token-file, or use 127.0.0.1 / a unix socket)")
     if addr.kind == "tcp" and not token:
         log.warning("ipc: %s has no token: every local user can connect (and drain or shut the "
-                    "engine down); set ENGINECORE_TOKEN or --token-file, or use a unix socket", addr)
+                    "engine down); set %s or --token-file, or use a unix socket", addr, envs.TOKEN)
     try:
         return await open_listener(addr, token)
     except socket.gaierror as exc:

@@ -82,3 +82,19 @@ def torch_one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def inject_fault():
+    """``inject_fault(n)``: every model runner's forward raises on its ``n``-th step while the
+    test runs (tests/faults.py); disarmed after it."""
+    from tests.faults import arm
+
+    undo: list = []
+
+    def fault_at(step: int) -> None:
+        undo.append(arm(step))
+
+    yield fault_at
+    for disarm in reversed(undo):
+        disarm()

@@ -126,7 +126,6 @@ def compare_prefill(device: str = "cpu", names: Optional[Sequence[str]] = None) 
     choices = {"default": tp.KernelChoice(), "plain": tp.KernelChoice(packed=1, interleave=0),
                "packed2": tp.KernelChoice(packed=2, interleave=0),
                "packed4_n32": tp.KernelChoice(packed=4, block_n=32, warps=8, interleave=0),
-               "all_masked": tp.KernelChoice(split=0),
                "interleaved4": tp.KernelChoice(packed=4)}
     if names is not None:  # (on the device each fp32 variant compiles for ~10 s)
         choices = {k: choices[k] for k in names}
@@ -298,7 +297,7 @@ def compare_mixed(model: str, device: str = "cpu", dtype: str = "float32",
         la, ka = run(None)
         graphs = r.resource(R.CUDA_GRAPHS) if R.CUDA_GRAPHS in r._owner else None
         if graphs is not None:  # CUDA: the real graphs (captured, then replayed: two 64s)
-            assert graphs.mixed is not None, "ENGINECORE_MIXED_GRAPHS=0 is set"
+            assert graphs.mixed is not None, "EngineConfig.mixed_cuda_graphs is off"
             replays = graphs.replays  # (the load captured every row count: one replay each)
             lb, kb = run(graphs)
             rows = [k[1] for k in graphs.captured if isinstance(k, tuple)]

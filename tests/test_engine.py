@@ -151,10 +151,11 @@ async def test_abort_and_break_free_blocks_within_one_step() -> None:
         assert core.blocks.num_free == core.blocks.num_blocks
 
 
-async def test_failure_in_forward_kills_cleanly() -> None:
+async def test_failure_in_forward_kills_cleanly(inject_fault) -> None:
     params = SamplingParams(max_tokens=100, ignore_eos=True)
     states: list = []
-    async with AsyncEngine.open(EngineConfig(model=TINY, fault_at_step=5)) as eng:
+    inject_fault(5)
+    async with AsyncEngine.open(EngineConfig(model=TINY)) as eng:
         eng.on_state_change(lambda a, b: states.append(b))
         errors: list = []
 

@@ -49,6 +49,11 @@ def _sources() -> list[Path]:
     return [p for pkg in TOP_LAYERS for p in sorted((ROOT / pkg).rglob("*.py"))]
 
 
+def _is_module(dotted: str) -> bool:
+    path = ROOT / Path(*dotted.split("."))
+    return path.is_dir() or path.with_suffix(".py").is_file()
+
+
 def _type_checking_lines(tree: ast.AST) -> set[int]:
     lines: set[int] = set()
     for node in ast.walk(tree):
@@ -76,10 +81,12 @@ def imports(path: Path) -> list[tuple[int, str]]:
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
-            out.append((node.lineno, name))
-            # ``from engine import model`` names a subpackage: count it as imported
-            out += [(node.lineno, f"{name}.{a.name}") for a in node.names
-                    if (ROOT / Path(*f"{name}.{a.name}".split("."))).is_dir()]
+            # ``from engine import envs`` imports the module engine.envs (and engine's
+            # __init__, which every engine module shares: not counted as an edge)
+            modules = [f"{name}.{a.name}" for a in node.names if _is_module(f"{name}.{a.name}")]
+            out += [(node.lineno, m) for m in modules]
+            if len(modules) < len(node.names):
+                out.append((node.lineno, name))
     return out
 
 

@@ -1,5 +1,4 @@
-"""Attacks on a late step's grammar job started after the forward's launch
-(``EngineCore.grammar_job_after_launch``) and on ``_grammar_done``'s all-go-on verdicts
+"""Attacks on a late step's grammar job started after the forward's launch and on ``_grammar_done``'s all-go-on verdicts
 (``structured.matcher.ALL_GO_ON``): entries that reach ``_append`` with a matcher but were not fed must not
 take a verdict they never earned."""
 
@@ -83,18 +82,13 @@ def _patch_ready(monkeypatch, ready: str) -> None:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("after_sampling", [False, True])
-async def test_the_loop_let_in_before_or_after_the_sampling_gives_the_same_outputs(
-        after_sampling, monkeypatch):
-    """Through the AsyncEngine (whose loop is let in by ``on_launched``): a late step letting
-    the loop in after its sampling's launch (``EngineCore.late_let_in_after_sampling``, a
-    device A/B) instead of after its forward's gives the outputs of the synchronous engine;
-    every stream ends once."""
+async def test_the_loop_let_in_during_a_late_step_gives_the_same_outputs():
+    """Through the AsyncEngine (whose loop is let in by ``on_launched`` once a late step's
+    forward is launched): the outputs of the synchronous engine; every stream ends once."""
     import anyio
 
     from engine import AsyncEngine
     from engine.config import EngineConfig
-    from engine.core.engine_core import EngineCore
 
     async def serve(overlap: bool) -> dict:
         cfg = EngineConfig(model="random:tiny-llama", device="cpu", dtype="float32",
@@ -119,7 +113,6 @@ async def test_the_loop_let_in_before_or_after_the_sampling_gives_the_same_outpu
         return res
 
     want = await serve(False)
-    monkeypatch.setattr(EngineCore, "late_let_in_after_sampling", after_sampling)
     got = await serve(True)
     assert got == want
     assert all(ends == 1 for _, ends, _ in got.values())
@@ -131,8 +124,7 @@ def test_jobs_start_inside_the_forward_once_the_tokens_are_back(after, reads, mo
     """Each deferred step reads as not back for its first ``reads`` looks: the job starts at the
     forward's first poll (before the model's launch), its second (before the logits), after
     the launch, or -- never back until then -- after it too (the wait). The outputs are those
-    of the same order without the worker; ``grammar_job_in_forward=False`` starts none inside."""
-    from engine.core.engine_core import EngineCore
+    of the same order without the worker."""
     from engine.runner.launched import Launched
 
     work = list(_odd(18))
@@ -155,8 +147,3 @@ def test_jobs_start_inside_the_forward_once_the_tokens_are_back(after, reads, mo
         assert core.grammar_jobs_inside > 0
     else:  # (a step looked at more often -- an earlier step's check -- may start inside)
         assert core.grammar_jobs_after > core.grammar_jobs_inside
-    looks.clear()
-    monkeypatch.setattr(EngineCore, "grammar_job_in_forward", False)
-    core = _core(True, after + "-beside")
-    assert _run(core, work, dict(adds), dict(aborts)) == want
-    assert core.grammar_jobs_inside == 0 and core.grammar_jobs_after > 0

@@ -56,10 +56,11 @@ def test_a_failure_on_the_worker_fails_the_step(monkeypatch):
 
 
 @pytest.mark.parametrize("after", ["apply-first-beside", "sample-first-beside"])
-def test_a_forward_failure_while_the_helper_runs(after, monkeypatch):
+def test_a_forward_failure_while_the_helper_runs(after, inject_fault):
     """The forward raises while the worker feeds the matchers and fills the masks: the step
     fails; the worker's job is done (or waited for) before anything reuses the host rows."""
-    core = _core(True, after, fault_at_step=10)
+    inject_fault(10)
+    core = _core(True, after)
     with pytest.raises(RuntimeError, match="injected fault"):
         _run(core, list(_mixed(9)))
     assert core.grammar_jobs > 0
@@ -71,9 +72,10 @@ def test_a_forward_failure_while_the_helper_runs(after, monkeypatch):
 
 
 @pytest.mark.asyncio
-async def test_injected_fault_with_beside_kills_cleanly():
+async def test_injected_fault_with_beside_kills_cleanly(inject_fault):
+    inject_fault(9)
     cfg = EngineConfig(model="random:tiny-llama", device="cpu", num_kv_blocks=256,
-                       overlap_scheduling=True, fault_at_step=9)
+                       overlap_scheduling=True)
     async with AsyncEngine.open(cfg, check_integrity=True) as eng:
         core = eng.core
         _order(core, "sample-first-beside")

@@ -173,12 +173,12 @@ def test_abort_mid_prefill_caches_only_what_was_computed(caching):
 
 
 @pytest.mark.asyncio
-async def test_a_fault_drops_the_cache_with_the_kv_cache():
+async def test_a_fault_drops_the_cache_with_the_kv_cache(inject_fault):
     from engine import EngineDeadError
 
     prompt = list(range(5, 60))
-    async with AsyncEngine.open(EngineConfig(model="random:tiny-llama", device="cpu",
-                                             fault_at_step=20)) as eng:
+    inject_fault(20)
+    async with AsyncEngine.open(EngineConfig(model="random:tiny-llama", device="cpu")) as eng:
         blocks = eng.core.blocks
         await _wave(eng, {"a": prompt[:40]})  # 16 steps; its full blocks stay cached
         assert blocks.statistics().cached_blocks == 3

@@ -303,8 +303,9 @@ async def test_exception_in_a_burst_step(hooks, where):
 
 
 @pytest.mark.asyncio
-async def test_fault_at_step_in_a_burst(hooks):
-    a, b, eng, _ = await both(hooks, fault_at_step=12)
+async def test_fault_at_step_in_a_burst(hooks, inject_fault):
+    inject_fault(12)
+    a, b, eng, _ = await both(hooks)
     assert a == b and all(end == "EngineDeadError" for _, end in a.values())
     assert all(len(toks) > 3 for toks, _ in a.values())
     assert eng.exit_code == 1

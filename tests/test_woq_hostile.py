@@ -290,7 +290,9 @@ def test_two_threads(runner):
 
 _MISMATCH = textwrap.dedent("""
     import torch
-    from engine import EngineConfig, ModelRunner, cpu_ext, woq_forward
+    from engine import EngineConfig, ModelRunner
+    from engine.model import woq_forward
+    from engine.ops.cpu import cpu_ext
     from engine.model.cpu_weights import pack_model
     r = ModelRunner(EngineConfig(model="random:tiny-llama", num_kv_blocks=8, max_num_seqs=2,
                                  max_model_len=64, enable_prefix_caching=False))

@@ -7,7 +7,6 @@ between steps, so nothing here needs a lock.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -77,8 +76,8 @@ class EngineCore(LateStep):
         self.apply_after_sampling = runner.device.type == "cuda"
         #: a late step's grammar work on the grammar worker, beside its forward's launch
         #: (EngineCore._grammar_job; structured/native.py), where the worker can be had;
-        #: ENGINECORE_GRAMMAR_OVERLAP=0 keeps it on the step thread (issue 23)
-        self.grammar_overlap = os.environ.get("ENGINECORE_GRAMMAR_OVERLAP", "1") != "0"
+        #: the ``grammar_worker`` kill switch (engine/envs.py) keeps it on the step thread
+        self.grammar_overlap = runner.switches.grammar_worker
         self.grammar_jobs = 0  # late steps whose grammar work ran beside the forward
         self.grammar_jobs_after = 0  # of them, those started after the forward's launch
         self.grammar_jobs_refused = 0  # of them, those a token out of its mask undid (none fed)

@@ -1,10 +1,10 @@
 """A late step: :meth:`EngineCore.step`'s launch of a batch with a constrained request whose
-token is still in flight (overlapped scheduling with output constraints, issue 23).
+token is still in flight (overlapped scheduling with output constraints).
 
 The step's forward is launched first; the step before is read back meanwhile, its constrained
 requests' matchers take their tokens and the next grammar masks are filled -- on the grammar
 worker (``structured/native.py``, a C++ thread that never takes the GIL) when it can be had --
-and only then are the masks applied and the step sampled. Kept apart from ``core.py`` as the
+and only then are the masks applied and the step sampled. Kept apart from ``engine_core.py`` as the
 one part of a step that exists for output constraints; :class:`EngineCore` inherits it (the
 state it reads -- the runner, the scheduler, the counters -- is the core's).
 """
@@ -21,20 +21,6 @@ from engine.structured.matcher import ALL_GO_ON, advance_all, verdicts_of
 
 
 class LateStep:
-    #: a late step whose step before is still on the device at the forward's launch starts its
-    #: grammar job after the launch (waiting for those tokens); False: the step thread feeds
-    #: and fills itself, after the loop's delivery (before session 18; an A/B on the device)
-    grammar_job_after_launch = True
-    #: a late step lets the loop in (``on_launched``) once its sampling is launched, not
-    #: once its forward is (an A/B on the device, session 18)
-    late_let_in_after_sampling = False
-    #: a late step whose step before is still on the device at the forward's launch looks
-    #: again inside the launch (``runner.forward``'s ``poll``: before the graph's replay, and
-    #: before the logits) and starts the grammar job there once those tokens are back, not
-    #: only after the launch: the worker then runs beside the rest of the launch (an A/B on
-    #: the device, session 19)
-    grammar_job_in_forward = True
-
     def _late_step(self, prev, batch, defer: bool, on_launched: Optional[Callable[[], None]]
                    ) -> tuple[Launched, list[RequestOutput]]:
         """:meth:`step`'s launch of ``batch`` in two halves, with a constrained request whose
@@ -65,28 +51,27 @@ class LateStep:
             if not started and prev[1].ready:
                 started.append(self._grammar_job(*prev, batch))
 
+        # still on the device before the launch, the step before is looked for again inside
+        # the forward's launch (``poll``: before the graph's replay, and before the logits):
+        # the job then starts there and the worker runs beside the rest of the launch
         later = self.grammar_overlap and not ready and self.runner.has_grammar_worker
-        fwd = self.runner.forward(batch, poll if later and self.grammar_job_in_forward else None)
+        fwd = self.runner.forward(batch, poll if later else None)
         if started:
             job = started[0]
             self.grammar_jobs_inside += job is not None
-        elif later and self.grammar_job_after_launch:
-            # NOTE: still on the device before the launch (a fast host: 215 of 256 late
-            # steps on an H100 host, session 18), its tokens are back, or nearly, once
-            # the forward is launched (~1 ms of host work): the job starts now, the
-            # wait for them without the GIL, and runs beside the loop's delivery of
-            # the outputs held (on_launched) instead of after it on the step thread
+        elif later:
+            # NOTE: still on the device before the launch (215 of 256 late steps on a fast
+            # H100 host), its tokens are back, or nearly, once the forward is launched (~1 ms
+            # of host work): the job starts now, the wait for them without the GIL, and runs
+            # beside the loop's delivery of the outputs held (on_launched) instead of after
+            # it on the step thread
             job = self._grammar_job(*prev, batch)
             self.grammar_jobs_after += job is not None
         t1 = time.perf_counter()
-        let_in_late = on_launched is not None and self.late_let_in_after_sampling
-        if on_launched is not None and not let_in_late:
-            # NOTE: with a job too: let in after the sampling's launch instead, the
-            # loop's delivery ran beside the next step's forward and the simulated
-            # device's 100 % step took 4.33-4.47 ms against 3.80-4.15 (session 16).
-            # Let in at the step's end: on the H100, four interleaved A/B runs of two
-            # rounds gave 100 % / 0 % 0.667-0.898 (mean 0.77) against 0.758-0.877
-            # here (mean 0.80): no gain (session 17, bench/RESULTS.md)
+        if on_launched is not None:
+            # NOTE: let in once the forward is launched, with a job too: let in after the
+            # sampling's launch instead, the loop's delivery ran beside the next step's
+            # forward (slower on a simulated device, no gain on the H100: bench/RESULTS.md)
             on_launched()
         after = self.apply_after_sampling
         done = self._grammar_done(*job) if job is not None else None
@@ -105,8 +90,6 @@ class LateStep:
         t3 = time.perf_counter()
         launched = self.runner.sample_step(fwd, defer, masks)
         del fwd
-        if let_in_late:
-            on_launched()
         t4 = time.perf_counter()
         if after:
             outputs += self._complete(*prev, verdicts)

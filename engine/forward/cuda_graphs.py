@@ -24,7 +24,6 @@ never pays for that bucket. ``capture_seconds`` records the cost per bucket.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Optional
 
@@ -46,18 +45,10 @@ def buckets_for(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(b for b in BUCKETS if b < cap) + (cap,)
 
 
-def mixed_enabled() -> bool:
-    """Steps with prompt tokens replayed from graphs too (engine/forward/mixed_inputs.py): on by
-    default since ``tests/gpu/test_gpu_mixed_graphs.py`` passed on the H200 (session 13: cached
-    later turns' TTFT p50 29.8 ms against 53.9 eager, bench.prefix); ``ENGINECORE_MIXED_GRAPHS=0``
-    turns them off."""
-    return os.environ.get("ENGINECORE_MIXED_GRAPHS", "1") != "0"
-
-
 def usable(device: torch.device, enabled: bool, head_dim: int, block_size: int) -> bool:
-    """Graphs need CUDA, the config's consent, and the graph-safe Triton decode kernel.
-    ``ENGINECORE_CUDA_GRAPHS=0`` in the environment turns them off (a kill switch)."""
-    return (enabled and os.environ.get("ENGINECORE_CUDA_GRAPHS", "1") != "0" and device.type == "cuda" and decode_attention.HAVE_TRITON
+    """Graphs need CUDA, the config's consent (and the ``triton`` kill switch's), and the
+    graph-safe Triton decode kernel."""
+    return (enabled and device.type == "cuda" and decode_attention.HAVE_TRITON
             and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and head_dim <= 256
             and block_size & (block_size - 1) == 0)
 

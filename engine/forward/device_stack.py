@@ -23,8 +23,8 @@ def device_stack(model_config, *, num_blocks: int, block_size: int, dtype: torch
     ``use_graphs``, ``(Resource.CUDA_GRAPHS, CudaGraphs)``, in creation order, each as soon as it
     exists: the caller adopts each before the next is allocated, so a failure part way
     releases what was made. ``max_rows``: rows (sequences) one step may carry.
-    ``mixed_graphs``: the graphs may replay prompt steps too, where enabled
-    (``cuda_graphs.mixed_enabled``; the runner captures them at load, engine/forward/mixed_inputs.py)."""
+    ``mixed_graphs``: the graphs may replay prompt steps too (``EngineConfig.mixed_cuda_graphs``;
+    the runner captures them at load, engine/forward/mixed_inputs.py)."""
     # with CUDA graphs, one extra block (the last) is the scratch block padded rows write to
     yield Resource.KV_CACHE, KVCache(num_layers=model_config.num_layers,
                               num_blocks=num_blocks + int(use_graphs), block_size=block_size,
@@ -37,4 +37,4 @@ def device_stack(model_config, *, num_blocks: int, block_size: int, dtype: torch
         yield Resource.CUDA_GRAPHS, cuda_graphs.CudaGraphs(
             max_num_seqs=max_rows, scratch_block=num_blocks, block_size=block_size, device=device,
             max_tokens=max_tokens, table_width=width,
-            mixed=mixed_graphs and cuda_graphs.mixed_enabled())
+            mixed=mixed_graphs)

@@ -1,5 +1,5 @@
 """``MixedInputs``: a step with prompt tokens described in fixed-shape device buffers, so that
-it can be replayed from a CUDA graph (engine/forward/cuda_graphs.py; ``ENGINECORE_MIXED_GRAPHS=0`` turns it off).
+it can be replayed from a CUDA graph (engine/forward/cuda_graphs.py; ``EngineConfig.mixed_cuda_graphs``).
 
 An eager step with prompt tokens costs the host one launch per kernel -- ~300 on the H200 for
 qwen3-0.6b, 20-45 ms a step measured (issue 15) -- while its device work is a few ms: prefill

@@ -48,9 +48,11 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
     dec_arrays: Optional[list] = None if tables is None else []  # dec_tables' rows as arrays
     with_context: list[tuple[int, int, int, list[int]]] = []
     # on CUDA every prefill chunk goes to one paged Triton kernel a layer (engine/ops/triton/prefill_attention.py);
-    # a model told ``use_fused = False`` runs the plain torch path throughout (the reference)
+    # a model told ``use_fused = False`` runs the plain torch path throughout (the reference);
+    # one built with the ``triton`` kill switch off (engine/envs.py) runs no Triton kernel
     cfg = getattr(model, "config", None)
-    paged = (cfg is not None and getattr(model, "use_fused", None) is not False
+    triton = getattr(model, "switches", None) is None or model.switches.triton
+    paged = (cfg is not None and triton and getattr(model, "use_fused", None) is not False
              and prefill_attention.usable(device, cfg.head_dim, bs))
     chunks: list[tuple[int, int, int, list[int]]] = []
     for i, (toks, start, blocks, as_decode) in enumerate(seqs):
@@ -125,7 +127,7 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
                                  dec_tables if dec_arrays is None else dec_arrays, dec_lens)
         return graphs.run_mixed(mixed, model, kv, state, meta)[:t]
     meta = AttentionMetadata(state.load("slot_mapping", long_tensor(slots)), prefills,
-                             None, None, None)
+                             None, None, None, triton_decode=triton)
     if with_context:
         meta.context_groups = context_groups(with_context, bs, device)
     if chunks:

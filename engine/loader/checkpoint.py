@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from engine.errors import CheckpointError
+from engine.envs import Switches
 from engine.model.llama import CausalLM
 from engine.model.model_config import ModelConfig
 from engine.memory.owner import empty_in_place
@@ -120,10 +121,13 @@ class LoadStopped(Exception):
     """Loading was asked to stop (e.g. a signal during startup)."""
 
 
-def create_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    """Allocate the model on ``device`` (uninitialised weights, fp32 rope tables)."""
+def create_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 switches: Switches = Switches()) -> CausalLM:
+    """Allocate the model on ``device`` (uninitialised weights, fp32 rope tables); ``switches``:
+    the kernels it may run (engine/envs.py, read when the engine is built)."""
     with torch.device("meta"):
         model = CausalLM(cfg)
+    model.switches = switches
     model = model.to_empty(device=device).to(dtype)
     model.model.rotary.reset(device)
     return model.train(False).requires_grad_(False)
@@ -144,9 +148,9 @@ def fill_model(model: CausalLM, tensors, seed: int = 0, source: str = "",
 
 
 def build_model(cfg: ModelConfig, tensors, device: torch.device, dtype: torch.dtype,
-                seed: int = 0, source: str = "") -> CausalLM:
+                seed: int = 0, source: str = "", switches: Switches = Switches()) -> CausalLM:
     """``create_model`` + ``fill_model``."""
-    model = create_model(cfg, device, dtype)
+    model = create_model(cfg, device, dtype, switches)
     try:
         fill_model(model, tensors, seed, source)
     except BaseException as exc:

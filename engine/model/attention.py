@@ -59,6 +59,9 @@ class AttentionMetadata:
     # row's (first KV slot, context length), so that its K/V can be read as a view
     # (engine/model/woq_forward.py)
     decode_spans: Optional[list[tuple[int, int]]] = None
+    # False: decode rows take the torch path even where the Triton kernel could run (the
+    # ``triton`` kill switch, engine/envs.py)
+    triton_decode: bool = True
 
 
 #: a group's padded queries stay within this factor of its real ones (plus a little slack)
@@ -121,7 +124,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     gqa = heads // kv_heads
     # NOTE: decode rows first: a graphed step's padding decode rows write into a prefill row,
     # which the prefill kernel then overwrites (engine/forward/mixed_inputs.py)
-    if meta.decode_rows is not None and decode_attention.supported(q, cache):
+    if meta.decode_rows is not None and meta.triton_decode and decode_attention.supported(q, cache):
         decode_attention.decode_attention(q, cache, meta.decode_rows, meta.decode_block_tables,
                                           meta.decode_context_lens, scale, out)
     elif meta.decode_rows is not None:

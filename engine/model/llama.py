@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.envs import Switches
 from engine.ops.triton import fused_ops
 from . import woq_forward
 from .attention import AttentionMetadata, paged_attention, write_kv
@@ -185,6 +186,8 @@ class CausalLM(nn.Module):
         self.packed_head = None  # a PackedLinear LM head on CPU (engine/model/cpu_weights.py)
         #: tied embeddings looked up in the int8 packed head: the float table is dropped
         self.embed_from_head = False
+        #: the kernels it may run (engine/envs.py; set by the loader when an engine is built)
+        self.switches = Switches()
         #: the fused Triton path (engine/ops/triton/fused_ops.py): None = wherever it can run
         self.use_fused: bool | None = None
         #: packed for woq: the forward of engine/model/woq_forward.py (set by ``pack_model``)
@@ -194,7 +197,7 @@ class CausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         fused = self.use_fused
         if fused is None:
-            fused = fused_ops.usable(input_ids, self.config.head_dim)
+            fused = self.switches.fused and fused_ops.usable(input_ids, self.config.head_dim)
         if fused:
             return self._forward_fused(input_ids, positions, kv, meta)
         if self.woq_forward:

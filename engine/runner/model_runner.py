@@ -20,6 +20,7 @@ from engine.model import fused_linears
 from engine.ops.triton import fused_ops, fused_sample
 from engine.config import EngineConfig
 from engine.model.cpu_weights import checkpoint_dtype, choose_format, pack_model
+from engine import envs
 from engine.errors import BadRequestError
 from engine.kv.block_manager import BlockManager
 from engine.forward.device_stack import device_stack
@@ -45,10 +46,6 @@ log = logging.getLogger("enginecore.runner")
 _MAX_CONTEXT_DEFAULT = 8192
 
 
-class InjectedFault(RuntimeError):
-    """Raised by the ``fault_at_step`` test hook."""
-
-
 class ModelRunner(RunnerSleep):
     def __init__(self, config: EngineConfig, tp=None):
         self.config = config.validate()
@@ -60,6 +57,8 @@ class ModelRunner(RunnerSleep):
             tp = DriverGroup(config)
         self._tp = tp
         self.device = config.resolved_device()
+        #: the kill switches (engine/envs.py), read once, now: the kernels this engine may run
+        self.switches = envs.switches()
         self.dtype = config.resolved_dtype()
         self._owner = DeviceOwner(self.device)
         self.model_config = None
@@ -121,7 +120,7 @@ class ModelRunner(RunnerSleep):
             return
         # Adopt first, fill second: a failed or stopped fill is released like everything else.
         if self._tp is None:
-            model = self._owner.adopt(R.WEIGHTS, create_model(cfg, self.device, self.dtype))
+            model = self._owner.adopt(R.WEIGHTS, create_model(cfg, self.device, self.dtype, self.switches))
         else:
             from engine.tp.load import create_shard
 
@@ -164,7 +163,7 @@ class ModelRunner(RunnerSleep):
         n = pack_model(model, fmt, types or {})
         self.weight_format = fmt if n else "float"
         log.info("weights: %s, %d linears packed (%s)", self.weight_format, n, why)
-        if not n and self._tp is None and fused_ops.AVAILABLE and (
+        if not n and self._tp is None and self.switches.fused and fused_ops.AVAILABLE and (
                 self.device.type == "cuda" or fused_ops.INTERPRET):
             log.info("q/k/v and gate/up fused: %d linears", fused_linears.fuse(model))
 
@@ -174,7 +173,8 @@ class ModelRunner(RunnerSleep):
         cfg = self._shapes
         # NOTE: no CUDA graphs with TP yet: the all-reduces would be captured too (untested)
         graphs = self._tp is None and cuda_graphs.usable(
-            self.device, self.config.cuda_graphs, cfg.head_dim, self.block_size)
+            self.device, self.config.cuda_graphs and self.switches.triton, cfg.head_dim,
+            self.block_size)
         # with a speculator a decode carries up to k draft rows, each a decode row
         rows_per_seq = 1 + (self.config.num_speculative_tokens
                             if self.config.speculator != "none" else 0)
@@ -182,7 +182,8 @@ class ModelRunner(RunnerSleep):
                 cfg, num_blocks=self.num_blocks, block_size=self.block_size, dtype=self.dtype,
                 device=self.device, use_graphs=graphs, max_model_len=self.max_model_len,
                 max_tokens=self.config.max_num_batched_tokens + self.config.max_num_seqs * 17,
-                max_rows=self.config.max_num_seqs * rows_per_seq):
+                max_rows=self.config.max_num_seqs * rows_per_seq,
+                mixed_graphs=self.config.mixed_cuda_graphs):
             self._owner.adopt(name, part)
             del part
             if should_stop():
@@ -193,7 +194,7 @@ class ModelRunner(RunnerSleep):
         vocab, tok = self.model_config.vocab_size, self.tokenizer
         self._owner.adopt(R.GRAMMAR_BITMASK, TokenBitmask(
             self.config.max_num_seqs * rows_per_seq, vocab, self.device,
-            grammar_vocab=lambda: grammar_vocab_size(tok, vocab)))
+            grammar_vocab=lambda: grammar_vocab_size(tok, vocab), switches=self.switches))
         return True
 
     def _capture_mixed(self, should_stop=lambda: False) -> None:
@@ -330,8 +331,6 @@ class ModelRunner(RunnerSleep):
         ``poll()``: called twice on the way (before the model's launch, before the logits'),
         for the caller to start host work beside the rest of the launch."""
         self.steps += 1
-        if self.config.fault_at_step is not None and self.steps == self.config.fault_at_step:
-            raise InjectedFault(f"injected fault at step {self.steps}")
         state: ModelState = self._owner[R.MODEL_STATE]
         model = self._owner[R.WEIGHTS]
         kv: KVCache = self._owner[R.KV_CACHE]
@@ -377,7 +376,7 @@ class ModelRunner(RunnerSleep):
             # the rows' sampling values and seeded generators are taken now: a request that
             # finishes before sample_step() (the step before, applied in between) keeps them
             sb = build_sampling_batch([batch[i][0] for i in owners], state.generators, self.device)
-            if fused_sample.ENABLED and (logits.is_cuda or fused_sample.INTERPRET):
+            if self.switches.fused and fused_sample.usable(logits):
                 sb.noise_seed = state.next_noise_seed()  # the one-pass sampler's (fused_sample.py)
             processed = process(logits, sb)
         return Forwarded(batch, sample_rows, plp, owners, logits_all, logits, sb, processed)

@@ -109,7 +109,7 @@ class RunnerSleep:
         src = self.weights_source
         cfg, tensors, _tok = resolve_source(src, self.config.revision if src == self.config.model else None)
         check_architecture(self.model_config, cfg, src)
-        model = self._owner.adopt(R.WEIGHTS, create_model(self.model_config, self.device, self.dtype))
+        model = self._owner.adopt(R.WEIGHTS, create_model(self.model_config, self.device, self.dtype, self.switches))
         fill_model(model, tensors, self.config.seed, self.weights_source)
         self._pack(model, tensors)
 
@@ -144,7 +144,7 @@ class RunnerSleep:
         if model is not None and is_packed(model):
             # packed kernels' layouts cannot be written in place: new float weights, repacked
             # like the old ones, then the old ones released (the new ones are owned first)
-            fresh = create_model(self.model_config, self.device, self.dtype)
+            fresh = create_model(self.model_config, self.device, self.dtype, self.switches)
             copy_into(fresh, tensors)
             pack_model(fresh, self.weight_format, packed_types(model))
             self._owner.release(R.WEIGHTS)
@@ -153,7 +153,7 @@ class RunnerSleep:
         else:
             woke = model is None
             if woke:  # discarded by a level-2 sleep: these are the weights now
-                model = self._owner.adopt(R.WEIGHTS, create_model(self.model_config, self.device, self.dtype))
+                model = self._owner.adopt(R.WEIGHTS, create_model(self.model_config, self.device, self.dtype, self.switches))
                 self.asleep = tuple(t for t in self.asleep if t != "weights")
             copy_into(model, tensors)
             if woke and "kv_cache" not in self.asleep:  # the stack woke first: its graphs now

@@ -46,11 +46,6 @@ log = logging.getLogger("enginecore.engine")
 
 
 class AsyncEngine(IntakeAPI, SleepAPI):
-    #: overlapped, after dispatching a step's outputs with first tokens: True lets the
-    #: consumers (and the clients' next requests) run before the next step is launched, as
-    #: before session 22; False launches it at once, and they run while it is on the device
-    consumers_before_launch = False
-
     def __init__(self, config: EngineConfig, *, check_integrity: bool = False):
         self.config = config.validate()
         self.lifecycle = Lifecycle()
@@ -334,12 +329,11 @@ class AsyncEngine(IntakeAPI, SleepAPI):
                 # CPU, measured 3-5 % slower). Their aborts are applied before the step after.
                 # Except a request's first token (once per request): it is dispatched before the
                 # next step is scheduled and launched, which would add their host time to its
-                # TTFT (issue 15). Its consumers then run while that step is launched and on the
-                # device, not before it: in a burst of arrivals they are the clients' next
-                # requests too (the loop's `then`, 4.3-5.3 ms with the device idle, in the H100
-                # timelines of sessions 17 and 22). On the simulated H200 (bench.prefix --sim
-                # h200, four interleaved pairs, session 22) the cached TTFT p50 went from
-                # 22.0-22.6 ms to 19.8-21.8 (consumers_before_launch).
+                # TTFT. Its consumers then run while that step is launched and on the device,
+                # not before it: in a burst of arrivals they are the clients' next requests too
+                # (the loop's `then`, 4.3-5.3 ms with the device idle in H100 timelines); on a
+                # simulated H200 (bench.prefix) the cached TTFT p50 went from 22.0-22.6 ms
+                # (consumers first) to 19.8-21.8.
                 self._bursting = True
                 try:
                     outputs = await self._on_device(step)
@@ -349,7 +343,7 @@ class AsyncEngine(IntakeAPI, SleepAPI):
                     self._hold(outputs)
                 else:
                     self._dispatch(outputs)
-                    if self.consumers_before_launch or not core.in_flight:
+                    if not core.in_flight:
                         await anyio.lowlevel.checkpoint()
         except BaseException as exc:
             with anyio.CancelScope(shield=True):

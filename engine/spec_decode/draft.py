@@ -135,7 +135,8 @@ class DraftSpeculator(Speculator):
         self.device = runner.device
         self.max_chunk = self.k + 1  # catch-up chunks up to this long run as decode rows
         self._source, self._seed, self._dcfg = source, seed, dcfg
-        model = build_model(dcfg, tensors, runner.device, runner.dtype, seed, source)
+        model = build_model(dcfg, tensors, runner.device, runner.dtype, seed, source,
+                            runner.switches)
         res = runner.adopt(Resource.SPECULATOR, DraftResources(model, None, None, None))
         del model
         self._build_stack(res)
@@ -145,7 +146,8 @@ class DraftSpeculator(Speculator):
     def _build_stack(self, res: DraftResources) -> None:
         """The draft's KV cache, buffers and graphs into ``res``; fresh host bookkeeping."""
         runner, config = self.runner, self.runner.config
-        graphs = cuda_graphs.usable(runner.device, config.cuda_graphs, self._dcfg.head_dim,
+        graphs = cuda_graphs.usable(runner.device, config.cuda_graphs and runner.switches.triton,
+                                    self._dcfg.head_dim,
                                     self.block_size)
         max_rows = config.max_num_seqs * self.max_chunk
         for name, part in device_stack(

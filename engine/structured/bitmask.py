@@ -45,6 +45,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from engine.envs import Switches
 from engine.ops.triton import fused_sample
 from engine.ops.triton.fused_sample import GrammarRows
 
@@ -75,10 +76,9 @@ def _threads_for(work_s: float, most: int) -> int:
 
 def _direct_kernel(device: torch.device) -> tuple:
     """(xgrammar's Triton bitmask kernel, the grid's programs) on a CUDA device -- or on the
-    CPU under Triton's interpreter with ``ENGINECORE_BITMASK_KERNEL=1`` (the tests) --
-    where the kernel can be had; else (None, 0): xgrammar's public function."""
-    interpret = (os.environ.get("TRITON_INTERPRET") == "1"
-                 and os.environ.get("ENGINECORE_BITMASK_KERNEL") == "1")
+    CPU under Triton's interpreter (``TRITON_INTERPRET=1``, the tests) -- where the kernel can
+    be had; else (None, 0): xgrammar's public function."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if device.type != "cuda" and not interpret:
         return None, 0
     try:  # (xgrammar 0.2's module, pinned in pyproject.toml)
@@ -131,17 +131,14 @@ class TokenBitmask:
     fills are that wide; the device rows are as wide as the logits, and their words past the
     host rows' stay zero, so the ids past ``grammar_vocab`` (padding) are refused."""
 
-    #: on a device, masks through xgrammar's kernel launched directly (:meth:`_mask_packed`);
-    #: False: through its public function (an A/B on the device, session 18)
-    direct_kernel = True
-    #: on a device, the one-pass sampler reads the masks itself (:meth:`grammar_rows`) where it
-    #: draws the step's tokens; False: :meth:`mask` writes -inf into the logits first (an A/B
-    #: on the device, session 21)
-    fuse_with_sampler = True
-
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device,
-                 grammar_vocab: Union[int, Callable[[], int], None] = None) -> None:
+                 grammar_vocab: Union[int, Callable[[], int], None] = None,
+                 switches: Switches = Switches()) -> None:
         self.vocab_size = vocab_size
+        #: on a device, masks through xgrammar's Triton kernel launched directly
+        #: (:meth:`_mask_packed`) unless the ``triton`` kill switch is off; and the one-pass
+        #: sampler reads the masks itself (:meth:`grammar_rows`) unless ``fused`` is
+        self._switches = switches
         self.device = torch.device(device)
         self._grammar_vocab = vocab_size if grammar_vocab is None else grammar_vocab
         self._max_rows = max_rows
@@ -409,7 +406,7 @@ class TokenBitmask:
         masks full-width rows whose words past the host's must stay zero (the padding ids
         refused), so nothing may pack rows into ``dev`` -- :meth:`grammar_rows` neither."""
         if self._direct is None:  # (xgrammar imported here, not at the runner's start)
-            self._direct = _direct_kernel(self.device) if self.direct_kernel else (None, 0)
+            self._direct = _direct_kernel(self.device) if self._switches.triton else (None, 0)
         return self._direct[0] is not None
 
     @property
@@ -417,7 +414,8 @@ class TokenBitmask:
         """Whether :meth:`grammar_rows` can stand for :meth:`mask` before the one-pass sampler:
         a device the sampler runs on, and packed device rows (:meth:`_packed`; a step that
         cannot be fused then masks through the same layout)."""
-        return self.fuse_with_sampler and fused_sample.usable_on(self.device) and self._packed()
+        return (self._switches.fused and fused_sample.usable_on(self.device)
+                and self._packed())
 
     def allows(self, rows: Sequence[int], tokens: Sequence[int]) -> list[bool]:
         """Whether each token is allowed by its host row as last filled (the mask its step was

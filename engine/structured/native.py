@@ -12,7 +12,7 @@ took turns.
 ``worker_module()`` builds the source once (``c++`` against tvm-ffi's headers, a few seconds)
 into ``$TORCH_EXTENSIONS_DIR`` (else ``~/.cache/enginecore``) under a name carrying the
 source's, tvm-ffi's and Python's versions, and loads it; ``None`` where it cannot be had (not
-Linux, no compiler, no xgrammar, a failed build, ``ENGINECORE_GRAMMAR_NATIVE=0``): the core then
+Linux, no compiler, no xgrammar, a failed build, the ``grammar_worker`` kill switch off): the core then
 does the grammar work on the step thread, as before. ``scripts/setup.sh`` builds it ahead.
 """
 
@@ -33,6 +33,8 @@ import weakref
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from engine import envs
+
 log = logging.getLogger("enginecore.structured")
 
 SOURCE = Path(__file__).with_name("grammar_worker.cc")
@@ -42,7 +44,9 @@ _lock = threading.Lock()
 
 
 def enabled() -> bool:
-    return os.environ.get("ENGINECORE_GRAMMAR_NATIVE", "1") != "0"
+    """The ``grammar_worker`` kill switch (engine/envs.py), read when the worker is first
+    asked for (an engine's first constrained step, or setup's build)."""
+    return envs.on(envs.GRAMMAR_WORKER)
 
 
 def _build_dir() -> Path:

@@ -31,15 +31,14 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from engine import envs
 from ..errors import EngineError
 from .channel import (Blocks, Channel, Closed, Failed, Hello, Init, Loaded, Ready, Released,
                       Shutdown, Step, _encoder, _HEADER)
 
 log = logging.getLogger("enginecore.tp")
 
-TOKEN_ENV = "ENGINECORE_TP_TOKEN"
-#: a collective that waits longer than this raises on every rank (no hanging collective)
-TIMEOUT_S = float(os.environ.get("ENGINECORE_TP_TIMEOUT_S", "30"))
+TOKEN_ENV = envs.TP_TOKEN
 CONNECT_TIMEOUT_S = 120.0  # for every rank to connect (torch's import is seconds)
 EXIT_GRACE_S = 10.0  # for a worker to release and exit after Shutdown, then SIGKILL
 FAIL_GRACE_S = 2.0  # after a failure: for the other ranks to report theirs, then SIGKILL
@@ -117,7 +116,9 @@ class DriverGroup:
             listener.close()
         store_port = self._rendezvous_port(host)
         backend = backend_for(cfg.resolved_device(), per_node)
-        init = Init(self.world, host, store_port, backend, TIMEOUT_S, msgspec.json.encode(cfg))
+        # a collective that waits longer than this raises on every rank (no hanging collective)
+        timeout_s = envs.tp_timeout_s()
+        init = Init(self.world, host, store_port, backend, timeout_s, msgspec.json.encode(cfg))
         for ch in self._chans.values():
             ch.send(init)
         for r, ch in self._chans.items():
@@ -125,7 +126,7 @@ class DriverGroup:
         store = dist.TCPStore(host, store_port, self.world, True,
                               timeout=timedelta(seconds=CONNECT_TIMEOUT_S))
         dist.init_process_group(backend, store=store, rank=0, world_size=self.world,
-                                timeout=timedelta(seconds=TIMEOUT_S))
+                                timeout=timedelta(seconds=timeout_s))
         self._pg = True
         log.info("tensor parallel: process group of %d ranks (%s) formed", self.world, backend)
 

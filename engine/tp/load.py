@@ -20,6 +20,7 @@ def create_shard(runner, cfg: ModelConfig, tensors):
     runner._shapes = local_config(cfg, tp.world)  # refuses a size that does not divide
     model = runner._owner.adopt(R.WEIGHTS, create_tp_model(
         runner._shapes, tp.rank, tp.world, None, runner.device, runner.dtype))
+    model.switches = runner.switches
     if tensors is not None:
         full = {n: shape for n, (shape, _) in weight_spec(cfg, runner.dtype).items()}
         tensors = ShardedTensors(tensors, full, tp.rank, tp.world, runner.config.model)

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import anyio
 
+from engine import envs
 from states import State
 
 from ..logs import add_log_args, configure
@@ -54,7 +55,7 @@ log = logging.getLogger("enginecore.http")
 
 #: How long a frontend answers 503 after the engine died, before it exits 1.
 DEAD_GRACE = 1.0
-TOKEN_ENV = "ENGINECORE_TOKEN"
+TOKEN_ENV = envs.TOKEN
 EXIT_OK, EXIT_CRASH, EXIT_STARTUP, EXIT_ENGINE_DIED = 0, 1, 2, 3
 
 

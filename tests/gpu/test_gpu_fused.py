@@ -21,7 +21,7 @@ from engine.ops.triton import fused_ops
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(not fused_ops.AVAILABLE, reason="needs Triton (and ENGINECORE_FUSED not 0)"),
+    pytest.mark.skipif(not fused_ops.AVAILABLE, reason="needs Triton"),
 ]
 
 
@@ -51,7 +51,6 @@ def test_one_pass_sampler_draws_softmax_and_takes_first_max_on_cuda(monkeypatch)
     from engine.ops.triton import fused_sample
     from engine.sample.sampler import SamplingBatch, sample
 
-    monkeypatch.setattr(fused_sample, "ENABLED", True)  # (the default; ENGINECORE_FUSED_SAMPLE=0)
     dev = torch.device("cuda")
     vocab, rows = 151_936, 8192
     cols = torch.tensor([7, 40_000, 99_999, 151_935], device=dev)
@@ -96,7 +95,6 @@ def test_greedy_one_pass_with_masks_equals_masked_argmax_on_cuda(monkeypatch):
     from engine.ops.triton import fused_sample
     from engine.ops.triton.fused_sample import GrammarRows
 
-    monkeypatch.setattr(fused_sample, "ENABLED", True)
     dev = torch.device("cuda")
     vocab = 151_936
     words_n = -(-151_665 // 32)  # a grammar vocabulary short of the logits' (Qwen's padding)

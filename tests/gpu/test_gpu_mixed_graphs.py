@@ -1,5 +1,5 @@
 """GPU: steps with prompt tokens replayed from CUDA graphs (engine/forward/mixed_inputs.py,
-on by default since these passed on the H200; ``ENGINECORE_MIXED_GRAPHS=0`` turns them off).
+on by default; ``EngineConfig.mixed_cuda_graphs=False`` turns them off).
 
 (a) The same packed steps (fresh prompts, chunks after context, decode rows beside chunks, a
     one-token chunk; two steps of one row count) replayed from the graphs the load captured
@@ -30,11 +30,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _mixed_on(monkeypatch):
-    monkeypatch.setenv("ENGINECORE_MIXED_GRAPHS", "1")
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("variant", ["basic", "more"])
 def test_graphed_prompt_steps_equal_eager_ones(dtype, variant):
@@ -56,9 +51,9 @@ def test_graphed_prompt_steps_equal_eager_ones(dtype, variant):
 
 
 def _serve(mixed: bool, monkeypatch, dtype: str = "float32"):
-    monkeypatch.setenv("ENGINECORE_MIXED_GRAPHS", "1" if mixed else "0")
     runner = ModelRunner(EngineConfig(model="random:qwen3-0.6b", device="cuda", dtype=dtype,
                                       kv_cache_bytes=2 * 2**30, max_num_seqs=64,
+                                      mixed_cuda_graphs=mixed,
                                       enable_prefix_caching=False))
     runner.load()
     core = EngineCore(runner)

@@ -4,7 +4,6 @@ and called with the real ``openai`` client (and httpx for raw checks)."""
 from __future__ import annotations
 
 import anyio
-import msgspec
 import httpx
 import openai
 import pytest
@@ -259,11 +258,11 @@ async def test_drain_in_process(via):
 
 
 @pytest.mark.parametrize("via", ["engine", "client"])
-async def test_engine_failure_mid_stream(via):
+async def test_engine_failure_mid_stream(via, inject_fault):
     """The engine fails: the open stream ends with an error event, new requests and /health get
     503, and the server stops by itself (a frontend process then exits 3)."""
-    config = msgspec.structs.replace(TINY, fault_at_step=6)
-    async with served(config, via=via) as s:
+    inject_fault(6)
+    async with served(TINY, via=via) as s:
         oc = s.openai()
         stream = await oc.completions.create(model=TINY_NAME, prompt="hi", max_tokens=100,
                                              stream=True, extra_body={"ignore_eos": True})

@@ -19,11 +19,14 @@ class ServeProcess:
     """``python -m entrypoints.cli serve`` with stderr captured to a file we can poll."""
 
     def __init__(self, tmp: Path, config: Optional[EngineConfig] = None, *, args: tuple = (),
-                 drain_timeout: float = 30.0, model: Optional[str] = None):
+                 drain_timeout: float = 30.0, model: Optional[str] = None,
+                 fault_at_step: Optional[int] = None):
         self.sock = tmp / "engine.sock"
         self.address = f"unix://{self.sock}"
         self.log_path = tmp / "serve.log"
-        cmd = [sys.executable, "-m", "entrypoints.cli", *(("-v",) if os.environ.get("SERVE_VERBOSE") else ()), "serve", "--listen", self.address,
+        # with a fault: tests/faults.py arms it, then runs the same command line
+        entry = ("entrypoints.cli",) if fault_at_step is None else ("tests.faults", str(fault_at_step))
+        cmd = [sys.executable, "-m", *entry, *(("-v",) if os.environ.get("SERVE_VERBOSE") else ()), "serve", "--listen", self.address,
                "--drain-timeout", str(drain_timeout), *args]
         if config is not None:
             cmd += ["--config-json", msgspec.json.encode(config).decode()]

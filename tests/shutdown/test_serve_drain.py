@@ -148,9 +148,9 @@ async def test_second_signal_exits_fast_with_terminal_outputs(tmp_path) -> None:
 async def test_forward_error_kills_engine_and_tells_clients(tmp_path) -> None:
     from ipc import EngineClient
 
-    cfg = EngineConfig(model="random:tiny-llama", fault_at_step=5)
+    cfg = EngineConfig(model="random:tiny-llama")
     params = SamplingParams(max_tokens=200, ignore_eos=True)
-    sp = ServeProcess(tmp_path, cfg)
+    sp = ServeProcess(tmp_path, cfg, fault_at_step=5)
     errors: list = []
     try:
         sp.wait_serving()

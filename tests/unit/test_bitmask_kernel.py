@@ -53,7 +53,7 @@ print("cases", cases)
 
 
 def test_packed_kernel_path_equals_xgrammars_function():
-    env = dict(os.environ, TRITON_INTERPRET="1", ENGINECORE_BITMASK_KERNEL="1")
+    env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env,
                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
                              os.path.abspath(__file__)))))
@@ -97,10 +97,9 @@ def test_logits_with_strided_rows_are_masked_as_dense_ones(kernel):
     contiguous, and once the packed path has run the device buffer's rows hold packed words
     past the host width. The caller's logits are left alone with ``copy``."""
     env = dict(os.environ)
-    if kernel == "packed":
-        env.update(TRITON_INTERPRET="1", ENGINECORE_BITMASK_KERNEL="1")
-    else:
-        env.pop("ENGINECORE_BITMASK_KERNEL", None)
+    env.pop("TRITON_INTERPRET", None)
+    if kernel == "packed":  # on CPU, xgrammar's Triton kernel under Triton's interpreter
+        env.update(TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", NON_CONTIGUOUS], capture_output=True, text=True,
                          env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(
                              os.path.dirname(os.path.abspath(__file__)))))
@@ -126,7 +125,7 @@ def test_row_count_does_not_compile_the_kernel_again():
 
 FUSED = r'''
 import random, torch
-from engine import fused_sample
+from engine.ops.triton import fused_sample
 from engine.structured.bitmask import TokenBitmask, Filling
 
 rnd = random.Random(1)
@@ -166,7 +165,7 @@ def test_sampler_reads_the_masks_as_masking_the_logits_would():
     draws from logits masked by ``TokenBitmask.mask`` (same seed; rows 0..n-1 and a subset;
     greedy and sampled rows; ids past the grammar's refused), and leaves the logits as they
     are -- under Triton's interpreter."""
-    env = dict(os.environ, TRITON_INTERPRET="1", ENGINECORE_BITMASK_KERNEL="1")
+    env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", FUSED], capture_output=True, text=True, env=env,
                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
                              os.path.abspath(__file__)))))
@@ -176,11 +175,13 @@ def test_sampler_reads_the_masks_as_masking_the_logits_would():
 
 AFTER_FUSED = r'''
 import sys, torch
-from engine import fused_sample
+from engine.ops.triton import fused_sample
 from engine.structured.bitmask import TokenBitmask, Filling
-if sys.argv[1] == "nodirect":
-    TokenBitmask.direct_kernel = False
-bits = TokenBitmask(4, 128, torch.device("cpu"), grammar_vocab=40)  # host rows 2 words, dev 4
+from engine.envs import Switches
+# nodirect: the ``triton`` kill switch off (xgrammar's public function masks the rows)
+switches = Switches(triton=sys.argv[1] != "nodirect")
+bits = TokenBitmask(4, 128, torch.device("cpu"), grammar_vocab=40, switches=switches)
+# host rows 2 words, dev 4
 h = bits.host
 h[0] = torch.tensor([1 << 3, 0], dtype=torch.int32)  # row 0 allows id 3 alone
 h[1] = -1
@@ -195,16 +196,15 @@ print("allowed", (out[0] > float("-inf")).nonzero().flatten().tolist())
 '''
 
 
-@pytest.mark.parametrize("mode", ["direct", "interpret-no-kernel", "nodirect"])
+@pytest.mark.parametrize("mode", ["direct", "no-interpreter", "nodirect"])
 def test_a_step_masked_after_a_fused_one_refuses_the_ids_past_the_grammar(mode):
     """(review rev21) The sampler reads the masks only where the device rows are packed (xgrammar's
     kernel launched directly): xgrammar's public function masks full-width rows whose words past
     the grammar's must stay zero, and packed rows left there would let a later step that cannot
     be fused (logprobs, a seeded row) draw ids past the grammar's vocabulary."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop("ENGINECORE_BITMASK_KERNEL", None)
-    if mode != "interpret-no-kernel":
-        env["ENGINECORE_BITMASK_KERNEL"] = "1"
+    if mode == "no-interpreter":  # on CPU without the interpreter: no Triton kernel can run
+        env.pop("TRITON_INTERPRET")
     out = subprocess.run([sys.executable, "-c", AFTER_FUSED, mode], capture_output=True,
                          text=True, env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(
                              os.path.dirname(os.path.abspath(__file__)))))

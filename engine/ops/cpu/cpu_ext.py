@@ -3,7 +3,7 @@
 (engine/ops/cpu/csrc/int4_mm.cpp).
 
 ``module()`` returns the compiled extension, or ``None`` where it cannot be had: not on Linux,
-no C++ compiler, a failed build, or ``ENGINECORE_CPU_EXT=0``; callers then keep the Python
+no C++ compiler, a failed build, or the ``cpu_ext`` kill switch off (engine/envs.py); callers then keep the Python
 path and torch's int4 kernel (tests/test_woq_forward.py checks the C++ step against the Python
 one). The build
 (``torch.utils.cpp_extension.load``, ~25-60 s on 2 cores) lands in torch's extensions
@@ -26,18 +26,19 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from engine import envs
+
 log = logging.getLogger("enginecore.cpu_ext")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "woq_decode.cpp", CSRC / "int4_mm.cpp", CSRC / "decode_ops.cpp")
-#: the 4-bit kernel carries its input as two bf16 parts (hi + lo, ~16 bits), not one: see
-#: engine/ops/cpu/csrc/int4_mm.cpp and bench/RESULTS.md for what it costs and buys
-INT4_LO = os.environ.get("ENGINECORE_INT4_LO", "1") != "0"
 _lock = threading.Lock()
 
 
 def enabled() -> bool:
-    return os.environ.get("ENGINECORE_CPU_EXT", "1") != "0"
+    """The ``cpu_ext`` kill switch (engine/envs.py), read when the extension is first asked
+    for (the engine's load)."""
+    return envs.on(envs.CPU_EXT)
 
 
 def _name() -> str:
@@ -118,9 +119,10 @@ def int4_usable(out_features: int, in_features: int) -> bool:
 
 
 def int4_options() -> tuple[bool, bool]:
-    """(lo, amx) for ``int4_mm``: the two-part input (``INT4_LO``), and AMX tiles for 2+ rows
+    """(lo, amx) for ``int4_mm``: the input carried as two bf16 parts (hi + lo, ~16 bits;
+    engine/ops/cpu/csrc/int4_mm.cpp says what it costs and buys), and AMX tiles for 2+ rows
     where the CPU has them."""
-    return INT4_LO, _cpu_flags()[1]
+    return True, _cpu_flags()[1]
 
 
 def int4_mm(x, q4, d16, m16):

@@ -18,7 +18,6 @@ in or on the table width (an eager step and a padded graph replay give bit-ident
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -26,8 +25,8 @@ try:  # Triton is optional: the torch path in attention.py is the CPU path and t
     import triton
     import triton.language as tl
 
-    # ENGINECORE_TRITON=0 forces the torch path (a kill switch, and the "before" of benchmarks)
-    HAVE_TRITON = os.environ.get("ENGINECORE_TRITON", "1") != "0"
+    # (the ``triton`` kill switch, engine/envs.py, makes a model take the torch path instead)
+    HAVE_TRITON = True
 except Exception:  # pragma: no cover - depends on the environment
     triton = None
     tl = None

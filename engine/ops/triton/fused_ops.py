@@ -11,7 +11,7 @@ torch path rounds to the model dtype is rounded here at the same point (residual
 normalized rows before the weight, the weight product, SiLU before the product), and only the
 fp32 reductions' order differs. ``tests/gpu/test_gpu_fused.py`` compares the two paths' logits.
 
-``ENGINECORE_FUSED=0`` turns the fused path off (a kill switch, and the "before" of benchmarks).
+The ``fused`` kill switch (engine/envs.py) turns the fused path off where an engine is built.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ try:  # Triton is optional: without it (CPU, CI) the model runs the plain torch 
     import triton
     import triton.language as tl
 
-    AVAILABLE = os.environ.get("ENGINECORE_FUSED", "1") != "0"
+    AVAILABLE = True
 except Exception:  # pragma: no cover - depends on the environment
     triton = None
     tl = None

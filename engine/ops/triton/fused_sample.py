@@ -18,20 +18,17 @@ torch path's), a noise seed given by the caller (``SamplingBatch.noise_seed``: p
 On by default on CUDA since tests/gpu/test_gpu_fused.py passed on the H200 (session 13: the
 draws follow softmax(logits / T) within 0.03 over 8,192 rows, greedy rows equal torch.argmax with
 ties, refused tokens are never drawn; 256 x 151,936 logits in 0.243 ms against the torch path's
-0.591). ``ENGINECORE_FUSED_SAMPLE=0`` turns it off; ``ENGINECORE_FUSED=0`` with the other kernels.
+0.591). The ``fused`` kill switch (engine/envs.py) turns it off with the other fused kernels.
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple, Optional
 
 import torch
 
 from .fused_ops import AVAILABLE, INTERPRET, tl, triton
 
-#: on unless ENGINECORE_FUSED_SAMPLE=0 (see above)
-ENABLED = AVAILABLE and os.environ.get("ENGINECORE_FUSED_SAMPLE", "1") != "0"
 
 #: columns one program reads per iteration
 BLOCK = 2048
@@ -53,12 +50,12 @@ class GrammarRows(NamedTuple):
 
 
 def usable(logits: torch.Tensor) -> bool:
-    return ENABLED and (logits.is_cuda or INTERPRET) and logits.dim() == 2
+    return AVAILABLE and (logits.is_cuda or INTERPRET) and logits.dim() == 2
 
 
 def usable_on(device: torch.device) -> bool:
     """Whether the sampler runs on ``device`` (CUDA, or any under Triton's interpreter)."""
-    return ENABLED and (device.type == "cuda" or INTERPRET)
+    return AVAILABLE and (device.type == "cuda" or INTERPRET)
 
 
 def splits_for(rows: int, vocab: int, greedy: bool = False) -> int:

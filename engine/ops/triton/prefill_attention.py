@@ -21,7 +21,6 @@ differs between them; this kernel runs on both and in Triton's CPU interpreter (
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Optional
 
 import numpy as np
@@ -100,15 +99,15 @@ if triton is not None:
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_kt, stride_kh, stride_bt,
         GQA: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
         INTERLEAVE: tl.constexpr = False,
     ):
         """A program: one query tile of one chunk for ``GP`` query heads of one KV head (the
         tile's ``BLOCK_M`` queries of each head are the rows of one ``GP * BLOCK_M`` block, so
         every key tile and its block-table read is loaded once for them; ``GP`` 1: a program a
-        head), with an online softmax over key tiles up to the tile's last query. ``SPLIT``: the
-        tiles of keys every query sees first, without masks (the cached turns' chunks of ~100
-        queries after ~1,300 keys: 20 of 22 tiles), then the diagonal's, masked.
+        head), with an online softmax over key tiles up to the tile's last query: the tiles of keys
+        every query sees first, without masks (the cached turns' chunks of ~100 queries after
+        ~1,300 keys: 20 of 22 tiles), then the diagonal's, masked.
 
         ``INTERLEAVE``: the ``GP`` heads' rows interleaved in one ``BLOCK_M``-row block of
         ``BLOCK_M // GP`` queries (row r: query ``r // GP``, head ``r % GP``); the tile's queries
@@ -149,19 +148,17 @@ if triton is not None:
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
         nn = tl.arange(0, BLOCK_N)
-        lo = 0
-        if SPLIT:
-            # key tiles every query of the tile sees (keys up to its first query's position,
-            # ctx - n + m0): no masks, no per-element select; the rest (the diagonal) below
-            lo = tl.minimum((ctx - n + m0 + 1) // BLOCK_N, hi // BLOCK_N)
-            lo = tl.maximum(lo, 0) * BLOCK_N  # (never below 0, were a chunk's n > ctx)
-            for t0 in range(0, lo, BLOCK_N):
-                tok = t0 + nn
-                phys = tl.load(BT + c * stride_bt + tok // BLOCK_SIZE)
-                off = (phys.to(tl.int64) * stride_kb + (tok % BLOCK_SIZE) * stride_kt
-                       + kvh * stride_kh)
-                m_i, l_i, acc = attend_tile(q, K, V, off, d, None, None, scale_log2, m_i, l_i,
-                                            acc, IEEE, MASKED=False)
+        # key tiles every query of the tile sees (keys up to its first query's position,
+        # ctx - n + m0): no masks, no per-element select; the rest (the diagonal) below
+        lo = tl.minimum((ctx - n + m0 + 1) // BLOCK_N, hi // BLOCK_N)
+        lo = tl.maximum(lo, 0) * BLOCK_N  # (never below 0, were a chunk's n > ctx)
+        for t0 in range(0, lo, BLOCK_N):
+            tok = t0 + nn
+            phys = tl.load(BT + c * stride_bt + tok // BLOCK_SIZE)
+            off = (phys.to(tl.int64) * stride_kb + (tok % BLOCK_SIZE) * stride_kt
+                   + kvh * stride_kh)
+            m_i, l_i, acc = attend_tile(q, K, V, off, d, None, None, scale_log2, m_i, l_i,
+                                        acc, IEEE, MASKED=False)
         for t0 in range(lo, hi, BLOCK_N):
             tok = t0 + nn
             valid = tok < hi
@@ -180,32 +177,19 @@ class KernelChoice:
     """How the prefill attention is launched: ``packed`` query heads of a KV head per program
     (1: a program a head), whether their rows are ``interleave``d in one block of ``BLOCK_M``
     rows (a part of the tile's queries a program) or stacked (``BLOCK_M`` queries a head), the
-    key tile, warps and pipeline stages. The default is the fastest measured (session 24, H100:
-    interleaved pairs took the cached turns' shape from 0.152 to 0.125 ms a layer on
-    qwen3-0.6b, 0.141 to 0.114 on llama-3.2-1b, the fresh prompts' shapes unchanged);
-    ``ENGINECORE_PREFILL_KERNEL`` (for the device's sweep, scripts/gpu/bench_prefill_attn.py)
-    picks another: ``packed=1,interleave=0`` (the kernel before), ``warps=8,stages=3``."""
+    key tile, warps and pipeline stages. The default is the fastest measured on the H100
+    (bench/RESULTS.md); the kernel micro-benchmark (scripts/gpu/) sweeps the others."""
     packed: int = 2
     block_n: int = BLOCK_N
     warps: int = 4
     stages: int = 2
-    split: int = 1  # the key tiles every query sees without masks, first (0: all masked)
     interleave: int = 1  # packed heads' rows interleaved in one block (0: stacked)
 
-    @classmethod
-    def parse(cls, text: str) -> "KernelChoice":
-        fields = {f.name: f.default for f in dataclasses.fields(cls)}
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            key, _, value = part.partition("=")
-            if key not in fields or not value.isdigit():
-                raise ValueError(f"ENGINECORE_PREFILL_KERNEL: {part!r}; keys: {', '.join(fields)}")
-            fields[key] = int(value)
-        choice = cls(**fields)
+    def __post_init__(self) -> None:
         for key in ("packed", "block_n", "warps"):
-            v = getattr(choice, key)
+            v = getattr(self, key)
             if v < 1 or v & (v - 1):
-                raise ValueError(f"ENGINECORE_PREFILL_KERNEL: {key} must be a power of two")
-        return choice
+                raise ValueError(f"KernelChoice.{key} must be a power of two, not {v}")
 
     def heads_per_program(self, gqa: int) -> int:
         """Query heads a program takes: ``packed``, or fewer where the group is smaller."""
@@ -215,19 +199,15 @@ class KernelChoice:
         return p
 
 
-def kernel_choice() -> KernelChoice:
-    return KernelChoice.parse(os.environ.get("ENGINECORE_PREFILL_KERNEL", ""))
-
-
 def prefill_attention(q: torch.Tensor, cache: torch.Tensor, batch: PrefillBatch, scale: float,
                       out: torch.Tensor, choice: Optional[KernelChoice] = None) -> None:
     """Write attention of every prefill row of ``batch`` into ``out`` (q, out: ``[T, H, D]``;
     cache: ``[2, num_blocks, block_size, Hkv, D]`` with this step's K/V already written).
-    ``choice``: how to launch it (:func:`kernel_choice` by default)."""
+    ``choice``: how to launch it (the default ``KernelChoice()`` unless a benchmark asks)."""
     heads, dim = q.shape[1], q.shape[2]
     kv_heads, block_size = cache.shape[3], cache.shape[2]
     k, v = cache[0], cache[1]
-    choice = choice or _CHOICE
+    choice = choice or _DEFAULT
     gqa = heads // kv_heads
     gp = choice.heads_per_program(gqa)
     args = (q, k, v, out, batch.tile_chunk, batch.tile_m0, batch.q_start, batch.q_len,
@@ -237,10 +217,10 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, batch: PrefillBatch,
             k.stride(0), k.stride(1), k.stride(2), batch.block_table.stride(0))
     inter = bool(choice.interleave) and 1 < gp <= BLOCK_M // 8  # (at least 8 queries a part)
     common = dict(HEAD_DIM=dim, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=choice.block_n,
-                  IEEE=q.dtype == torch.float32, SPLIT=bool(choice.split), INTERLEAVE=inter,
+                  IEEE=q.dtype == torch.float32, INTERLEAVE=inter,
                   num_warps=choice.warps, num_stages=choice.stages)
     grid = (batch.tile_chunk.shape[0], heads if inter else heads // gp)
     _prefill_kernel[grid](*args, GQA=gqa, GP=gp, **common)
 
 
-_CHOICE = kernel_choice() if triton is not None else KernelChoice()
+_DEFAULT = KernelChoice()

@@ -13,7 +13,8 @@ import signal
 import subprocess
 import sys
 
-from .group import _pythonpath
+from engine import envs
+from engine.tp.group import _pythonpath
 
 log = logging.getLogger("enginecore.tp")
 
@@ -21,8 +22,8 @@ log = logging.getLogger("enginecore.tp")
 def run_node(config) -> int:
     k = config.tensor_parallel_size // config.nnodes
     first = config.node_rank * k
-    if not os.environ.get("ENGINECORE_TP_TOKEN"):
-        print("enginecore: multi-host tensor parallel needs the same $ENGINECORE_TP_TOKEN on "
+    if not os.environ.get(envs.TP_TOKEN):
+        print(f"enginecore: multi-host tensor parallel needs the same ${envs.TP_TOKEN} on "
               "every host", file=sys.stderr)
         return 2
     # the driver stops every rank; a signal here must not take ranks away under a drain
