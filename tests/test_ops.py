@@ -57,12 +57,12 @@ def test_kubernetes_example_matches_the_cli_and_the_app():
     annotations = deploy["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/path"] in routes
 
-    # the README's drain advice: grace >= preStop + --drain-timeout + release + margin (45 at 30 s)
+    # the drain advice (docs/serving.md): grace >= preStop + --drain-timeout + release + margin (45 at 30 s)
     pre_stop = pod["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
     grace = pod["terminationGracePeriodSeconds"]
     assert grace >= pre_stop + a.drain_timeout + MARGIN_S
     assert a.drain_timeout == 30 and grace == 45
-    assert "**45**" in (ROOT / "README.md").read_text()
+    assert "**45**" in (ROOT / "docs" / "serving.md").read_text()
 
 
 def test_json_log_lines_carry_the_structured_fields():
