@@ -15,6 +15,9 @@ CPU_WEIGHT_FORMATS = ("auto", "float", "woq", "fbgemm_fp16")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # what to serve: "default" (the embedded SmolLM2-135M-Instruct GGUF), a checkpoint directory
+    # (config.json + safetensors + tokenizer.json), a .gguf file, "random:<preset>" (random
+    # weights of a real architecture's shape), or a Hugging Face repo id from the local cache
     model: str = "default"
     revision: Optional[str] = None  # of a Hugging Face repo id from the local cache (default main)
     device: str = "auto"  # "auto" = cuda when available, else cpu
@@ -24,19 +27,22 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # CPU weight format (engine/model/cpu_weights.py): "auto" = the fastest packed format for this CPU
     # when dtype is "auto" and the checkpoint is a quantized GGUF, else "float" (dequantized)
     cpu_weights: str = "auto"
-    seed: int = 0  # for random: presets and unseeded sampling
-    block_size: int = 16
-    num_kv_blocks: Optional[int] = None  # overrides kv_cache_bytes
+    seed: int = 0  # for random: presets' weights and unseeded sampling
+    block_size: int = 16  # tokens per paged KV-cache block (a power of two)
+    num_kv_blocks: Optional[int] = None  # KV-cache blocks; overrides kv_cache_bytes
     kv_cache_bytes: Optional[int] = None  # default: 512 MiB on cpu, 40% of free memory on cuda
-    max_num_seqs: int = 256
+    max_num_seqs: int = 256  # requests running at once (a step's rows)
+    # tokens one step may compute (prompt chunks plus one per decode row): the prefill chunk size
     max_num_batched_tokens: int = 2048
     max_model_len: Optional[int] = None  # default: the model's context, capped at 8192
     enable_prefix_caching: bool = True  # reuse the K/V of full blocks of earlier prompts
+    # speculative decoding (engine/spec_decode/): "ngram" looks the next tokens up in the
+    # request's own tokens, "draft" asks a smaller model of the same vocabulary
     speculator: Literal["none", "ngram", "draft"] = "none"
-    num_speculative_tokens: int = 4
-    ngram_min: int = 1
-    ngram_max: int = 4
-    draft_model: Optional[str] = None
+    num_speculative_tokens: int = 4  # tokens proposed a step (k)
+    ngram_min: int = 1  # the shortest suffix the n-gram speculator matches
+    ngram_max: int = 4  # the longest
+    draft_model: Optional[str] = None  # the draft speculator's model (as ``model``)
     # Engine-wide admission limits (beyond them: EngineOverloadedError, retryable): requests
     # accepted but not yet running, and prompt tokens held by unfinished requests.
     max_waiting_requests: int = 4096

@@ -8,7 +8,7 @@ NOTE: written by hand because no library does it: ``mallopt`` and ``malloc_trim`
 The engine process keeps glibc's defaults. It used to set a 64 MiB ``M_TOP_PAD`` here (its step
 thread faulted 160k-250k times a CPU benchmark run with the defaults, 6.7k with the pad, when
 measured). Since the load moved to the step thread, the pad does the opposite. Measured again
-(session 12, 2-core box, ``bench.throughput``'s CPU workload over IPC, random:tiny-llama), the
+(2-core box, ``bench.throughput``'s CPU workload over IPC, random:tiny-llama), the
 engine process with the pad faulted 667k times and ran 7,100-8,300 tok/s; with glibc's defaults
 it faulted 115k-180k times and ran 13,900-14,300. Every other setting tried was as bad as the pad
 (a 1 or 16 MiB pad, ``M_TRIM_THRESHOLD``, ``M_MMAP_THRESHOLD``: 720k-950k faults), and one arena

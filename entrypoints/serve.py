@@ -1,6 +1,6 @@
 """``enginecore serve``: the engine process's entry point — the only code that touches signals.
 
-Exit codes (also in the README):
+Exit codes (also in docs/serving.md):
   0    clean shutdown: drained (or aborted at the drain deadline / second signal), released
   1    the engine failed (an exception in a step, a lost device); clients got EngineDeadError
   2    startup error (bad model path, bad config, bad/in-use listen address -- checked before

@@ -174,7 +174,7 @@ class EngineCore(LateStep):
             # NOTE: the step in flight carries first tokens and the device is done with it,
             # while the next step is an eager one (prompt tokens) whose launch is long host
             # work (~30 ms on the H200): launched first, it would hold those first tokens back
-            # that long (issue 15). Applied now and returned at once, without a launch; the
+            # that long. Applied now and returned at once, without a launch; the
             # next call launches (the device is idle either way: its step is done).
             self.early_completions += 1
             return self._complete(*prev)

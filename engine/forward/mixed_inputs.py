@@ -2,7 +2,7 @@
 it can be replayed from a CUDA graph (engine/forward/cuda_graphs.py; ``EngineConfig.mixed_cuda_graphs``).
 
 An eager step with prompt tokens costs the host one launch per kernel -- ~300 on the H200 for
-qwen3-0.6b, 20-45 ms a step measured (issue 15) -- while its device work is a few ms: prefill
+qwen3-0.6b, 20-45 ms a step measured -- while its device work is a few ms: prefill
 steps were host-bound, and a burst of later turns waited through several of them. Replayed
 from a graph, the launches cost one call. What a graph needs is a step whose every kernel has
 the same grid and reads the same buffers each time; this module gives a step of ``t`` tokens

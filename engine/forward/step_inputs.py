@@ -107,7 +107,7 @@ def packed_forward(model, kv: torch.Tensor, state, graphs, device: torch.device,
     elif graphs is not None and chunks:
         # NOTE: an eager step runs every linear at its own row count, and cuBLAS picks a kernel
         # for each new (rows, shape) on the host: prefill steps of a new token count were
-        # host-bound on the H200 (issue 15). Their rows are padded to a few sizes (at most 1/8
+        # host-bound on the H200. Their rows are padded to a few sizes (at most 1/8
         # more rows); padded rows are no chunk's and no decode row's, and write their K/V to
         # the graphs' scratch slot, which no sequence reads.
         pad = min(eager_rows(t), state.buffers["input_ids"].shape[0]) - t

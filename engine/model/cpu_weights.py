@@ -13,9 +13,8 @@ tensor types and the CPU (``torch.backends.cpu.get_cpu_capability()``), and says
   rows through a dense bf16 copy). The model runs engine/model/woq_forward.py (``model.woq_forward``,
   where :func:`woq_forward.usable`), a step of decode rows in one C++ call. ``auto``'s choice on
   AVX-512 CPUs with AVX512-BF16: on the 2-core Sapphire Rapids box, batch-1 decode took 21.8 ms
-  a step against 43.7 ms with fbgemm fp16 and 56.2 ms in fp32 (one thread; session 8,
-  bench/RESULTS.md); 10.8 ms (one thread) and 6.6 ms (two) with the C++ step and kernel
-  (session 11).
+  a step against 43.7 ms with fbgemm fp16 and 56.2 ms in fp32 (one thread;
+  bench/RESULTS.md); 10.8 ms (one thread) and 6.6 ms (two) with the C++ step and kernel.
 * ``fbgemm_fp16`` -- fbgemm's fp16-weight GEMM (AVX2, and AVX-512 without BF16), ``auto``'s
   choice there. On an AVX2-only CPU torch's
   weight-only kernels run a scalar fallback: measured on the 2-core AMD EPYC (AVX2) box,

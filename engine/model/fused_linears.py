@@ -2,7 +2,7 @@
 
 One GEMM instead of three (q, k, v) and one instead of two (gate, up): 84 fewer kernels in a
 Qwen3-0.6B step, and as many fewer ``aten::mm`` calls on the host in eager (mixed) steps, where
-each cost ~23 us of CPU (session 7's profile). Each output row of the fused weight is the row
+each cost ~23 us of CPU. Each output row of the fused weight is the row
 of the linear it came from, so the products are those of the separate GEMMs.
 
 The checkpoint's names stay what a weight update speaks: :func:`views` maps each of them to its

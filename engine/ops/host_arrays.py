@@ -30,7 +30,7 @@ def block_table(req) -> np.ndarray:
 
     NOTE: a decode step's block tables were converted from Python lists every step: ~1.5 us a
     row of 82 blocks, 0.4 ms for 256 rows on the development box, ~9 % of the step thread's
-    busy time in bench.prefix on the H100 (py-spy, session 17). From these mirrors the rows
+    busy time in bench.prefix on the H100 (py-spy). From these mirrors the rows
     are copied by ``padded_rows`` in one numpy call."""
     ids = req.block_ids
     n = len(ids)

@@ -86,7 +86,7 @@ class Admission:
             ids = ids[len(ids) - min(len(ids), params.truncate_prompt_tokens):]
         # NOTE: msgspec checks every id's type and range and copies the list in one C pass
         # (~25 us for a 1,500-token prompt, against ~65 for three C-level passes and a copy:
-        # on the event loop, for each arrival of a burst in turn, issue 15's later turns); a
+        # on the event loop, for each arrival of a burst of later turns in turn); a
         # bool, a float, a string or None is refused (msgspec is strict), an int subclass
         # becomes a plain int
         vocab, kind = self._ids_type

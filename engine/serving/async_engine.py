@@ -361,12 +361,12 @@ class AsyncEngine(IntakeAPI, SleepAPI):
         NOTE: a round trip through the event loop between two steps (the step's result handed
         to the loop, the next step handed back) cost 0.2-0.3 ms a step on the H200 -- two
         thread wake-ups and the loop's own pass -- 4-5 % of a 7 ms decode step: the in-process
-        engine's whole gap to the bare loop (issue 14, ``bench.throughput --timeline``). Here a
+        engine's whole gap to the bare loop (``bench.throughput --timeline``). Here a
         step whose outputs are held (the next step's launch posts their delivery, as in the
         loop) is followed at once by the next. The burst ends -- and the loop takes over as
         before -- when the loop has work: adds or aborts queued (``_inbox``), a transition
         (drain, sleep, failure), a step that carries first tokens (dispatched before the next
-        launch, issue 15), nothing in flight; and after ``seconds``, which bounds how long a
+        launch), nothing in flight; and after ``seconds``, which bounds how long a
         cancellation of the loop waits. Until it ends, ``_pending`` is the step thread's."""
         end = time.perf_counter() + seconds
         while True:

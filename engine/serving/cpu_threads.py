@@ -133,7 +133,7 @@ class ThreadGovernor:
 
     Why: OpenMP workers wait for each other at every op's end, so a worker whose core another
     process holds stalls the whole step. On the 2-core box two threads made a quiet 1-stream
-    decode 1.5x faster than one (83 against 54 tok/s, session 10) but fell to 4-7 tok/s beside
+    decode 1.5x faster than one (83 against 54 tok/s) but fell to 4-7 tok/s beside
     one busy process, where one thread keeps ~50 (engine/serving/cpu_threads.py's module note).
 
     Setting torch's thread count is process-wide state: the governor runs only when the engine

@@ -99,7 +99,7 @@ def _unspecialized(kernel):
     NOTE: Triton specializes an integer argument on whether it is 1 and whether it divides by
     16, and compiles the kernel again for each new class: ``num_rows`` is the step's
     constrained rows, which change as requests end, so serving compiled it anew in the middle
-    of a decode (a 47 ms step in a 100 % constrained run on the H100, session 21). The same
+    of a decode (a 47 ms step in a 100 % constrained run on the H100). The same
     kernel body, jitted again without that specialization (the row count only bounds the
     loop), is the kernel launched here."""
     try:
@@ -351,7 +351,7 @@ class TokenBitmask:
         NOTE: xgrammar's ``apply_token_bitmask_inplace`` asks the device's properties twice
         and checks its arguments on every call, and the copy into the rows' first words of the
         full-width buffer is strided (a copy kernel after the transfer): the late step pays
-        for those on the host's critical path, once a step (issue 23)."""
+        for those on the host's critical path, once a step."""
         words = host.shape[1]
         dev = self._device_words(n, host)
         vocab = min(self.vocab_size, out.shape[-1])

@@ -1,4 +1,4 @@
-"""xgrammar's per-step calls keep the GIL (issue 23).
+"""xgrammar's per-step calls keep the GIL.
 
 xgrammar 0.2's Python API calls C++ through tvm-ffi, and tvm-ffi releases the GIL around every
 call by default, however short. A thread that gives the GIL up must win it back: while another

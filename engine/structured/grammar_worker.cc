@@ -1,4 +1,4 @@
-// A late step's grammar work on a thread of its own that never takes the GIL (issue 23).
+// A late step's grammar work on a thread of its own that never takes the GIL.
 //
 // Overlapped scheduling launches step N's forward before step N-1's tokens are fed to the
 // constrained requests' matchers; step N's masks need those tokens. The engine hands the feed
@@ -6,7 +6,7 @@
 // forward, and waits for it only when it applies the masks. A Python helper thread could do
 // the same work, but it must take the GIL back after each xgrammar call and for its own glue:
 // it then waits for the step thread (busy launching the forward in Python) and, when it wins,
-// makes the step thread wait for it (measured on the H200 host, session 15: the forward's
+// makes the step thread wait for it (measured on the H200 host: the forward's
 // launch grew by as much as the read back's wait shrank). This thread calls xgrammar's own
 // functions (tvm-ffi function objects, C++) and nothing else, so it runs beside the step
 // thread's Python without touching the interpreter.

@@ -1,11 +1,11 @@
 """The grammar worker: a late step's grammar work on a C++ thread that never takes the GIL
-(``grammar_worker.cc`` beside this file; issue 23).
+(``grammar_worker.cc`` beside this file).
 
 Overlapped scheduling launches a constrained step's forward before the step before's tokens
 have been fed to the matchers, and needs those tokens' next masks only at sampling. The core
 hands both to a :class:`GrammarWorker` before the forward's launch (``EngineCore._grammar_job``)
 and waits for them after it: xgrammar's batch accept and batch fill then run on another core
-beside the step thread's Python. A Python helper thread did not gain (session 15 on the H200):
+beside the step thread's Python. A Python helper thread did not gain (measured on the H200):
 it needs the GIL back after every xgrammar call and for its own glue, so it and the step thread
 took turns.
 
@@ -59,7 +59,7 @@ def _library(libinfo) -> Path:
 
     NOTE: built by hand, not with ``tvm_ffi.cpp.build`` (which does build and cache): that
     needs ``ninja``, which the device hosts were never checked to have (this single-file
-    build ran there in sessions 16-17), and its cache key leaves the compiler and the machine
+    build ran there), and its cache key leaves the compiler and the machine
     out (a cache shared by two hosts). Not ``torch.utils.cpp_extension`` either: the worker
     links tvm-ffi, not torch, and is loaded by ``tvm_ffi.load_module``."""
     import tvm_ffi

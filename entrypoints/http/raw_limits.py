@@ -1,8 +1,8 @@
 """Limits checked on a request body's JSON before the schema (``protocol``) parses it.
 
 Why: pydantic refuses a too-long list only after turning all of it into Python objects (and,
-for a union, an error per entry per member): the soak's hostile bodies grew the HTTP frontend
-(issue 12). These checks read the body once in C through ``msgspec.Raw`` views and make no
+for a union, an error per entry per member): the soak's hostile bodies grew the HTTP frontend.
+These checks read the body once in C through ``msgspec.Raw`` views and make no
 object per entry.
 """
 

@@ -15,7 +15,7 @@ noise from its own ``torch.Generator``, so its tokens do not depend on the batch
 torch path's), a noise seed given by the caller (``SamplingBatch.noise_seed``: per step, from
 ``ModelState.next_noise_seed``).
 
-On by default on CUDA since tests/gpu/test_gpu_fused.py passed on the H200 (session 13: the
+On by default on CUDA since tests/gpu/test_gpu_fused.py passed on the H200 (the
 draws follow softmax(logits / T) within 0.03 over 8,192 rows, greedy rows equal torch.argmax with
 ties, refused tokens are never drawn; 256 x 151,936 logits in 0.243 ms against the torch path's
 0.591). The ``fused`` kill switch (engine/envs.py) turns it off with the other fused kernels.
