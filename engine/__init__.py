@@ -31,16 +31,17 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
+    from engine.core.stats import EngineStats
+    from engine.runner.model_runner import ModelRunner
     from engine.serving.async_engine import AsyncEngine
     from engine.serving.request_stream import RequestStream
-    from engine.core.stats import EngineStats
-    from .interface import Engine, Health
+
     from .config import EngineConfig
     from .errors import (BadRequestError, CheckpointError, EngineDeadError, EngineDrainingError,
                          EngineError, EngineShutdownError, EngineSleepingError,
                          InvalidTransitionError)
+    from .interface import Engine, Health
     from .params import RequestOutput, SamplingParams, StructuredOutputs
-    from engine.runner.model_runner import ModelRunner
 
 
 def __getattr__(name: str) -> Any:

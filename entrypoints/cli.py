@@ -14,8 +14,8 @@ import anyio
 
 from engine.params import SamplingParams
 
-from .args import add_listen_args, add_model_args, add_token_args, config_from_args, token_from_args
-from .args import add_ops_args
+from .args import (add_listen_args, add_model_args, add_ops_args, add_token_args, config_from_args,
+                   token_from_args)
 from .logs import add_log_args, configure
 
 

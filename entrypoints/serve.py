@@ -15,22 +15,22 @@ process exits after them; a frontend that fails while the engine serves stops th
 
 from __future__ import annotations
 
+from functools import partial
 import logging
 import os
 import signal
 import sys
 import tempfile
 import time
-from functools import partial
 from typing import Optional
 
 import anyio
 import msgspec
 
 from engine import envs
-from engine.serving.async_engine import AsyncEngine
 from engine.errors import EngineError
 from engine.loader.hf_hub import display_name
+from engine.serving.async_engine import AsyncEngine
 from states import State
 
 from .args import config_from_args, token_from_args

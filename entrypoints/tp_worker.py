@@ -19,6 +19,7 @@ failed (reported to the driver first as ``Failed(startup=True)``).
 from __future__ import annotations
 
 import argparse
+from datetime import timedelta
 import logging
 import os
 import signal
@@ -27,7 +28,6 @@ import sys
 import threading
 import time
 import traceback
-from datetime import timedelta
 
 from engine import envs
 

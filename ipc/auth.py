@@ -11,11 +11,11 @@ worst delayed, never locked out. The table of peers is bounded (oldest forgotten
 
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 import logging
 import os
 import stat
 import time
-from collections import OrderedDict, deque
 from typing import Optional
 
 import anyio

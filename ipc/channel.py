@@ -14,13 +14,13 @@ Engine API on top of it.
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
 import enum
 import itertools
 import logging
 import threading
-import uuid
-from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional
+import uuid
 
 import anyio
 
@@ -32,9 +32,9 @@ from .calls import Calls, death_message
 from .errors import ConnectionClosed, ProtocolError
 from .framing import STREAM_ENDED, FrameWriter
 from .messages import Abort, Ack, Error, Health, Outputs, StateChanged, Tokens, Welcome
-from .wire_errors import message_to_error
 from .requests import GenerateEncoder, RequestTable
 from .streams import thread_caller
+from .wire_errors import message_to_error
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only
     from .spawn import EngineProcess

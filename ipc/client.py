@@ -34,9 +34,9 @@ import msgspec
 
 from engine.errors import BadRequestError
 from engine.interface import Prompt, TokenizerInfo, unavailable_error
+from engine.loader.tokenizer import render_chat_template
 from engine.params import RequestOutput, SamplingParams
 from engine.serving.sleep import MODES, check_tags
-from engine.loader.tokenizer import render_chat_template
 from states import State
 
 from .channel import ClientChannel, ConnState

@@ -141,9 +141,9 @@ from typing import Annotated, Literal, Optional, Union
 import msgspec
 from msgspec import Meta
 
-from engine.serving.admission import MAX_REQUEST_ID_LEN as _ENGINE_MAX_REQUEST_ID_LEN
 from engine.interface import Health
 from engine.params import RequestOutput, SamplingParams
+from engine.serving.admission import MAX_REQUEST_ID_LEN as _ENGINE_MAX_REQUEST_ID_LEN
 from states import State
 
 from .errors import ErrorKind

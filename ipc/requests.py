@@ -8,8 +8,8 @@ from typing import Annotated, Any, Callable, Optional
 import msgspec
 
 from engine.errors import BadRequestError
-from engine.serving.mailbox import Mailbox
 from engine.params import Logprobs, RequestOutput, SamplingParams
+from engine.serving.mailbox import Mailbox
 
 from .errors import FrameTooLargeError
 from .framing import HEADER_SIZE, FrameCodec

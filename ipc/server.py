@@ -30,8 +30,8 @@ import logging
 from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 import anyio
-import msgspec
 from anyio.abc import ByteStream, Listener, TaskStatus
+import msgspec
 
 from engine.errors import BadRequestError
 from engine.interface import Engine, Prompt
@@ -44,11 +44,13 @@ from .connection import STREAM_ERRORS, Connection
 from .errors import ConnectionClosed, ProtocolError
 from .framing import FrameCodec, FrameReader
 from .handshake import describe_model, hello_error
-from .messages import (DEFAULT_MAX_FRAME, HANDSHAKE_MAX_FRAME, PROTOCOL_VERSION, Abort, Ack, ClientMessage, Detokenize, Drain,
-                       Error, ErrorKind, Generate, HealthRequest, Shutdown, Sleep, StateChanged, Tokenize, Tokens, UpdateWeights, Vocabulary, WakeUp, Welcome)
-from .wire_errors import error_to_message
+from .messages import (DEFAULT_MAX_FRAME, HANDSHAKE_MAX_FRAME, PROTOCOL_VERSION, Abort, Ack,
+                       ClientMessage, Detokenize, Drain, Error, ErrorKind, Generate, HealthRequest,
+                       Shutdown, Sleep, StateChanged, Tokenize, Tokens, UpdateWeights, Vocabulary,
+                       WakeUp, Welcome)
 from .transport import (check_token, listener_address, open_listener, parse_address, peer_of,
                         remove_socket, socket_inode)
+from .wire_errors import error_to_message
 
 log = logging.getLogger("enginecore.ipc")
 

@@ -22,8 +22,11 @@ The child is ``python -m entrypoints.cli serve --config-json <config> --listen <
 
 from __future__ import annotations
 
+from collections import deque
+from contextlib import asynccontextmanager
 import logging
 import os
+from pathlib import Path
 import select
 import shutil
 import signal
@@ -32,9 +35,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections import deque
-from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any, AsyncIterator, Optional, Sequence
 
 import anyio

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from engine.serving.mailbox import Mailbox
 from engine.params import RequestOutput
+from engine.serving.mailbox import Mailbox
 
 #: ``abandon(request_id, mailbox)``: the iterator went away; abort the request (any thread).
 Abandon = Callable[[str, Mailbox], None]

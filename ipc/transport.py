@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import errno
 import hmac
 import ipaddress
@@ -23,7 +24,6 @@ import os
 import socket
 import stat
 import struct
-from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
 

@@ -13,11 +13,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from engine.model import fused_linears
 from engine.config import EngineConfig
-from engine.memory.owner import Resource as R
-from engine.runner.model_runner import ModelRunner
 from engine.forward.step_inputs import packed_forward
+from engine.memory.owner import Resource as R
+from engine.model import fused_linears
+from engine.runner.model_runner import ModelRunner
 
 
 def _runner(model: str, device: str, dtype: str, graphs: bool = False,
@@ -90,8 +90,8 @@ def compare(model: str, device: str, dtype: str, reference: bool = False) -> dic
 def compare_decode(device: str = "cpu") -> float:
     """The Triton paged decode kernel against the torch decode path on random caches (GQA 4
     and 1, contexts from 1 token to more than one split); the largest absolute difference."""
-    from engine.ops.triton import decode_attention as ta
     from engine.model.attention import AttentionMetadata, decode_attention_torch
+    from engine.ops.triton import decode_attention as ta
 
     if device == "cpu":  # Triton's interpreter: no device properties to size the grid from
         ta._sm_count = lambda dev: 4
@@ -235,8 +235,8 @@ def compare_mixed(model: str, device: str = "cpu", dtype: str = "float32",
     values (a wrong block read shows), and on CPU the fixed-shape inputs' decode rows through
     the Triton decode kernel (split-K and its reduce, as on CUDA) against the torch decode path
     of the eager inputs."""
-    from engine.ops.triton import decode_attention as ta
     from engine.forward.mixed_inputs import MixedInputs
+    from engine.ops.triton import decode_attention as ta
 
     if device == "cpu":
         ta._sm_count = lambda dev: 4
@@ -319,7 +319,7 @@ def compare_mixed(model: str, device: str = "cpu", dtype: str = "float32",
 
 
 if __name__ == "__main__":  # python -m tests.fused_check MODEL DEVICE DTYPE -> one JSON line
-    import json                # python -m tests.fused_check decode DEVICE
+    import json  # python -m tests.fused_check decode DEVICE
     import sys
 
     if sys.argv[1] == "decode":

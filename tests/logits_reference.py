@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from engine import EngineConfig
+from engine.forward.step_inputs import packed_forward
 from engine.memory.owner import Resource as R
 from engine.runner.model_runner import ModelRunner
-from engine.forward.step_inputs import packed_forward
 
 
 class Reference:

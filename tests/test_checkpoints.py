@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import gc
 import json
+from pathlib import Path
 import re
 import shutil
-from pathlib import Path
 
 import anyio
 import pytest

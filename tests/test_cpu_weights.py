@@ -10,15 +10,14 @@ import weakref
 import pytest
 import torch
 
-from engine.ops.cpu import cpu_ext
-
 from engine import EngineConfig, ModelRunner, SamplingParams
 from engine.core.engine_core import EngineCore
-from engine.model.cpu_weights import choose_format, cpu_capability, is_packed, pack_model
+from engine.forward.step_inputs import packed_forward
 from engine.memory.owner import reachable_tensors
+from engine.model.cpu_weights import choose_format, cpu_capability, is_packed, pack_model
+from engine.ops.cpu import cpu_ext
 from engine.ops.cpu.packed_linear import KINDS, PackedLinear
 from engine.request import Request, Status
-from engine.forward.step_inputs import packed_forward
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

@@ -5,8 +5,8 @@ wording (which means nothing to a reader) appears in them."""
 from __future__ import annotations
 
 import importlib.util
-import re
 from pathlib import Path
+import re
 
 import pytest
 

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from engine import EngineConfig, ModelRunner
-from engine.model import fused_linears
-from engine.memory.owner import Resource as R
 from engine.forward.step_inputs import packed_forward
+from engine.memory.owner import Resource as R
 from engine.memory.weights import weight_spec
+from engine.model import fused_linears
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 SEQS = [(list(range(3, 40)), 0, [0, 1, 2], False), (list(range(50, 61)), 0, [3], False)]

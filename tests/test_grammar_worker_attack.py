@@ -9,23 +9,23 @@ from __future__ import annotations
 import gc
 import json
 import os
+from pathlib import Path
 import subprocess
 import sys
 import textwrap
 import time
 import weakref
-from pathlib import Path
 
 import pytest
 
 xgr = pytest.importorskip("xgrammar")
 torch = pytest.importorskip("torch")
 
+from engine.loader.tokenizer import Tokenizer  # noqa: E402
 from engine.structured import native  # noqa: E402
 from engine.structured.bitmask import TokenBitmask  # noqa: E402
 from engine.structured.grammars import _SEPARATORS, grammar_vocab_size, tokenizer_info  # noqa: E402
 from engine.structured.matcher import advance_all, new_matcher  # noqa: E402
-from engine.loader.tokenizer import Tokenizer  # noqa: E402
 
 V = 512
 ROOT = Path(__file__).resolve().parents[1]
@@ -367,9 +367,8 @@ def test_a_forked_child_leaves_its_copy_of_a_worker_alone(how, grammars):
     join itself returns in a child, so only a mutex copied locked would hang there -- racy,
     so the "drop" case guards rather than proves). The parent's job and worker are
     unaffected."""
-    import warnings
-
     import threading
+    import warnings
 
     import tvm_ffi
 

@@ -4,10 +4,10 @@ served name, and the error that says where it looked."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 

@@ -10,8 +10,8 @@ import anyio
 import pytest
 
 from engine import AsyncEngine, EngineConfig, EngineDeadError, SamplingParams
-from engine.serving.output_merge import merge_outputs
 from engine.params import Logprobs, RequestOutput
+from engine.serving.output_merge import merge_outputs
 from engine.serving.request_stream import RequestStream
 from engine.serving.step_thread import StepThread
 

@@ -5,12 +5,12 @@ device, checked against a log-softmax of the model's own logits computed here
 from __future__ import annotations
 
 import anyio
+from logits_reference import Reference
 import pytest
 import torch
 
 from engine import AsyncEngine, EngineConfig, SamplingParams
 from engine.errors import BadRequestError
-from logits_reference import Reference
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.sample import logprobs as L
 from engine.params import Logprobs, RequestOutput, TokenLogprob
+from engine.sample import logprobs as L
 from entrypoints.http.choices import TokenTable, chat_logprobs, completion_logprobs, prompt_logprobs
 
 

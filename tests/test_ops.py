@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
+import re
 from types import SimpleNamespace
 
 import msgspec
@@ -15,12 +15,12 @@ import pytest
 import yaml
 
 from engine.core.stats import STEP_TIME_BUCKETS, Histogram
+from engine.interface import Health
 from entrypoints.cli import build_parser
 from entrypoints.http.app import create_app
 from entrypoints.http.metrics import EngineCollector
 from entrypoints.logs import JsonFormatter
 from entrypoints.stats_log import StatsLine
-from engine.interface import Health
 from states import State
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,11 +7,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_overlap_structured import REGEX, SCHEMA, _core, _run
 
 from engine.params import SamplingParams
 from engine.structured import native
-
-from test_overlap_structured import REGEX, SCHEMA, _core, _run
 
 pytestmark = pytest.mark.skipif(native.worker_module() is None,
                                 reason="no grammar worker (no C++ compiler)")

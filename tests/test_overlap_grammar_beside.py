@@ -8,14 +8,13 @@ import threading
 
 import anyio
 import pytest
+from test_overlap_structured import REGEX, SCHEMA, _core, _mixed, _order, _run
 
 from engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.params import SamplingParams
 from engine.structured import native
-
-from test_overlap_structured import REGEX, SCHEMA, _core, _mixed, _order, _run
 
 pytestmark = pytest.mark.skipif(native.worker_module() is None,
                                 reason="no grammar worker (no C++ compiler)")

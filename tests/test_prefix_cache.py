@@ -14,7 +14,6 @@ from engine.memory.owner import Resource as R
 from engine.request import Request
 from entrypoints.args import add_model_args, config_from_args
 
-
 SYSTEM = ("You are a careful assistant. Answer in one short sentence, use plain words, and "
           "never make up facts about places, people or numbers you do not know well.")
 QUESTIONS = ["What is the capital of France?", "Name a colour.", "Who wrote Hamlet?",
@@ -342,8 +341,8 @@ def _mirrored(mirrors: bool, monkeypatch) -> tuple[dict, object, dict]:
     handed out. ``mirrors``: the decode rows' block tables come from ``host_arrays.block_table``
     (each one checked against the request's blocks when read), else from the lists (as before
     the mirrors). Returns the tokens, the statistics, and how the mirrors were read."""
-    import engine.runner.model_runner as runner_mod
     from engine.ops.host_arrays import block_table
+    import engine.runner.model_runner as runner_mod
 
     seen = {"rebuilt": 0, "appended": 0, "reused": 0}
 

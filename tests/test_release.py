@@ -7,8 +7,8 @@ and a runner with a tensor smuggled past the ``__setattr__`` guard (must be repo
 from __future__ import annotations
 
 import gc
-import os
 import logging
+import os
 import types
 import weakref
 

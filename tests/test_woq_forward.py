@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from engine import EngineConfig, ModelRunner, SamplingParams
-from engine.model import woq_forward
 from engine.core.engine_core import EngineCore
+from engine.forward.step_inputs import _spans, packed_forward
+from engine.model import woq_forward
 from engine.model.cpu_weights import pack_model
 from engine.model.llama import Rotary
 from engine.model.model_config import ModelConfig
 from engine.request import Request, Status
-from engine.forward.step_inputs import _spans, packed_forward
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

@@ -11,21 +11,21 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+from pathlib import Path
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from engine import EngineConfig, ModelRunner, SamplingParams
-from engine.ops.cpu import cpu_ext
-from engine.model import woq_forward
 from engine.core.engine_core import EngineCore
 from engine.forward.step_inputs import packed_forward
+from engine.model import woq_forward
+from engine.ops.cpu import cpu_ext
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

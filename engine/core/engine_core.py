@@ -10,18 +10,19 @@ from __future__ import annotations
 import time
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from engine.sample.bad_words import bad_word_sequences
-from .detokenizer import IncrementalDetokenizer
 from engine.errors import BadRequestError
 from engine.kv.kv_cache import blocks_needed
-from .late_step import LateStep
 from engine.params import Logprobs, RequestOutput, SamplingParams
 from engine.request import Request
 from engine.runner.model_runner import ModelRunner
+from engine.sample.bad_words import bad_word_sequences
 from engine.sample.sampler import StepResult
-from .scheduler import Scheduler
 from engine.spec_decode.base import SpecStats
 from engine.structured.matcher import advance, new_matcher
+
+from .detokenizer import IncrementalDetokenizer
+from .late_step import LateStep
+from .scheduler import Scheduler
 from .stats import EngineTimings
 
 

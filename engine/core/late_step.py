@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from engine.runner.launched import Launched
 from engine.params import RequestOutput
+from engine.runner.launched import Launched
 from engine.structured.bitmask import Filling
 from engine.structured.matcher import ALL_GO_ON, advance_all, verdicts_of
 

@@ -6,8 +6,8 @@ HTTP frontends)."""
 
 from __future__ import annotations
 
-import time
 from bisect import bisect_left
+import time
 from typing import Any, NamedTuple, Optional, Sequence
 
 from states import State

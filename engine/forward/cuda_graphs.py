@@ -29,8 +29,9 @@ from typing import Optional
 
 import torch
 
-from engine.ops.triton import decode_attention
 from engine.model.attention import AttentionMetadata
+from engine.ops.triton import decode_attention
+
 from .mixed_inputs import MixedInputs, rows as mixed_rows
 
 log = logging.getLogger("enginecore.cuda_graphs")

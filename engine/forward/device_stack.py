@@ -8,10 +8,11 @@ from typing import Iterator, Union
 
 import torch
 
-from . import cuda_graphs
 from engine.kv.kv_cache import KVCache
-from .model_state import ModelState
 from engine.memory.owner import Resource
+
+from . import cuda_graphs
+from .model_state import ModelState
 
 Part = Union[KVCache, ModelState, "cuda_graphs.CudaGraphs"]
 

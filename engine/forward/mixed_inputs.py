@@ -32,9 +32,10 @@ import torch
 
 from engine.model.attention import AttentionMetadata
 from engine.ops.host_arrays import padded_rows
-from .step_inputs import eager_rows
 from engine.ops.triton import prefill_attention
 from engine.ops.triton.prefill_attention import BLOCK_M, PrefillBatch
+
+from .step_inputs import eager_rows
 
 
 def rows(t: int) -> int:

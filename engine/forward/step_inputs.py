@@ -8,12 +8,12 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from engine.ops.triton import prefill_attention
+from engine.kv.kv_cache import blocks_needed
 from engine.model import woq_forward
-from engine.ops.host_arrays import long_tensor, padded_rows
 from engine.model.attention import (MAX_BATCHED_QUERIES, AttentionMetadata, PrefillSeq,
                                     context_groups)
-from engine.kv.kv_cache import blocks_needed
+from engine.ops.host_arrays import long_tensor, padded_rows
+from engine.ops.triton import prefill_attention
 
 # (tokens to compute, position of the first one, the sequence's KV block ids, as decode rows?)
 Seq = tuple[list[int], int, list[int], bool]

@@ -28,8 +28,9 @@ from collections import OrderedDict, deque
 from operator import countOf
 from typing import Iterable, NamedTuple
 
-from .block_hash import block_digest, block_key, chain_hashes, root_hash, token_bytes
 from engine.request import Request
+
+from .block_hash import block_digest, block_key, chain_hashes, root_hash, token_bytes
 
 
 class CacheStats(NamedTuple):

@@ -17,9 +17,9 @@ not its whole budget (``torch.zeros`` wrote every page: 512 MiB resident at load
 
 from __future__ import annotations
 
+from collections import deque
 import math
 import mmap
-from collections import deque
 
 import torch
 

@@ -10,18 +10,19 @@ Every failure is a :class:`CheckpointError` naming the file and the problem.
 from __future__ import annotations
 
 import json
-import traceback
 from pathlib import Path
+import traceback
 from typing import Callable, Iterator, Optional
 
 import torch
 
-from engine.errors import CheckpointError
 from engine.envs import Switches
+from engine.errors import CheckpointError
+from engine.memory.owner import empty_in_place
 from engine.model.llama import CausalLM
 from engine.model.model_config import ModelConfig
-from engine.memory.owner import empty_in_place
 from engine.model.presets import PRESETS
+
 from .progress import LoadProgress
 from .tokenizer import Tokenizer
 

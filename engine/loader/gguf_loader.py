@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import gguf
+from gguf.quants import dequantize
 import numpy as np
 import torch
-from gguf.quants import dequantize
 
 from engine.errors import CheckpointError
 from engine.model.model_config import ModelConfig
+
 from .progress import LoadProgress
 from .tokenizer import Tokenizer
 

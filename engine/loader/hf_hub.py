@@ -10,8 +10,8 @@ time) through ``huggingface_hub`` with ``local_files_only=True``. A repo that is
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
+import re
 from typing import Optional
 
 from engine.errors import CheckpointError

@@ -16,8 +16,8 @@ from typing import Iterable, Mapping, Union
 import torch
 from torch import nn
 
-from engine.model import fused_linears
 from engine.errors import BadRequestError, CheckpointError
+from engine.model import fused_linears
 from engine.model.llama import CausalLM
 from engine.model.model_config import ModelConfig
 

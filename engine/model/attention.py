@@ -19,8 +19,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from engine.ops.triton import decode_attention, prefill_attention
 from engine.ops.host_arrays import long_tensor, padded_rows
+from engine.ops.triton import decode_attention, prefill_attention
 
 
 @dataclasses.dataclass

@@ -37,9 +37,10 @@ from torch import nn
 
 from engine.config import CPU_WEIGHT_FORMATS
 from engine.ops.cpu import cpu_ext
-from . import woq_forward
 from engine.ops.cpu.cpu_ext import amx_cpu, bf16_cpu, cpu_capability
 from engine.ops.cpu.packed_linear import PackedLinear
+
+from . import woq_forward
 
 log = logging.getLogger("enginecore.cpu_weights")
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+import torch.nn.functional as F
 
 from engine.envs import Switches
 from engine.ops.triton import fused_ops
+
 from . import woq_forward
 from .attention import AttentionMetadata, paged_attention, write_kv
 from .model_config import ModelConfig

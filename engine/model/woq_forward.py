@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.ops.cpu import cpu_ext
-from .attention import AttentionMetadata, paged_attention
 from engine.ops.cpu.packed_linear import DENSE_ROWS, Q4_DENSE_ROWS, PackedLinear
+
+from .attention import AttentionMetadata, paged_attention
 
 #: decode rows with consecutive blocks attend through views of the cache, one SDPA call each,
 #: up to this many rows a step; more share one gathered, masked call (fewer calls). Measured

@@ -3,12 +3,13 @@ overlapped scheduling -- the host copy of its sampled tokens (and logprob rows) 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from engine.request import Request
 from engine.sample import logprobs
-from engine.sample.sampler import StepResult
+from engine.sample.sampler import SamplingBatch, StepResult
 
 
 def by_entry(entries: int, owners: list[int], tokens: list[int]) -> StepResult:
@@ -77,3 +78,18 @@ class Launched:
                     logprobs.unpack(words, self.lp_plan, self.entries)
             self.host = self.event = self.lp_plan = None
         return self.result
+
+
+class Forwarded(NamedTuple):
+    """A step between :meth:`ModelRunner.forward` and :meth:`ModelRunner.sample_step`: the host's
+    plan of it and its logits on the device. Transient: made and consumed within one
+    ``EngineCore.step`` call, never kept (the device tensors are the step's activations)."""
+
+    batch: Sequence[tuple[Request, int]]
+    sample_rows: list[list[int]]  # per entry: its sampled rows
+    plp: list  # prompt-logprob rows (engine.sample.logprobs.prompt_rows)
+    owners: list[int]  # per sampled row: its entry
+    logits_all: Optional[torch.Tensor]  # sampled rows, then prompt-logprob rows; None: no row
+    logits: Optional[torch.Tensor]  # the sampled rows of logits_all
+    sb: Optional[SamplingBatch]
+    processed: Optional[torch.Tensor]  # the sampled rows' logits after logits processing

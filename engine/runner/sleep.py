@@ -16,12 +16,12 @@ from typing import Sequence
 
 import torch
 
-from engine.model.cpu_weights import is_packed, pack_model, packed_types
 from engine.errors import BadRequestError, CheckpointError
 from engine.loader.checkpoint import create_model, fill_model, resolve_source
 from engine.memory.owner import Resource as R
 from engine.memory.weights import (NamedTensors, check_architecture, copy_into, validated,
                                    weight_spec)
+from engine.model.cpu_weights import is_packed, pack_model, packed_types
 
 log = logging.getLogger("enginecore.runner")
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from engine.ops.triton import fused_sample
+
 from .logits import LogitsPlan
 
 

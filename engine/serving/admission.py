@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Annotated, Optional, Union
 
 import anyio
-import msgspec
 from anyio import to_thread
+import msgspec
 
 from engine.errors import BadRequestError, EngineOverloadedError
 from engine.params import SamplingParams

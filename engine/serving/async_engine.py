@@ -11,33 +11,33 @@ terminal output (finished, aborted with a reason) or, if the engine dies, ``Engi
 
 from __future__ import annotations
 
+from collections import deque
+from contextlib import asynccontextmanager
+from functools import partial
 import logging
 import math
 import threading
 import time
-from collections import deque
-from contextlib import asynccontextmanager
-from functools import partial
 from typing import AsyncIterator, Callable, Optional
 
 import anyio
 from anyio import from_thread, to_thread
 
-from states import Lifecycle, State
-
 from engine.config import EngineConfig
-from .admission import Admission
 from engine.core.engine_core import EngineCore
+from engine.core.stats import EngineStats, engine_stats, health_figures
 from engine.errors import EngineDeadError, EngineShutdownError
 from engine.interface import Health, TokenizerInfo, unavailable_error
-from .request_stream import Sink
 from engine.runner.model_runner import ModelRunner
-from .sleep import SleepAPI, SleepController
-from .step_thread import StepThread
+from engine.structured.grammars import GrammarCache, GrammarService
+from states import Lifecycle, State
+
+from .admission import Admission
 from .cpu_threads import governed
 from .intake import STEPPING, InboxItem, IntakeAPI
-from engine.core.stats import EngineStats, engine_stats, health_figures
-from engine.structured.grammars import GrammarCache, GrammarService
+from .request_stream import Sink
+from .sleep import SleepAPI, SleepController
+from .step_thread import StepThread
 
 log = logging.getLogger("enginecore.engine")
 

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import logging
 import threading
-import uuid
 from typing import NamedTuple, Optional, Union
-
-from states import State
+import uuid
 
 from engine.core.engine_core import EngineCore
 from engine.errors import BadRequestError
 from engine.params import RequestOutput, SamplingParams
+from states import State
+
 from .request_stream import RequestStream, Sink
 
 log = logging.getLogger("enginecore.engine")

@@ -6,9 +6,10 @@ from __future__ import annotations
 from asyncio import get_running_loop
 from typing import Callable, Union
 
+from engine.params import RequestOutput
+
 from .mailbox import Mailbox
 from .output_merge import merge_outputs
-from engine.params import RequestOutput
 
 #: Where the engine loop delivers a request's outputs (or the error that ends it).
 Sink = Callable[[Union[RequestOutput, BaseException]], None]

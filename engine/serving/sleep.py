@@ -26,16 +26,15 @@ raises ``EngineDeadError`` / ``EngineShutdownError``.
 
 from __future__ import annotations
 
+from collections import deque
 import math
 import time
-from collections import deque
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import anyio
 
-from states import State
-
 from engine.errors import BadRequestError, EngineDeadError, EngineShutdownError
+from states import State
 
 if TYPE_CHECKING:  # pragma: no cover  (torch-free at run time: the IPC client imports this module)
     from engine.core.engine_core import EngineCore

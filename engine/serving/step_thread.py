@@ -22,9 +22,9 @@ and ended by :meth:`close`.
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 import queue
 import threading
-from functools import partial
 from typing import Any, Callable, Optional
 
 import anyio

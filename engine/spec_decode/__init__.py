@@ -12,7 +12,7 @@ accept/reject rule of speculative sampling).
 
 from __future__ import annotations
 
-from .base import Speculator, SpecStats, verify_tokens
+from .base import SpecStats, Speculator, verify_tokens
 from .draft import DraftResources, DraftSpeculator
 from .ngram import NgramSpeculator, ngram_lookup
 

@@ -9,8 +9,8 @@ runner's object graph stays acyclic and free of device memory after ``shutdown()
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Optional, Sequence
+import weakref
 
 import torch
 

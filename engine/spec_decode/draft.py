@@ -25,16 +25,17 @@ from typing import Optional
 
 import torch
 
-from engine.forward import cuda_graphs
 from engine.errors import BadRequestError
+from engine.forward import cuda_graphs
 from engine.forward.device_stack import device_stack
+from engine.forward.model_state import ModelState
+from engine.forward.step_inputs import packed_forward
 from engine.kv.kv_cache import BlockAllocator, KVCache, blocks_needed
 from engine.loader.checkpoint import build_model, resolve_source
-from engine.forward.model_state import ModelState
 from engine.memory.owner import Resource, empty_in_place
 from engine.memory.weights import offload_module, restore_module
 from engine.sample.sampler import SamplingBatch, apply_penalty_free_filters
-from engine.forward.step_inputs import packed_forward
+
 from .base import Speculator, race
 
 log = logging.getLogger("enginecore.speculative")

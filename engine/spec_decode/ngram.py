@@ -16,6 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from engine.request import Request
+
 from .base import Speculator
 
 

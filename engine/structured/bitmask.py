@@ -26,20 +26,15 @@ loop ran at 0.5-0.65x its own speed, not stalled), so the two host costs overlap
 waits for the rows, then copies and applies them. NOTE: the host rows are reused every step;
 a fill may only start once the step before has been read back (its copy of them is done).
 
-On an asynchronous device a late step's grammar work -- the step before's tokens fed, this
-step's rows filled -- runs on the grammar worker instead (``accept_then_fill``: a C++ thread
-that never takes the GIL, ``structured/native.py``), beside the step thread's launch of the
-forward.
+On an asynchronous device a late step's grammar work runs on the grammar worker instead
+(``accept_then_fill``, engine/structured/grammar_job.py), beside the forward's launch.
 """
 
 from __future__ import annotations
 
-import functools
-import operator
-import os
+from concurrent.futures import Future, ThreadPoolExecutor
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
@@ -49,65 +44,9 @@ from engine.envs import Switches
 from engine.ops.triton import fused_sample
 from engine.ops.triton.fused_sample import GrammarRows
 
-
-#: a batch fill's work (one thread's time) per thread it is spread over: below it, more
-#: threads cost more than they save (xgrammar starts its threads on every call: 256 rows of the
-#: bench's schema took 0.14 ms on one thread, 0.35 ms on two, on the 2-core development box)
-_WORK_PER_THREAD_S = 1e-3
-
-
-def _fill_threads() -> int:
-    """Threads xgrammar may use at most to fill a batch's rows: the CPUs this process may use,
-    less two (the step's own thread, the event loop's), at most 16."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        n = os.cpu_count() or 1
-    return max(1, min(16, n - 2))
-
-
-def _threads_for(work_s: float, most: int) -> int:
-    """Threads for a fill of ``work_s`` of one thread's work (the last fill's, as an estimate
-    of the next): one per ``_WORK_PER_THREAD_S``, at least 1, at most ``most``. Small masks
-    (a byte vocabulary, a grammar inside a string) stay on one thread; large ones (a 150k-token
-    vocabulary at a grammar's branch points) spread."""
-    return max(1, min(most, int(work_s / _WORK_PER_THREAD_S)))
-
-
-def _direct_kernel(device: torch.device) -> tuple:
-    """(xgrammar's Triton bitmask kernel, the grid's programs) on a CUDA device -- or on the
-    CPU under Triton's interpreter (``TRITON_INTERPRET=1``, the tests) -- where the kernel can
-    be had; else (None, 0): xgrammar's public function."""
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if device.type != "cuda" and not interpret:
-        return None, 0
-    try:  # (xgrammar 0.2's module, pinned in pyproject.toml)
-        from xgrammar.kernels.apply_token_bitmask_inplace_triton import (
-            apply_token_bitmask_inplace_kernel as kernel)
-    except Exception:  # no Triton, or another layout: the public function
-        return None, 0
-    kernel = _unspecialized(kernel)
-    if device.type != "cuda":
-        return kernel, 4
-    return kernel, torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
-def _unspecialized(kernel):
-    """xgrammar's kernel compiled once for every row count.
-
-    NOTE: Triton specializes an integer argument on whether it is 1 and whether it divides by
-    16, and compiles the kernel again for each new class: ``num_rows`` is the step's
-    constrained rows, which change as requests end, so serving compiled it anew in the middle
-    of a decode (a 47 ms step in a 100 % constrained run on the H100). The same
-    kernel body, jitted again without that specialization (the row count only bounds the
-    loop), is the kernel launched here."""
-    try:
-        import triton
-
-        return triton.jit(kernel.fn, do_not_specialize=["num_rows"])
-    except Exception:  # pragma: no cover - another Triton: xgrammar's as it is
-        return kernel
+from . import grammar_job
+from .grammar_job import GrammarJob
+from .kernels import direct_kernel, fill_threads, threads_for
 
 
 class Filling(NamedTuple):
@@ -122,7 +61,6 @@ class Filling(NamedTuple):
         return self.done if self.future is None else self.future.result()
 
 
-_MATCHER, _ROW, _DRAFTS = (operator.itemgetter(i) for i in range(3))  # of an entry
 
 
 class TokenBitmask:
@@ -241,51 +179,10 @@ class TokenBitmask:
 
     def accept_then_fill(self, matchers: Sequence, tokens: Sequence[int],
                          entries: Sequence[tuple], check_rows: Optional[Sequence[int]] = None
-                         ) -> Optional["GrammarJob"]:
-        """Start on this bitmask's grammar worker (``structured/native.py``, a C++ thread that
-        never takes the GIL): feed ``matchers`` their ``tokens``, then fill the rows of
-        ``entries`` (the next step's, planned before its forward) whose matchers did not just
-        end. Each token must be in its mask: known (:func:`structured.matcher.accept_allowed`),
-        or -- with ``check_rows``, the rows the tokens were sampled from -- checked by the
-        worker first against those rows (:meth:`allows`'s rule), the job then doing nothing
-        if one is not (:meth:`GrammarJob.result` says so). The caller's Python -- the next
-        step's forward launch -- runs meanwhile; it leaves these matchers alone until
-        :meth:`GrammarJob.result`. ``None`` (nothing started) where the worker cannot be had
-        or an entry has drafts (their rows are filled one draft at a time: :meth:`fill`)."""
-        if any(map(_DRAFTS, entries)):  # (C-level passes: 256 rows are ~10 us, not ~50)
-            return None
-        if not self.has_worker:
-            return None
-        rows = list(map(_ROW, entries))
-        self._check_last(max(rows, default=-1))  # (no drafts: an entry's last row is its row)
-        if check_rows is not None:
-            self._check_last(max(check_rows, default=-1))
-        if self._stops is None and matchers:  # the tokenizer's: every grammar's the same
-            self._stops = frozenset(matchers[0].stop_token_ids)
-        stops = self._stops or frozenset()
-        if len(entries) == len(matchers) and all(map(operator.is_, map(_MATCHER, entries),
-                                                     matchers)):
-            # the usual step: the same requests, in the same order, fed then filled
-            fill_matchers = fill_fed = None
-        else:
-            position = {id(m): i for i, m in enumerate(matchers)}
-            fill_matchers, rows, fill_fed = [], [], []
-            for m, row, _ in entries:
-                i = position.get(id(m), -1)
-                if i < 0 and m.is_terminated():  # not fed now: its state is known already
-                    continue
-                fill_matchers.append(m)
-                rows.append(row)
-                fill_fed.append(i)
-        # (most steps feed no stop token: counted at C level first)
-        ask = ([i for i, t in enumerate(tokens) if t in stops]
-               if sum(map(tokens.count, stops)) else [])
-        self._worker.submit(self._batch_matcher(self._threads), matchers, tokens, ask,
-                            fill_matchers, rows, fill_fed, self.host,
-                            check_rows=check_rows if check_rows is not None else (),
-                            vocab=self.grammar_vocab)
-        return GrammarJob(self._worker, self._job_done, matchers, rows,
-                          fill_fed if fill_fed is not None else range(len(rows)))
+                         ) -> Optional[GrammarJob]:
+        """Feed ``matchers`` their ``tokens`` and fill the rows of ``entries`` on the grammar
+        worker, beside the caller's Python: :func:`engine.structured.grammar_job.start`."""
+        return grammar_job.start(self, matchers, tokens, entries, check_rows)
 
     @property
     def has_worker(self) -> bool:
@@ -301,7 +198,7 @@ class TokenBitmask:
             self.worker_fills += 1
             self.worker_fill_seconds += fill_seconds
             # the fill's work (wall x threads) sets the next one's threads
-            self._threads = _threads_for(fill_seconds * self._threads, _fill_threads())
+            self._threads = threads_for(fill_seconds * self._threads, fill_threads())
 
     def _batch_matcher(self, n: int):
         """xgrammar's ``BatchGrammarMatcher`` that fills on ``n`` threads (made once)."""
@@ -406,7 +303,7 @@ class TokenBitmask:
         masks full-width rows whose words past the host's must stay zero (the padding ids
         refused), so nothing may pack rows into ``dev`` -- :meth:`grammar_rows` neither."""
         if self._direct is None:  # (xgrammar imported here, not at the runner's start)
-            self._direct = _direct_kernel(self.device) if self._switches.triton else (None, 0)
+            self._direct = direct_kernel(self.device) if self._switches.triton else (None, 0)
         return self._direct[0] is not None
 
     @property
@@ -456,7 +353,7 @@ class TokenBitmask:
             # the work: on one thread xgrammar fills on this one, whose CPU time leaves out
             # waits for the GIL after the call (a helper thread beside the step thread's Python)
             work = time.thread_time() - c0 if n == 1 else (time.perf_counter() - t0) * n
-            self._threads = _threads_for(work, _fill_threads())
+            self._threads = threads_for(work, fill_threads())
         for matcher, row, drafts in live:
             if drafts:
                 rows.extend(self._fill_drafts(matcher, row, drafts))
@@ -499,33 +396,6 @@ class TokenBitmask:
             self.dev.set_()
             if self._host is not None:
                 self._host.set_()
-
-
-class GrammarJob:
-    """A :meth:`TokenBitmask.accept_then_fill` running on the grammar worker."""
-
-    def __init__(self, worker, on_done: Callable[[float], None], matchers: Sequence,
-                 fill_rows: list[int], fill_fed: list[int]) -> None:
-        self._worker = worker
-        self._on_done = on_done  # called with the fill's seconds
-        self._matchers = matchers
-        self._rows = fill_rows
-        self._fed = fill_fed
-
-    def result(self) -> Optional[tuple[set[int], list[int]]]:
-        """(the ids of the fed matchers that ended, the rows filled), once the job is done
-        (the GIL is given up meanwhile); None: a token failed the job's check, nothing was fed
-        or filled. Raises the job's error."""
-        done = self._worker.wait()
-        if done is None:
-            return None
-        fill_seconds, ended = done
-        self._on_done(fill_seconds)
-        if not ended:  # the usual step: no fed matcher ended, every fill entry was filled
-            return set(), self._rows
-        gone = set(ended)
-        rows = [r for r, i in zip(self._rows, self._fed) if i < 0 or i not in gone]
-        return {id(self._matchers[i]) for i in ended}, rows
 
 
 __all__ = ["TokenBitmask", "Filling", "GrammarJob"]

@@ -15,10 +15,10 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 import logging
 import re
 import time
-from collections import OrderedDict
 from typing import Callable, Optional
 
 import anyio

@@ -23,15 +23,15 @@ import hashlib
 import logging
 import operator
 import os
+from pathlib import Path
 import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
-import weakref
-from pathlib import Path
 from typing import Any, Optional, Sequence
+import weakref
 
 from engine import envs
 

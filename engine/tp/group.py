@@ -14,8 +14,10 @@ waited for -- killed after :data:`EXIT_GRACE_S`.
 
 from __future__ import annotations
 
+from datetime import timedelta
 import logging
 import os
+from pathlib import Path
 import queue
 import secrets
 import socket
@@ -23,8 +25,6 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
-from pathlib import Path
 from typing import Callable, Optional
 
 import msgspec
@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 
 from engine import envs
+
 from ..errors import EngineError
-from .channel import (Blocks, Channel, Closed, Failed, Hello, Init, Loaded, Ready, Released,
-                      Shutdown, Step, _encoder, _HEADER)
+from .channel import (_HEADER, Blocks, Channel, Closed, Failed, Hello, Init, Loaded, Ready,
+                      Released, Shutdown, Step, _encoder)
 
 log = logging.getLogger("enginecore.tp")
 

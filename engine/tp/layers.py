@@ -13,9 +13,9 @@ Column-parallel q/k/v and gate/up need nothing but their smaller shapes.
 from __future__ import annotations
 
 import torch
+from torch import nn
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from engine.model.llama import CausalLM
 from engine.model.model_config import ModelConfig

@@ -8,9 +8,10 @@ weights): for lifecycle tests and benchmarks, not for parity.
 
 from __future__ import annotations
 
-from engine.model.model_config import ModelConfig
 from engine.memory.owner import Resource as R
 from engine.memory.weights import weight_spec
+from engine.model.model_config import ModelConfig
+
 from .layers import create_tp_model
 from .shard import ShardedTensors, local_config
 

@@ -17,8 +17,9 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ..errors import BadRequestError, CheckpointError
 from engine.model.model_config import ModelConfig
+
+from ..errors import BadRequestError, CheckpointError
 
 _COLUMN = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight",
            "v_proj.bias", "gate_proj.weight", "up_proj.weight", "embed_tokens.weight",

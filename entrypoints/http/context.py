@@ -18,12 +18,12 @@ from typing import Mapping, Optional, Sequence, Union
 
 import anyio
 
+from engine.errors import EngineDeadError, EngineError
+from engine.interface import Engine, Health, RequestStreamLike
+from engine.loader.hf_hub import display_name
+from engine.params import SamplingParams
 from states import LIVE_STATES, State
 
-from engine.errors import EngineDeadError, EngineError
-from engine.loader.hf_hub import display_name
-from engine.interface import Engine, Health, RequestStreamLike
-from engine.params import SamplingParams
 from . import protocol as P
 from .choices import TokenTable, now
 from .limits import HttpLimits

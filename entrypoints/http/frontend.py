@@ -31,13 +31,13 @@ import argparse
 import contextlib
 import logging
 import os
+from pathlib import Path
+import shutil
 import signal
 import socket
-import shutil
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import anyio
@@ -129,9 +129,8 @@ TRIM_EVERY_S = 10.0
 
 
 async def _main(a: argparse.Namespace) -> int:
-    from ipc.client import EngineClient
-
     from engine.errors import EngineError
+    from ipc.client import EngineClient
 
     sock = socket.socket(fileno=a.fd)
     sock.setblocking(False)

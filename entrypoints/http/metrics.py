@@ -24,8 +24,7 @@ from typing import Any, Mapping, Optional
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                    HistogramMetricFamily)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engine.core.stats import QUEUE_TIME_BUCKETS, STEP_TIME_BUCKETS
 from states import State

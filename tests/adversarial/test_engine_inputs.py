@@ -3,13 +3,13 @@ IPC, one request's bad input ends that request -- never the engine."""
 
 from __future__ import annotations
 
-import time
 from contextlib import asynccontextmanager
+import time
 
 import anyio
 import pytest
 
-from engine import (AsyncEngine, BadRequestError, EngineConfig, SamplingParams)
+from engine import AsyncEngine, BadRequestError, EngineConfig, SamplingParams
 from engine.errors import EngineOverloadedError
 from ipc.client import EngineClient
 from ipc.server import serve_ipc

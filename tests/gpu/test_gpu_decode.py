@@ -21,13 +21,13 @@ from __future__ import annotations
 import gc
 import time
 
+from gpu_memory import baseline, mem
 import pytest
 import torch
 
 from engine import EngineConfig, ModelRunner, SamplingParams
-from gpu_memory import baseline, mem
-from engine.model.attention import AttentionMetadata, decode_attention_torch
 from engine.core.engine_core import EngineCore
+from engine.model.attention import AttentionMetadata, decode_attention_torch
 
 pytestmark = [
     pytest.mark.gpu,

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fused_check import compare
 from engine.ops.triton import fused_ops
+from tests.fused_check import compare
 
 pytestmark = [
     pytest.mark.gpu,

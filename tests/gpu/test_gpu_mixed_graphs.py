@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import gc
 
+from gpu_memory import baseline, mem
 import pytest
 import torch
 
 from engine import EngineConfig, ModelRunner, SamplingParams
-from gpu_memory import baseline, mem
 from engine.core.engine_core import EngineCore
 
 pytestmark = [

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import gc
 
+from gpu_memory import baseline, mem
 import pytest
 import torch
 
 from engine import EngineConfig, ModelRunner, SamplingParams
 from engine.core.engine_core import EngineCore
-from gpu_memory import baseline, mem
 
 pytestmark = [
     pytest.mark.gpu,

@@ -4,13 +4,13 @@ and called with the real ``openai`` client (and httpx for raw checks)."""
 from __future__ import annotations
 
 import anyio
+from http_helpers import TINY, served
 import httpx
 import openai
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
+import pytest
 
 from engine import EngineConfig, SamplingParams
-from http_helpers import TINY, served
 
 pytestmark = pytest.mark.asyncio
 TINY_NAME = TINY.model

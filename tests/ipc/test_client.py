@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import gc
 from contextlib import asynccontextmanager
+import gc
 
 import anyio
+from fake_engine import FakeEngine
 import pytest
 
-from engine.errors import (BadRequestError, EngineDeadError, EngineDrainingError,
-                           EngineShutdownError)
-from engine.params import SamplingParams
+from engine.errors import BadRequestError, EngineDeadError, EngineDrainingError, EngineShutdownError
 from engine.loader.tokenizer import Tokenizer
-from fake_engine import FakeEngine
+from engine.params import SamplingParams
 from ipc.client import EngineClient
 from ipc.errors import AuthError, ConnectionClosed
 from ipc.server import IPCServer

@@ -7,10 +7,9 @@ import time
 
 import anyio
 import pytest
-
-from engine import (AsyncEngine, EngineConfig, EngineDeadError, EngineDrainingError,
-                    SamplingParams)
 from serve_helpers import ServeProcess, pid_alive
+
+from engine import AsyncEngine, EngineConfig, EngineDeadError, EngineDrainingError, SamplingParams
 from states import State
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]

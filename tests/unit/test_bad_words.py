@@ -1,7 +1,7 @@
 """engine.sample.bad_words: the token forms of each word and which of them a step bans."""
 
-from engine.sample.bad_words import bad_word_sequences, banned_now
 from engine.params import SamplingParams
+from engine.sample.bad_words import bad_word_sequences, banned_now
 
 
 class WordTokenizer:

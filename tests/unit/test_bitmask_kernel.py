@@ -111,10 +111,10 @@ def test_row_count_does_not_compile_the_kernel_again():
     """The count of constrained rows changes as requests end: the kernel launched is not
     specialized on it (Triton would compile a variant for 1, for multiples of 16 and for the
     rest -- in the middle of serving), and it is the same body as xgrammar's."""
-    from xgrammar.kernels.apply_token_bitmask_inplace_triton import (
-        apply_token_bitmask_inplace_kernel as kernel)
+    from xgrammar.kernels.apply_token_bitmask_inplace_triton import \
+        apply_token_bitmask_inplace_kernel as kernel
 
-    from engine.structured.bitmask import _unspecialized
+    from engine.structured.kernels import unspecialized as _unspecialized
 
     ours = _unspecialized(kernel)
     assert ours is _unspecialized(kernel)  # one JIT function (and its compiled cache) a process

@@ -3,13 +3,12 @@ hits, LRU eviction, invalidation, and a property test over random operation sequ
 
 from __future__ import annotations
 
+from hypothesis import HealthCheck, given, settings, strategies as st
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from engine.kv.block_manager import BlockManager
-from engine.ops.host_arrays import block_table
 from engine.kv.kv_cache import BlockAllocator, blocks_needed
+from engine.ops.host_arrays import block_table
 from engine.params import SamplingParams
 from engine.request import Request
 
@@ -169,8 +168,8 @@ def test_lookup_hashes_nothing_and_a_hit_continues_the_chain(monkeypatch):
     """A lookup walks the index by (parent hash, token ids) keys: no hash is computed for the
     blocks it finds; the request's chain starts from their registered hashes, and the blocks
     it computes get exactly the hashes a chain over its own tokens gives."""
-    import engine.kv.block_manager as bmod
     from engine.kv.block_hash import chain_hashes, root_hash
+    import engine.kv.block_manager as bmod
 
     bm = BlockManager(32, BS)
     a = req(range(1, 30), "a")  # 7 full blocks

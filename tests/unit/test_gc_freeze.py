@@ -5,8 +5,8 @@ import gc
 
 import pytest
 
-from engine.runner import gc_freeze
 from engine.config import EngineConfig
+from engine.runner import gc_freeze
 from engine.runner.model_runner import ModelRunner
 
 

@@ -13,10 +13,10 @@ import torch
 
 xgr = pytest.importorskip("xgrammar")
 
+from engine.loader.tokenizer import Tokenizer  # noqa: E402
 from engine.structured.bitmask import TokenBitmask  # noqa: E402
 from engine.structured.grammars import _SEPARATORS, grammar_vocab_size, tokenizer_info  # noqa: E402
 from engine.structured.matcher import advance, advance_all  # noqa: E402
-from engine.loader.tokenizer import Tokenizer  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
     "title": {"type": "string", "maxLength": 5},
@@ -189,7 +189,7 @@ def test_a_background_fill_is_under_way_when_fill_returns():
 
 
 def test_a_fill_spreads_over_threads_only_when_its_work_is_large():
-    from engine.structured.bitmask import _threads_for
+    from engine.structured.kernels import threads_for as _threads_for
 
     assert _threads_for(0.0001, 14) == 1  # 256 rows of a byte vocabulary: one thread
     assert _threads_for(0.0035, 14) == 3

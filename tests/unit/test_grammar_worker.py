@@ -15,11 +15,11 @@ import pytest
 xgr = pytest.importorskip("xgrammar")
 torch = pytest.importorskip("torch")
 
+from engine.loader.tokenizer import Tokenizer  # noqa: E402
 from engine.structured import native  # noqa: E402
 from engine.structured.bitmask import TokenBitmask  # noqa: E402
 from engine.structured.grammars import _SEPARATORS, grammar_vocab_size, tokenizer_info  # noqa: E402
 from engine.structured.matcher import advance_all, new_matcher  # noqa: E402
-from engine.loader.tokenizer import Tokenizer  # noqa: E402
 
 V = 512
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},

@@ -3,10 +3,10 @@ budget, preemption order, prefix hits at admission and draft-block rollback."""
 
 from __future__ import annotations
 
+from engine.core.scheduler import Scheduler
 from engine.kv.block_manager import BlockManager
 from engine.params import SamplingParams
 from engine.request import Request, Status
-from engine.core.scheduler import Scheduler
 
 BS = 4
 

@@ -4,20 +4,19 @@ replace: positions, KV slots, padded block tables, chained hashes."""
 
 from __future__ import annotations
 
+from array import array
 import hashlib
 import random
-from array import array
 
+from hypothesis import given, settings, strategies as st
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from engine.ops.triton import prefill_attention
-from engine.kv.block_hash import chain_hashes
-from engine.ops.host_arrays import int32_tensor, long_tensor, padded_rows
 from engine.forward.model_state import ModelState
 from engine.forward.step_inputs import _extend_slots, eager_rows, packed_forward
+from engine.kv.block_hash import chain_hashes
+from engine.ops.host_arrays import int32_tensor, long_tensor, padded_rows
+from engine.ops.triton import prefill_attention
 
 
 def _slot(blocks, p, bs):
@@ -259,9 +258,9 @@ def test_graphed_steps_read_the_same_block_tables_from_mirrors(monkeypatch):
     growth past their room, as the runner reads them every step) give a CUDA-graphed decode
     step (rows padded with the scratch block's list) and a mixed graphed step (the real
     MixedInputs views, on the CPU) the block tables the lists give, row for row."""
+    from engine.forward.mixed_inputs import MixedInputs
     from engine.kv.block_manager import BlockManager
     from engine.ops.host_arrays import block_table
-    from engine.forward.mixed_inputs import MixedInputs
     from engine.params import SamplingParams
     from engine.request import Request
 

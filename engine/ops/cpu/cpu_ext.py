@@ -19,11 +19,11 @@ import functools
 import hashlib
 import logging
 import os
+from pathlib import Path
 import shutil
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 from engine import envs

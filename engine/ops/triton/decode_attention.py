@@ -18,7 +18,6 @@ in or on the table width (an eager step and a padded graph replay give bit-ident
 
 from __future__ import annotations
 
-
 import torch
 
 try:  # Triton is optional: the torch path in attention.py is the CPU path and the fallback.

@@ -29,7 +29,6 @@ import torch
 
 from .fused_ops import AVAILABLE, INTERPRET, tl, triton
 
-
 #: columns one program reads per iteration
 BLOCK = 2048
 #: rows x splits aimed at: enough programs to fill the device for any batch

@@ -26,9 +26,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .fused_ops import INTERPRET
 from engine.ops.host_arrays import padded_rows
+
 from .decode_attention import HAVE_TRITON, tl, triton
+from .fused_ops import INTERPRET
 
 if triton is not None:
     from .decode_attention import attend_tile
