@@ -2,10 +2,10 @@
 phases (schedule / execute / update, each closed by a device sync), the forward's graph replay
 alone, and the kernels launched per decode step (counted by the torch profiler, graphs off).
 
-    python3 scripts/gpu/profile_decode.py [--model random:qwen3-0.6b] [--batches 1 64 256]
+    python3 -m tools.profile_decode [--model random:qwen3-0.6b] [--batches 1 64 256]
         [--ctx 256] [--kernels] [--table]
 
-``--kernels`` profiles 3 steps and counts their kernels: run it with ENGINECORE_CUDA_GRAPHS=0
+``--kernels`` profiles 3 steps and counts their kernels: run it with ``--no-cuda-graphs``
 so that every kernel is seen (a graph replay hides them); ``--table``
 prints the profiler's top CUDA kernels by total time, ``--cpu-table`` the top ops by self CPU
 time (an eager step's host cost).
@@ -45,9 +45,12 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--no-cuda-graphs", action="store_true",
+                    help="EngineConfig(cuda_graphs=False): eager decode steps, every kernel seen")
     a = ap.parse_args()
     r = ModelRunner(EngineConfig(model=a.model, device=a.device, kv_cache_bytes=16 * 2**30 if a.device == "cuda" else 2**28,
-                                 max_num_seqs=max(a.batches), enable_prefix_caching=False))
+                                 max_num_seqs=max(a.batches), enable_prefix_caching=False,
+                                 cuda_graphs=not a.no_cuda_graphs))
     r.load()
     results = []
     for n in a.batches:

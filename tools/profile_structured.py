@@ -1,5 +1,5 @@
-"""Where a constrained (late-sampled) step's time goes on CUDA, against an unconstrained one
-(issue 23): ``bench.structured``'s workload at 0 % and 100 % constrained, each under the torch
+"""Where a constrained (late-sampled) step's time goes on CUDA, against an unconstrained one:
+``bench.structured``'s workload at 0 % and 100 % constrained, each under the torch
 profiler for its whole run, then per mode:
 
 - device time by kernel (the top rows) and the device's busy fraction (the union of kernel
@@ -7,7 +7,7 @@ profiler for its whole run, then per mode:
 - the host's CUDA calls that wait (event / stream synchronizations, blocking copies) and the
   CPU ops with the most self time.
 
-    python3 scripts/gpu/profile_structured.py [--requests 256] [--max-tokens 96]
+    python3 -m tools.profile_structured [--requests 256] [--max-tokens 96]
 """
 
 from __future__ import annotations

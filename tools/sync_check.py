@@ -1,8 +1,8 @@
-"""Which host calls wait for the device during a benchmark (issue 23: a late-sampled step's
+"""Which host calls wait for the device during a benchmark (a late-sampled step's
 ``sample_step`` waited 0.75 ms a call on the H200 with no device work to wait for).
 
-    python3 scripts/gpu/sync_check.py [--top 25] -- <bench module> <its args>
-    python3 scripts/gpu/sync_check.py -- bench.structured --device cuda --fractions 0,1 --no-plain
+    python3 -m tools.sync_check [--top 25] -- <bench module> <its args>
+    python3 -m tools.sync_check -- bench.structured --device cuda --fractions 0,1 --no-plain
 
 Runs the benchmark with ``torch.cuda.set_sync_debug_mode("warn")``: torch warns at every call
 that synchronizes with the device (a blocking copy, ``.item()``, ``.tolist()`` of a device

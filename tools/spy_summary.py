@@ -1,13 +1,13 @@
 """Summarize a py-spy ``record -f raw --threads`` profile: one thread's samples by function,
 inclusive (the function is on the stack) and by line (the innermost frame).
 
-    python3 scripts/gpu/spy_summary.py PROFILE.raw [--thread enginecore-step] [--within EngineCore.step]
+    python3 -m tools.spy_summary PROFILE.raw [--thread enginecore-step] [--within EngineCore.step]
         [--top 40]
 
 ``--thread``: a part of the thread's name (py-spy's first frame, ``thread (tid): name``);
 ``--within``: keep only the samples whose stack holds a frame containing it (e.g. one
 function's, to split its time). With py-spy's ``--gil`` the samples are those taken while the
-thread held the GIL (what issue 23's host time is made of: the step thread's and the event
+thread held the GIL (what a constrained step's host time is made of: the step thread's and the event
 loop's Python share it).
 """
 

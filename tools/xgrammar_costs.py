@@ -1,8 +1,8 @@
 """The host cost of structured outputs per engine step, xgrammar alone (no model, no device):
 ``--requests`` matchers of one cached JSON-schema grammar driven along realistic trajectories.
 
-    python -m bench.xgrammar_costs                       # random:qwen3-0.6b's vocabulary, 256 rows
-    python -m bench.xgrammar_costs --fill-threads 1,2,4,8,14
+    python -m tools.xgrammar_costs                       # random:qwen3-0.6b's vocabulary, 256 rows
+    python -m tools.xgrammar_costs --fill-threads 1,2,4,8,14
 
 Each step every live matcher's row is filled, then each matcher takes a random token of its row
 (what random weights do: any allowed token), until all are complete. Timed per step, on the same
@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import common
-from .structured import schema, schema_plain
+from bench import common
+from bench.structured import schema, schema_plain
 
 STATES = ("string", "string mid-utf8", "other")
 

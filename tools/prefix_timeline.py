@@ -1,7 +1,7 @@
-"""Where a later turn's TTFT goes in ``bench.prefix`` (issue 15): the step timeline of a burst.
+"""Where a later turn's TTFT goes in ``bench.prefix``: the step timeline of a burst.
 
-    python -m bench.prefix_timeline --device cuda      # the bench's cuda workload, caching on
-    python -m bench.prefix_timeline --device cpu --conversations 16 --max-tokens 16
+    python -m tools.prefix_timeline --device cuda      # the bench's cuda workload, caching on
+    python -m tools.prefix_timeline --device cpu --conversations 16 --max-tokens 16
 
 Runs ``bench.prefix``'s workload once (after the same warm-up) with every engine step recorded
 on the step thread: when it started and ended, what it scheduled (requests, prompt tokens of
@@ -25,9 +25,9 @@ from collections import defaultdict
 
 import anyio
 
-from . import common
-from .device_sim import MODELS, simulate
-from .prefix import CPU_DEFAULTS, CUDA_DEFAULTS, plan
+from bench import common
+from bench.device_sim import MODELS, simulate
+from bench.prefix import CPU_DEFAULTS, CUDA_DEFAULTS, plan
 
 
 class Tape:

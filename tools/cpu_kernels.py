@@ -1,7 +1,7 @@
 """CPU linear kernels on the default model's shapes: fp32 / bf16 GEMM, torch's weight-only int8
 and int4 kernels, fbgemm's fp16-weight GEMM; best-of-N microseconds per call (random weights).
 
-    python -m bench.cpu_kernels [--threads 2] [--rows 1 8 64] [--iters 30]
+    python -m tools.cpu_kernels [--threads 2] [--rows 1 8 64] [--iters 30]
 
 What ``engine/model/cpu_weights.py`` bases its ``auto`` choice on: run it on a new CPU to check.
 """
@@ -57,12 +57,12 @@ def kernels(n: int, k: int, m: int) -> dict[str, Callable[[], object]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.cpu_kernels", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.cpu_kernels", description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--shapes", default="all", help="'all' or 'layer' (no LM head)")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu_kernels.json")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "bench" / "results" / "cpu_kernels.json")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     cap = torch.backends.cpu.get_cpu_capability()

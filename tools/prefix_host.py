@@ -1,7 +1,7 @@
-"""Host cost of a cached burst (issue 15): what a later turn of ``bench.prefix`` costs the host.
+"""Host cost of a cached burst: what a later turn of ``bench.prefix`` costs the host.
 
-    python -m bench.prefix_host                 # random:tiny-llama fp32 on cpu, overlapped
-    python -m bench.prefix_host --profile 25    # plus cProfile's 25 most expensive functions
+    python -m tools.prefix_host                 # random:tiny-llama fp32 on cpu, overlapped
+    python -m tools.prefix_host --profile 25    # plus cProfile's 25 most expensive functions
 
 The setup ``bench.prefix`` has on its later turns: a warmed cache holding a ``--system-len``
 system prompt and every conversation's first turn (prompt and answer), then a burst of

@@ -3,7 +3,7 @@
 included) for each (tile, warps, stages, split) and each (batch, context) point, then the best
 configuration by the geometric mean over the points. Prints a table and writes JSON.
 
-    python3 scripts/gpu/sweep_decode_attn.py [--out sweep.json]
+    python3 -m tools.sweep_decode_attn [--out sweep.json]
 """
 import argparse
 import itertools

@@ -1,4 +1,4 @@
-"""Where a constrained step's read-back goes on the device host (issue 23): ``bench.structured``
+"""Where a constrained step's read-back goes on the device host: ``bench.structured``
 at the fractions given, with the step thread's parts of a late-sampled step timed in wall and in
 the thread's own CPU time (``time.thread_time``): a part whose wall exceeds its CPU time waited
 -- for the device (the tokens' event) or for the GIL. Variants by flag: ``--fill-threads N``
@@ -9,7 +9,7 @@ loop delivers). The grammar worker's submit (``job_submit``) and wait (``job_wai
 masking (``mask``: the rows' copy and xgrammar's kernel) and the sampling (``sample``) are
 timed within ``sample_step`` and ``forward``.
 
-    python3 scripts/gpu/structured_split.py [--fill-threads 1] [--torch-threads 1] -- <bench.structured args>
+    python3 -m tools.structured_split [--fill-threads 1] [--torch-threads 1] -- <bench.structured args>
 """
 import argparse
 import atexit

@@ -1,11 +1,11 @@
-"""Where the step thread's host time goes in ``bench.prefix``'s caching-on run (issue 15): the
+"""Where the step thread's host time goes in ``bench.prefix``'s caching-on run: the
 workload once untimed (graphs, kernels), then once under the torch profiler, started and
 stopped on the step thread so its ops are recorded. Printed: the CPU ops and CUDA runtime
 calls with the most self time -- a ``cudaMemcpyAsync`` or ``cudaLaunchKernel`` whose time per
 call is far above a few microseconds waits for the device (a pageable copy behind the
 stream, a full launch queue) -- and the device's busy fraction.
 
-    python3 scripts/gpu/profile_prefix.py [--conversations 64] [--turns 4] [--top 30]
+    python3 -m tools.profile_prefix [--conversations 64] [--turns 4] [--top 30]
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench import common
 from bench.prefix import CPU_DEFAULTS, CUDA_DEFAULTS, plan, run_workload
 
-sys.path.insert(0, os.path.join(os.getcwd(), "scripts", "gpu"))
-from profile_structured import busy_fraction, table  # noqa: E402
+from tools.profile_structured import busy_fraction, table  # noqa: E402
 
 
 async def main(args) -> dict:

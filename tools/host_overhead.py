@@ -1,7 +1,7 @@
 """The engine's host cost per output token, with the model taken out: bare loop vs in-process.
 
-    python -m bench.host_overhead                  # 256 requests x 100 tokens, 3 rounds, CPU
-    python -m bench.host_overhead --sim h200 --workload nano   # against a simulated H200
+    python -m tools.host_overhead                  # 256 requests x 100 tokens, 3 rounds, CPU
+    python -m tools.host_overhead --sim h200 --workload nano   # against a simulated H200
 
 
 The model's forward is replaced by one that returns zeros (``random:tiny-llama``: its LM head
@@ -12,7 +12,7 @@ detokenization, outputs) -- the bare ``EngineCore.step()`` loop -- and, in-proce
 consumer's wake-up on the event loop. On a GPU that host work runs beside the device's, and
 whatever of it outlasts the device step is device idle time; with no device work at all the
 in-process / bare ratio here is the floor of the one ``bench.throughput`` measures on a device
-(issue 14's in-process / bare >= 0.97 needs the host's part of a step, step thread and event
+(an in-process / bare >= 0.97 needs the host's part of a step, step thread and event
 loop together, below the device's). Deterministic enough to compare host-side changes on a
 shared 2-core box (rounds alternate the two modes). JSON: ``bench/results/host_overhead.json``.
 
@@ -35,9 +35,9 @@ from typing import Any, Optional
 import anyio
 import torch
 
-from . import common
-from .device_sim import MODELS, SimDevice, null_model, simulate
-from .recorder import Recorder
+from bench import common
+from bench.device_sim import MODELS, SimDevice, null_model, simulate
+from bench.recorder import Recorder
 
 
 def _prepare(runner, sim: Optional[str], eager_ms: Optional[float]) -> Optional[SimDevice]:
@@ -118,7 +118,7 @@ def run_inproc(cfg, work, sim: Optional[str] = None, eager_ms: Optional[float] =
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.host_overhead", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.host_overhead", description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
     ap.add_argument("--tokens", type=int, default=100, help="output tokens per request")

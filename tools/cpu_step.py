@@ -1,6 +1,6 @@
 """One CPU decode step of the default GGUF, bare: milliseconds and op calls by type.
 
-    python -m bench.cpu_step [--threads 1 2] [--batches 1 8] [--context 128] [--steps 60]
+    python -m tools.cpu_step [--threads 1 2] [--batches 1 8] [--context 128] [--steps 60]
                              [--dtype auto] [--no-profile]
 
 Each point loads a ``ModelRunner`` (``--dtype auto``: the packed format ``auto`` picks here)
@@ -32,7 +32,7 @@ def point(threads: int, batch: int, context: int, steps: int, dtype: str, profil
     from engine.kv.kv_cache import blocks_needed
     from engine.runner.model_runner import ModelRunner
 
-    from .roofline import decode_batch
+    from bench.roofline import decode_batch
 
     blocks = batch * blocks_needed(context, 16)
     runner = ModelRunner(EngineConfig(model="default", device="cpu", dtype=dtype, num_kv_blocks=blocks + 8,
@@ -76,7 +76,7 @@ def point(threads: int, batch: int, context: int, steps: int, dtype: str, profil
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.cpu_step", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.cpu_step", description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, default=128)
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for threads in a.threads:
         for batch in a.batches:
-            cmd = [sys.executable, "-m", "bench.cpu_step", "--point", f"{threads},{batch}",
+            cmd = [sys.executable, "-m", "tools.cpu_step", "--point", f"{threads},{batch}",
                    "--context", str(a.context), "--steps", str(a.steps), "--dtype", a.dtype]
             if a.no_profile:
                 cmd.append("--no-profile")
