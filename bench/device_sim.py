@@ -1,7 +1,8 @@
 """A simulated accelerator for host-side benchmarks: steps take device time, the host does not.
 
-``bench.host_overhead --sim h200`` runs the engine's real host work (scheduling, step inputs,
-the update, the in-process delivery) against a device that is modelled, not present: each
+``tools.host_overhead --sim h200`` (and ``--sim`` of ``bench.prefix`` and ``bench.structured``)
+runs the engine's real host work (scheduling, step inputs, the update, the in-process delivery)
+against a device that is modelled, not present: each
 launched step occupies the "device" for a time given by a cost model, starting when it is
 launched or when the step before it ends, whichever is later, exactly as a CUDA stream queues
 work. Waiting for a step's tokens sleeps until its simulated end with the GIL released (as
@@ -10,7 +11,7 @@ may run meanwhile, and takes the GIL back when it wakes -- the contention a real
 An eager step with prompt tokens can also cost host time with the GIL held (``eager_ms``: Triton's
 Python launcher and cuBLAS's shape choice on the H200).
 
-Why: the in-process / bare ratio of issue 14 is a question of whether the host's part of a step
+Why: the in-process / bare ratio of ``bench.throughput`` is a question of whether the host's part of a step
 (step thread and event loop together) stays under the device's. Without a device lent, this is
 the one way to measure that here; the figures are a proxy, to compare host-side changes, not
 the device's.
@@ -18,7 +19,7 @@ the device's.
 The sampling's share is queued when the sampling is launched, so a step sampled late (its masks
 filled after its forward was launched: constrained requests) leaves the device idle for as long
 as the host takes past the forward. The cost model (``H200``) is fitted to ``bench.roofline --device cuda`` on the H200 for
-random:qwen3-0.6b bf16 (session 10, pipelined step times: 1.43 ms at batch 1 x ctx 256, 3.69 at
+random:qwen3-0.6b bf16 (2026-12-04, pipelined step times: 1.43 ms at batch 1 x ctx 256, 3.69 at
 256 x 256, 8.89 at 256 x 1024): a fixed 1.4 ms a step (weights and launch-bound small
 kernels), 2 us a sampled row, the K/V read at 114,688 bytes a context token over 4.2 TB/s
 (27.3 ns a token), and 3 us a prompt token (its share of a 2,048-token prefill's matmuls).
@@ -62,7 +63,7 @@ MODELS = {
     "h200-half": CostModel(base_ms=0.7, row_us=1.0, ctx_ns=13.65, prompt_us=1.5),
     # twice as slow: the H200's balance for a host twice as fast as the 2-core development box
     "h200-x2": CostModel(base_ms=2.8, row_us=4.0, ctx_ns=54.6, prompt_us=6.0),
-    # the same with the host's eager launch of a prompt step (20-45 ms measured in session 10
+    # the same with the host's eager launch of a prompt step (20-45 ms measured on the H200
     # before eager row counts; 8 ms a guess for after them)
     "h200-eager": CostModel(base_ms=1.4, row_us=2.0, ctx_ns=27.3, prompt_us=3.0, eager_ms=8.0),
 }

@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     modes = args.modes.split(",")
 
     # NOTE: rounds interleave the modes (on, off, on, off ...), each run on a fresh engine: the
-    # device host's speed varied by 10-20 % from process to process and run to run (session 17:
+    # device host's speed varied by 10-20 % from process to process and run to run (on H100 hosts:
     # off / on 2.53-3.33 in five single pairs on one kind of machine)
     runs: dict[str, list[dict]] = {name: [] for name in modes}
     for _ in range(args.rounds):

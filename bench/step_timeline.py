@@ -7,7 +7,7 @@ the device) and the gaps between steps (the bench's own recording in the bare lo
 to the event loop and back in-process), by kind of step. Comparing the bare and in-process
 summaries of one run says where the in-process mode's extra time is: in longer steps (the event
 loop holding the GIL while the step thread wants it), in longer gaps (the hand-over), or in
-collections (issue 14's in-process / bare ratio).
+collections (the in-process / bare ratio).
 
 Patched at class level for the duration of the ``with`` block, so it also sees the steps that
 ``AsyncEngine`` runs on its step thread; the patch is the bench's, never the engine's.

@@ -87,7 +87,7 @@ def print_table(res: dict[str, Any], k: int) -> None:
             print(f"{'':<8} tok per CPU s, with / without: {cr} ({r['median_cpu_ratio']:.3f})")
         for e in r["errors"]:
             print(f"  {m}: {e}")
-    print("target (issue 22): >= 0.90")
+    print("target: >= 0.90")
 
 
 __all__ = ["child_argv", "compare", "print_table"]

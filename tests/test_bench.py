@@ -11,8 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _bench(name: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", f"bench.{name}", *args], cwd=ROOT,
+def _bench(name: str, *args: str, timeout: float = 240, package: str = "bench") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", f"{package}.{name}", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -244,7 +244,7 @@ def test_structured_bench_step_parts(tmp_path):
 def test_xgrammar_costs_bench(tmp_path):
     out = tmp_path / "x.json"
     p = _bench("xgrammar_costs", "--model", "random:tiny-llama", "--requests", "4", "--items",
-               "1", "--fill-threads", "1,2", "--max-steps", "30", "--out", str(out))
+               "1", "--fill-threads", "1,2", "--max-steps", "30", "--out", str(out), package="tools")
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["schema"], r["setup"]) for r in rows] == [
@@ -274,7 +274,8 @@ def test_soak_picks_attackers_by_name():
 
 def test_host_overhead_runs_both_modes_with_the_null_model(tmp_path):
     out = tmp_path / "h.json"
-    p = _bench("host_overhead", "--requests", "6", "--tokens", "5", "--rounds", "1", "--out", str(out))
+    p = _bench("host_overhead", "--requests", "6", "--tokens", "5", "--rounds", "1", "--out", str(out),
+               package="tools")
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     (row,) = res["rounds"]
@@ -286,7 +287,7 @@ def test_host_overhead_runs_both_modes_with_the_null_model(tmp_path):
 def test_host_overhead_against_the_simulated_device(tmp_path):
     out = tmp_path / "h.json"
     p = _bench("host_overhead", "--requests", "6", "--tokens", "5", "--rounds", "1", "--sim", "h200",
-               "--out", str(out))
+               "--out", str(out), package="tools")
     assert p.returncode == 0, p.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rounds"]
     # 6 requests x 5 tokens: ~6 steps of ~1.4 ms simulated, the host's share beside them
@@ -320,9 +321,9 @@ def test_simulated_device_queues_steps_like_a_stream():
 
 
 def test_prefill_kernel_sweep_dry_run(tmp_path):
-    """scripts/gpu/bench_prefill_attn.py's own logic (the device's PART=19 runs it): its dry run
+    """scripts/gpu/bench_prefill_attn.py's own logic (scripts/gpu/kernels.sh runs it): its dry run
     in Triton's interpreter sweeps, checks every choice against the plain kernel and writes the
-    rows final.sh picks the best from."""
+    rows."""
     pytest.importorskip("triton")
     out = tmp_path / "p.json"
     p = subprocess.run([sys.executable, "scripts/gpu/bench_prefill_attn.py", "--dry-run",
@@ -337,14 +338,14 @@ def test_prefill_kernel_sweep_dry_run(tmp_path):
 
 
 def test_structured_split_runs_with_the_worker_and_its_diagnostic(tmp_path):
-    """scripts/gpu/structured_split.py (the device's split of a constrained step, final.sh
-    PART=24-26) on CPU: both modes, with the diagnostic flag; every part it times shows up, the
+    """tools/structured_split.py (the device's split of a constrained step) on CPU: both modes,
+    with the diagnostic flag; every part it times shows up, the
     grammar worker's submit and wait included (the worker is built where CI runs)."""
     from engine.structured import native
 
     out = tmp_path / "st.json"
     done = subprocess.run(
-        [sys.executable, "scripts/gpu/structured_split.py", "--deliver-after-step", "--",
+        [sys.executable, "-m", "tools.structured_split", "--deliver-after-step", "--",
          "--device", "cpu", "--model", "random:tiny-llama", "--requests", "8",
          "--max-tokens", "12", "--items", "2", "--engine-config",
          '{"overlap_scheduling": true}', "--fractions", "0,1", "--no-plain", "--no-progress",
@@ -358,10 +359,10 @@ def test_structured_split_runs_with_the_worker_and_its_diagnostic(tmp_path):
 
 
 def test_prefix_profile_script_runs_on_cpu(tmp_path):
-    """scripts/gpu/profile_prefix.py (final.sh PART=30's last step) on CPU: the profiled
-    caching-on run prints its ops with their time per call and writes them."""
+    """tools/profile_prefix.py on CPU: the profiled caching-on run prints its ops with their time
+    per call and writes them."""
     out = tmp_path / "pp.json"
-    p = subprocess.run([sys.executable, "scripts/gpu/profile_prefix.py", "--device", "cpu",
+    p = subprocess.run([sys.executable, "-m", "tools.profile_prefix", "--device", "cpu",
                         "--conversations", "2", "--turns", "2", "--system-len", "40", "--top", "5",
                         "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -371,12 +372,12 @@ def test_prefix_profile_script_runs_on_cpu(tmp_path):
 
 
 def test_spy_summary_counts_one_threads_samples(tmp_path, capsys):
-    """scripts/gpu/spy_summary.py: a py-spy raw profile's samples of one thread, by function
+    """tools/spy_summary.py: a py-spy raw profile's samples of one thread, by function
     (once a sample however often it recurs) and by innermost line; ``within`` keeps the stacks
     through one frame."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("spy_summary", "scripts/gpu/spy_summary.py")
+    spec = importlib.util.spec_from_file_location("spy_summary", ROOT / "tools" / "spy_summary.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     prof = tmp_path / "p.raw"

@@ -1,5 +1,5 @@
 """The paged prefill attention kernel (engine/ops/triton/prefill_attention.py) by launch choice, on the device
-(issue 15: a graphed ~2,000-token prompt step of random:qwen3-0.6b took 9-11 ms on the H200, about
+(a graphed ~2,000-token prompt step of random:qwen3-0.6b took 9-11 ms on the H200, about
 3x what its FLOPs need; attention is the part that grows with the cached context).
 
     python3 scripts/gpu/bench_prefill_attn.py [--out results.json] [--reps 50]
@@ -110,7 +110,7 @@ def main() -> int:
     ap.add_argument("--warps", type=ints, default=(4, 8))
     ap.add_argument("--stages", type=ints, default=(2,))
     ap.add_argument("--split", type=ints, default=(0, 1),
-                    help="0: every key tile masked (the kernel before session 23); 1: the tiles "
+                    help="0: every key tile masked (the kernel before 2026-12-06); 1: the tiles "
                          "every query sees first, unmasked")
     ap.add_argument("--interleave", type=ints, default=(0, 1),
                     help="1: packed heads' rows interleaved in one 64-row block (a part of the "
@@ -158,7 +158,7 @@ def main() -> int:
                                  tflops=work / ms / 1e9, max_diff=diff, sdpa_ms=dense))
             best = min((r for r in rows if r["model"] == model and r["shape"] == shape_name),
                        key=lambda r: r["ms"])
-            def launch(sp):  # the launch before session 24 (packed 1, 64 keys, 4 warps, 2 stages)
+            def launch(sp):  # the launch before the interleaved default (packed 1, 64 keys, 4 warps, 2 stages)
                 return next((r for r in rows if r["model"] == model and r["shape"] == shape_name
                              and (r["packed"], r["block_n"], r["warps"], r["stages"], r["split"],
                                   r["interleave"]) == (1, 64, 4, 2, sp, 0)), best)
