@@ -43,7 +43,7 @@ def grammar_vocab_size(tokenizer, vocab_size: int) -> int:
     costs time that grows with their number: a ``random:`` preset's byte vocabulary is 258 ids
     padded to the model's 151,936, and with all of them a row's fill inside a JSON string took
     ~190-240 us and each ``accept_token`` ~25-45 us, against ~1-4 us each with 288 ids
-    (measured: ``python -m bench.xgrammar_costs``, bench/RESULTS.md)."""
+    (measured: ``python -m tools.xgrammar_costs``, bench/RESULTS.md)."""
     table = tokenizer.byte_table
     last = max((i for i in tokenizer.eos_token_ids if i < vocab_size), default=-1)
     for i in range(min(len(table), vocab_size) - 1, last, -1):
@@ -215,7 +215,7 @@ def count_bounded_strings(ebnf: str) -> str:
     same language (``X{0, k} Y`` is ``Y | X X{0, k-1} Y``). NOTE: xgrammar 0.2.8 fills a
     token mask inside a repetition slowly when tokens span several characters: with SmolLM2's
     vocabulary a row inside a ``maxLength`` string took ~500-750 us, and ~10-14 us counted this
-    way (a string without bounds: ~9-11 us; ``python -m bench.xgrammar_costs --model default``).
+    way (a string without bounds: ~9-11 us; ``python -m tools.xgrammar_costs --model default``).
     Bounds above :data:`MAX_COUNTED` and names already taken are left as they are."""
     left: dict[str, int] = {}  # rule name -> the most characters left that it counts
 

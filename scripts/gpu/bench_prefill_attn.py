@@ -109,9 +109,6 @@ def main() -> int:
     ap.add_argument("--block-n", type=ints, default=(32, 64, 128))
     ap.add_argument("--warps", type=ints, default=(4, 8))
     ap.add_argument("--stages", type=ints, default=(2,))
-    ap.add_argument("--split", type=ints, default=(0, 1),
-                    help="0: every key tile masked (the kernel before 2026-12-06); 1: the tiles "
-                         "every query sees first, unmasked")
     ap.add_argument("--interleave", type=ints, default=(0, 1),
                     help="1: packed heads' rows interleaved in one 64-row block (a part of the "
                          "tile's queries a program; only with packed > 1)")
@@ -127,8 +124,8 @@ def main() -> int:
         MODELS = {"tiny": (4, 2, 32)}
         SHAPES = {"cached": [(9, 40), (5, 70)], "fresh": [(33, 33)]}
     packs, tiles, warps, stages = args.packed, args.block_n, args.warps, args.stages
-    choices = [tp.KernelChoice(p, n, w, s, sp, il) for p, n, w, s, sp, il
-               in itertools.product(packs, tiles, warps, stages, args.split, args.interleave)
+    choices = [tp.KernelChoice(p, n, w, s, il) for p, n, w, s, il
+               in itertools.product(packs, tiles, warps, stages, args.interleave)
                if not (il and p == 1)]  # (interleaving one head is the plain layout)
     rows = []
     for model, (heads, kv_heads, dim) in MODELS.items():
@@ -153,29 +150,30 @@ def main() -> int:
                     print(f"{model} {shape_name} {c}: {type(exc).__name__}: {str(exc)[:200]}")
                     continue
                 rows.append(dict(model=model, shape=shape_name, packed=c.packed, block_n=c.block_n,
-                                 warps=c.warps, stages=c.stages, split=c.split,
+                                 warps=c.warps, stages=c.stages,
                                  interleave=c.interleave, ms=ms,
                                  tflops=work / ms / 1e9, max_diff=diff, sdpa_ms=dense))
             best = min((r for r in rows if r["model"] == model and r["shape"] == shape_name),
                        key=lambda r: r["ms"])
-            def launch(sp):  # the launch before the interleaved default (packed 1, 64 keys, 4 warps, 2 stages)
-                return next((r for r in rows if r["model"] == model and r["shape"] == shape_name
-                             and (r["packed"], r["block_n"], r["warps"], r["stages"], r["split"],
-                                  r["interleave"]) == (1, 64, 4, 2, sp, 0)), best)
-            plain, split = launch(0), launch(1)
+            # a program a head (packed 1, 64 keys, 4 warps, 2 stages), and the default launch
+            plain = next((r for r in rows if r["model"] == model and r["shape"] == shape_name
+                          and (r["packed"], r["block_n"], r["warps"], r["stages"],
+                               r["interleave"]) == (1, 64, 4, 2, 0)), best)
+            default = next((r for r in rows if r["model"] == model and r["shape"] == shape_name
+                            and (r["packed"], r["block_n"], r["warps"], r["stages"],
+                                 r["interleave"]) == (2, 64, 4, 2, 1)), best)
             print(f"{model:13s} {shape_name:7s} plain {plain['ms']:.3f} ms ({plain['tflops']:.0f} "
-                  f"TFLOP/s)  split {split['ms']:.3f} ms ({split['tflops']:.0f})  "
+                  f"TFLOP/s)  default {default['ms']:.3f} ms ({default['tflops']:.0f})  "
                   f"best {best['ms']:.3f} ms ({best['tflops']:.0f}) packed={best['packed']} "
                   f"block_n={best['block_n']} warps={best['warps']} stages={best['stages']} "
-                  f"split={best['split']} interleave={best['interleave']} "
+                  f"interleave={best['interleave']} "
                   f"diff {best['max_diff']:.3g}  sdpa {dense if dense is None else round(dense, 3)} ms",
                   flush=True)
             if args.out:  # after every shape, so that a run cut off at its limit still leaves rows
                 dump(args.out, rows)
     print(f"{'model':13s} {'shape':7s} {'choice':28s} {'ms':>7s} {'TFLOP/s':>8s} {'diff':>8s}")
     for r in sorted(rows, key=lambda r: (r["model"], r["shape"], r["ms"])):
-        ch = (f"p{r['packed']} n{r['block_n']} w{r['warps']} s{r['stages']} split{r['split']}"
-              f" il{r['interleave']}")
+        ch = f"p{r['packed']} n{r['block_n']} w{r['warps']} s{r['stages']} il{r['interleave']}"
         print(f"{r['model']:13s} {r['shape']:7s} {ch:28s} {r['ms']:7.3f} {r['tflops']:8.0f} "
               f"{r['max_diff']:8.2g}")
     if args.out:

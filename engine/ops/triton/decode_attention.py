@@ -33,7 +33,7 @@ except Exception:  # pragma: no cover - depends on the environment
 
 SPLIT_TOKENS = 1024  # tokens per split (a multiple of the tile below; 512 before the sweep)
 TILE_TOKENS = 64  # tokens per loop iteration (several KV blocks when block_size < 64)
-NUM_WARPS, NUM_STAGES = 4, 2  # the decode kernel's launch (scripts/gpu/sweep_decode_attn.py)
+NUM_WARPS, NUM_STAGES = 4, 2  # the decode kernel's launch (tools/sweep_decode_attn.py)
 
 
 def supported(q: torch.Tensor, cache: torch.Tensor) -> bool:
