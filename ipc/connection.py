@@ -172,6 +172,32 @@ class Connection:
         """Send until the connection is done (``TimeoutError``: the peer stopped reading)."""
         await self.writer.run(self._sent_all)
 
+    async def serve(self, dispatch: Callable[["Connection", Any], Awaitable[None]],
+                    send_timeout: float) -> None:
+        """The connection's sender and reader, until either ends (``send_timeout``: how long a
+        peer that stops reading is given, for the log line)."""
+        async with anyio.create_task_group() as tg:
+            self.scope = tg.cancel_scope
+
+            async def send_all() -> None:
+                try:
+                    await self.sender()
+                except TimeoutError:
+                    log.warning("ipc client %d (%s): not reading for %.0fs; closing", self.id,
+                                self.peer, send_timeout)
+                except STREAM_ERRORS:
+                    pass
+                tg.cancel_scope.cancel()
+
+            async def read_all() -> None:
+                try:
+                    await self.reader_loop(dispatch)
+                except STREAM_ERRORS:
+                    tg.cancel_scope.cancel()  # the peer is gone: nobody to flush to
+
+            tg.start_soon(send_all)
+            tg.start_soon(read_all)
+
     # ------------------------------------------------------------------ reading
 
     async def reader_loop(self, dispatch: Callable[["Connection", Any], Awaitable[None]]) -> None:

@@ -197,7 +197,7 @@ class IPCServer:
         try:
             if await self._handshake(conn, key):
                 self.connections[cid] = conn
-                await self._run(conn)
+                await conn.serve(self.dispatch, self.send_timeout)
         except Exception:  # never let one connection take the server down
             log.exception("ipc client %d (%s): unexpected error", cid, peer)
         finally:
@@ -275,29 +275,6 @@ class IPCServer:
             except STREAM_ERRORS:
                 pass
         return False
-
-    async def _run(self, conn: Connection) -> None:
-        async with anyio.create_task_group() as tg:
-            conn.scope = tg.cancel_scope
-
-            async def send_all() -> None:
-                try:
-                    await conn.sender()
-                except TimeoutError:
-                    log.warning("ipc client %d (%s): not reading for %.0fs; closing", conn.id,
-                                conn.peer, self.send_timeout)
-                except STREAM_ERRORS:
-                    pass
-                tg.cancel_scope.cancel()
-
-            async def read_all() -> None:
-                try:
-                    await conn.reader_loop(self.dispatch)
-                except STREAM_ERRORS:
-                    tg.cancel_scope.cancel()  # the peer is gone: nobody to flush to
-
-            tg.start_soon(send_all)
-            tg.start_soon(read_all)
 
     # ------------------------------------------------------------------ requests
 

@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "xgrammar_costs.json")
     args = ap.parse_args(argv)
     from engine.loader.checkpoint import resolve_source
-    from engine.structured.bitmask import _fill_threads
+    from engine.structured.kernels import fill_threads as _fill_threads
 
     threads = args.fill_threads or sorted({1, _fill_threads()})
     cfg, _, tok = resolve_source(args.model)

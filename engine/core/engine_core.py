@@ -1,14 +1,21 @@
-"""``EngineCore``: the synchronous heart. ``step()`` is propose → schedule → execute → update.
+"""``EngineCore``: the synchronous heart. ``step()`` is propose → schedule → execute → update,
+read top-down in :meth:`EngineCore.step`:
+
+* schedule: ``Scheduler.schedule()`` picks the batch (engine/core/scheduler.py);
+* execute: ``ModelRunner.launch`` runs it (engine/runner/); a batch with a constrained request
+  whose token is still in flight runs in two halves instead (``_late_step``, late_step.py);
+* update: the tokens read back become outputs -- stop checks, detokenization, the terminal
+  output (``_update``; overlapped, ``_defer`` now and ``_complete`` during the next step).
 
 It owns the requests, the scheduler and the runner; it knows nothing about async, processes or
-lifecycles. The async engine calls ``step()`` on a worker thread and applies adds/aborts only
-between steps, so nothing here needs a lock.
+lifecycles. The async engine calls ``step()`` on its step thread and applies adds/aborts only
+between steps (engine/serving/loop.py), so nothing here needs a lock.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from engine.errors import BadRequestError
 from engine.kv.kv_cache import blocks_needed
@@ -23,19 +30,7 @@ from engine.structured.matcher import advance, new_matcher
 from .detokenizer import IncrementalDetokenizer
 from .late_step import LateStep
 from .scheduler import Scheduler
-from .stats import EngineTimings
-
-
-class CoreStats(NamedTuple):
-    steps: int
-    prompt_tokens: int
-    generation_tokens: int
-    finished: dict
-    preemptions: int
-    spec_proposed: int
-    spec_accepted: int
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int  # of those, tokens whose K/V came from the cache
+from .stats import CoreStats, EngineTimings
 
 
 _NO_LIMIT: tuple[bool, Optional[str]] = (False, None)
@@ -164,6 +159,7 @@ class EngineCore(LateStep):
         to let other host work run."""
         t0 = time.perf_counter()
         outputs: list[RequestOutput] = []
+        # the step before, still on the device (overlapped): applied now where it must be
         prev = self._inflight
         self._inflight = None
         if prev is not None and self.scheduler.blocks_short():
@@ -179,9 +175,11 @@ class EngineCore(LateStep):
             # next call launches (the device is idle either way: its step is done).
             self.early_completions += 1
             return self._complete(*prev)
+        # propose, schedule
         if self.runner.speculator is not None:
             self.runner.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
+        # execute
         launched = None
         if batch:
             self.timings.scheduled(batch)
@@ -192,6 +190,8 @@ class EngineCore(LateStep):
                 prev = None
             else:
                 launched = self.runner.launch(batch, defer)
+        # update: the step before's tokens (overlapped), then this step's -- or, deferred,
+        # only its bookkeeping, its tokens with the next step
         if prev is not None:
             if on_launched is not None:
                 on_launched()

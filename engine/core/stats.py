@@ -20,6 +20,18 @@ QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                       40.0, 80.0, 160.0, 640.0, 2560.0)
 
 
+class CoreStats(NamedTuple):
+    steps: int
+    prompt_tokens: int
+    generation_tokens: int
+    finished: dict
+    preemptions: int
+    spec_proposed: int
+    spec_accepted: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens whose K/V came from the cache
+
+
 class HistogramSnapshot(NamedTuple):
     bounds: tuple[float, ...]
     counts: tuple[int, ...]  # per bucket (not cumulative); len(bounds) + 1, the last is +Inf
@@ -111,5 +123,5 @@ def health_figures(core: Any) -> dict:
             "queue_time_counts": list(queue.counts), "queue_time_sum": max(0.0, queue.sum)}
 
 
-__all__ = ["EngineStats", "EngineTimings", "Histogram", "HistogramSnapshot", "engine_stats",
+__all__ = ["CoreStats", "EngineStats", "EngineTimings", "Histogram", "HistogramSnapshot", "engine_stats",
            "health_figures", "STEP_TIME_BUCKETS", "QUEUE_TIME_BUCKETS"]

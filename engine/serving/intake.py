@@ -1,20 +1,17 @@
 """The request side of :class:`engine.AsyncEngine`: admission of new requests, aborts, and the
-inbox that carries both to the engine loop, which applies it between steps.
+inbox that carries both to the engine loop, which applies it between steps (``loop.py``).
 
 A mixin, like :class:`engine.serving.sleep.SleepAPI`: it uses the engine's ``lifecycle``, ``core``,
-``admission``, ``_sinks`` (request id -> where its outputs go), ``_pending`` (outputs held
-until the step thread waits for the device, see ``_hold``), ``_handed`` and ``_held_lock``
-(outputs a launch took from ``_pending`` on the step thread, on their way to the loop:
-``_deliver_handed``), ``_inbox``, ``_tokenizing``
+``admission``, ``_sinks`` (request id -> where its outputs go), ``_inbox``, ``_tokenizing``
 (accepted requests whose long prompt is tokenized on a worker thread -> abort reason),
-``_tg``, ``_loop_thread``, ``grammars`` and ``_wake()``.
+``_tg``, ``_loop_thread``, ``grammars``, ``_wake()`` and ``_dispatch()`` (``loop.py``).
 
 A request with an output constraint whose grammar is not cached waits for its compile (on a
 worker thread, :class:`engine.structured.grammars.GrammarService`) *before* it reaches the
 core: it holds no batch slot meanwhile, and requests without constraints never wait for it.
 
 Producers (API calls, on the event loop or, for aborts, any thread) only append to the inbox;
-the consumer (``_apply_inbox``) runs on the loop.
+the consumer (``EngineLoop._apply_inbox``) runs on the loop.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ import threading
 from typing import NamedTuple, Optional, Union
 import uuid
 
-from engine.core.engine_core import EngineCore
 from engine.errors import BadRequestError
 from engine.params import RequestOutput, SamplingParams
 from states import State
@@ -148,73 +144,3 @@ class IntakeAPI:
             self._inbox.append(_Abort(request_id, reason))
             if threading.get_ident() == self._loop_thread:
                 self._wake()
-
-    def _apply_inbox(self, core: EngineCore) -> None:
-        while self._inbox:
-            item = self._inbox.popleft()
-            if type(item) is _Add:
-                try:
-                    core.add_request(item.request_id, item.ids, item.params, item.grammar)
-                except Exception as exc:  # this request's own input: it ends, the engine serves on
-                    log.warning("request %s refused at admission: %s", item.request_id, exc)
-                    self._dispatch([RequestOutput(
-                        request_id=item.request_id, finished=True, finish_reason="error",
-                        reason=str(exc), num_prompt_tokens=len(item.ids))])
-            else:
-                out = core.abort(item.request_id, item.reason)
-                if out is not None:
-                    self._dispatch([out])
-
-    def _abort_preparing(self, reason: str) -> None:
-        """A drain's deadline: requests still tokenizing or waiting for their grammar end now
-        with "abort" (their worker finds the request gone and drops its result)."""
-        for rid in list(self._tokenizing):
-            self._tokenizing.pop(rid)
-            self._dispatch([RequestOutput(request_id=rid, finished=True, finish_reason="abort",
-                                          reason=reason)])
-
-    def _hold(self, outputs: list[RequestOutput]) -> None:
-        """Keep ``outputs`` until ``_flush_pending`` (the loop has it run once the next step is
-        launched and the step thread waits for the device) or the next ``_dispatch``."""
-        self._flush_pending()
-        self._pending = outputs
-
-    def _flush_pending(self) -> None:
-        # what a launch handed over first (older), then what is held; under the lock: on a
-        # failure (_fail_streams) the step thread may be handing _pending over meanwhile
-        with self._held_lock:
-            handed = list(self._handed)
-            self._handed.clear()
-            pending, self._pending = self._pending, []
-        for outputs in handed:
-            self._deliver(outputs)
-        if pending:
-            self._deliver(pending)
-
-    def _deliver_handed(self) -> None:
-        """On the loop, posted by a launch (``AsyncEngine._loop``): deliver what it handed over
-        (unless a flush did already)."""
-        while True:
-            with self._held_lock:
-                if not self._handed:
-                    return
-                outputs = self._handed.popleft()
-            self._deliver(outputs)
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        # held outputs are older: they go first (in a step burst they are the step thread's,
-        # and what the loop dispatches then is of requests outside the core)
-        if self._pending and not self._bursting:
-            self._flush_pending()
-        self._deliver(outputs)
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        sinks = self._sinks
-        for out in outputs:
-            sink = sinks.get(out.request_id)
-            if sink is None:
-                continue
-            if out.finished:
-                del sinks[out.request_id]
-                self.admission.finished(out.request_id)
-            sink(out)

@@ -25,7 +25,6 @@ the fill on this bitmask's one helper thread while the step thread applies the s
 loop ran at 0.5-0.65x its own speed, not stalled), so the two host costs overlap. ``mask``
 waits for the rows, then copies and applies them. NOTE: the host rows are reused every step;
 a fill may only start once the step before has been read back (its copy of them is done).
-
 On an asynchronous device a late step's grammar work runs on the grammar worker instead
 (``accept_then_fill``, engine/structured/grammar_job.py), beside the forward's launch.
 """
@@ -148,16 +147,13 @@ class TokenBitmask:
         known = terminated or {}
         live = [e for e in entries
                 if not (known[id(e[0])] if id(e[0]) in known else e[0].is_terminated())]
-        self._check_rows(live)
+        self._check_last(max((row + len(drafts) for _, row, drafts in live), default=-1))
         if not live:
             return Filling(None, [])
         host = self.host  # made here, not on the helper thread
         if not background:
             return Filling(None, self._fill(live, host))
         return Filling(self._submit(self._fill, live, host), None)
-
-    def _check_rows(self, entries: Sequence[tuple]) -> None:
-        self._check_last(max((row + len(drafts) for _, row, drafts in entries), default=-1))
 
     def _check_last(self, last: int) -> None:
         if last >= self.max_rows:
