@@ -49,3 +49,23 @@ def test_no_product_module_names_an_environment_variable_but_envs():
                 if re.search(r"ENGINECORE_[A-Z]", line):
                     found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert found == []
+
+
+def test_a_runner_reads_the_switches_once_when_built_and_hands_them_down(monkeypatch):
+    """The kill switches are read when the runner is built (not at import) and reach the model
+    it loads; a change of the environment later changes nothing for it."""
+    from engine.config import EngineConfig
+    from engine.runner.model_runner import ModelRunner
+
+    monkeypatch.setenv(envs.TRITON, "0")
+    runner = ModelRunner(EngineConfig(model="random:tiny-llama", device="cpu", num_kv_blocks=8))
+    monkeypatch.delenv(envs.TRITON)
+    try:
+        runner.load()
+        assert runner.switches == envs.Switches(triton=False, fused=False)
+        model = runner.resource("weights")
+        assert model.switches is runner.switches
+    finally:
+        runner.shutdown()
+    fresh = ModelRunner(EngineConfig(model="random:tiny-llama", device="cpu", num_kv_blocks=8))
+    assert fresh.switches == envs.Switches()
