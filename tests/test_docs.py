@@ -110,3 +110,14 @@ def test_no_session_or_issue_numbers(page: Path):
     hits = [m.group(0) for m in _DIARY.finditer(page.read_text())]
     assert not hits, (f"{page.relative_to(ROOT)} says {hits}: say what the thing does "
                       "(dates and commits belong in bench/RESULTS.md)")
+
+
+def test_every_module_has_its_sentence_in_structures_md():
+    """docs/structures.md names every module of the product packages (a new module gets its
+    one sentence there)."""
+    text = (ROOT / "docs" / "structures.md").read_text()
+    named = set(re.findall(r"`(?:[\w./]*/)?(\w+\.py)`", text))
+    missing = [str(p.relative_to(ROOT)) for package in ("engine", "ipc", "entrypoints", "states")
+               for p in sorted((ROOT / package).rglob("*.py"))
+               if p.name != "__init__.py" and p.name not in named]
+    assert missing == []
