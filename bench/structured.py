@@ -22,7 +22,7 @@ is applied), and only then are the masks applied and the step sampled -- so the 
 applying a step and filling the masks runs beside the forward but no longer beside the
 sampling, and whatever of it outlasts the forward is device idle time. Columns ``late``
 (such steps), ``beside`` (those whose grammar work ran on the grammar worker beside the
-forward's launch, ``engine/structured/native.py``; ``ENGINECORE_GRAMMAR_WORKER=0`` turns it
+forward's launch, ``engine/structured/native.py``; the ``grammar_worker`` kill switch turns it
 off; ``inside`` / ``after``: of those, the jobs started inside the forward's launch / after
 it, the step before being still on the device before it) and, per late step, the host's ms by part: ``fwd`` (launching the forward),
 ``read`` (waiting for the step before's tokens, feeding them to the matchers, starting the
