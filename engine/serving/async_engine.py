@@ -42,9 +42,6 @@ from .step_thread import StepThread
 log = logging.getLogger("enginecore.engine")
 
 
-
-
-
 class AsyncEngine(IntakeAPI, EngineLoop, SleepAPI):
     def __init__(self, config: EngineConfig, *, check_integrity: bool = False):
         self.config = config.validate()

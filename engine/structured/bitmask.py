@@ -60,8 +60,6 @@ class Filling(NamedTuple):
         return self.done if self.future is None else self.future.result()
 
 
-
-
 class TokenBitmask:
     """``grammar_vocab``: the ids the matchers' grammars know (``grammars.grammar_vocab_size``;
     a callable, resolved at the first fill), at most ``vocab_size``: the host rows xgrammar
