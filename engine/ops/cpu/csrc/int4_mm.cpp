@@ -262,7 +262,17 @@ EC_AVX512 void dequant_t_blocks(const uint8_t* q, const uint16_t* d16, const uin
 
 }  // namespace
 
+// The AVX-512 (BF16) loops above are refused on a CPU without them: an error, never an illegal
+// instruction (the callers check the CPU first; a direct call must not kill the process either)
+static void require_avx512_bf16(const char* what) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                  __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("f16c"),
+              what, ": needs a CPU with AVX512-BF16");
+}
+
 at::Tensor int4_dequant_t(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
+  require_avx512_bf16("int4_dequant_t");
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 8 && q.size(3) == 32 && q.scalar_type() == at::kByte,
               "int4_dequant_t: q must be [N/16, K/32, 8, 32] uint8");
   TORCH_CHECK(q.is_contiguous() && d.is_contiguous() && m.is_contiguous() &&
@@ -280,6 +290,7 @@ at::Tensor int4_dequant_t(const at::Tensor& q, const at::Tensor& d, const at::Te
 }
 at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
                    bool lo, bool amx) {
+  require_avx512_bf16("int4_mm");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "int4_mm: x must be [M, K] float32");
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 8 && q.size(3) == 32 && q.scalar_type() == at::kByte,
               "int4_mm: q must be [N/16, K/32, 8, 32] uint8");

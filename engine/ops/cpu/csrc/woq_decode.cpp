@@ -63,6 +63,10 @@ at::Tensor woq_decode(at::Tensor x, const std::vector<at::Tensor>& weights, cons
                       int64_t kv_heads, int64_t head_dim, double eps, double scale, int64_t dense_rows,
                       int64_t q4_dense_rows, bool lo, bool amx) {
   constexpr size_t kPerLayer = 18;
+  // its loops are AVX-512 (decode_ops.cpp): refused on a CPU without it, never an illegal
+  // instruction (the caller checks first; a direct call must not kill the process either)
+  TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq"),
+              "woq_decode: needs a CPU with AVX-512 (avx512f, avx512dq)");
   const MatmulOptions opt{dense_rows, q4_dense_rows, lo, amx};
   // NOTE: the loops below take heads, kv_heads and head_dim as the cache's and the qkv rows'
   // layout: checked against kv here and against each matmul's output below (a mismatch read
@@ -128,6 +132,8 @@ at::Tensor woq_decode(at::Tensor x, const std::vector<at::Tensor>& weights, cons
 // PackedLinear's head: the exact logits of each row's candidates (engine/ops/cpu/csrc/decode_ops.cpp)
 at::Tensor head_logits_exact(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales,
                              const at::Tensor& ids_in) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq"),
+              "head_logits_exact: needs a CPU with AVX-512 (avx512f, avx512dq)");
   TORCH_CHECK(x_in.dim() == 2 && q.dim() == 3 && scales.dim() == 2 && ids_in.dim() == 2 &&
                   q.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat && q.is_contiguous() &&
                   scales.is_contiguous(), "head_logits_exact: x [T, K], q [C, N, chunk] int8, scales [C, N] float32");
