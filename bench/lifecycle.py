@@ -30,7 +30,8 @@ import msgspec
 import torch
 
 from . import common
-from .common import memory_snapshot, mib, now, primary_memory
+from .common import now
+from .resources import memory_snapshot, mib, primary_memory
 
 
 def _params(max_tokens: int):

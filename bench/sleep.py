@@ -27,7 +27,8 @@ import anyio
 import torch
 
 from . import common
-from .common import memory_snapshot, mib, now
+from .common import now
+from .resources import memory_snapshot, mib
 
 CUDA_MODELS = ("random:qwen3-0.6b", "random:llama-3.2-1b")
 

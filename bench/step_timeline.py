@@ -148,7 +148,7 @@ STEP_PARTS = (
     "engine.runner.model_runner:ModelRunner.sample_step", "engine.structured.bitmask:TokenBitmask.mask",
     "engine.core.engine_core:EngineCore._complete", "engine.runner.launched:Launched.wait",
     "engine.core.late_step:LateStep._grammar_job", "engine.core.late_step:LateStep._advance_matchers",
-    "engine.serving.intake:IntakeAPI._deliver_handed",
+    "engine.serving.loop:EngineLoop._deliver_handed",
 )
 
 

@@ -49,7 +49,7 @@ from typing import Any
 
 import anyio
 
-from . import common, step_timeline
+from . import common, resources, step_timeline
 from .common import now
 from .device_sim import MODELS
 
@@ -131,7 +131,7 @@ async def run_mode(eng, args, fraction: float, constraint, label: str = "") -> d
     common.sync(args.device)
     device = getattr(eng, "sim_device", None)
     busy0 = device.busy_s if device is not None else 0.0
-    cpu0, threads0 = common.cpu_times(), common.thread_times()
+    cpu0, threads0 = resources.cpu_times(), resources.thread_times()
     parts0 = {k: list(v) for k, v in args._phases.items()} if args._phases is not None else None
     t0 = now()
     async with anyio.create_task_group() as tg:
@@ -139,12 +139,12 @@ async def run_mode(eng, args, fraction: float, constraint, label: str = "") -> d
             tg.start_soon(one, i)
     common.sync(args.device)
     wall = now() - t0
-    steal = common.steal_share(cpu0, common.cpu_times())
-    threads1 = common.thread_times()
+    steal = resources.steal_share(cpu0, resources.cpu_times())
+    threads1 = resources.thread_times()
     busy = (device.busy_s - busy0) / wall if device is not None else None
     timeline = args._timeline.summary(t0, t0 + wall) if args._timeline is not None else None
     steps = eng.statistics().steps - steps0
-    threads = common.thread_deltas(threads0, threads1, max(steps, 1))
+    threads = resources.thread_deltas(threads0, threads1, max(steps, 1))
     parts = (step_timeline.phase_deltas(parts0, args._phases, max(steps, 1))
              if parts0 is not None else None)
     deferred = eng.core.deferred_steps - deferred0

@@ -50,20 +50,16 @@ report steps, use the bare mode's. JSON per mode: ``workload_bytes``, ``bandwidt
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import inspect
-import statistics
 import sys
 import time
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import msgspec
 
-from . import common
-from .common import now
-from .recorder import Recorder, warm_work
+from . import common, resources, throughput_modes
+from .throughput_modes import RUNNERS, engine_cfg
 from .throughput_rounds import merge_rounds, ratios, run_isolated
 
 CPU_DEFAULTS = dict(num_requests=256, min_input=32, max_input=256, min_output=32, max_output=128)
@@ -71,227 +67,6 @@ CUDA_DEFAULTS = dict(num_requests=256, min_input=100, max_input=1024, min_output
 ENGINE_MODES = ("bare", "inproc", "ipc")
 HF_MODES = ("hf-generate", "hf-cb")
 
-
-
-#: ``--logprobs K``: every request asks for its tokens' logprobs and the top K (set by main)
-LOGPROBS: Optional[int] = None
-
-
-def _params(max_tokens: int, temperature: float):
-    from engine import SamplingParams
-
-    lp = dict(logprobs=True, top_logprobs=LOGPROBS) if LOGPROBS is not None else {}
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True, **lp)
-
-
-def _engine_cfg(args):
-    return common.engine_config(
-        args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        kv_cache_bytes=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None)
-
-
-def _desc(mode: str, r: int, args) -> str:
-    return mode if args.repeat == 1 else f"{mode} {r + 1}/{args.repeat}"
-
-
-def _best(runs: list[dict], **extra) -> dict[str, Any]:
-    """The run with the highest output tok/s, with every run's figure kept."""
-    best = dict(max(runs, key=lambda r: r["output_tok_s"] or 0))
-    best["runs_output_tok_s"] = [r["output_tok_s"] for r in runs]
-    best["repeat"] = len(runs)
-    best["median_output_tok_s"] = statistics.median(best["runs_output_tok_s"])
-    best.update(extra)
-    return best
-
-
-# -- mode: bare EngineCore.step() loop --------------------------------------------------------------
-def run_bare(args, work) -> dict[str, Any]:
-    from engine.core.engine_core import EngineCore
-    from engine.runner.model_runner import ModelRunner
-
-    cfg = _engine_cfg(args)
-    t_load = now()
-    runner = ModelRunner(cfg)
-    try:
-        runner.load()
-        load_s = now() - t_load
-        if args.warmup:
-            core = EngineCore(runner)
-            for i, (p, o) in enumerate(warm_work(work, args.warmup)):
-                core.add_request(f"w{i}", p, _params(o, args.temperature))
-            while core.has_work():
-                core.step()
-        runs = []
-        for r in range(args.repeat):
-            core = EngineCore(runner)  # fresh scheduler and statistics for each timed run
-            common.sync(args.device)
-            with common.progress(sum(o for _, o in work), _desc("bare", r, args), "tok", args.no_progress) as bar:
-                rec = Recorder(work, bar)
-                index = {}
-                cpu0 = time.process_time()
-                rec.t0 = now()
-                for i, (p, o) in enumerate(work):
-                    rid = f"r{i}"
-                    index[rid] = i
-                    rec.submitted(i, now())
-                    core.add_request(rid, p, _params(o, args.temperature))
-                last_bar = 0.0
-                with _timeline(args) as tl:
-                    while core.has_work():
-                        outs = core.step()
-                        t = now()
-                        for out in outs:
-                            rec.piece(index[out.request_id], t, len(out.token_ids),
-                                      out.finish_reason if out.finished else None)
-                        if t - last_bar > 0.2:
-                            rec.flush_bar()
-                            last_bar = t
-                    common.sync(args.device)
-                    rec.t1 = now()
-                cpu_s = time.process_time() - cpu0
-                rec.flush_bar()
-            st = core.statistics()
-            runs.append(rec.summary("bare", steps=st.steps, preemptions=st.preemptions,
-                                    cpu_s=cpu_s, **_timeline_of("bare", tl, rec)))
-        return _best(runs, load_s=load_s, kv_blocks=runner.num_blocks)
-    finally:
-        runner.shutdown()
-
-
-def _timeline(args):
-    """``--timeline``: every step of the timed run timed (bench/step_timeline.py)."""
-    if not args.timeline:
-        return contextlib.nullcontext()
-    from .step_timeline import recording
-
-    return recording()
-
-
-def _timeline_of(mode: str, tl, rec: Recorder) -> dict[str, Any]:
-    if tl is None:
-        return {}
-    from .step_timeline import print_summary
-
-    s = tl.summary(rec.t0, rec.t1)
-    print_summary(mode, s)
-    return {"timeline": s}
-
-
-# -- modes: streaming (in-process AsyncEngine, IPC client) -------------------------------------------
-async def _stream_all(generate: Callable, work, temperature: float, rec: Recorder) -> None:
-    import anyio
-
-    async def one(i: int, prompt: list[int], max_tokens: int) -> None:
-        rec.submitted(i, now())
-        stream = generate(prompt, _params(max_tokens, temperature))
-        if inspect.isawaitable(stream):
-            stream = await stream
-        async for out in stream:
-            rec.piece(i, now(), len(out.token_ids), out.finish_reason if out.finished else None)
-
-    async def ticker(done: anyio.Event) -> None:
-        while not done.is_set():
-            rec.flush_bar()
-            with anyio.move_on_after(0.2):
-                await done.wait()
-
-    done = anyio.Event()
-    async with anyio.create_task_group() as outer:
-        outer.start_soon(ticker, done)
-        rec.t0 = now()
-        async with anyio.create_task_group() as tg:
-            for i, (p, o) in enumerate(work):
-                tg.start_soon(one, i, p, o)
-        rec.t1 = now()
-        done.set()
-    rec.flush_bar()
-
-
-async def _warm(generate: Callable, work, temperature: float) -> None:
-    rec = Recorder(work)
-    await _stream_all(generate, work, temperature, rec)
-
-
-def run_inproc(args, work) -> dict[str, Any]:
-    import anyio
-
-    from engine import AsyncEngine
-
-    result: dict[str, Any] = {}
-
-    async def main() -> None:
-        t_load = now()
-        # (the timeline is on from the start: the engine loop binds its step method once)
-        with _timeline(args) as tl:
-            async with AsyncEngine.open(_engine_cfg(args)) as eng:
-                load_s = now() - t_load
-                if args.warmup:
-                    await _warm(eng.generate, warm_work(work, args.warmup), args.temperature)
-                runs = []
-                for r in range(args.repeat):
-                    s0 = eng.statistics()
-                    with common.progress(sum(o for _, o in work), _desc("inproc", r, args), "tok",
-                                         args.no_progress) as bar:
-                        rec = Recorder(work, bar)
-                        cpu0 = time.process_time()
-                        await _stream_all(eng.generate, work, args.temperature, rec)
-                        cpu_s = time.process_time() - cpu0
-                    s1 = eng.statistics()
-                    runs.append(rec.summary("inproc", steps=s1.steps - s0.steps,
-                                            preemptions=s1.preemptions - s0.preemptions, cpu_s=cpu_s,
-                                            **_timeline_of("inproc", tl, rec)))
-                result.update(_best(runs, load_s=load_s))
-
-    anyio.run(main, backend="asyncio", backend_options=_backend_options(args))
-    return result
-
-
-def run_ipc(args, work) -> dict[str, Any]:
-    import anyio
-
-    from ipc.client import EngineClient
-
-    result: dict[str, Any] = {}
-
-    async def main() -> None:
-        t_load = now()
-        async with EngineClient.spawn(_engine_cfg(args)) as client:
-            load_s = now() - t_load
-            if args.warmup:
-                await _warm(client.generate, warm_work(work, args.warmup), args.temperature)
-            runs = []
-            for r in range(args.repeat):
-                h0 = await client.health()
-                with common.progress(sum(o for _, o in work), _desc("ipc", r, args), "tok",
-                                     args.no_progress) as bar:
-                    rec = Recorder(work, bar)
-                    await _stream_all(client.generate, work, args.temperature, rec)
-                h1 = await client.health()
-                # (Health's counters are 0 when the engine does not report them: unknown)
-                runs.append(rec.summary("ipc", steps=(h1.steps - h0.steps) or None,
-                                        preemptions=h1.preemptions - h0.preemptions))
-            result.update(_best(runs, load_s=load_s))
-
-    try:
-        anyio.run(main, backend="asyncio", backend_options=_backend_options(args))
-    except ImportError as exc:  # the IPC layer is still being written
-        return {"mode": "ipc", "skipped": f"IPC layer incomplete: {exc!r}"}
-    return result
-
-
-def _backend_options(args) -> dict:
-    if args.uvloop:
-        try:
-            import uvloop  # noqa: F401
-
-            return {"use_uvloop": True}
-        except ImportError:
-            pass
-    return {}
-
-
-# -- main --------------------------------------------------------------------------------------------
 COLUMNS = [
     ("mode", "mode", ""), ("requests", "req", ""), ("output_tokens", "out tok", ""),
     ("wall_s", "wall s", ".2f"), ("output_tok_s", "out tok/s", ",.1f"), ("total_tok_s", "total tok/s", ",.1f"),
@@ -368,8 +143,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = common.finish_common_args(ap.parse_args(argv), "throughput")
     if args.switch_interval is not None:  # a process entry point: its own interpreter's knob
         sys.setswitchinterval(args.switch_interval)
-    global LOGPROBS
-    LOGPROBS = args.logprobs
+    throughput_modes.LOGPROBS = args.logprobs
     defaults = CUDA_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -401,7 +175,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "ignore_eos": True, "seed": args.seed,
                      "prompt_tokens": sum(len(p) for p, _ in work),
                      "output_tokens": sum(o for _, o in work)},
-        "engine_config": msgspec.to_builtins(_engine_cfg(args)),
+        "engine_config": msgspec.to_builtins(engine_cfg(args)),
         "modes": [],
     }
     w = result["workload"]
@@ -411,10 +185,12 @@ def main(argv: Optional[list[str]] = None) -> int:
           end="" if args.child else "\n", flush=True)
 
     hf = None
-    runners = {"bare": run_bare, "inproc": run_inproc, "ipc": run_ipc}
+    runners = RUNNERS
     if args.logprobs_compare is not None and not args.child:
-        return _compare_logprobs(args, argv if argv is not None else sys.argv[1:], work, runners,
-                                 [m for m in modes if m in runners], result)
+        from .throughput_logprobs import run_compare
+
+        return run_compare(args, argv if argv is not None else sys.argv[1:], work, runners,
+                           [m for m in modes if m in runners], result)
     engine_modes = [m for m in modes if m in runners]
     # --interleave: round r runs every engine mode once (fresh engine each), so slow drifts in
     # machine load hit all modes alike; otherwise each mode runs its --repeat runs in one engine.
@@ -443,7 +219,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             row = {"mode": m, "error": repr(exc)}
         row["mode_seconds"] = time.perf_counter() - t
         if "memory_after" not in row:  # (an isolated run measured its own)
-            row["memory_after"] = common.memory_snapshot(args.device)
+            row["memory_after"] = resources.memory_snapshot(args.device)
         if row.get("skipped"):
             print(f"[{m}] skipped: {row['skipped']}", file=sys.stderr, flush=True)
         if m in collected:
@@ -488,30 +264,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             if result.get(key):
                 print(f"ratios ({label}): " + ", ".join(f"{k} = {v:.3f}" for k, v in result[key].items()))
         print("CPU targets: inproc/bare >= 0.90; ipc/inproc >= 0.97 at 256 concurrent streams")
-    print(f"wrote {args.out}")
-    return 0
-
-
-def _compare_logprobs(args, argv: list[str], work, runners, modes: list[str], result: dict) -> int:
-    from .throughput_logprobs import child_argv, compare, print_table
-
-    one = argparse.Namespace(**{**vars(args), "repeat": 1})
-
-    def run(mode: str, k: Optional[int]) -> dict:
-        global LOGPROBS
-        if args.isolate:
-            return run_isolated(child_argv(argv, k), mode, 1)
-        LOGPROBS = k
-        try:
-            return runners[mode](one, work)
-        except Exception as exc:  # noqa: BLE001 - report and go on
-            traceback.print_exc()
-            return {"mode": mode, "error": repr(exc)}
-
-    res = compare(modes, args.repeat, args.logprobs_compare, run)
-    result["logprobs_compare"] = {"k": args.logprobs_compare, "rounds": args.repeat, "modes": res}
-    common.write_json(args.out, result)
-    print_table(res, args.logprobs_compare)
     print(f"wrote {args.out}")
     return 0
 

@@ -11,10 +11,15 @@ same work moves far less (it still grows somewhat under contention: caches, SMT 
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
+import traceback
 from typing import Any, Callable, Optional
+
+from . import common, throughput_modes
+from .throughput_rounds import run_isolated
 
 
 def child_argv(argv: list[str], k: Optional[int]) -> list[str]:
@@ -90,4 +95,27 @@ def print_table(res: dict[str, Any], k: int) -> None:
     print("target: >= 0.90")
 
 
-__all__ = ["child_argv", "compare", "print_table"]
+def run_compare(args, argv: list[str], work, runners, modes: list[str], result: dict) -> int:
+    """``--logprobs-compare``: :func:`compare` over ``modes`` (each run in its own process unless
+    ``--no-isolate``), written into ``result``'s JSON and printed."""
+    one = argparse.Namespace(**{**vars(args), "repeat": 1})
+
+    def run(mode: str, k: Optional[int]) -> dict:
+        if args.isolate:
+            return run_isolated(child_argv(argv, k), mode, 1)
+        throughput_modes.LOGPROBS = k
+        try:
+            return runners[mode](one, work)
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            traceback.print_exc()
+            return {"mode": mode, "error": repr(exc)}
+
+    res = compare(modes, args.repeat, args.logprobs_compare, run)
+    result["logprobs_compare"] = {"k": args.logprobs_compare, "rounds": args.repeat, "modes": res}
+    common.write_json(args.out, result)
+    print_table(res, args.logprobs_compare)
+    print(f"wrote {args.out}")
+    return 0
+
+
+__all__ = ["child_argv", "compare", "print_table", "run_compare"]
