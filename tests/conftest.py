@@ -21,8 +21,9 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # -- tests that run alone -------------------------------------------------------------------
 # scripts/test.sh runs the suite on pytest-xdist workers (two on CI's two cores). A test marked
-# ``alone`` asserts wall-clock bounds (a reply within N s, a step's pace) that another worker's
-# test on the same cores would stretch: while it runs, no other worker runs a test. Every test
+# ``alone`` asserts wall-clock bounds (a reply within N s, a step's pace) or what another
+# thread gets done meanwhile, which another worker's test on the same cores would stretch or
+# starve: while it runs, no other worker runs a test. Every test
 # takes a shared lock around its setup, call and teardown, an ``alone`` test the exclusive one;
 # a turnstile lock taken before either keeps a waiting ``alone`` test from being starved by
 # the other worker's next tests. Without xdist (one process) the locks are not taken.
