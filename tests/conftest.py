@@ -10,10 +10,63 @@ from pathlib import Path
 # One intra-op thread per process (inherited by subprocesses) keeps timings sane.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import fcntl  # noqa: E402
+import tempfile  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+# -- tests that run alone -------------------------------------------------------------------
+# scripts/test.sh runs the suite on pytest-xdist workers (two on CI's two cores). A test marked
+# ``alone`` asserts wall-clock bounds (a reply within N s, a step's pace) or what another
+# thread gets done meanwhile, which another worker's test on the same cores would stretch or
+# starve: while it runs, no other worker runs a test. Every test
+# takes a shared lock around its setup, call and teardown, an ``alone`` test the exclusive one;
+# a turnstile lock taken before either keeps a waiting ``alone`` test from being starved by
+# the other worker's next tests. Without xdist (one process) the locks are not taken.
+
+def _run_lock_paths():
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not run:
+        return None
+    base = os.path.join(tempfile.gettempdir(), f"enginecore-tests-{run}")
+    return base + ".turn", base + ".lock"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    paths = _run_lock_paths()
+    if paths is None:
+        return (yield)
+    exclusive = item.get_closest_marker("alone") is not None
+    turn = os.open(paths[0], os.O_RDWR | os.O_CREAT, 0o600)
+    lock = os.open(paths[1], os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turn, fcntl.LOCK_UN)
+        try:
+            return (yield)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    finally:
+        os.close(lock)
+        os.close(turn)
+
+
+def pytest_unconfigure(config):
+    # a worker that is done runs no more tests: whichever comes first removes the lock files
+    # (the other, if still running, has nothing left to exclude; its next test makes new ones)
+    for path in _run_lock_paths() or ():
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 # Small enough to build and run in milliseconds, big enough to exercise GQA, several KV blocks
 # and multi-layer caches. Architecture-specific knobs are passed as overrides.

@@ -295,6 +295,7 @@ def test_host_overhead_against_the_simulated_device(tmp_path):
     assert "device busy" in p.stdout
 
 
+@pytest.mark.alone  # asserts wall-clock bounds
 def test_simulated_device_queues_steps_like_a_stream():
     import time
     from types import SimpleNamespace as NS

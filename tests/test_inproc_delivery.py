@@ -243,6 +243,7 @@ async def test_overlapped_engine_delivers_the_same_streams() -> None:
         assert ended[-1].finish_reason == "abort" and ended[-1].reason == "deadline"
 
 
+@pytest.mark.alone  # counts the steps run before the consumer is scheduled
 @pytest.mark.asyncio
 async def test_overlapped_first_token_is_not_held_for_the_next_launch() -> None:
     """Overlapped, a step's outputs wait for the next step's launch, except a request's first

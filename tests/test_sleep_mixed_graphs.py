@@ -16,7 +16,7 @@ def test_mixed_graphs_are_captured_only_with_the_weights_on_the_device(monkeypat
     level 2, in host memory at level 1); the weights' wake after it does. (A stand-in for the
     CUDA graphs object on CPU: what the runner asks of it.)"""
     from engine.forward import cuda_graphs
-    from engine.runner import model_runner as runner_mod
+    from engine.runner import load as runner_mod  # where the runner reads cuda_graphs
 
     captures: list[int] = []
 

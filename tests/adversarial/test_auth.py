@@ -35,6 +35,7 @@ async def _attempt(addr: str, token: str | None) -> tuple[float, str]:
 
 
 @pytest.mark.asyncio
+@pytest.mark.alone  # asserts wall-clock bounds
 async def test_failed_authentications_are_throttled_and_logged_with_the_peer(caplog):
     caplog.set_level(logging.WARNING, logger="enginecore.ipc")
     throttle = AuthThrottle(free_failures=3, base_delay=1.0, max_delay=2.0, max_waiting=1)

@@ -22,6 +22,7 @@ from ipc.transport import connect
 pytestmark = pytest.mark.asyncio
 
 
+@pytest.mark.alone  # asserts wall-clock bounds
 async def test_connections_beyond_the_limit_are_refused_politely_and_at_once():
     async with serving(max_connections=4, handshake_timeout=10.0) as (eng, server, addr):
         async with EngineClient.connect(addr) as good:

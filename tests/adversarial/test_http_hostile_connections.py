@@ -68,6 +68,7 @@ def upload_chunked(port: int, total: int, out: list) -> None:
         out.append((sent, read_response(sock, 5.0)))
 
 
+@pytest.mark.alone  # asserts wall-clock bounds
 async def test_finding4_oversized_bodies_get_413_and_memory_stays_flat():
     async with served() as s:
         # A Content-Length above the limit: answered from the head, the body is never awaited.
@@ -99,6 +100,7 @@ async def test_finding4_oversized_bodies_get_413_and_memory_stays_flat():
             assert r.status_code == 200
 
 
+@pytest.mark.alone  # asserts wall-clock bounds
 async def test_finding7_slowloris_heads_and_bodies_are_closed_while_a_good_client_is_served():
     limits = HttpLimits(header_timeout=1.0, body_timeout=1.0, keep_alive_timeout=1.0)
     async with served(limits=limits) as s:
@@ -277,6 +279,7 @@ async def test_flood_filter_lets_one_line_per_interval_through():
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # asserts wall-clock bounds
 async def test_serve_passes_the_limits_to_its_frontend_processes():
     """``enginecore serve --http ... --max-body-bytes --header-timeout``: the frontend process
     (over its EngineClient) enforces them."""

@@ -138,6 +138,7 @@ async def test_finding9_every_status_is_openai_shaped(monkeypatch):
 BIG = 4_000_000
 
 
+@pytest.mark.alone  # asserts wall-clock bounds
 async def test_finding6_giant_prompts_are_refused_fast_and_health_stays_200():
     async with served() as s, s.http() as c:
         completion = json.dumps({"model": MODEL, "prompt": "a" * BIG}).encode()
@@ -178,6 +179,7 @@ async def test_finding6_giant_prompts_are_refused_fast_and_health_stays_200():
         assert s.engine.state is State.SERVING
 
 
+@pytest.mark.alone  # asserts wall-clock bounds
 async def test_finding6_health_answers_from_the_last_known_state_when_the_probe_is_slow(monkeypatch):
     """A probe that does not answer in time is not death (it was 503 'dead' after 2 s)."""
     async with served() as s, s.http() as c:

@@ -85,6 +85,7 @@ def gone(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.asyncio
+@pytest.mark.alone  # asserts wall-clock bounds
 async def test_engine_sigkill_fails_every_client_within_a_second():
     remote = None
     async with EngineClient.spawn(EngineConfig(model=MODEL)) as a:

@@ -95,6 +95,7 @@ async def test_drain_under_load(tmp_path) -> None:
     assert not pid_alive(sp.proc.pid)
 
 
+@pytest.mark.alone  # asserts wall-clock bounds
 async def test_drain_deadline_aborts_in_flight(tmp_path) -> None:
     from ipc import EngineClient
 
@@ -119,6 +120,7 @@ async def test_drain_deadline_aborts_in_flight(tmp_path) -> None:
         assert 0 < len(toks) < 2000
 
 
+@pytest.mark.alone  # asserts wall-clock bounds
 async def test_second_signal_exits_fast_with_terminal_outputs(tmp_path) -> None:
     from ipc import EngineClient
 

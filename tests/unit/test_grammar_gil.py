@@ -89,6 +89,7 @@ def test_a_step_of_grammar_work_never_lets_another_thread_run():
     assert _ran_beside(step) == 0
 
 
+@pytest.mark.alone  # needs a free core for the other thread
 def test_the_compile_still_lets_other_threads_run():
     _, comp = _compiler()
     keep_gil_on_step_calls()
