@@ -239,7 +239,7 @@ async def bench(args) -> dict:
             await run_mode(eng, args, 0.5, constraint)
             await run_mode(eng, args, 1.0, constraint)
         # NOTE: rounds interleave the fractions (0 %, 100 %, 0 %, 100 % ...): the device host's
-        # step time drifted by 10-20 % between runs a minute apart (sessions 15-17), so one
+        # step time drifted by 10-20 % between runs a minute apart, so one
         # run of each mode can put the ratio anywhere in that band
         runs: dict[float, list[dict]] = {f: [] for f in args.fractions}
         for _ in range(args.rounds):

@@ -90,7 +90,7 @@ def test_roofline_runs_both_schedules_and_pipelined_steps_sample_what_synchronou
 
 
 def test_nano_vllm_workload_floor_is_about_4_s_on_an_h200():
-    """Issue 14's order of magnitude: qwen3-0.6b bf16, 256 requests in/out U[100, 1024], ~1,096
+    """The order of magnitude: qwen3-0.6b bf16, 256 requests in/out U[100, 1024], ~1,096
     engine steps, ~4.2 TB/s: the floor is roughly 4 s (no model is run)."""
     import torch
 
@@ -424,7 +424,7 @@ def test_step_parts_patches_are_given_back():
 def test_text_head_under_tensor_parallel_is_text_or_reports_nothing(tmp_path):
     """Tensor parallel: the driver holds one slice of the LM head, the workers the rest, out of
     printable_head's reach: it zeroes nothing and says so, rather than claiming a text baseline
-    whose tokens come from the other slices (review, session 22)."""
+    whose tokens come from the other slices."""
     out = tmp_path / "s.json"
     p = _bench("structured", "--device", "cpu", "--model", "random:tiny-llama", "--no-progress",
                "--requests", "2", "--max-tokens", "8", "--items", "1", "--fractions", "0",

@@ -27,9 +27,9 @@ LOGIT_TOL = {"fbgemm_fp16": 5e-3, "woq": 5e-2, "woq+int4_mm": 1e-3}
 TAIL_TOL = {"woq": 0.15}
 # greedy agreement with the fp32 path, share of positions. woq computes with bf16 weights and
 # activations inside torch's kernels: on 32 prompts x 32 tokens (bench.cpu_agreement) it agreed
-# on 74 %, the whole model in bf16 on 79 %, fbgemm fp16 on 99 % (bench/RESULTS.md, session 8)
+# on 74 %, the whole model in bf16 on 79 %, fbgemm fp16 on 99 % (bench/RESULTS.md)
 # engine/ops/cpu/csrc/int4_mm.cpp (exact group scales, ~16-bit inputs, float32 sums): 95.3 % on
-# bench.cpu_agreement, the best 20 logits ~1e-5 relative off here (session 11)
+# bench.cpu_agreement, the best 20 logits ~1e-5 relative off here
 MIN_AGREE = {"fbgemm_fp16": 0.9, "woq": 0.6, "woq+int4_mm": 0.9}
 PROMPTS = [list(range(100, 140)), [1, 520, 3001, 77, 9, 14000, 250], list(range(4000, 4100, 3))]
 

@@ -1,4 +1,4 @@
-"""The async engine: continuous batching, preemption, drain, abort, failure (issue #3)."""
+"""The async engine: continuous batching, preemption, drain, abort, failure."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How the in-process engine hands outputs over (issue #14): a consumer that fell behind gets
+"""How the in-process engine hands outputs over: a consumer that fell behind gets
 what is pending as one merged piece (same tokens, text and logprobs, one terminal output), and
 every device call runs on the engine's one step thread."""
 
@@ -247,7 +247,7 @@ async def test_overlapped_engine_delivers_the_same_streams() -> None:
 @pytest.mark.asyncio
 async def test_overlapped_first_token_is_not_held_for_the_next_launch() -> None:
     """Overlapped, a step's outputs wait for the next step's launch, except a request's first
-    token (issue 15: that launch's host time went into every TTFT): it arrives once the
+    token (that launch's host time went into every TTFT): it arrives once the
     prefill and the step launched after it are in, before a third forward."""
     cfg = EngineConfig(model=TINY, overlap_scheduling=True, max_num_seqs=4, seed=1)
     async with AsyncEngine.open(cfg) as eng:

@@ -1,4 +1,4 @@
-"""Prefix caching end to end (issue 15): greedy outputs of the embedded model are token-identical
+"""Prefix caching end to end: greedy outputs of the embedded model are token-identical
 with the cache on and off — shared prefixes ending mid-block, prompts cached entirely, multi-turn
 prompts that extend earlier ones, chunked prefill, preemption pressure — and the statistics,
 invalidation and shutdown behave."""

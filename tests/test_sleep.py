@@ -1,4 +1,4 @@
-"""Sleep mode in process (issue 16): release on sleep, identical outputs after wake, weight
+"""Sleep mode in process: release on sleep, identical outputs after wake, weight
 updates that equal a fresh engine, refused checkpoints that change nothing, and every stream's
 one terminal output when a sleep comes in the middle of 64 of them."""
 

@@ -1,4 +1,4 @@
-"""Hostile-input tests: each reproduces a finding of the attacker's pass (issue 12) against the
+"""Hostile-input tests: each reproduces a finding of the attacker's pass against the
 IPC layer. The fake engine of tests/ipc keeps them fast."""
 
 from __future__ import annotations

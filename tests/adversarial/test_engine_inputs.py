@@ -1,4 +1,4 @@
-"""Hostile input against the engine itself (issue 12, findings 1, 3, 5, 6): in process and over
+"""Hostile input against the engine itself (findings 1, 3, 5, 6): in process and over
 IPC, one request's bad input ends that request -- never the engine."""
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ async def _hostile_over_ipc(eng, client) -> None:
 
 
 async def test_prompt_ids_that_are_not_token_ids_are_refused_at_once() -> None:
-    """The prompt's ids are checked where they enter (one msgspec pass since session 23): any
+    """The prompt's ids are checked where they enter (one msgspec pass): any
     that is not an int (a bool, a float, a string, None), below 0 or not below the
     vocabulary ends that request with BadRequestError; the engine serves on. An int subclass
     is taken as the plain int of its value, and the caller's list is not the engine's."""

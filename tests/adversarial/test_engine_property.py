@@ -1,4 +1,4 @@
-"""Property test (issue 12): whatever values a caller puts into SamplingParams, the in-process
+"""Property test: whatever values a caller puts into SamplingParams, the in-process
 engine refuses the request with a typed BadRequestError or serves it -- never fails."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Property (issue 16): whatever a client puts in the sleep-mode admin endpoints' parameters --
+"""Property: whatever a client puts in the sleep-mode admin endpoints' parameters --
 JSON values of any type in the body, any query string -- the answer is 200, a typed
 OpenAI-shaped 400/409, never a 5xx; the engine stays SERVING or SLEEPING and wakes after it.
 The app serves an ``ipc.EngineClient`` (as a frontend process does) over an in-process IPC

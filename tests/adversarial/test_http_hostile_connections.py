@@ -1,4 +1,4 @@
-"""Hostile connections against the HTTP frontend (issue 12, findings 4 and 7, and the in-flight
+"""Hostile connections against the HTTP frontend (findings 4 and 7, and the in-flight
 limit): oversized bodies, slowloris heads and bodies, too many connections or requests, and the
 accept-error log flood when descriptors run out."""
 

@@ -1,4 +1,4 @@
-"""Hostile request bodies against the HTTP frontend (issue 12, findings 1, 6, 9): every bad value
+"""Hostile request bodies against the HTTP frontend (findings 1, 6, 9): every bad value
 gets a typed, OpenAI-shaped 4xx before the engine sees it, and the engine serves on. In process,
 over an AsyncEngine and (``via="client"``) over an EngineClient as a frontend process runs it."""
 

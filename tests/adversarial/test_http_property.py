@@ -1,4 +1,4 @@
-"""Property (issue 12): whatever JSON values a client puts in the sampling fields, the HTTP
+"""Property: whatever JSON values a client puts in the sampling fields, the HTTP
 frontend answers a typed, OpenAI-shaped 4xx or serves the request -- never a 5xx -- and the
 engine keeps SERVING. The app runs in process over a real AsyncEngine (random:tiny-llama) on
 a background event loop; hypothesis drives it over real HTTP."""

@@ -76,7 +76,7 @@ def test_abort_in_flight_on_gpu():
     assert final["r3"] == "abort" and final["r40"] == "abort" and len(final) == 48
 
 
-# -- output constraints keep the overlap (issue 23) ------------------------------------------------
+# -- output constraints keep the overlap ------------------------------------------------
 def _run_constrained(overlap: bool, kinds: str):
     """``kinds`` "length": constrained requests that end by length (a regex longer than
     max_tokens) beside unconstrained ones, greedy and seeded -- every step's batch is the same

@@ -1,4 +1,4 @@
-"""GPU sleep mode (issue 16): asleep, the CUDA caching allocator holds exactly what it held
+"""GPU sleep mode: asleep, the CUDA caching allocator holds exactly what it held
 before the engine loaded -- ``memory_allocated`` and ``memory_reserved`` to the byte, CUDA graphs
 and every workspace included -- at level 2 and at level 1, where the weights sit in page-locked
 host memory instead; greedy outputs after a wake equal those before; shutdown from sleep gives

@@ -1,4 +1,4 @@
-"""Structured outputs on the GPU (issue 23): JSON-schema-constrained requests on
+"""Structured outputs on the GPU: JSON-schema-constrained requests on
 ``random:qwen3-0.6b`` (bf16; the mask alone keeps random weights' output valid) finish with
 valid JSON, the bitmask is applied by xgrammar's CUDA path; a drain with constrained requests
 in flight gives each one terminal output; after shutdown the caching allocator is back to its

@@ -1,4 +1,4 @@
-"""Operating ``enginecore serve --http`` (issue 25): /metrics as one view over every API server
+"""Operating ``enginecore serve --http``: /metrics as one view over every API server
 process, the Grafana dashboard's queries against it, served model names, and the logs (INFO by
 default, one line per transition, JSON lines)."""
 

@@ -1,4 +1,4 @@
-"""Sleep mode over HTTP (issue 16): the admin endpoints (absent unless enabled, bounded,
+"""Sleep mode over HTTP: the admin endpoints (absent unless enabled, bounded,
 token-guarded when asked), 503 + Retry-After and /health while asleep, weight updates that
 equal a fresh engine, refused checkpoints that change nothing, and ``enginecore serve
 --enable-sleep-mode`` through a frontend process (SIGTERM while asleep: exit 0)."""

@@ -231,7 +231,7 @@ def test_sleep_messages_were_appended_and_old_frames_are_unchanged():
     now = [Generate(request_id="a", prompt=[1, 2], params=SamplingParams(max_tokens=4)),
            Drain(timeout=2.5, call_id=7), Ack(call_id=1, state=State.SHUTDOWN),
            Error(kind=ErrorKind.DRAINING, message="d", request_id="r", retry_after=2.0)]
-    # SamplingParams has more than 15 fields since the logprobs fields (issue 22) were appended:
+    # SamplingParams has more than 15 fields since the logprobs fields were appended:
     # msgspec writes its map header as map16 (de 00 01) instead of fixmap (81); same content,
     # and both decode everywhere
     now_hex = [codec.encode(m).hex() for m in now]

@@ -1,4 +1,4 @@
-"""A corpus of JSON schemas of the kinds applications send (issue 23): nested objects, arrays
+"""A corpus of JSON schemas of the kinds applications send: nested objects, arrays
 with bounds, enums, anyOf, string patterns and formats, required and optional fields, numbers with
 ranges, $ref. Sizes are bounded (maxLength, maxItems, ranges) so that every output completes
 within a small ``max_tokens`` on the CPU suite's small model."""

@@ -1,4 +1,4 @@
-"""Structured outputs (issue 23) on the default model, one engine for the module: a corpus of
+"""Structured outputs on the default model, one engine for the module: a corpus of
 JSON schemas (greedy and three seeds, each output parsed and validated with ``jsonschema``),
 regex, choice and EBNF outputs; through the real ``openai`` client ``response_format``
 json_schema, ``chat.completions.parse`` with a pydantic model, forced tool calls (named and

@@ -1,4 +1,4 @@
-"""SIGTERM behaviour of a real ``enginecore serve`` process with IPC clients (issue #5, 2-4, 6)."""
+"""SIGTERM behaviour of a real ``enginecore serve`` process with IPC clients."""
 
 from __future__ import annotations
 

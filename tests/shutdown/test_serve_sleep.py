@@ -1,4 +1,4 @@
-"""Sleep mode of a real ``enginecore serve`` process over IPC (issue 16): sleep / update_weights /
+"""Sleep mode of a real ``enginecore serve`` process over IPC: sleep / update_weights /
 wake through the Sleep, WakeUp and UpdateWeights messages, typed refusals and health while
 asleep, 64 remote streams when a sleep comes, and SIGTERM while asleep at either level (exit 0,
 at the end of each test)."""

@@ -1,4 +1,4 @@
-"""Startup errors and a signal during startup (issue #5, point 5)."""
+"""Startup errors and a signal during startup."""
 
 from __future__ import annotations
 

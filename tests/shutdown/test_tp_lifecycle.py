@@ -1,4 +1,4 @@
-"""The lifecycle across tensor-parallel ranks (issue 17), on real ``enginecore serve`` processes
+"""The lifecycle across tensor-parallel ranks, on real ``enginecore serve`` processes
 with TP=2 over gloo: a worker SIGKILLed under 16 streams, the driver SIGKILLed, greedy parity
 with TP=1 then SIGTERM under load, a checkpoint whose shard shapes do not fit. Tiny synthetic
 models of the Llama architecture (TP=2 divides them; the default model's TP=3 parity is in

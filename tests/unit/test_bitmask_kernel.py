@@ -198,7 +198,7 @@ print("allowed", (out[0] > float("-inf")).nonzero().flatten().tolist())
 
 @pytest.mark.parametrize("mode", ["direct", "no-interpreter", "nodirect"])
 def test_a_step_masked_after_a_fused_one_refuses_the_ids_past_the_grammar(mode):
-    """(review rev21) The sampler reads the masks only where the device rows are packed (xgrammar's
+    """The sampler reads the masks only where the device rows are packed (xgrammar's
     kernel launched directly): xgrammar's public function masks full-width rows whose words past
     the grammar's must stay zero, and packed rows left there would let a later step that cannot
     be fused (logprobs, a seeded row) draw ids past the grammar's vocabulary."""

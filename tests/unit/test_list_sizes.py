@@ -1,5 +1,5 @@
 """raw_limits.check_list_sizes: a too-long short list is refused from its JSON's size, before
-pydantic turns every entry into a Python object (issue 12: the soak's frontend memory)."""
+pydantic turns every entry into a Python object (the soak's frontend memory)."""
 
 import json
 import tracemalloc

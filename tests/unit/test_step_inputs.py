@@ -126,7 +126,7 @@ def test_prefill_tiles_and_tables():
 def test_prefill_arrays_start_16_byte_aligned(num_chunks):
     """Triton specializes on each pointer's 16-byte alignment: every array of the batch must
     start aligned whatever the counts of chunks and tiles, or a new count class compiles a new
-    kernel variant mid-run (issue 15: ~1 s inside a timed H200 run)."""
+    kernel variant mid-run (~1 s inside a timed H200 run)."""
     bs = 16
     for extra in range(4):  # tile counts of every class mod 4
         chunks, row = [], 0
