@@ -10,7 +10,7 @@ from typing import Mapping, Optional
 import msgspec
 
 from engine.config import EngineConfig
-from ipc.auth import TOKEN_ENV, read_token_file
+from ipc.auth import TOKEN_ENV, read_token_file, warn_if_short
 
 log = logging.getLogger("enginecore")
 
@@ -124,12 +124,14 @@ def add_listen_args(p: argparse.ArgumentParser) -> None:
 def token_from_args(a: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Optional[str]:
     """The token from ``--token-file``, else ``$TOKEN_ENV``, else ``--token`` (with a
     warning); None if none is given. Raises ``OSError``/``ValueError`` for a bad token file."""
+    token = None
     if a.token_file:
-        return read_token_file(a.token_file)
-    if environ.get(TOKEN_ENV, "").strip():
-        return environ[TOKEN_ENV].strip()
-    if a.token:
+        token = read_token_file(a.token_file)
+    elif environ.get(TOKEN_ENV, "").strip():
+        token = environ[TOKEN_ENV].strip()
+    elif a.token:
         log.warning("--token is visible to every local user (ps, /proc/PID/cmdline); "
                     "use --token-file or $%s", TOKEN_ENV)
-        return a.token
-    return None
+        token = a.token
+    warn_if_short(token)
+    return token

@@ -1,6 +1,9 @@
 """``enginecore`` command line: ``generate`` (in-process or over IPC) and ``serve``.
 
-This module is the process entry point; it alone may install signal handlers (in ``serve``).
+This module is the process entry point; it alone may install signal handlers: ``main`` first of
+all (``startup_signals``: a signal while torch and the engine are still being imported exits
+128+N), then ``serve``. So that nothing runs before that, this module imports only the standard
+library at its top; everything else is imported inside the functions.
 """
 
 from __future__ import annotations
@@ -10,21 +13,19 @@ import logging
 import os
 import sys
 
-import anyio
-
-from engine.params import SamplingParams
-
-from .args import (add_listen_args, add_model_args, add_ops_args, add_token_args, config_from_args,
-                   token_from_args)
-from .logs import add_log_args, configure
+from . import startup_signals
 
 
-def _sampling_from_args(a: argparse.Namespace) -> SamplingParams:
+def _sampling_from_args(a: argparse.Namespace):
+    from engine.params import SamplingParams
+
     return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
                           top_k=a.top_k, seed=a.seed, stop=a.stop or []).validate()
 
 
 async def _generate(a: argparse.Namespace) -> int:
+    from .args import config_from_args, token_from_args
+
     params = _sampling_from_args(a)
     if a.connect:
         from ipc.client import EngineClient
@@ -62,6 +63,9 @@ async def _generate(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .args import add_listen_args, add_model_args, add_ops_args, add_token_args
+    from .logs import add_log_args
+
     ap = argparse.ArgumentParser(prog="enginecore", description=__doc__)
     ap.add_argument("-v", "--verbose", action="store_true", help="same as --log-level debug")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -104,10 +108,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    startup_signals.install()  # before any heavy import: SIGTERM now exits 143, not -15
+    try:
+        return _main(argv)
+    except startup_signals.StartupSignal as stop:  # nothing is allocated yet
+        print(f"enginecore: stopped by signal {stop.signum} during startup", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(128 + stop.signum)  # not the interpreter's teardown of half-made imports
+
+
+def _main(argv: list[str] | None) -> int:
     a = build_parser().parse_args(argv)
+    if a.cmd == "generate":
+        startup_signals.restore()  # not the engine process: Python's defaults (-15, 130)
     if a.verbose:
         a.log_level = "debug"
+    from .logs import configure
+
     configure(a.log_level, a.log_format)  # the entry point owns the process's logging
+    import anyio
+
     from engine.errors import EngineError
 
     # (glibc's malloc keeps its defaults here: entrypoints/malloc.py says why)
@@ -128,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             return anyio.run(_generate, a)
         from .serve import serve_main
 
+        startup_signals.defer()  # imported: from here a signal is recorded for serve.run
         code = serve_main(a)
         # NOTE: by now every device tensor is released, every client has its terminal output
         # and the socket is gone. Interpreter teardown with torch loaded took 1-2 s here and

@@ -1,4 +1,6 @@
-"""``enginecore serve``: the engine process's entry point — the only code that touches signals.
+"""``enginecore serve``: the engine process's entry point — with ``cli.main``, the only code that
+touches signals (``cli.main`` catches them from its first line, ``startup_signals``; ``run``
+takes over once its event loop runs, and exits 128+N for one that came before).
 
 Exit codes (also in docs/serving.md):
   0    clean shutdown: drained (or aborted at the drain deadline / second signal), released
@@ -33,6 +35,7 @@ from engine.loader.hf_hub import display_name
 from engine.serving.async_engine import AsyncEngine
 from states import State
 
+from . import startup_signals
 from .args import config_from_args, token_from_args
 from .logs import log_argv
 
@@ -105,6 +108,12 @@ async def run(config, *, listen: Optional[str], token: Optional[str], drain_time
         stopper.ready = anyio.Event()
         tg.start_soon(_watch_signals, stopper)
         await stopper.ready.wait()  # handlers are in place before loading starts
+        early = startup_signals.pending()  # one recorded before these handlers (cli.main)
+        if early is not None:
+            log.info("signal %s before the event loop", signal.Signals(early).name)
+            print(f"enginecore: stopped by signal {early} during startup", file=sys.stderr)
+            tg.cancel_scope.cancel()
+            return 128 + early
         if parent_pid:
             tg.start_soon(_watch_parent, stopper, parent_pid)
         try:  # the address is checked and bound before the (slow) model load
@@ -178,6 +187,9 @@ def serve_main(a) -> int:
     os.environ.pop(envs.TOKEN, None)  # read; children get it only when meant to
     if config.node_rank > 0:  # multi-host TP: this host only runs its ranks (entrypoints/tp_node.py)
         from entrypoints.tp_node import run_node
+
+        if startup_signals.pending() is not None:  # recorded since cli.main; no ranks started yet
+            return 128 + startup_signals.pending()
 
         return run_node(config)
     if not getattr(a, "http", None):

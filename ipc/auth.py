@@ -1,12 +1,26 @@
 """Authentication helpers: reading a token file, and throttling failed authentications.
 
-:class:`AuthThrottle` counts failed handshakes per peer (and over all peers) in a sliding
-window. Past ``free_failures`` (or ``global_free_failures`` over all peers) every further
-handshake of that peer -- right token or wrong -- first waits ``base_delay`` seconds, doubling
-with each failure up to ``max_delay``; at most ``max_waiting`` handshakes wait at once, beyond
-that they are refused without looking at the token. Guessing is thereby bounded to about
-``max_waiting / max_delay`` tries a second in all, while a client with the right token is at
-worst delayed, never locked out. The table of peers is bounded (oldest forgotten first).
+A token is compared first, in constant time (``transport.check_token``), and a right one is
+admitted at once, whatever failures came before it from the same peer: it never meets the
+throttle, so it is never locked out nor delayed. Only failures wait. :class:`AuthThrottle`
+counts failed authentications per peer (the IPC server keys them by TCP host or Unix user, the
+HTTP admin endpoints by client address) and over all peers, in a sliding ``window``. Past
+``free_failures`` of a peer (or ``global_free_failures`` over all peers) the answer to each
+further failure is held ``base_delay`` seconds, doubling with each failure up to ``max_delay``.
+``max_delay`` stays under half of :data:`~ipc.handshake.HANDSHAKE_TIMEOUT` (a client's default
+wait for its answer), so a wrong token gets its answer, not a timeout. At most ``max_waiting``
+failures are held at once; beyond that a failure is answered at once ("try later", with a
+retry-after) and its connection closed: held failures cost at most ``max_waiting`` tasks and
+connections. The table of peers is bounded (oldest forgotten first).
+
+What the throttle bounds, and what it does not: it slows a client that guesses one try after
+another to one every ``max_delay`` seconds, and it makes failures hold their sender's
+connections for a while. It does not bound the rate of guesses made over many connections at
+once (the failures beyond ``max_waiting`` are answered at once, and a right token must be
+admitted at once, so a refusal cannot be withheld without locking its owner out too). What
+bounds guessing is the token's entropy -- use a long random one (``secrets.token_urlsafe(32)``:
+256 bits; a token under :data:`SHORT_TOKEN` characters is warned about) -- and the connection
+limits (``--max-ipc-connections``; HTTP ``--max-connections`` per API server).
 """
 
 from __future__ import annotations
@@ -16,16 +30,20 @@ import logging
 import os
 import stat
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import anyio
 
 from engine import envs
 
+from .handshake import HANDSHAKE_TIMEOUT
+
 log = logging.getLogger("enginecore.ipc")
 
 #: The environment variable ``enginecore serve`` / ``generate`` read a token from.
 TOKEN_ENV = envs.TOKEN
+#: Tokens shorter than this many characters are warned about (guessing is bounded by entropy).
+SHORT_TOKEN = 16
 
 
 def read_token_file(path: str) -> str:
@@ -43,12 +61,36 @@ def read_token_file(path: str) -> str:
     return token
 
 
+def warn_if_short(token: Optional[str]) -> None:
+    """Warn about a token too short to resist guessing (see the module docstring)."""
+    if token and len(token) < SHORT_TOKEN:
+        log.warning("the token has only %d characters; nothing bounds how fast a client with many "
+                    "connections can guess it but its length: use at least %d random characters "
+                    "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')",
+                    len(token), SHORT_TOKEN)
+
+
+class Denied(NamedTuple):
+    """How a failed authentication was answered (:meth:`AuthThrottle.deny`)."""
+    failures: int  #: the peer's failures in the window, this one included
+    held: float  #: seconds the answer was held
+    #: set when the answer was not held because ``max_waiting`` failures were held already:
+    #: the delay the failure would have had (a retry-after hint)
+    retry_after: Optional[float]
+
+
 class AuthThrottle:
-    """See the module docstring. ``clock`` is for tests."""
+    """See the module docstring. ``clock`` and ``sleep`` are for tests."""
 
     def __init__(self, *, free_failures: int = 5, global_free_failures: int = 50,
-                 window: float = 60.0, base_delay: float = 0.25, max_delay: float = 10.0,
-                 max_waiting: int = 32, max_peers: int = 4096, clock=time.monotonic) -> None:
+                 window: float = 60.0, base_delay: float = 0.25, max_delay: float = 4.0,
+                 max_waiting: int = 32, max_peers: int = 4096, clock=time.monotonic,
+                 sleep=anyio.sleep) -> None:
+        if not 0 < base_delay <= max_delay <= HANDSHAKE_TIMEOUT / 2:
+            raise ValueError(f"need 0 < base_delay <= max_delay <= {HANDSHAKE_TIMEOUT / 2:g} s "
+                             f"(half the handshake timeout), got {base_delay}, {max_delay}")
+        if min(free_failures, global_free_failures, max_waiting) < 0 or max_peers < 1 or window <= 0:
+            raise ValueError("AuthThrottle: counts must be >= 0, max_peers >= 1, window > 0")
         self.free_failures = free_failures
         self.global_free_failures = global_free_failures
         self.window = window
@@ -57,9 +99,10 @@ class AuthThrottle:
         self.max_waiting = max_waiting
         self.max_peers = max_peers
         self._clock = clock
+        self._sleep = sleep
         self._peers: OrderedDict[str, deque[float]] = OrderedDict()
         self._all: deque[float] = deque(maxlen=max(1, 4 * global_free_failures))
-        self.waiting = 0
+        self.waiting = 0  # failures whose answer is being held now
 
     def _recent(self, times: deque) -> int:
         horizon = self._clock() - self.window
@@ -73,26 +116,13 @@ class AuthThrottle:
         return self._recent(times) if times is not None else 0
 
     def delay(self, peer: str) -> float:
-        """How long a handshake of ``peer`` waits before its token is looked at (0: none)."""
+        """How long the answer to ``peer``'s next failure is held (0: none). Never applies to
+        a right token: that is admitted before the throttle is asked."""
         excess = max(self.failures(peer) - self.free_failures,
                      self._recent(self._all) - self.global_free_failures)
         if excess < 0:
             return 0.0
         return min(self.max_delay, self.base_delay * 2.0 ** min(excess, 60))
-
-    async def wait_turn(self, peer: str) -> bool:
-        """Wait the peer's :meth:`delay`; False (at once) if too many handshakes wait already."""
-        d = self.delay(peer)
-        if d <= 0:
-            return True
-        if self.waiting >= self.max_waiting:
-            return False
-        self.waiting += 1
-        try:
-            await anyio.sleep(d)
-        finally:
-            self.waiting -= 1
-        return True
 
     def failed(self, peer: str) -> int:
         """Record a failure of ``peer``; its failures in the window."""
@@ -107,9 +137,22 @@ class AuthThrottle:
         times.append(now)
         return self._recent(times)
 
-    def retry_after(self, peer: str) -> Optional[float]:
+    async def deny(self, peer: str) -> Denied:
+        """A failed authentication of ``peer``: record it, then hold its answer for the peer's
+        :meth:`delay` -- or, when ``max_waiting`` answers are held already, return at once, with
+        the delay it would have had as ``retry_after``."""
         d = self.delay(peer)
-        return d if d > 0 else None
+        n = self.failed(peer)  # counted at once: failures held side by side escalate too
+        if d <= 0:
+            return Denied(n, 0.0, None)
+        if self.waiting >= self.max_waiting:
+            return Denied(n, 0.0, d)
+        self.waiting += 1
+        try:
+            await self._sleep(d)
+        finally:
+            self.waiting -= 1
+        return Denied(n, d, None)
 
 
-__all__ = ["AuthThrottle", "read_token_file", "TOKEN_ENV"]
+__all__ = ["AuthThrottle", "Denied", "read_token_file", "warn_if_short", "TOKEN_ENV", "SHORT_TOKEN"]

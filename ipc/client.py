@@ -40,7 +40,7 @@ from engine.serving.sleep import MODES, check_tags
 from states import State
 
 from .channel import ClientChannel, ConnState
-from .handshake import client_handshake
+from .handshake import HANDSHAKE_TIMEOUT, client_handshake
 from .messages import (MAX_PATH_LEN, MAX_REQUEST_ID_LEN, Abort, Detokenize, Drain, Health,
                        HealthRequest, Shutdown, Sleep, Tokenize, UpdateWeights, Vocabulary, WakeUp)
 from .requests import join_outputs
@@ -75,14 +75,15 @@ class EngineClient(ClientChannel):
     @asynccontextmanager
     async def connect(cls, address: str, token: Optional[str] = None, *,
                       client_name: str = "enginecore-client",
-                      timeout: float = 10.0) -> AsyncIterator["EngineClient"]:
+                      timeout: float = HANDSHAKE_TIMEOUT) -> AsyncIterator["EngineClient"]:
         """Connect to the engine serving on ``address`` (``unix:///path`` or
         ``tcp://host:port``) and do the handshake (within ``timeout`` seconds).
 
         Raises ``OSError`` if nobody listens, :class:`~ipc.errors.AuthError` /
         :class:`~ipc.errors.VersionError` / :class:`~ipc.errors.ProtocolError` if the engine
-        refuses the handshake, :class:`~engine.errors.EngineOverloadedError` (retryable) if it
-        has too many connections, ``TimeoutError`` if it does not answer."""
+        refuses the handshake (a wrong token's answer may be held, up to half the default
+        ``timeout``: ipc/auth.py), :class:`~engine.errors.EngineOverloadedError` (retryable) if
+        it has too many connections, ``TimeoutError`` if it does not answer."""
         stream = await open_stream(address)
         try:
             with anyio.fail_after(timeout):

@@ -17,6 +17,11 @@ from .wire_errors import message_to_error
 
 log = logging.getLogger("enginecore.ipc")
 
+#: Seconds either side gives the handshake by default: the engine waits this long for a Hello,
+#: a client (``EngineClient.connect(timeout=...)``) this long for its answer. The answer to a
+#: failed authentication is held at most half of it (``ipc.auth``), a right token not at all.
+HANDSHAKE_TIMEOUT = 10.0
+
 
 async def client_handshake(stream: Any, token: Optional[str], client_name: str
                            ) -> tuple[Welcome, FrameCodec, FrameReader]:
@@ -80,4 +85,4 @@ def describe_model(engine: Engine) -> dict:
     return info
 
 
-__all__ = ["client_handshake", "hello_error", "describe_model"]
+__all__ = ["HANDSHAKE_TIMEOUT", "client_handshake", "hello_error", "describe_model"]

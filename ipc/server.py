@@ -12,8 +12,9 @@ connection. Closing a connection, for whatever reason, aborts its unfinished req
 
 Hostile peers: at most ``max_connections`` connections at once, handshaken or not (beyond it a
 new one gets a fatal ``Error(OVERLOADED)`` and is closed at once); a failed ``accept`` (out of
-file descriptors, ...) backs off and retries, logged as summaries (ipc/accept.py); failed
-authentications are throttled per peer and in all, logged with the peer (ipc/auth.py).
+file descriptors, ...) backs off and retries, logged as summaries (ipc/accept.py); a right
+token is admitted at once, the answers to failed authentications are held per peer and in all
+(a bounded number at a time), logged with the peer (ipc/auth.py).
 
 Request ids are the client's, scoped to its connection: the engine sees ``c<conn>-<n>`` and the
 outputs are renamed back, so clients can neither collide with nor abort each other's requests.
@@ -43,7 +44,7 @@ from .auth import AuthThrottle
 from .connection import STREAM_ERRORS, Connection
 from .errors import ConnectionClosed, ProtocolError
 from .framing import FrameCodec, FrameReader
-from .handshake import describe_model, hello_error
+from .handshake import HANDSHAKE_TIMEOUT, describe_model, hello_error
 from .messages import (DEFAULT_MAX_FRAME, HANDSHAKE_MAX_FRAME, PROTOCOL_VERSION, Abort, Ack,
                        ClientMessage, Detokenize, Drain, Error, ErrorKind, Generate, HealthRequest,
                        Shutdown, Sleep, StateChanged, Tokenize, Tokens, UpdateWeights, Vocabulary,
@@ -78,7 +79,7 @@ class IPCServer:
         max_frame: int = DEFAULT_MAX_FRAME,
         *,
         listener: Optional[Listener[ByteStream]] = None,
-        handshake_timeout: float = 10.0,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
         send_timeout: float = 30.0,
         max_outbox: int = 1 << 16,
         max_inflight: int = 1 << 14,
@@ -243,19 +244,19 @@ class IPCServer:
         return True
 
     async def _authenticate(self, conn: Connection, key: str, token: Optional[str]) -> bool:
-        if not await self.auth.wait_turn(key):
-            self.auth_log.note(f"{key} (throttled)", f"{conn.peer}: refused, too many failed "
-                               "authentications are waiting")
-            await self._reject(conn, Error(kind=ErrorKind.AUTH, fatal=True,
-                                           retry_after=self.auth.retry_after(key),
-                                           message="too many failed authentications; try later"))
-            return False
+        """The token first (constant time): a right one is admitted at once, whatever the
+        throttle has counted; only a failure's answer is held (ipc/auth.py)."""
         if check_token(self.token, token):
             return True
-        n = self.auth.failed(key)
+        denied = await self.auth.deny(key)
         self.auth_log.note(key, f"client {conn.id} from {conn.peer}: missing or wrong token "
-                           f"({n} failure(s) from {key} in the last {self.auth.window:.0f} s)")
-        await self._reject(conn, Error(kind=ErrorKind.AUTH, fatal=True, message="missing or wrong token"))
+                           f"({denied.failures} failure(s) from {key} in the last "
+                           f"{self.auth.window:.0f} s)")
+        message = "missing or wrong token"
+        if denied.retry_after is not None:  # too many failures held already: answered at once
+            message += "; too many failed authentications, try later"
+        await self._reject(conn, Error(kind=ErrorKind.AUTH, fatal=True, message=message,
+                                       retry_after=denied.retry_after))
         return False
 
     def _model_info(self) -> dict:

@@ -13,13 +13,18 @@ They are checked here, strictly and bounded (unknown keys too), before the engin
 A call answers ``{"status": "ok", "state": ..., "is_sleeping": ...}`` or an OpenAI-shaped error:
 400 bad parameters or a refused checkpoint (the old weights keep serving), 401 without the token,
 409 not possible in the engine's state (``wake_up`` while serving, ``sleep`` while asleep),
-503 engine gone. With ``token`` set, every admin call needs ``Authorization: Bearer <token>``.
+503 engine gone. With ``token`` set, every admin call needs ``Authorization: Bearer <token>``:
+the right token is compared first (constant time) and served at once; failures meet the IPC
+server's throttle (``ipc.auth.AuthThrottle``, keyed by the client's address, one per frontend
+process): past a few, the 401 is held (0.25 s doubling to 4 s), and beyond the failures held at
+once the answer is 429 with ``Retry-After``, at once.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import math
 from typing import Annotated, Any, Literal, Optional
 
 from fastapi import FastAPI, Request
@@ -27,6 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import EngineDeadError
+from ipc.auth import AuthThrottle
 from states import State
 
 from . import protocol as P
@@ -103,10 +109,22 @@ def _authorized(request: Request, token: Optional[str]) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
-def add_sleep_routes(app: FastAPI, fe: Frontend, token: Optional[str]) -> None:
-    """The admin routes of the module docstring on ``app`` (``token``: required if not None)."""
+def add_sleep_routes(app: FastAPI, fe: Frontend, token: Optional[str],
+                     throttle: Optional[AuthThrottle] = None) -> None:
+    """The admin routes of the module docstring on ``app`` (``token``: required if not None;
+    ``throttle``: for failed ones, a default ``AuthThrottle`` if None)."""
+    throttle = throttle or AuthThrottle()
 
-    def unauthorized() -> JSONResponse:
+    async def unauthorized(request: Request) -> Optional[JSONResponse]:
+        """None for the right token (at once); else the 401 after the throttle's hold, or a 429
+        at once when too many failures are held already."""
+        if _authorized(request, token):
+            return None
+        denied = await throttle.deny(request.client.host if request.client else "?")
+        if denied.retry_after is not None:
+            return openai_error(429, "too many failed authentications; try later",
+                                "authentication_error", None, "too_many_failed_authentications",
+                                headers={"Retry-After": str(max(1, math.ceil(denied.retry_after)))})
         return openai_error(401, "the admin endpoints need the server token "
                             "(Authorization: Bearer <token>)", "authentication_error", None,
                             "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -117,8 +135,8 @@ def add_sleep_routes(app: FastAPI, fe: Frontend, token: Optional[str]) -> None:
                              "is_sleeping": state is State.SLEEPING})
 
     async def call(request: Request, model: type[_Admin], run) -> Response:
-        if not _authorized(request, token):
-            return unauthorized()
+        if (refused := await unauthorized(request)) is not None:
+            return refused
         try:
             params = await _params(request, model)
             if fe.dead is not None:
@@ -143,8 +161,8 @@ def add_sleep_routes(app: FastAPI, fe: Frontend, token: Optional[str]) -> None:
 
     @app.get("/is_sleeping")
     async def is_sleeping(request: Request) -> Response:
-        if not _authorized(request, token):
-            return unauthorized()
+        if (refused := await unauthorized(request)) is not None:
+            return refused
         return JSONResponse({"is_sleeping": fe.state is State.SLEEPING})
 
 
