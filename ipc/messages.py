@@ -65,10 +65,11 @@ Handshake
    arrive within the engine's handshake timeout (10 s).
 2. The engine answers :class:`Welcome` -- or, for a wrong version, a missing/wrong token or
    anything but a Hello, ``Error(kind=VERSION | AUTH | PROTOCOL, fatal=True)`` and closes.
-   Tokens are compared in constant time. Failed authentications are throttled per peer (TCP
-   host, or the Unix socket's user): after a few, the peer's next handshakes wait before their
-   token is checked (doubling, up to 10 s), and while too many wait, further ones get
-   ``Error(kind=AUTH, fatal=True, retry_after=...)`` at once without a check. ``Hello``, ``Welcome`` and ``Error`` keep their layout
+   Tokens are compared first, in constant time: the right one gets its Welcome at once, always.
+   Failures are throttled per peer (TCP host, or the Unix socket's user): after a few, the
+   answer to a failure is held (doubling, up to 4 s: under half a client's 10 s), and while too
+   many are held, a failure gets ``Error(kind=AUTH, fatal=True, retry_after=...)`` at once.
+   ``Hello``, ``Welcome`` and ``Error`` keep their layout
    in every protocol version, so a version mismatch is always reported as ``VERSION``.
    Besides the engine's state and frame limit, ``Welcome`` describes the model (``model``,
    ``chat_template``, ``bos_token``, ``eos_token``, ``max_model_len``, ``vocab_size``,

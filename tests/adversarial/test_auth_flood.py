@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import anyio
-import httpx
 import pytest
 
 from fake_engine import FakeEngine
