@@ -204,6 +204,8 @@ class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     prompt_logprobs: Optional["Logprobs"] = None
     #: with ``params.echo``, on the first output only: the prompt as text
     prompt_text: Optional[str] = None
+    #: the version of the weights that produced these tokens (``update_weights*``; 0: as loaded)
+    weight_version: int = 0
 
 
 class TokenLogprob(NamedTuple):

@@ -236,3 +236,84 @@ async def test_pause_refuses_bad_arguments_naming_them() -> None:
         await eng.pause("keep")
         await eng.pause("keep")  # already paused: returns at once
         await eng.resume()
+
+
+# -- weights while paused ---------------------------------------------------------------------
+async def greedy_tokens(eng, prompt, n: int = 8) -> tuple[list[int], int]:
+    toks, version = [], -1
+    async for o in eng.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True)):
+        toks += o.token_ids
+        version = o.weight_version
+    return toks, version
+
+
+async def test_weight_info_names_shapes_and_dtypes_match_the_model() -> None:
+    async with AsyncEngine.open(cfg()) as eng:
+        info = eng.weight_info()
+        params = dict(eng.runner.resource("weights").named_parameters())
+        assert len(info) >= len(params) - 1  # tied embeddings: one name fewer, fused: views
+        for name, shape, dtype in info:
+            assert isinstance(name, str) and dtype == "float32"
+            if name in params:
+                assert tuple(params[name].shape) == shape
+
+
+async def test_subset_update_while_paused_changes_outputs_and_versions_them() -> None:
+    import torch
+    async with AsyncEngine.open(cfg()) as eng:
+        before, v0 = await greedy_tokens(eng, PROMPTS[2])
+        assert v0 == 0 and eng.weight_version == 0
+        (name, shape, _), *_ = [i for i in eng.weight_info() if i[0].endswith("norm.weight")]
+        await eng.pause("keep")
+        g = torch.Generator().manual_seed(1)
+        await eng.update_weights_from_tensors({name: torch.rand(shape, generator=g) * 3},
+                                              version=7)
+        assert eng.weight_version == 7
+        assert eng.core.blocks.weights_version == 7  # the prefix cache's hashes start anew
+        await eng.resume()
+        after, v1 = await greedy_tokens(eng, PROMPTS[2])
+        assert v1 == 7 and after != before
+        await eng.pause()
+        await eng.update_weights_from_tensors([(name, torch.ones(shape))])  # version: 7 + 1
+        await eng.resume()
+        assert (await greedy_tokens(eng, PROMPTS[0]))[1] == 8
+
+
+async def test_bad_updates_are_refused_before_anything_changes() -> None:
+    import torch
+    async with AsyncEngine.open(cfg()) as eng:
+        before, _ = await greedy_tokens(eng, PROMPTS[1])
+        info = eng.weight_info()
+        (name, shape, _), (other, oshape, _) = info[1], info[2]
+        await eng.pause()
+        bad = [
+            ({name: torch.zeros(shape), "no.such.weight": torch.zeros(3)}, "unexpected"),
+            ({name: torch.zeros(shape), other: torch.zeros(oshape[0] + 1)}, "shape"),
+            ({name: torch.zeros(shape), other: torch.zeros(oshape, dtype=torch.float64)}, "dtype"),
+            ({}, "no weights"),
+        ]
+        for tensors, what in bad:
+            with pytest.raises(BadRequestError, match=what):
+                await eng.update_weights_from_tensors(tensors)
+        with pytest.raises(BadRequestError, match="version"):
+            await eng.update_weights_from_tensors({name: torch.zeros(shape)}, version=-1)
+        assert eng.weight_version == 0
+        await eng.resume()
+        assert (await greedy_tokens(eng, PROMPTS[1]))[0] == before  # nothing was written
+        with pytest.raises(InvalidTransitionError, match="SERVING"):
+            await eng.update_weights_from_tensors({name: torch.zeros(shape)})
+
+
+async def test_sleep_kv_cache_only_keeps_the_weights_on_the_device() -> None:
+    async with AsyncEngine.open(cfg()) as eng:
+        before, _ = await greedy_tokens(eng, PROMPTS[0])
+        weights = eng.runner.resource("weights")
+        ptrs = [p.data_ptr() for p in weights.parameters()]
+        await eng.sleep(1, tags=["kv_cache"])
+        assert eng.runner.asleep == ("kv_cache",)
+        assert "kv_cache" not in eng.runner._owner
+        assert [p.data_ptr() for p in weights.parameters()] == ptrs
+        assert not any(p.is_pinned() for p in weights.parameters())
+        await eng.wake_up(["kv_cache"])
+        assert eng.state is State.SERVING
+        assert (await greedy_tokens(eng, PROMPTS[0]))[0] == before

@@ -139,13 +139,13 @@ class EngineCore(LateStep):
         prev, self._inflight = self._inflight, None
         return self._complete(*prev) if prev is not None else []
 
-    def reset_kv(self) -> None:
+    def reset_kv(self, weights_version: Optional[int] = None) -> None:
         """The KV cache's contents are stale (new weights, or a cache rebuilt after a sleep):
         nothing cached may be reused. Only with no request in the engine, so it frees nothing
         in use. NOTE: prefix caching invalidates its cached blocks here."""
         if self.requests or self.scheduler.has_work():
             raise RuntimeError(f"reset_kv with {len(self.requests)} request(s) in the engine")
-        self.blocks.reset_prefix_cache()
+        self.blocks.reset_prefix_cache(weights_version)
         self.blocks.check_integrity([])
 
     # -- the step -----------------------------------------------------------------------------

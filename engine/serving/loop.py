@@ -254,7 +254,10 @@ class EngineLoop:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         sinks = self._sinks
+        version = self._sleep.weight_version
         for out in outputs:
+            if version:
+                out.weight_version = version
             sink = sinks.get(out.request_id)
             if sink is None:
                 continue

@@ -50,9 +50,10 @@ class PauseAPI:
         await self._pause.pause(mode, timeout)
 
     async def resume(self) -> None:
-        """PAUSED -> SERVING: frozen requests continue, queued ones are scheduled. A no-op on a
-        SERVING engine; any other state raises, naming it."""
-        self._pause.resume()
+        """PAUSED -> SERVING (after a weight update under way): frozen requests continue,
+        queued ones are scheduled. A no-op on a SERVING engine; any other state raises."""
+        async with self._pause.lock:
+            self._pause.resume()
 
     def is_paused(self) -> bool:
         return self.lifecycle.state is State.PAUSED
@@ -78,6 +79,7 @@ class PauseController:
         self.mode = "abort"
         self.deadline = math.inf
         self.settled = anyio.Event()
+        self.lock = anyio.Lock()  # held by a weight update while PAUSED (engine/serving/sleep.py)
         self._abort_now = False
         #: accepted requests that arrived while PAUSED, in order, by id (the loop's _Add items)
         self.parked: dict[str, Any] = {}
