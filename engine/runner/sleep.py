@@ -138,15 +138,23 @@ class RunnerSleep:
         """As :meth:`update_weights`, from ``(name, tensor)`` pairs of the weights' shapes and
         dtype (any device): all of them, or with ``partial`` any subset (written in place: CUDA
         graphs and fused views stay valid); a later level-2 sleep cannot reload them."""
+        self._write_weights(self.check_weights(named, partial))
+        self.weights_source = None
+
+    def check_weights(self, named: NamedTensors, partial: bool = True) -> dict:
+        """``named`` validated as an update (names, shapes, dtypes; tensors on the meta device
+        check a transfer's plan before anything moves); raises ``BadRequestError``."""
         spec = weight_spec(self.model_config, self.dtype)
         new = validated(spec, named, self.model_config, "tensors", exact_dtype=True,
                         partial=partial)
         model = self._owner.get(R.WEIGHTS)
-        if partial and len(new) < len(spec) and model is not None and is_packed(model):
+        if partial and len(new) < len(spec) and model is None:
+            raise BadRequestError("update_weights: the weights were discarded (sleep level 2); "
+                                  "a full set of weights is needed")
+        if partial and len(new) < len(spec) and is_packed(model):
             raise BadRequestError("update_weights: this model's CPU weights are packed "
                                   f"({self.weight_format}); they take a full set of weights only")
-        self._write_weights(new)
-        self.weights_source = None
+        return new
 
     def weight_info(self) -> list[tuple[str, tuple[int, ...], str]]:
         """Every updatable parameter: (name as ``update_weights_*`` takes it, shape, dtype)."""

@@ -36,6 +36,7 @@ from .admission import Admission
 from .intake import STEPPING, InboxItem, IntakeAPI
 from .loop import EngineLoop, _from_watcher
 from .pause import PauseAPI, PauseController
+from .transfer import TransferAPI
 from .request_stream import Sink
 from .sleep import SleepAPI, SleepController
 from .step_thread import StepThread
@@ -43,7 +44,7 @@ from .step_thread import StepThread
 log = logging.getLogger("enginecore.engine")
 
 
-class AsyncEngine(IntakeAPI, EngineLoop, SleepAPI, PauseAPI):
+class AsyncEngine(IntakeAPI, EngineLoop, SleepAPI, PauseAPI, TransferAPI):
     def __init__(self, config: EngineConfig, *, check_integrity: bool = False):
         self.config = config.validate()
         self.lifecycle = Lifecycle()

@@ -168,6 +168,7 @@ class EngineLoop:
 
     async def _release(self) -> None:
         self.grammars.close()
+        self._close_transfer()
         try:
             await self._on_device(self.runner.shutdown)
         finally:
@@ -179,6 +180,7 @@ class EngineLoop:
     async def _die(self, exc: BaseException) -> None:
         log.error("engine failed: %r", exc)
         self._fail_streams(exc)
+        self._close_transfer()
         try:
             # after a step still running on the step thread (they take turns there)
             await self._on_device(self.runner.shutdown)

@@ -27,6 +27,7 @@ raises ``EngineDeadError`` / ``EngineShutdownError``.
 from __future__ import annotations
 
 from collections import deque
+from functools import partial
 import math
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -203,6 +204,9 @@ class SleepController:
         runner = self._engine.runner
         if kind == "update":
             return runner.update_weights
+        if kind == "distributed":  # (receiver, checked metadata, bucket bytes): engine/serving/transfer.py
+            return lambda arg: arg[0].receive(arg[1], partial(runner.update_weights_from_tensors,
+                                                              partial=True), arg[2])
         return lambda arg: runner.update_weights_from_tensors(*arg)
 
     def _updated(self, core: Optional["EngineCore"], version: Optional[int]) -> None:
