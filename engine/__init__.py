@@ -21,6 +21,7 @@ _EXPORTS = {
     "EngineDeadError": ".errors",
     "EngineDrainingError": ".errors",
     "EngineError": ".errors",
+    "EnginePausedError": ".errors",
     "EngineShutdownError": ".errors",
     "EngineSleepingError": ".errors",
     "InvalidTransitionError": ".errors",
@@ -38,8 +39,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
 
     from .config import EngineConfig
     from .errors import (BadRequestError, CheckpointError, EngineDeadError, EngineDrainingError,
-                         EngineError, EngineShutdownError, EngineSleepingError,
-                         InvalidTransitionError)
+                         EngineError, EnginePausedError, EngineShutdownError,
+                         EngineSleepingError, InvalidTransitionError)
     from .interface import Engine, Health
     from .params import RequestOutput, SamplingParams, StructuredOutputs
 
@@ -77,6 +78,6 @@ def __dir__() -> list[str]:
 __all__ = [
     "AsyncEngine", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "RequestStream", "Health",
     "EngineStats", "ModelRunner", "EngineError", "BadRequestError", "CheckpointError",
-    "EngineDeadError", "EngineDrainingError", "EngineShutdownError", "EngineSleepingError",
-    "InvalidTransitionError",
+    "EngineDeadError", "EngineDrainingError", "EnginePausedError", "EngineShutdownError",
+    "EngineSleepingError", "InvalidTransitionError",
 ]

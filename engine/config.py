@@ -47,6 +47,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # accepted but not yet running, and prompt tokens held by unfinished requests.
     max_waiting_requests: int = 4096
     max_queued_tokens: int = 4 * 1024 * 1024
+    #: while PAUSED (``AsyncEngine.pause``), refuse new requests (the retryable
+    #: EnginePausedError) instead of queueing them until ``resume()``
+    reject_while_paused: bool = False
     #: the most top logprobs (and prompt logprobs) one request may ask for per token
     max_logprobs: int = 20
     # Tensor parallelism (engine/tp/): ranks in all, hosts they span, this host's index, and

@@ -51,6 +51,18 @@ class EngineSleepingError(EngineError):
         self.retry_after = retry_after
 
 
+class EnginePausedError(EngineError):
+    """The engine is paused (``pause()``, e.g. for a weight update) and was told to refuse new
+    requests meanwhile (``EngineConfig.reject_while_paused``). Retry after ``resume()``."""
+
+    retryable = True
+
+    def __init__(self, message: str = "engine is paused; not accepting new requests",
+                 retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class EngineShutdownError(EngineError):
     """The engine has shut down; nothing can be submitted or queried that needs the device."""
 

@@ -20,7 +20,8 @@ from msgspec import Meta
 
 from states import InvalidTransitionError, State
 
-from .errors import EngineDeadError, EngineDrainingError, EngineShutdownError, EngineSleepingError
+from .errors import (EngineDeadError, EngineDrainingError, EnginePausedError, EngineShutdownError,
+                     EngineSleepingError)
 from .params import RequestOutput, SamplingParams
 
 Prompt = Union[str, list[int]]
@@ -70,13 +71,15 @@ class TokenizerInfo(NamedTuple):
 def unavailable_error(state: State, call: str, death: Optional[BaseException] = None,
                       message: Optional[str] = None) -> Exception:
     """The error for ``call`` on an engine in ``state`` that cannot take it (``death``: why it
-    failed, if it did). Draining and sleeping are retryable; shut down and dead are final."""
+    failed, if it did). Draining, sleeping and paused are retryable; shut down and dead are final."""
     if death is not None or state is State.FAILED:
         return EngineDeadError(message or "engine is dead", death)
     if state is State.DRAINING:
         return EngineDrainingError()
     if state is State.SLEEPING:
         return EngineSleepingError(f"engine is sleeping; {call}() is not possible until wake_up()")
+    if state is State.PAUSED:
+        return EnginePausedError(f"engine is paused; {call}() is not possible until resume()")
     if state is State.SHUTDOWN:
         return EngineShutdownError(f"engine is shut down; {call}() is not possible")
     return InvalidTransitionError(state, call, ["serving"])

@@ -71,6 +71,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     bad_words: list[str] = []  # never in the output (engine.sample.bad_words)
     #: the output's one constraint (JSON schema, JSON object, regex, choice or grammar)
     structured: Optional[StructuredOutputs] = None
+    #: "raw": logprobs of the model's distribution; "processed": of the one sampled from
+    #: (after penalties, biases, grammar masks, temperature, top-k/p, min-p)
+    logprobs_mode: str = "raw"
 
     def validate(self) -> "SamplingParams":
         """Raise :class:`BadRequestError` naming the first invalid field; return self."""
@@ -139,6 +142,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
                        for w in bw)):
             raise bad(f"bad_words must be at most {MAX_BAD_WORDS} strings of 1 to {MAX_STOP_CHARS} "
                       f"characters, not only spaces")
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise bad(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
         st = self.structured
         if st is not None:
             if not isinstance(st, StructuredOutputs):
@@ -204,6 +209,8 @@ class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     prompt_logprobs: Optional["Logprobs"] = None
     #: with ``params.echo``, on the first output only: the prompt as text
     prompt_text: Optional[str] = None
+    #: the version of the weights that produced these tokens (``update_weights*``; 0: as loaded)
+    weight_version: int = 0
 
 
 class TokenLogprob(NamedTuple):

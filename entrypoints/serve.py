@@ -66,7 +66,7 @@ class _Stopper:
         if state in (State.INIT, State.LOADED):
             self.signal_in_startup = signum
             self.startup.cancel()
-        elif state in (State.SERVING, State.SLEEPING):  # asleep: release what is left, exit 0
+        elif state in (State.SERVING, State.PAUSED, State.SLEEPING):  # asleep: release, exit 0
             self.tg.start_soon(self._drain, self.drain_timeout if self.count == 1 else 0.0)
         elif state is State.DRAINING:
             self.tg.start_soon(self._drain, 0.0)  # second signal: abort the rest now

@@ -59,7 +59,7 @@ async def log_stats(engine, interval: float) -> None:
     lines.line(engine.statistics(), time.monotonic())
     while True:
         await anyio.sleep(interval)
-        if engine.state not in (State.SERVING, State.SLEEPING, State.DRAINING):
+        if engine.state not in (State.SERVING, State.PAUSED, State.SLEEPING, State.DRAINING):
             return
         level, msg, fields = lines.line(engine.statistics(), time.monotonic())
         log.log(level, msg, extra=fields)

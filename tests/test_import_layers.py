@@ -23,7 +23,7 @@ ENGINE_LAYERS: list[set[str]] = [
     {"structured"},
     {"params", "config", "request", "interface"},
     {"model"},
-    {"memory"},
+    {"memory", "weight_transfer"},
     {"loader"},
     {"kv", "sample"},
     {"forward"},

@@ -246,8 +246,7 @@ async def test_mismatched_weights_are_refused_and_the_old_ones_serve(hf_checkpoi
             ({**good, last: good[last][:-1]}, f"shape mismatch for {last}"),
             ({**good, last: good[last].double()}, f"dtype mismatch for {last}"),
             ({**good, "model.layers.9.mlp.up_proj.weight": good[last]}, "unexpected weight 'model.layers.9"),
-            ({k: v for k, v in good.items() if k != last}, f"missing weights: {last}"),
-        ]
+        ]  # (a subset is a valid update: tests/test_pause.py)
         for tensors, message in cases:
             # ordered so the bad tensor comes last: nothing may have been copied before it
             ordered = sorted(tensors.items(), key=lambda kv: kv[0] == last or kv[0].startswith("model.layers.9"))

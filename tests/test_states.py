@@ -16,6 +16,7 @@ _PATH = {
     State.INIT: [],
     State.LOADED: ["load"],
     State.SERVING: ["load", "serve"],
+    State.PAUSED: ["load", "serve", "pause"],
     State.SLEEPING: ["load", "serve", "sleep"],
     State.DRAINING: ["load", "serve", "drain"],
     State.SHUTDOWN: ["load", "serve", "drain", "shutdown"],
@@ -63,9 +64,11 @@ def test_shape_of_the_table() -> None:
         assert t["dest"] not in src, f"self-loop in {t}"
     assert allowed_triggers(State.SHUTDOWN) == []
     assert set(allowed_triggers(State.FAILED)) == {"shutdown"}
-    for s in (State.INIT, State.LOADED, State.SERVING, State.SLEEPING, State.DRAINING):
+    for s in (State.INIT, State.LOADED, State.SERVING, State.PAUSED, State.SLEEPING,
+              State.DRAINING):
         assert "fail" in allowed_triggers(s)
     assert allowed_triggers(State.SLEEPING) == ["wake", "shutdown", "fail"]
+    assert allowed_triggers(State.PAUSED) == ["resume", "drain", "sleep", "fail"]
 
 
 def test_transitions_are_logged_and_listened(caplog) -> None:

@@ -134,13 +134,18 @@ class EngineCore(LateStep):
         """A deferred step is launched and not yet applied: the next ``step()`` waits for it."""
         return self._inflight is not None
 
-    def reset_kv(self) -> None:
+    def settle(self) -> list[RequestOutput]:
+        """Apply the step in flight (overlapped), launch none (a pause: nothing on the device)."""
+        prev, self._inflight = self._inflight, None
+        return self._complete(*prev) if prev is not None else []
+
+    def reset_kv(self, weights_version: Optional[int] = None) -> None:
         """The KV cache's contents are stale (new weights, or a cache rebuilt after a sleep):
         nothing cached may be reused. Only with no request in the engine, so it frees nothing
         in use. NOTE: prefix caching invalidates its cached blocks here."""
         if self.requests or self.scheduler.has_work():
             raise RuntimeError(f"reset_kv with {len(self.requests)} request(s) in the engine")
-        self.blocks.reset_prefix_cache()
+        self.blocks.reset_prefix_cache(weights_version)
         self.blocks.check_integrity([])
 
     # -- the step -----------------------------------------------------------------------------
@@ -379,17 +384,9 @@ class EngineCore(LateStep):
         return out
 
     # -- introspection --------------------------------------------------------------------------
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
-
-    @property
-    def kv_usage(self) -> float:
-        return self.blocks.usage
+    num_running = property(lambda self: len(self.scheduler.running))
+    num_waiting = property(lambda self: len(self.scheduler.waiting))
+    kv_usage = property(lambda self: self.blocks.usage)
 
     def statistics(self) -> CoreStats:
         cache = self.blocks.statistics()

@@ -87,12 +87,13 @@ def weight_spec(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, tuple[tuple[i
 
 
 def validated(spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]], named: NamedTensors,
-              cfg: ModelConfig, source: str, *, exact_dtype: bool) -> dict[str, torch.Tensor]:
+              cfg: ModelConfig, source: str, *, exact_dtype: bool,
+              partial: bool = False) -> dict[str, torch.Tensor]:
     """Check every tensor of ``named`` against ``spec`` before anything is copied: a name the
     model does not have, a shape or dtype that differs, or a weight that is missing raises
     (``CheckpointError`` for a checkpoint, ``BadRequestError`` for in-memory tensors), naming
     the tensor. ``exact_dtype``: in-memory tensors must have the engine's dtype; a checkpoint's
-    floating-point tensors are converted as at load time."""
+    floating-point tensors are converted as at load time. ``partial``: any non-empty subset."""
 
     def fail(problem: str) -> Exception:
         return BadRequestError(f"update_weights: {problem}") if exact_dtype else CheckpointError(source, problem)
@@ -114,7 +115,9 @@ def validated(spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]], named: Na
         if (t.dtype != dtype) if exact_dtype else not t.dtype.is_floating_point:
             raise fail(f"dtype mismatch for {name}: given {t.dtype}, model {dtype}")
         out[name] = t
-    missing = sorted(set(spec) - set(out))
+    if partial and not out:
+        raise fail("no weights given")
+    missing = [] if partial else sorted(set(spec) - set(out))
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise fail(f"missing weights: {', '.join(missing[:5])}{more}")

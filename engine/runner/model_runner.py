@@ -294,8 +294,7 @@ class ModelRunner(RunnerLoad, RunnerSleep):
         tokens = None  # the sampled tokens, still on the device (no speculator)
         result = StepResult([[] for _ in batch], None)
         want_lp = bool(plp or any(r.params.logprobs for r, _ in batch))
-        if n_flat:
-            # the constrained rows' grammars: disallowed tokens -inf, before any sampling
+        if n_flat:  # the constrained rows' grammars: disallowed tokens -inf, before any sampling
             if masks is None:
                 masks = bitmask.fill(_constrained(batch))
             grammar = None
@@ -318,6 +317,7 @@ class ModelRunner(RunnerLoad, RunnerSleep):
             counts = ([len(r) for r in sample_rows] if tokens is not None
                       else [len(t) for t in result.tokens])
             lp_plan = logprobs.plan(batch, sample_rows, counts, plp, logits_all.shape[1])
+            logits_all = logprobs.source(batch, owners, logits_all, processed, sb)
         if defer and tokens is not None:  # the host copy (tokens, logprob rows) under way
             packed = tokens if lp_plan is None else self._packed_rows(tokens, logits_all, lp_plan)
             return Launched.deferred(len(batch), owners, packed, n_flat, lp_plan)

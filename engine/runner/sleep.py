@@ -28,13 +28,16 @@ log = logging.getLogger("enginecore.runner")
 
 class RunnerSleep:
     # -- sleep mode (engine/serving/sleep.py drives it) ----------------------------------------------
-    def sleep(self, level: int) -> int:
+    def sleep(self, level: int, tags: Sequence[str] = ("weights", "kv_cache")) -> int:
         """Free the device, with no request in flight: the speculator, the grammar bitmask, CUDA
         graphs, model state and KV cache are released through the owner (reverse creation order); the weights are
         offloaded to host memory (level 1; page-locked on CUDA) or released too (level 2).
+        ``tags=("kv_cache",)``: the weights stay on the device (the speculator is offloaded).
         Returns the bytes kept in host memory."""
         if level not in (1, 2):
             raise BadRequestError(f"sleep level must be 1 or 2, not {level!r}")
+        if "weights" not in tags:
+            level = 1  # what a level means is what happens to the weights: they stay
         pin, own, held = self.device.type == "cuda", self._owner, 0
         if pin:
             torch.cuda.synchronize(self.device)
@@ -48,7 +51,7 @@ class RunnerSleep:
             if name in own:
                 own.release(name)
         t.append(time.perf_counter())
-        if R.WEIGHTS in own:
+        if R.WEIGHTS in own and "weights" in tags:
             if level == 1:
                 held += own.offload(R.WEIGHTS, pin)
             else:
@@ -58,8 +61,9 @@ class RunnerSleep:
         t.append(time.perf_counter())
         self.sleep_timings = {"release_s": t[1] - t[0], "offload_s": t[2] - t[1],
                               "empty_cache_s": t[3] - t[2]}
-        self.asleep, self.sleep_level = ("weights", "kv_cache"), level
-        log.info("asleep at level %d: %.1f MiB kept in host memory", level, held / 2**20)
+        self.asleep, self.sleep_level = tuple(t for t in ("weights", "kv_cache") if t in tags), level
+        log.info("asleep (%s) at level %d: %.1f MiB kept in host memory", ", ".join(self.asleep),
+                 level, held / 2**20)
         return held
 
     def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
@@ -130,12 +134,32 @@ class RunnerSleep:
         self._write_weights(new)
         self.weights_source = source
 
-    def update_weights_from_tensors(self, named: NamedTensors) -> None:
-        """As :meth:`update_weights`, from ``(name, tensor)`` pairs of exactly the weights'
-        shapes and dtype (any device); a later level-2 sleep cannot reload them."""
-        spec = weight_spec(self.model_config, self.dtype)
-        self._write_weights(validated(spec, named, self.model_config, "tensors", exact_dtype=True))
+    def update_weights_from_tensors(self, named: NamedTensors, partial: bool = False) -> None:
+        """As :meth:`update_weights`, from ``(name, tensor)`` pairs of the weights' shapes and
+        dtype (any device): all of them, or with ``partial`` any subset (written in place: CUDA
+        graphs and fused views stay valid); a later level-2 sleep cannot reload them."""
+        self._write_weights(self.check_weights(named, partial))
         self.weights_source = None
+
+    def check_weights(self, named: NamedTensors, partial: bool = True) -> dict:
+        """``named`` validated as an update (names, shapes, dtypes; tensors on the meta device
+        check a transfer's plan before anything moves); raises ``BadRequestError``."""
+        spec = weight_spec(self.model_config, self.dtype)
+        new = validated(spec, named, self.model_config, "tensors", exact_dtype=True,
+                        partial=partial)
+        model = self._owner.get(R.WEIGHTS)
+        if partial and len(new) < len(spec) and model is None:
+            raise BadRequestError("update_weights: the weights were discarded (sleep level 2); "
+                                  "a full set of weights is needed")
+        if partial and len(new) < len(spec) and is_packed(model):
+            raise BadRequestError("update_weights: this model's CPU weights are packed "
+                                  f"({self.weight_format}); they take a full set of weights only")
+        return new
+
+    def weight_info(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """Every updatable parameter: (name as ``update_weights_*`` takes it, shape, dtype)."""
+        spec = weight_spec(self.model_config, self.dtype)
+        return [(n, shape, str(dtype).removeprefix("torch.")) for n, (shape, dtype) in spec.items()]
 
     def _write_weights(self, tensors) -> None:
         if not self.loaded and not self.asleep:

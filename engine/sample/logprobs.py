@@ -3,7 +3,8 @@ every row that some request asks about -- its sampled (or accepted speculative) 
 prompt tokens of a request with ``prompt_logprobs`` whose prefill chunk ran this step.
 
 Logprobs are of the model's raw distribution (before temperature, penalties and biases), as
-vLLM returns by default. The device writes one int32 tensor of rows in the layout of
+vLLM returns by default; a request with ``logprobs_mode="processed"`` gets those of the
+distribution it is sampled from (:func:`source`; vLLM's ``processed_logprobs``). The device writes one int32 tensor of rows in the layout of
 :class:`engine.params.Logprobs` (token id, logprob, rank, top ids, top logprobs); it comes to
 the host in one copy (with the sampled tokens, see ``ModelRunner.execute``) and is cut into one
 ``Logprobs`` (one bytes object) per request: no Python object per alternative is made here.
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from engine.params import Logprobs
+from engine.sample.sampler import apply_penalty_free_filters
 
 _HEAD = 3  # token id, logprob, rank (engine.params.Logprobs)
 
@@ -74,6 +76,22 @@ def plan(batch, sample_rows, counts: Sequence[int], plp, vocab_size: int) -> Opt
         return None
     k = min(max(s[3] for s in spans), vocab_size)
     return Plan(rows, spans, n_out, [t for _, _, t in plp], k)
+
+
+def source(batch, owners: Sequence[int], logits_all: torch.Tensor,
+           processed: Optional[torch.Tensor], sb) -> torch.Tensor:
+    """The logits logprobs are taken from: ``logits_all`` (raw), except the sampled rows of
+    requests with ``logprobs_mode="processed"``: there the distribution sampled from --
+    penalties, biases, allow-lists and grammar masks (``processed``), then temperature, top-k,
+    top-p and min-p (greedy rows: no temperature); the tokens they exclude get -inf."""
+    rows = [j for j, i in enumerate(owners) if batch[i][0].params.logprobs_mode == "processed"]
+    if not rows or processed is None:
+        return logits_all
+    idx = _to(rows, logits_all.device)
+    out = logits_all.float()
+    out = out.clone() if out is logits_all else out
+    out[idx] = apply_penalty_free_filters(processed.float(), sb)[idx]
+    return out
 
 
 def device_rows(logits: torch.Tensor, p: Plan, sampled: torch.Tensor) -> torch.Tensor:
@@ -147,4 +165,4 @@ def unpack(words: np.ndarray, p: Plan, num_entries: int) -> tuple[list, dict, li
     return out, prompt, floats
 
 
-__all__ = ["prompt_rows", "Plan", "plan", "device_rows", "unpack"]
+__all__ = ["prompt_rows", "Plan", "plan", "source", "device_rows", "unpack"]

@@ -35,6 +35,8 @@ from states import Lifecycle, State
 from .admission import Admission
 from .intake import STEPPING, InboxItem, IntakeAPI
 from .loop import EngineLoop, _from_watcher
+from .pause import PauseAPI, PauseController
+from .transfer import TransferAPI
 from .request_stream import Sink
 from .sleep import SleepAPI, SleepController
 from .step_thread import StepThread
@@ -42,7 +44,7 @@ from .step_thread import StepThread
 log = logging.getLogger("enginecore.engine")
 
 
-class AsyncEngine(IntakeAPI, EngineLoop, SleepAPI):
+class AsyncEngine(IntakeAPI, EngineLoop, SleepAPI, PauseAPI, TransferAPI):
     def __init__(self, config: EngineConfig, *, check_integrity: bool = False):
         self.config = config.validate()
         self.lifecycle = Lifecycle()
@@ -76,6 +78,7 @@ class AsyncEngine(IntakeAPI, EngineLoop, SleepAPI):
         self._listeners: list[Callable[[State, State], None]] = []
         self.lifecycle.on_change(self._notify)
         self._sleep = SleepController(self)
+        self._pause = PauseController(self)
         #: output constraints compiled off the event loop, cached (engine/structured/)
         self.grammars = GrammarService(
             lambda: self.runner.tokenizer, lambda: self.runner.model_config.vocab_size,
@@ -145,7 +148,7 @@ class AsyncEngine(IntakeAPI, EngineLoop, SleepAPI):
         tg.start_soon(self._loop)
 
     async def _close_quietly(self) -> None:
-        if self.lifecycle.state in (State.SERVING, State.SLEEPING, State.DRAINING):
+        if self.lifecycle.state in (State.SERVING, State.PAUSED, State.SLEEPING, State.DRAINING):
             await self.drain(0)
         await self._stopped.wait()
 
@@ -153,7 +156,7 @@ class AsyncEngine(IntakeAPI, EngineLoop, SleepAPI):
         """Stop accepting; let in-flight requests finish until ``timeout`` seconds, then abort
         the rest with ``reason``; release; SHUTDOWN. A second call shortens the deadline."""
         state = self.lifecycle.state
-        if state is State.SERVING:
+        if state in (State.SERVING, State.PAUSED):  # PAUSED: what it held is finished first
             self.lifecycle.trigger("drain")
         elif state is State.SLEEPING:  # what is left is released from SLEEPING (engine/serving/sleep.py)
             self._sleep.shutdown(timeout, reason)
@@ -267,7 +270,9 @@ class AsyncEngine(IntakeAPI, EngineLoop, SleepAPI):
                             time.monotonic() - self._started)
 
     def _require_accepting(self) -> None:
-        if self.lifecycle.state is not State.SERVING:
+        state = self.lifecycle.state
+        if state is not State.SERVING and (state is not State.PAUSED
+                                           or self.config.reject_while_paused):
             self._raise_unavailable("generate")
 
     def _raise_unavailable(self, call: str):

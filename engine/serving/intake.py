@@ -29,8 +29,9 @@ from .request_stream import RequestStream, Sink
 
 log = logging.getLogger("enginecore.engine")
 
-#: States in which the loop steps requests (SLEEPING: those finishing before the device is freed).
-STEPPING = (State.SERVING, State.SLEEPING, State.DRAINING)
+#: States in which the loop holds requests (SLEEPING: those finishing before the device is freed;
+#: PAUSED: frozen, finishing, or queued until resume, ``pause.py``).
+STEPPING = (State.SERVING, State.PAUSED, State.SLEEPING, State.DRAINING)
 
 
 class _Add(NamedTuple):

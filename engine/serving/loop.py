@@ -69,6 +69,10 @@ class EngineLoop:
                         break
                 elif self.lifecycle.state is State.SLEEPING and await self._sleep.tick(core):
                     break  # shut down while asleep
+                elif self.lifecycle.state is State.PAUSED and not await self._pause.tick(core):
+                    await self._wakeup.wait()  # settled: nothing steps until resume
+                    self._wakeup = anyio.Event()
+                    continue
                 if not core.has_work():
                     await self._wakeup.wait()
                     self._wakeup = anyio.Event()
@@ -164,6 +168,7 @@ class EngineLoop:
 
     async def _release(self) -> None:
         self.grammars.close()
+        self._close_transfer()
         try:
             await self._on_device(self.runner.shutdown)
         finally:
@@ -175,6 +180,7 @@ class EngineLoop:
     async def _die(self, exc: BaseException) -> None:
         log.error("engine failed: %r", exc)
         self._fail_streams(exc)
+        self._close_transfer()
         try:
             # after a step still running on the step thread (they take turns there)
             await self._on_device(self.runner.shutdown)
@@ -185,9 +191,12 @@ class EngineLoop:
             self._stopped.set()
 
     def _apply_inbox(self, core: EngineCore) -> None:
+        paused = self.lifecycle.state is State.PAUSED
         while self._inbox:
             item = self._inbox.popleft()
-            if type(item) is _Add:
+            if paused and type(item) is _Add:
+                self._pause.park(item)  # queued until resume (engine/serving/pause.py)
+            elif type(item) is _Add:
                 try:
                     core.add_request(item.request_id, item.ids, item.params, item.grammar)
                 except Exception as exc:  # this request's own input: it ends, the engine serves on
@@ -197,6 +206,8 @@ class EngineLoop:
                         reason=str(exc), num_prompt_tokens=len(item.ids))])
             else:
                 out = core.abort(item.request_id, item.reason)
+                if out is None and paused:
+                    out = self._pause.unpark_abort(item.request_id, item.reason)
                 if out is not None:
                     self._dispatch([out])
 
@@ -245,7 +256,10 @@ class EngineLoop:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         sinks = self._sinks
+        version = self._sleep.weight_version
         for out in outputs:
+            if version:
+                out.weight_version = version
             sink = sinks.get(out.request_id)
             if sink is None:
                 continue

@@ -27,6 +27,7 @@ raises ``EngineDeadError`` / ``EngineShutdownError``.
 from __future__ import annotations
 
 from collections import deque
+from functools import partial
 import math
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -47,13 +48,14 @@ MODES = ("abort", "wait")
 class _Call:
     """One caller waiting for the loop: ``kind`` is "sleep", "wake", "update" or "tensors"."""
 
-    __slots__ = ("kind", "arg", "done", "error")
+    __slots__ = ("kind", "arg", "done", "error", "version")
 
     def __init__(self, kind: str, arg: Any = None) -> None:
         self.kind = kind
         self.arg = arg
         self.done = anyio.Event()
         self.error: Optional[BaseException] = None
+        self.version: Optional[int] = None
 
     async def result(self) -> None:
         await self.done.wait()
@@ -81,11 +83,14 @@ class SleepAPI:
     _sleep: "SleepController"
     lifecycle: Any
 
-    async def sleep(self, level: int = 1, mode: str = "abort", timeout: Optional[float] = None) -> None:
+    async def sleep(self, level: int = 1, mode: str = "abort", timeout: Optional[float] = None,
+                    tags: Optional[Sequence[str]] = None) -> None:
         """Stop admission, end (``mode="abort"``) or finish (``"wait"``, aborting at ``timeout``)
         the requests in flight, then free the device: level 1 keeps the weights in host memory,
-        level 2 drops them. Returns once the memory is freed; SLEEPING until :meth:`wake_up`."""
-        await self._sleep.sleep(level, mode, timeout)
+        level 2 drops them; ``tags=["kv_cache"]`` frees only the KV cache (with model state and
+        graphs), the weights stay on the device. Returns once the memory is freed; SLEEPING
+        until :meth:`wake_up` brings back what was freed."""
+        await self._sleep.sleep(level, mode, timeout, check_tags(tags))
 
     async def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
         """Bring back ``tags`` ("weights", "kv_cache"; None: both); SERVING once both are back."""
@@ -95,16 +100,31 @@ class SleepAPI:
     def is_sleeping(self) -> bool:
         return self.lifecycle.state is State.SLEEPING
 
-    async def update_weights(self, path: str) -> None:
+    async def update_weights(self, path: str, version: Optional[int] = None) -> None:
         """Load the checkpoint at ``path`` (same architecture) into the weights, while SLEEPING
-        (any level) or LOADED; validated in full first: a mismatch raises, the old weights stay;
-        the KV cache (and any cached prefix) is invalidated."""
-        await self._sleep.update_weights("update", path)
+        (any level), PAUSED or LOADED; validated in full first: a mismatch raises, the old
+        weights stay; the prefix cache is invalidated. ``version`` (default: the last + 1)
+        is the ``weight_version`` every output carries from then on."""
+        await self._sleep.update_weights("update", path, version)
 
-    async def update_weights_from_tensors(self, named_tensors: "NamedTensors") -> None:
-        """As :meth:`update_weights`, from ``(name, tensor)`` pairs (or a dict) of exactly the
-        weights' names, shapes and dtype. In-process only."""
-        await self._sleep.update_weights("tensors", named_tensors)
+    async def update_weights_from_tensors(self, named_tensors: "NamedTensors",
+                                          version: Optional[int] = None) -> None:
+        """As :meth:`update_weights`, from ``(name, tensor)`` pairs (or a dict): any subset of
+        the weights, by the names :meth:`weight_info` lists, each of its shape and dtype (all
+        checked before the first is copied; copied in place). In-process only."""
+        await self._sleep.update_weights("tensors", (named_tensors, True), version)
+
+    def weight_info(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """Every updatable parameter's (name, shape, dtype): what a trainer builds its transfer
+        plan from, in the names ``update_weights_*`` take."""
+        if self.runner.model_config is None:
+            self._raise_unavailable("weight_info")  # type: ignore[attr-defined]
+        return self.runner.weight_info()  # type: ignore[attr-defined]
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights in use (0: as loaded); every output carries it."""
+        return self._sleep.weight_version
 
 
 class SleepController:
@@ -118,6 +138,8 @@ class SleepController:
         self.deadline = math.inf
         self.reason = "sleep"
         self.host_bytes = 0  # what the last sleep kept in host memory
+        self.tags: tuple[str, ...] = TAGS  # what the last sleep frees
+        self.weight_version = 0
         self.timings: dict[str, float] = {}  # seconds of the last sleep / wake, by part
         self._shutdown = False
         self._sleep_call: Optional[_Call] = None
@@ -133,7 +155,8 @@ class SleepController:
             raise BadRequestError(f"{call} is not supported with tensor_parallel_size > 1 "
                                   "(sleep mode and weight updates are single-rank only)")
 
-    async def sleep(self, level: int, mode: str, timeout: Optional[float]) -> None:
+    async def sleep(self, level: int, mode: str, timeout: Optional[float],
+                    tags: tuple[str, ...] = TAGS) -> None:
         eng = self._engine
         if level not in (1, 2) or isinstance(level, bool):
             raise BadRequestError(f"sleep level must be 1 or 2, not {level!r}")
@@ -145,7 +168,7 @@ class SleepController:
         self._refuse_if_stopped(eng.lifecycle.state, "sleep")
         eng.lifecycle.trigger("sleep")  # InvalidTransitionError unless SERVING
         start = time.monotonic()
-        self.level, self.reason, self._shutdown = level, "sleep", False
+        self.level, self.reason, self._shutdown, self.tags = level, "sleep", False, tags
         self.deadline = start if mode == "abort" else start + (math.inf if timeout is None else timeout)
         self.timings = {}
         call = self._sleep_call = _Call("sleep")
@@ -157,15 +180,40 @@ class SleepController:
         self._refuse_tp("wake_up")
         await self._queue("wake_up", _Call("wake", tags), State.SLEEPING)
 
-    async def update_weights(self, kind: str, arg: Any) -> None:
-        """``kind``: "update" (``arg`` a checkpoint path) or "tensors" (name/tensor pairs)."""
+    async def update_weights(self, kind: str, arg: Any, version: Optional[int] = None) -> None:
+        """``kind``: "update" (``arg`` a checkpoint path) or "tensors" (name/tensor pairs and
+        whether a subset is allowed)."""
         eng = self._engine
+        if version is not None and (type(version) is not int or not 0 <= version < 2**63):
+            raise BadRequestError(f"version must be an integer >= 0, not {version!r}")
         self._refuse_tp("update_weights")
-        if eng.lifecycle.state is State.LOADED:  # before the loop runs: no one else is on it
-            fn = eng.runner.update_weights if kind == "update" else eng.runner.update_weights_from_tensors
-            await eng._on_device(fn, arg)
+        state = eng.lifecycle.state
+        if state in (State.LOADED, State.PAUSED):
+            async with eng._pause.lock:  # a resume waits for the update to be done
+                if state is State.PAUSED:  # nothing steps once the pause has settled
+                    await eng._pause.settled.wait()
+                    eng.lifecycle.require("update_weights", State.PAUSED)
+                await eng._on_device(self._update_fn(kind), arg)
+                self._updated(eng.core, version)  # requests frozen by the pause keep their blocks
             return
-        await self._queue("update_weights", _Call(kind, arg), State.SLEEPING, State.LOADED)
+        call = _Call(kind, arg)
+        call.version = version
+        await self._queue("update_weights", call, State.SLEEPING, State.LOADED)
+
+    def _update_fn(self, kind: str):
+        runner = self._engine.runner
+        if kind == "update":
+            return runner.update_weights
+        if kind == "distributed":  # (receiver, checked metadata, bucket bytes): engine/serving/transfer.py
+            return lambda arg: arg[0].receive(arg[1], partial(runner.update_weights_from_tensors,
+                                                              partial=True), arg[2])
+        return lambda arg: runner.update_weights_from_tensors(*arg)
+
+    def _updated(self, core: Optional["EngineCore"], version: Optional[int]) -> None:
+        """New weights: the version outputs carry, and no cached prefix reused."""
+        self.weight_version = self.weight_version + 1 if version is None else version
+        if core is not None:
+            core.blocks.reset_prefix_cache(self.weight_version)
 
     def shutdown(self, timeout: Optional[float], reason: str) -> None:
         """A drain/shutdown while SLEEPING: requests still finishing get ``timeout``, then the
@@ -223,7 +271,7 @@ class SleepController:
     async def _fall_asleep(self) -> None:
         eng = self._engine
         t0 = time.perf_counter()
-        self.host_bytes = await eng._on_device(eng.runner.sleep, self.level)
+        self.host_bytes = await eng._on_device(eng.runner.sleep, self.level, self.tags)
         self.timings["sleep_s"] = time.perf_counter() - t0
         self.asleep = True
         call, self._sleep_call = self._sleep_call, None
@@ -244,11 +292,11 @@ class SleepController:
             try:
                 if call.kind == "wake":
                     await eng._on_device(runner.wake, call.arg)
-                elif call.kind == "update":
-                    await eng._on_device(runner.update_weights, call.arg)
+                    core.reset_kv()  # a new cache: nothing cached is valid
                 else:
-                    await eng._on_device(runner.update_weights_from_tensors, call.arg)
-                core.reset_kv()  # new weights or a new cache: nothing cached is valid
+                    await eng._on_device(self._update_fn(call.kind), call.arg)
+                    self._updated(None, call.version)
+                    core.reset_kv(self.weight_version)
             except Exception as exc:  # this call failed; the engine stays asleep
                 call.error = exc
             self.timings[f"{call.kind}_s"] = time.perf_counter() - t0
