@@ -435,3 +435,18 @@ def test_text_head_under_tensor_parallel_is_text_or_reports_nothing(tmp_path):
     m = res["modes"][0]
     assert res["head_rows_zeroed"] == 0 or m["text_chars"] == m["output_tokens"], (
         res["head_rows_zeroed"], m["text_chars"], m["output_tokens"])
+
+
+def test_weight_sync_bench_runs_on_cpu(tmp_path) -> None:
+    """bench.weight_sync end to end on a tiny model: every path's row, outputs equal to a fresh
+    engine given the same weights (its exit status)."""
+    import json
+
+    from bench import weight_sync
+
+    out = tmp_path / "ws.json"
+    assert weight_sync.main(["--device", "cpu", "--rounds", "1", "--no-progress",
+                             "--out", str(out)]) == 0
+    res = json.loads(out.read_text())["models"][0]
+    assert set(res["paths"]) == {"tensors", "distributed", "sleep"}
+    assert res["paths"]["tensors"]["kept_stream_tokens"] == 64
