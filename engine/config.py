@@ -65,10 +65,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # the most CPU milliseconds one constrained request's grammar work may take in one step
     # (its mask fill, or its token's accept; engine/structured/budget.py): a request over it
     # ends with finish_reason "error", so an ambiguous grammar whose work grows with its output
-    # cannot hold every other request's step back. Measured: a JSON schema's row costs ~5 us
-    # (xgrammar, 150k-token vocabulary), an ambiguous grammar's 14 ms by its 6th token and
-    # 2 s by its 31st. 0: no limit.
-    grammar_row_budget_ms: float = 20.0
+    # cannot hold every other request's step back. Measured on the default model's 49k-token
+    # vocabulary: JSON schemas, JSON objects, regexes and a small EBNF at most 0.24 ms a row
+    # (random trajectories, mean 25-60 us); an ambiguous grammar 9 ms by its 5th token, 14 ms
+    # by its 6th and 2 s by its 31st. 0: no limit.
+    grammar_row_budget_ms: float = 10.0
     cuda_graphs: bool = True  # capture decode-only steps as CUDA graphs (CUDA + Triton only)
     # with cuda_graphs, steps with prompt tokens too: a graph per row count up to
     # max_num_batched_tokens, captured at load (an eager prompt step costs the host ~300

@@ -51,7 +51,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="run steps back to back on the step thread for up to this long while the "
                         "event loop has nothing for the engine (0: a round trip through the loop "
                         "after every step)")
-    p.add_argument("--grammar-row-budget-ms", type=float, default=20.0,
+    p.add_argument("--grammar-row-budget-ms", type=float, default=10.0,
                    help="the most CPU ms one constrained request's grammar work (its mask fill, "
                         "or its token's accept) may take in a step; over it the request ends with "
                         "finish_reason error (0: no limit)")
