@@ -51,16 +51,18 @@ def test_an_ambiguous_grammar_does_not_starve_the_others():
                                     structured=StructuredOutputs(grammar=GRAMMAR))
             ends: list[tuple[float, str, str, int]] = []  # (seconds, finish, reason, finals)
 
-            async def one_attack() -> None:
+            async def one_attack(bound: float = ATTACK_END_S) -> None:
                 t0 = time.monotonic()
-                with anyio.fail_after(ATTACK_END_S):  # (without a budget: hours)
+                with anyio.fail_after(bound):  # (without a budget: hours)
                     outs = [o async for o in eng.generate("Write lowercase words:", attack)]
                 ends.append((time.monotonic() - t0, outs[-1].finish_reason, outs[-1].reason,
                              sum(o.finished for o in outs)))
 
             # the first constrained request builds the grammar service's vocabulary and
             # compiles the grammar (cached after): paid here, before anything is measured
-            await one_attack()
+            await one_attack(3 * ATTACK_END_S)
+            warm = ends.pop()
+            assert warm[1:] == ("error", warm[2], 1) and "grammar_row_budget_ms" in warm[2]
             rss0 = _rss()
             chunks: list[tuple[float, int]] = []
             attacking = False
@@ -120,7 +122,7 @@ def test_an_ambiguous_grammar_does_not_starve_the_others():
           f"RSS {rss0 / 2**20:.0f} -> {rss1 / 2**20:.0f} MiB")
     assert quiet > 0 and attacked >= 0.5 * quiet, (windows, after)
     # every attacker request: one terminal output, an error naming the budget, soon
-    assert len(ends) >= ROUNDS + 1
+    assert len(ends) >= ROUNDS
     for seconds, finish, reason, finals in ends:
         assert finals == 1 and finish == "error", (finish, reason)
         assert "grammar_row_budget_ms" in reason, reason
