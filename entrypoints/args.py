@@ -51,6 +51,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="run steps back to back on the step thread for up to this long while the "
                         "event loop has nothing for the engine (0: a round trip through the loop "
                         "after every step)")
+    p.add_argument("--grammar-row-budget-ms", type=float, default=10.0,
+                   help="the most CPU ms one constrained request's grammar work (its mask fill, "
+                        "or its token's accept) may take in a step; over it the request ends with "
+                        "finish_reason error (0: no limit)")
     p.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step before this one's tokens are read back "
                         "(default: on CUDA only)")
@@ -90,7 +94,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_logprobs=a.max_logprobs, tensor_parallel_size=a.tensor_parallel_size,
         nnodes=a.nnodes, node_rank=a.node_rank, master_addr=a.master_addr,
         master_port=a.master_port, freeze_gc=a.freeze_gc, gc_young_threshold=a.gc_young_threshold,
-        step_burst_ms=a.step_burst_ms,
+        step_burst_ms=a.step_burst_ms, grammar_row_budget_ms=a.grammar_row_budget_ms,
     )
 
 

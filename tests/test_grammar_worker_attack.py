@@ -96,8 +96,8 @@ def test_host_rows_dropped_by_python_mid_job_are_released_by_the_wait(grammars):
         gc.collect()
         assert not freed_on and not w.done()  # the job holds it
         go.set()
-        _, ended = w.wait()
-        assert ended == []
+        _, ended, over = w.wait()
+        assert ended == [] and over == []
         assert freed_on == [threading.get_ident()]
         rows = torch.tensor([], dtype=torch.int32).set_(probe).view(n, -1)
         b = ord("b")

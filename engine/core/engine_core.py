@@ -25,7 +25,7 @@ from engine.runner.model_runner import ModelRunner
 from engine.sample.bad_words import bad_word_sequences
 from engine.sample.sampler import StepResult
 from engine.spec_decode.base import SpecStats
-from engine.structured.matcher import advance, new_matcher
+from engine.structured.matcher import new_matcher
 
 from .detokenizer import IncrementalDetokenizer
 from .late_step import LateStep
@@ -60,24 +60,7 @@ class EngineCore(LateStep):
         self._inflight_first = False  # a request's first token is in the step in flight
         self.early_completions = 0  # steps applied before the next launch (EngineCore.step)
         self.deferred_steps = 0  # steps whose tokens were read back during the next one
-        # steps sampled only after the step before was applied (a constrained request's token
-        # was in flight: EngineCore.step)
-        self.late_sampled_steps = 0
-        # their host time by part: the forward's launch; reading the step before back and
-        # feeding its tokens to the matchers; applying it (the masks fill meanwhile); waiting
-        # for the masks, masking and launching the sampling
-        self.late_seconds = dict.fromkeys(("forward", "read_back", "apply", "mask_sample"), 0.0)
-        #: a step sampled late applies the step before after launching its sampling (an
-        #: asynchronous device), or before it, beside the masks' fill (CPU): EngineCore.step
-        self.apply_after_sampling = runner.device.type == "cuda"
-        #: a late step's grammar work on the grammar worker, beside its forward's launch
-        #: (EngineCore._grammar_job; structured/native.py), where the worker can be had;
-        #: the ``grammar_worker`` kill switch (engine/envs.py) keeps it on the step thread
-        self.grammar_overlap = runner.switches.grammar_worker
-        self.grammar_jobs = 0  # late steps whose grammar work ran beside the forward
-        self.grammar_jobs_after = 0  # of them, those started after the forward's launch
-        self.grammar_jobs_refused = 0  # of them, those a token out of its mask undid (none fed)
-        self.grammar_jobs_inside = 0  # of them, those started inside the forward's launch
+        self._init_late(runner)  # the late step's counters (late_step.py)
         overlap = cfg.overlap_scheduling
         if overlap is None:
             overlap = runner.device.type == "cuda"
@@ -208,6 +191,7 @@ class EngineCore(LateStep):
         else:
             outputs += self._update(batch, launched.result)
         self._steps += 1
+        self._budget.prune(self.requests.values())  # (requests gone while their fill ran)
         self.timings.step_time.observe(time.perf_counter() - t0)
         if self.check_integrity:
             self.scheduler.check_integrity()
@@ -334,7 +318,7 @@ class EngineCore(LateStep):
             finish, new = "length", []
         for tok in new:
             if req.matcher is not None:  # the grammar's verdict: complete, or a dead end
-                finish, reason = verdict or advance(req.matcher, tok)
+                finish, reason = verdict or self._budget.advance(req.matcher, tok)
                 verdict = None
                 if finish == "error":
                     break  # a token the grammar refuses is not part of the output
@@ -356,6 +340,8 @@ class EngineCore(LateStep):
                 finish = "stop"
             if finish:
                 break
+        if self._budget.pending and not finish:  # its grammar's work was over the budget
+            finish, reason = self._budget.verdict(req.matcher) or (finish, reason)
         self._gen_tokens += len(accepted)
         out = RequestOutput(request_id=req.request_id, token_ids=accepted, text=text)
         if p.logprobs:  # the accepted tokens' (a prefix of the step's new tokens)
@@ -372,6 +358,7 @@ class EngineCore(LateStep):
 
     def _finish(self, req: Request, finish_reason: str, reason: Optional[str],
                 out: RequestOutput) -> RequestOutput:
+        self._budget.forget(req.matcher)
         self.scheduler.remove(req)
         self.runner.forget(req.request_id)
         del self.requests[req.request_id]

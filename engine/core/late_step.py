@@ -17,10 +17,33 @@ from typing import Callable, Optional
 from engine.params import RequestOutput
 from engine.runner.launched import Launched
 from engine.structured.bitmask import Filling
-from engine.structured.matcher import ALL_GO_ON, advance_all, verdicts_of
+from engine.structured.matcher import ALL_GO_ON, verdicts_of
 
 
 class LateStep:
+    def _init_late(self, runner) -> None:
+        """The late step's counters and choices, and the grammar budget (EngineCore's init)."""
+        # steps sampled only after the step before was applied (a constrained request's token
+        # was in flight: EngineCore.step)
+        self.late_sampled_steps = 0
+        # their host time by part: the forward's launch; reading the step before back and
+        # feeding its tokens to the matchers; applying it (the masks fill meanwhile); waiting
+        # for the masks, masking and launching the sampling
+        self.late_seconds = dict.fromkeys(("forward", "read_back", "apply", "mask_sample"), 0.0)
+        #: a step sampled late applies the step before after launching its sampling (an
+        #: asynchronous device), or before it, beside the masks' fill (CPU): EngineCore.step
+        self.apply_after_sampling = runner.device.type == "cuda"
+        #: a late step's grammar work on the grammar worker, beside its forward's launch
+        #: (EngineCore._grammar_job; structured/native.py), where the worker can be had;
+        #: the ``grammar_worker`` kill switch (engine/envs.py) keeps it on the step thread
+        self.grammar_overlap = runner.switches.grammar_worker
+        self.grammar_jobs = 0  # late steps whose grammar work ran beside the forward
+        self.grammar_jobs_after = 0  # of them, those started after the forward's launch
+        self.grammar_jobs_refused = 0  # of them, those a token out of its mask undid (none fed)
+        self.grammar_jobs_inside = 0  # of them, those started inside the forward's launch
+        #: each constrained request's grammar work a step, bounded (structured/budget.py)
+        self._budget = runner.grammar_budget
+
     def _late_step(self, prev, batch, defer: bool, on_launched: Optional[Callable[[], None]]
                    ) -> tuple[Launched, list[RequestOutput]]:
         """:meth:`step`'s launch of ``batch`` in two halves, with a constrained request whose
@@ -107,7 +130,8 @@ class LateStep:
         (before the rest of the step is applied, so the next masks can be filled meanwhile):
         entry -> the verdict (``structured.matcher.advance``) that ``_append`` then uses."""
         fed, matchers, toks, rows = self._fed(batch, launched)
-        verdicts = advance_all(matchers, toks, self.runner.grammar_allows(rows, toks))
+        verdicts = self._budget.advance_all(  # (each row's work timed: structured/budget.py)
+            matchers, toks, self.runner.grammar_allows(rows, toks))
         return dict(zip(fed, verdicts))
 
     def _grammar_job(self, batch, launched, nxt):

@@ -136,7 +136,8 @@ class RunnerLoad:
         vocab, tok = self.model_config.vocab_size, self.tokenizer
         self._owner.adopt(R.GRAMMAR_BITMASK, TokenBitmask(
             self.config.max_num_seqs * rows_per_seq, vocab, self.device,
-            grammar_vocab=lambda: grammar_vocab_size(tok, vocab), switches=self.switches))
+            grammar_vocab=lambda: grammar_vocab_size(tok, vocab), switches=self.switches,
+            budget=self.grammar_budget))
         return True
 
     def _capture_mixed(self, should_stop=lambda: False) -> None:

@@ -2,8 +2,7 @@
 
 Every device allocation is adopted by ``self._owner`` (a :class:`DeviceOwner`) in creation
 order: weights, KV cache, model state, CUDA graphs (CUDA only), the structured outputs' token
-bitmask, speculator. ``shutdown()``
-synchronizes and releases them in reverse. The runner refuses to hold a tensor or module as a
+bitmask, speculator. ``shutdown()`` synchronizes and releases them in reverse. The runner refuses to hold a tensor or module as a
 plain attribute (see ``__setattr__``), so a new device attribute cannot be forgotten at shutdown.
 """
 
@@ -28,6 +27,7 @@ from engine.request import Request
 from engine.sample import logprobs
 from engine.sample.sampler import StepResult, build_sampling_batch, one_pass, process, sample
 from engine.structured.bitmask import Filling, TokenBitmask
+from engine.structured.budget import GrammarBudget
 
 from . import gc_freeze
 from .launched import Forwarded, Launched, by_entry
@@ -68,6 +68,8 @@ class ModelRunner(RunnerLoad, RunnerSleep):
         self.weights_source: Optional[str] = config.model
         self.weight_format = "float"  # or a packed CPU format (engine/model/cpu_weights.py)
         self._gc_frozen = False  # this runner holds a freeze of the heap (engine/runner/gc_freeze.py)
+        #: one constrained request's grammar work a step, bounded (engine/structured/budget.py)
+        self.grammar_budget = GrammarBudget(config.grammar_row_budget_ms)
 
     # -- the seed bug, made impossible ------------------------------------------------------
     def __setattr__(self, name: str, value) -> None:
@@ -241,9 +243,8 @@ class ModelRunner(RunnerLoad, RunnerSleep):
 
     def fill_masks(self, fwd: "Forwarded", background: bool = True,
                    terminated: Optional[dict] = None) -> Filling:
-        """Fill the grammar masks of ``fwd``'s constrained rows (the matchers' states now),
-        by default in the background (the matchers must then be left alone until
-        :meth:`sample_step`); ``terminated``: see :meth:`TokenBitmask.fill`."""
+        """Fill the grammar masks of ``fwd``'s constrained rows (the matchers' states now), by
+        default in the background (matchers left alone until :meth:`sample_step`)."""
         bitmask: TokenBitmask = self._owner[R.GRAMMAR_BITMASK]
         return bitmask.fill(_constrained(fwd.batch), background=background,
                             terminated=terminated)
@@ -260,8 +261,7 @@ class ModelRunner(RunnerLoad, RunnerSleep):
 
     @property
     def grammar_worker_fills(self) -> tuple[int, float]:
-        """The grammar worker's fills so far: (count, wall seconds in all); (0, 0.0) while
-        the bitmask is released (asleep, shut down), and from 0 again after a wake."""
+        """The grammar worker's fills so far: (count, wall seconds); (0, 0.0) while released."""
         bitmask: Optional[TokenBitmask] = self._owner.get(R.GRAMMAR_BITMASK)
         return (0, 0.0) if bitmask is None else (bitmask.worker_fills, bitmask.worker_fill_seconds)
 

@@ -11,8 +11,9 @@ then xgrammar's kernel sets the disallowed logits to -inf on the logits' device 
 kernel on CUDA, launched directly: ``_mask_packed``; its C++ path on CPU through
 ``apply_token_bitmask_inplace``), once for the whole batch,
 before sampling -- so greedy, temperature, top-k/top-p and seeds all sample from the allowed set.
-Rows without a constraint are left untouched (``indices``). The rows of the matchers' current
-states are filled together on xgrammar's own threads (``BatchGrammarMatcher``). The host rows
+Rows without a constraint are left untouched (``indices``). The rows are filled together on
+xgrammar's own threads (``BatchGrammarMatcher``); each row's fill is timed against a budget
+(``structured/budget.py``) where a batch's was over it. The host rows
 cover only the ids xgrammar knows (``grammars.grammar_vocab_size``: up to the last id with text
 or an EOS id); the device rows are as wide as the logits, and their words past the host rows'
 are zero, so the padding ids past them are refused too. The logits are
@@ -44,6 +45,7 @@ from engine.ops.triton import fused_sample
 from engine.ops.triton.fused_sample import GrammarRows
 
 from . import grammar_job
+from .budget import GrammarBudget
 from .grammar_job import GrammarJob
 from .kernels import direct_kernel, fill_threads, threads_for
 
@@ -68,8 +70,10 @@ class TokenBitmask:
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device,
                  grammar_vocab: Union[int, Callable[[], int], None] = None,
-                 switches: Switches = Switches()) -> None:
+                 switches: Switches = Switches(), budget: Optional[GrammarBudget] = None) -> None:
         self.vocab_size = vocab_size
+        #: each row's fill timed against one budget (structured/budget.py)
+        self.budget = budget if budget is not None else GrammarBudget(0)
         #: on a device, masks through xgrammar's Triton kernel launched directly
         #: (:meth:`_mask_packed`) unless the ``triton`` kill switch is off; and the one-pass
         #: sampler reads the masks itself (:meth:`grammar_rows`) unless ``fused`` is
@@ -337,8 +341,8 @@ class TokenBitmask:
         if started is not None:
             started.set()
         rows = [row for _, row, _ in live]
-        if len(live) == 1:
-            live[0][0].fill_next_token_bitmask(host, rows[0])
+        if len(live) == 1 or self.budget.row_by_row("fill"):  # (each row timed: budget.py)
+            self.budget.fill_rows(live, host)
         else:  # the rows of the matchers' current states, filled on xgrammar's threads
             n = self._threads
             batch = self._batch_matcher(n)
@@ -348,6 +352,7 @@ class TokenBitmask:
             # waits for the GIL after the call (a helper thread beside the step thread's Python)
             work = time.thread_time() - c0 if n == 1 else (time.perf_counter() - t0) * n
             self._threads = threads_for(work, fill_threads())
+            self.budget.batch(work, "fill")
         for matcher, row, drafts in live:
             if drafts:
                 rows.extend(self._fill_drafts(matcher, row, drafts))

@@ -52,12 +52,18 @@ def start(bits, matchers: Sequence, tokens: Sequence[int], entries: Sequence[tup
     # (most steps feed no stop token: counted at C level first)
     ask = ([i for i, t in enumerate(tokens) if t in stops]
            if sum(map(tokens.count, stops)) else [])
+    budget = bits.budget  # each row's work timed on the worker (structured/budget.py); the
+    # fill row by row on one thread (as xgrammar's batch fill then is), or after a batch over it
+    by_row = budget.on and (bits._threads == 1 or budget.row_by_row("fill"))
     bits._worker.submit(bits._batch_matcher(bits._threads), matchers, tokens, ask,
                         fill_matchers, rows, fill_fed, bits.host,
                         check_rows=check_rows if check_rows is not None else (),
-                        vocab=bits.grammar_vocab)
+                        vocab=bits.grammar_vocab, budget_ns=int(budget.limit * 1e9),
+                        fill_by_row=by_row)
     return GrammarJob(bits._worker, bits._job_done, matchers, rows,
-                      fill_fed if fill_fed is not None else range(len(rows)))
+                      fill_fed if fill_fed is not None else range(len(rows)),
+                      fill_matchers if fill_matchers is not None else matchers, budget,
+                      0 if by_row else bits._threads)
 
 
 
@@ -65,12 +71,16 @@ class GrammarJob:
     """A :meth:`TokenBitmask.accept_then_fill` running on the grammar worker."""
 
     def __init__(self, worker, on_done: Callable[[float], None], matchers: Sequence,
-                 fill_rows: list[int], fill_fed: list[int]) -> None:
+                 fill_rows: list[int], fill_fed: list[int], fill_matchers: Sequence,
+                 budget, batch_threads: int) -> None:
         self._worker = worker
         self._on_done = on_done  # called with the fill's seconds
         self._matchers = matchers
         self._rows = fill_rows
         self._fed = fill_fed
+        self._fill_matchers = fill_matchers  # entry k's matcher (the rows over the budget)
+        self._budget = budget
+        self._batch_threads = batch_threads  # a batch fill's threads; 0: filled row by row
 
     def result(self) -> Optional[tuple[set[int], list[int]]]:
         """(the ids of the fed matchers that ended, the rows filled), once the job is done
@@ -79,8 +89,15 @@ class GrammarJob:
         done = self._worker.wait()
         if done is None:
             return None
-        fill_seconds, ended = done
+        fill_seconds, ended, over = done
         self._on_done(fill_seconds)
+        if self._batch_threads:  # (its work: wall x threads)
+            self._budget.batch(fill_seconds * self._batch_threads, "fill")
+        for pos, ns in zip(over[::2], over[1::2]):  # rows over the budget (few: usually none)
+            if pos >= 0:
+                self._budget.charge(self._matchers[pos], ns * 1e-9, "accept")
+            else:
+                self._budget.charge(self._fill_matchers[-1 - pos], ns * 1e-9, "fill")
         if not ended:  # the usual step: no fed matcher ended, every fill entry was filled
             return set(), self._rows
         gone = set(ended)

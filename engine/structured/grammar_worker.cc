@@ -27,7 +27,15 @@
 //      position (fill_fed, -1: not fed this step) did not end; fill_matchers and fill_fed
 //      empty with fill_rows not: the fill entries are the fed matchers, in order (the usual
 //      step: two lists fewer to convert on the caller's thread)
-// grammar_worker_wait returns [fill ns, the ended positions...] or raises the job's error;
+// With budget_ns > 0 each row's work is timed (engine/structured/budget.py): 1 feeds the
+// matchers one accept_one call each, and 3 fills one fill_one call a row when fill_by_row (else
+// xgrammar's batch fill, on its threads, timed as a whole); a row is over the budget when its
+// wall time and its least possible CPU time both are (the phase's thread CPU time less the
+// other rows' wall time: a row whose thread was preempted did no more work), one clock read a
+// row and two a phase (a thread CPU clock read is a system call).
+// grammar_worker_wait returns [fill ns, n, the n ended positions..., then pairs (row, CPU ns)
+// of the rows over the budget: row i >= 0 the accept of matchers[i], -1-k the fill of entry k]
+// or raises the job's error;
 // grammar_worker_done says whether the job has ended, without waiting; grammar_worker_wait_done
 // is grammar_worker_wait under a name whose Python function object keeps the GIL.
 // The caller leaves every matcher of the job alone until the wait returns.
@@ -41,6 +49,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <ctime>
 #include <exception>
 #include <mutex>
 #include <string>
@@ -52,7 +61,9 @@ namespace {
 namespace ffi = tvm::ffi;
 
 struct Job {
-  ffi::Function accept, fill, is_terminated;
+  ffi::Function accept, fill, is_terminated, accept_one, fill_one;
+  int64_t budget_ns = 0;
+  bool fill_by_row = false;
   ffi::ObjectRef batch;
   ffi::Array<ffi::ObjectRef> matchers;
   ffi::Array<int64_t> tokens, check_rows;
@@ -144,33 +155,87 @@ class Worker {
     }
   }
 
+  static int64_t WallNs() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  static int64_t CpuNs() {  // this thread's CPU time
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+  }
+
+  // Each row's work timed, one call a row: call(i) for i < n; rows over the budget appended
+  // to over as (tag(i), least CPU ns). Returns the phase's wall ns.
+  template <typename Call, typename Tag>
+  static int64_t Timed(size_t n, int64_t budget_ns, Call call, Tag tag,
+                       std::vector<int64_t>* over) {
+    std::vector<int64_t> wall(n);
+    const int64_t c0 = CpuNs(), w0 = WallNs();
+    int64_t t = w0;
+    for (size_t i = 0; i < n; ++i) {
+      call(i);
+      const int64_t now = WallNs();
+      wall[i] = now - t;
+      t = now;
+    }
+    const int64_t cpu = CpuNs() - c0, phase = t - w0;
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t least = cpu - (phase - wall[i]);  // the other rows took no more CPU than wall
+      if (wall[i] > budget_ns && least > budget_ns) {
+        over->push_back(tag(i));
+        over->push_back(least);
+      }
+    }
+    return phase;
+  }
+
   static std::vector<int64_t> Run(const Job& job) {
-    std::vector<int64_t> out{0};  // out[0]: the fill's ns; then the ended fed positions
+    // out[0]: the fill's ns; out[1]: how many fed positions ended, then those, then over
+    std::vector<int64_t> out{0, 0}, over;
     if (!job.check_rows.empty() && !Allowed(job)) return {-1};
-    if (!job.matchers.empty()) job.accept(job.matchers, job.tokens, false);
+    const bool timed = job.budget_ns > 0;
+    if (!job.matchers.empty()) {
+      if (timed) {
+        Timed(job.matchers.size(), job.budget_ns,
+              [&](size_t i) { job.accept_one(job.matchers[i], job.tokens[i], false); },
+              [](size_t i) { return static_cast<int64_t>(i); }, &over);
+      } else {
+        job.accept(job.matchers, job.tokens, false);
+      }
+    }
     std::vector<char> ended(job.matchers.size(), 0);
     for (int64_t i : job.ask) {
       if (job.is_terminated(job.matchers[i]).cast<bool>()) {
         ended[i] = 1;
         out.push_back(i);
+        ++out[1];
       }
     }
     ffi::Array<ffi::ObjectRef> live;
     ffi::Array<int64_t> rows;
+    std::vector<int64_t> entry;  // the fill entry of each live row
     const bool same = job.fill_matchers.empty();  // the fed matchers (see the top)
     for (size_t k = 0; k < job.fill_rows.size(); ++k) {
       int64_t pos = same ? static_cast<int64_t>(k) : job.fill_fed[k];
       if (pos >= 0 && ended[pos]) continue;
       live.push_back(same ? job.matchers[k] : job.fill_matchers[k]);
       rows.push_back(job.fill_rows[k]);
+      entry.push_back(static_cast<int64_t>(k));
     }
-    if (!live.empty()) {
-      auto t0 = std::chrono::steady_clock::now();
+    if (!live.empty() && timed && (job.fill_by_row || live.size() == 1)) {
+      out[0] = Timed(
+          live.size(), job.budget_ns,
+          [&](size_t i) { job.fill_one(live[i], job.bitmask, rows[i], false); },
+          [&](size_t i) { return -1 - entry[i]; }, &over);
+    } else if (!live.empty()) {
+      const int64_t t0 = WallNs();
       job.fill(job.batch, live, job.bitmask, rows, false);
-      out[0] = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                   std::chrono::steady_clock::now() - t0)
-                   .count();
+      out[0] = WallNs() - t0;
     }
+    out.insert(out.end(), over.begin(), over.end());
     return out;
   }
 
@@ -209,7 +274,8 @@ int64_t WorkerNew() { return reinterpret_cast<int64_t>(new Worker()); }
 void WorkerFree(int64_t handle) { delete Get(handle); }
 
 void WorkerSubmit(int64_t handle, ffi::Function accept, ffi::Function fill,
-                  ffi::Function is_terminated, ffi::ObjectRef batch,
+                  ffi::Function is_terminated, ffi::Function accept_one, ffi::Function fill_one,
+                  int64_t budget_ns, bool fill_by_row, ffi::ObjectRef batch,
                   ffi::Array<ffi::ObjectRef> matchers, ffi::Array<int64_t> tokens,
                   ffi::Array<int64_t> check_rows, int64_t vocab, ffi::Array<int64_t> ask,
                   ffi::Array<ffi::ObjectRef> fill_matchers, ffi::Array<int64_t> fill_rows,
@@ -240,6 +306,7 @@ void WorkerSubmit(int64_t handle, ffi::Function accept, ffi::Function fill,
       TVM_FFI_THROW(IndexError) << "grammar worker: fed position " << i;
   }
   Get(handle)->Submit(Job{std::move(accept), std::move(fill), std::move(is_terminated),
+                          std::move(accept_one), std::move(fill_one), budget_ns, fill_by_row,
                           std::move(batch), std::move(matchers), std::move(tokens),
                           std::move(check_rows), vocab, std::move(ask),
                           std::move(fill_matchers), std::move(fill_rows), std::move(fill_fed),

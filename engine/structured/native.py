@@ -134,7 +134,8 @@ def worker_module() -> Optional[Any]:
 
 @functools.lru_cache(maxsize=1)
 def _xgrammar_functions() -> tuple:
-    """(batch accept, batch fill, is_terminated): xgrammar's tvm-ffi function objects."""
+    """(batch accept, batch fill, is_terminated, accept_token, fill_next_token_bitmask):
+    xgrammar's tvm-ffi function objects."""
     from .gil import xgrammar_methods
 
     def method(cls, name):
@@ -145,7 +146,8 @@ def _xgrammar_functions() -> tuple:
 
     return (method("BatchGrammarMatcher", "batch_accept_token"),
             method("BatchGrammarMatcher", "batch_fill_next_token_bitmask"),
-            method("GrammarMatcher", "is_terminated"))
+            method("GrammarMatcher", "is_terminated"), method("GrammarMatcher", "accept_token"),
+            method("GrammarMatcher", "fill_next_token_bitmask"))
 
 
 _HANDLE = operator.attrgetter("_handle")  # an xgrammar object's tvm-ffi object
@@ -170,7 +172,7 @@ class GrammarWorker:
     def submit(self, batch, matchers: Sequence, tokens: Sequence[int], ask: Sequence[int],
                fill_matchers: Optional[Sequence], fill_rows: Sequence[int],
                fill_fed: Optional[Sequence[int]], host, check_rows: Sequence[int] = (),
-               vocab: int = 0) -> None:
+               vocab: int = 0, budget_ns: int = 0, fill_by_row: bool = False) -> None:
         """Start a job: feed ``matchers`` (xgrammar ``GrammarMatcher``) their ``tokens`` (every
         one in its mask), ask ``is_terminated`` of the positions ``ask``, then fill ``host``'s
         ``fill_rows`` from ``fill_matchers`` through ``batch`` (a ``BatchGrammarMatcher``),
@@ -179,12 +181,13 @@ class GrammarWorker:
         themselves, in order. With ``check_rows`` (one per token): first check that each token
         is below ``vocab`` and set in that row of ``host`` (the mask it was sampled with); if
         one is not, nothing is fed or filled (:meth:`wait` says so). The caller leaves every
-        matcher of the job alone until :meth:`wait`."""
+        matcher of the job alone until :meth:`wait`. ``budget_ns`` > 0: each row's accept, and
+        (``fill_by_row``, or one row) each row's fill, is timed against it (``budget.py``)."""
         if self._pending:
             raise RuntimeError("grammar worker: the last job was not waited for")
         # (a bitmask that is not a 2-d, row-major int32 host tensor: refused by the C++ side,
         # ValueError -- xgrammar fills row r at r * width words, and the check reads them so)
-        accept, fill, is_terminated = self._fns
+        accept, fill, is_terminated, accept_one, fill_one = self._fns
         handles = self._handles(matchers)
         if fill_matchers is None:
             if fill_fed is not None:
@@ -194,7 +197,8 @@ class GrammarWorker:
             fill_handles = (handles if fill_matchers is matchers
                             else list(map(_HANDLE, fill_matchers)))
         self._mod.grammar_worker_submit(
-            self._handle, accept, fill, is_terminated, batch._handle, handles, tokens,
+            self._handle, accept, fill, is_terminated, accept_one, fill_one, int(budget_ns),
+            bool(fill_by_row), batch._handle, handles, tokens,
             check_rows, vocab, ask, fill_handles, fill_rows, fill_fed, host)
         self._pending = True
 
@@ -217,10 +221,11 @@ class GrammarWorker:
         """Whether the job submitted has ended (without waiting)."""
         return bool(self._mod.grammar_worker_done(self._handle))
 
-    def wait(self) -> Optional[tuple[float, list[int]]]:
-        """The job's (fill seconds, positions among its matchers that ended), once it has
-        ended; None: a token failed the job's check (nothing fed or filled). The GIL is
-        given up meanwhile. Raises the job's error (xgrammar's)."""
+    def wait(self) -> Optional[tuple[float, list[int], list[int]]]:
+        """The job's (fill seconds, positions among its matchers that ended, rows over the
+        budget as pairs: position i >= 0 the accept of matcher i, -1-k the fill of entry k,
+        then its CPU ns), once it has ended; None: a token failed the job's check (nothing fed
+        or filled). The GIL is given up meanwhile. Raises the job's error (xgrammar's)."""
         if not self._pending:  # the C++ wait would return at once, with no result
             raise RuntimeError("grammar worker: no job to wait for")
         self._pending = False
@@ -233,7 +238,8 @@ class GrammarWorker:
         out = list(wait(handle))
         if out[0] < 0:
             return None
-        return out[0] * 1e-9, out[1:]
+        n = out[1]
+        return out[0] * 1e-9, out[2:2 + n], out[2 + n:]
 
     def close(self) -> None:
         """Wait for a job still running, then end the thread (idempotent)."""

@@ -295,9 +295,39 @@ def test_the_check_reads_rows_of_a_view_and_refuses_a_strided_bitmask(grammars):
              vocab=gv)
     assert w.wait() is not None
     strided = torch.zeros((1, width), dtype=torch.int32).expand(4096, width)
-    accept, fill, is_terminated = w._fns
+    accept, fill, is_terminated, accept_one, fill_one = w._fns
     with pytest.raises(ValueError, match="contiguous"):
-        w._mod.grammar_worker_submit(w._handle, accept, fill, is_terminated, batch._handle,
+        w._mod.grammar_worker_submit(w._handle, accept, fill, is_terminated, accept_one,
+                                     fill_one, 0, False, batch._handle,
                                      w._handles(ms[:1]), [ord("b")], [4095], gv, [], (), [],
                                      (), strided)
+    w.close()
+
+
+@needs_worker
+def test_a_timed_job_reports_its_rows_over_the_budget(grammars):
+    """``budget_ns``: each row's accept and (``fill_by_row``) fill is timed on the worker, and
+    the rows over the budget come back as (accept position i, or -1-k for fill entry k, CPU
+    ns); the masks and verdicts are those of an untimed job. A budget of 1 ns: every row is
+    over it (a row's work is microseconds); a budget of a minute: none is."""
+    tok, compiled = grammars
+    gv = grammar_vocab_size(tok, V)
+    batch = xgr.BatchGrammarMatcher(max_threads=1)
+    w = native.new_worker()
+    hosts = []
+    for budget_ns, by_row in ((0, False), (1, True), (1, False), (60 * 10**9, True)):
+        ms = [new_matcher(compiled[1]) for _ in range(3)]
+        host = torch.full((4, -(-gv // 32)), -1, dtype=torch.int32)
+        w.submit(batch, ms, [ord("a"), ord("c"), ord("a")], [], None, [0, 1, 2], None, host,
+                 budget_ns=budget_ns, fill_by_row=by_row)
+        fill_s, ended, over = w.wait()
+        assert ended == [] and fill_s > 0
+        hosts.append(host)
+        pairs = dict(zip(over[::2], over[1::2]))
+        if budget_ns == 1:  # accepts always row by row; fills only when asked
+            assert set(pairs) == ({0, 1, 2, -1, -2, -3} if by_row else {0, 1, 2}), over
+            assert all(ns > 1 for ns in pairs.values())
+        else:
+            assert over == []
+    assert all(torch.equal(h, hosts[0]) for h in hosts[1:])
     w.close()
