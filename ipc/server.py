@@ -17,6 +17,10 @@ authentications are throttled per peer and in all, logged with the peer (ipc/aut
 
 Request ids are the client's, scoped to its connection: the engine sees ``c<conn>-<n>`` and the
 outputs are renamed back, so clients can neither collide with nor abort each other's requests.
+Each connection is a client of the engine's (``c<conn>``: its waiting requests take turns with
+other clients', and it holds at most its share of the admission limits), and so is each user a
+connection names in ``Generate.client`` (``c<conn>/<name>``: an HTTP frontend's users), so no
+connection can pass for another's users.
 
 ``serve_ipc`` returns when the engine has stopped (after a drain, shutdown or failure -- also one
 a client asked for), after each connection's pending replies are flushed; or when cancelled. It
@@ -59,10 +63,11 @@ log = logging.getLogger("enginecore.ipc")
 class ServedEngine(Engine, Protocol):
     """An :class:`~engine.interface.Engine` with the server's fast path: ``submit`` delivers a
     request's outputs (or the exception that ends it) to ``sink`` on the event-loop thread,
-    all of one step's outputs in one go; returns the number of prompt tokens."""
+    all of one step's outputs in one go; returns the number of prompt tokens. ``client``: whose
+    request it is (the engine's fairness between clients)."""
 
     def submit(self, prompt: Prompt, params: SamplingParams, request_id: str,
-               sink: Callable[[Any], None]) -> int: ...
+               sink: Callable[[Any], None], client: str = "") -> int: ...
 
 
 class IPCServer:
@@ -322,9 +327,10 @@ class IPCServer:
                 request_id=rid))
             return
         erid = f"c{conn.id}-{next(conn.seq)}"
+        client = f"c{conn.id}" if msg.client is None else f"c{conn.id}/{msg.client}"
         conn.inflight[rid] = erid
         try:
-            self.engine.submit(msg.prompt, msg.params, erid, conn.make_sink(rid, erid))
+            self.engine.submit(msg.prompt, msg.params, erid, conn.make_sink(rid, erid), client)
         except Exception as exc:  # refusals (draining, overloaded: retryable, with retry_after)
             conn.inflight.pop(rid, None)
             conn.push(error_to_message(exc, request_id=rid, fatal=False))
