@@ -58,6 +58,9 @@ from .wire_errors import error_to_message
 
 log = logging.getLogger("enginecore.ipc")
 
+#: Generate frames dispatched between two turns of the event loop (others' frames, the steps).
+GENERATES_PER_TURN = 32
+
 
 @runtime_checkable
 class ServedEngine(Engine, Protocol):
@@ -119,6 +122,7 @@ class IPCServer:
         self._tg: Optional[anyio.abc.TaskGroup] = None
         self._all_closed = anyio.Event()
         self._info: Optional[dict] = None  # Welcome's model description, once loaded
+        self._generates = 0  # Generate frames dispatched (a turn for others every few)
 
     # ------------------------------------------------------------------ lifetime
 
@@ -287,6 +291,13 @@ class IPCServer:
         t = type(msg)
         if t is Generate:
             self._generate(conn, msg)
+            # NOTE: a client's pipelined Generates arrive many to a receive (1 MiB: thousands of
+            # frames) and its reader dispatches every complete frame before it awaits again: a
+            # flood of 16k held the event loop for seconds (a submit costs tens of us), while
+            # other connections' frames and the engine's steps waited. A turn every few frames.
+            self._generates += 1
+            if not self._generates % GENERATES_PER_TURN:
+                await anyio.lowlevel.checkpoint()
         elif t is Abort:
             erid = conn.inflight.get(msg.request_id)
             if erid is not None:

@@ -6,8 +6,9 @@ then waiting ones: in arrival order within one client, round-robin across client
 (:class:`~engine.core.waiting.WaitingQueue`; with one client, FCFS). When KV blocks run out,
 the newest running request is preempted: its blocks are freed (their full blocks stay in the
 prefix cache, so its resume may hit them) and it returns to the front of the waiting queue to
-be recomputed later — it is never failed. A waiting request is admitted with the longest cached prefix of its tokens already
-computed. Only the scheduler (through its :class:`BlockManager`) changes ``block_ids``.
+be recomputed later — it is never failed. A waiting request is admitted with the longest
+cached prefix of its tokens already computed. Only the scheduler (through its
+:class:`BlockManager`) changes ``block_ids``.
 """
 
 from __future__ import annotations

@@ -65,19 +65,22 @@ class WaitingQueue:
 
     def popleft(self) -> Request:
         """Take the next request (``peek``'s); its client's turn passes to the next client."""
+        self._n -= 1
         if self._resumed:
-            self._n -= 1
             return self._resumed.popleft()
-        req = self.peek()
-        turns, client = self._turns, self._turns[0]
-        q = self._queues[client]
-        q.popleft()
+        turns, queues = self._turns, self._queues
+        while True:
+            client = turns[0]
+            q = queues[client]
+            if q:
+                break
+            del queues[turns.popleft()]  # emptied by aborts
+        req = q.popleft()
         if q:
             turns.rotate(-1)
         else:
             turns.popleft()
-            del self._queues[client]
-        self._n -= 1
+            del queues[client]
         return req
 
     def remove(self, req: Request) -> None:

@@ -55,7 +55,8 @@ InboxItem = Union[_Add, _Abort]
 
 class IntakeAPI:
     def generate(self, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None,
-                 request_id: Optional[str] = None, *, client: str = DEFAULT_CLIENT) -> RequestStream:
+                 request_id: Optional[str] = None, *,
+                 client: str = DEFAULT_CLIENT) -> RequestStream:
         """Submit now (errors are raised here, at once); iterate the result for outputs.
 
         ``client``: who the request is for. Waiting requests are admitted round-robin across

@@ -184,5 +184,6 @@ async def send_error(send, status: int, message: str, type: str = "invalid_reque
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-__all__ = ["escape_separators", "json_bytes", "JSONBody", "openai_error", "error_response", "stream_error", "param_of", "invalid_body",
+__all__ = ["escape_separators", "json_bytes", "JSONBody", "openai_error", "error_response",
+           "stream_error", "param_of", "invalid_body",
            "validation_error", "install_handlers", "error_bytes", "send_error", "STATUS_CODES"]
