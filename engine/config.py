@@ -50,6 +50,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: while PAUSED (``AsyncEngine.pause``), refuse new requests (the retryable
     #: EnginePausedError) instead of queueing them until ``resume()``
     reject_while_paused: bool = False
+    # One client's share of them (a client: an IPC connection, or one user of an HTTP frontend;
+    # in-process callers that name none share the default client, which has no share): beyond
+    # it, that client alone is refused. Waiting requests are admitted round-robin across clients.
+    max_waiting_per_client: int = 1024
+    max_queued_tokens_per_client: int = 1024 * 1024
     #: the most top logprobs (and prompt logprobs) one request may ask for per token
     max_logprobs: int = 20
     # Tensor parallelism (engine/tp/): ranks in all, hosts they span, this host's index, and
@@ -122,8 +127,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise BadRequestError("block_size must be a power of two")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise BadRequestError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.max_waiting_requests < 1 or self.max_queued_tokens < 1:
-            raise BadRequestError("max_waiting_requests and max_queued_tokens must be >= 1")
+        if min(self.max_waiting_requests, self.max_queued_tokens, self.max_waiting_per_client,
+               self.max_queued_tokens_per_client) < 1:
+            raise BadRequestError("max_waiting_requests, max_queued_tokens and their per-client "
+                                  "shares must be >= 1")
         if self.speculator == "draft" and not self.draft_model:
             raise BadRequestError("speculator 'draft' needs draft_model")
         if not (1 <= self.ngram_min <= self.ngram_max <= 16):

@@ -117,7 +117,9 @@ class Engine(Protocol):
     def max_model_len(self) -> int: ...
 
     def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                 request_id: Optional[str] = None) -> RequestStreamLike: ...
+                 request_id: Optional[str] = None, *, client: str = "") -> RequestStreamLike:
+        """``client``: who the request is for ("": the caller's own); waiting requests are
+        admitted round-robin across clients, each within its share of the admission limits."""
 
     async def abort(self, request_id: str, reason: str = "aborted by client") -> None: ...
 

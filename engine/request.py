@@ -9,6 +9,12 @@ from typing import Optional
 from .params import SamplingParams
 
 
+#: The client of a request whose caller named none: every in-process caller by default. The
+#: scheduler admits waiting requests round-robin across clients (engine/core/waiting.py); the IPC
+#: server names each connection (and each user an HTTP frontend names) a client of its own.
+DEFAULT_CLIENT = ""
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -24,11 +30,13 @@ class Request:
         "num_sealed_blocks", "block_hashes", "hash_root", "cache_epoch", "first_scheduled",
         "prompt_lps", "num_prompt_lps", "prompt_sent", "bad_words", "matcher",
         "pending", "pending_row", "hold", "overlappable", "token_limit",
-        "block_epoch", "block_mirror",
+        "block_epoch", "block_mirror", "client",
     )
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 client: str = DEFAULT_CLIENT):
         self.request_id = request_id
+        self.client = client  # whose request it is: the scheduler's waiting queue is per client
         self.params = params
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

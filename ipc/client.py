@@ -153,8 +153,9 @@ class EngineClient(ClientChannel):
         await self._stopped.wait()
 
     def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                 request_id: Optional[str] = None) -> RemoteStream:
-        """Submit now; iterate the result for outputs.
+                 request_id: Optional[str] = None, *, client: str = "") -> RemoteStream:
+        """Submit now; iterate the result for outputs. ``client``: the user it is for (a
+        client of its own on this connection: ``messages.Generate``); absent, this connection.
 
         Raised here: what the client can tell by itself (bad params/prompt/id ->
         ``BadRequestError``; engine known to be draining/shut down/dead). Raised by the
@@ -177,7 +178,7 @@ class EngineClient(ClientChannel):
                     f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_LEN} chars")
         if rid in self._requests:
             raise BadRequestError(f"request_id {rid!r} is already in flight")
-        frame = self._generate_frames.encode(rid, prompt, params)
+        frame = self._generate_frames.encode(rid, prompt, params, client or None)
         ch = self._requests.add(rid)
         self._writer.put(frame)
         return RemoteStream(rid, ch, self._abandon)

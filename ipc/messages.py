@@ -85,7 +85,10 @@ Client -> engine:
 
 * :class:`Generate` starts a request. ``request_id`` is chosen by the client and scoped to the
   connection (other connections' ids never collide with it); it must not be in use by one of
-  the connection's unfinished requests. The engine streams the request's :class:`RequestOutput`
+  the connection's unfinished requests. Requests waiting for a batch slot are admitted
+  round-robin across clients -- each connection, and each ``client`` a connection names, is one
+  -- in arrival order within one; a client holds at most its share of the engine's admission
+  limits. The engine streams the request's :class:`RequestOutput`
   pieces (new tokens/text since the previous piece) inside :class:`Outputs` frames; exactly one
   piece has ``finished=True`` (with ``finish_reason``), after which the id is free again. If the
   request is refused or fails, the engine sends ``Error(request_id=...)`` instead, and nothing
@@ -204,11 +207,14 @@ class Hello(_Message, tag="Hello"):
 
 
 class Generate(_Message, tag="Generate"):
-    """Start a request; its outputs stream back in :class:`Outputs` frames."""
+    """Start a request; its outputs stream back in :class:`Outputs` frames. ``client``: the user
+    it is for, as the connection names them (an HTTP frontend: one per API user); absent: the
+    connection itself. Each is a client of its own, within this connection."""
 
     request_id: RequestId
     prompt: Prompt
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    client: Optional[Annotated[str, Meta(max_length=MAX_NAME_LEN)]] = None  # appended
 
 
 class Abort(_Message, tag="Abort"):

@@ -89,7 +89,8 @@ class GenerateEncoder:
         # every id an int (not a bool: msgspec is strict) in range, in one C pass
         self._ids = list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size or 2**31)]]
 
-    def encode(self, rid: str, prompt: Any, params: SamplingParams) -> bytes:
+    def encode(self, rid: str, prompt: Any, params: SamplingParams,
+               client: Optional[str] = None) -> bytes:
         if isinstance(prompt, list):
             try:
                 prompt = msgspec.convert(prompt, self._ids)
@@ -99,7 +100,8 @@ class GenerateEncoder:
         elif not isinstance(prompt, str):
             raise BadRequestError("prompt must be a string or a list of token ids")
         try:
-            frame = self._codec.encode(Generate(request_id=rid, prompt=prompt, params=params))
+            frame = self._codec.encode(Generate(request_id=rid, prompt=prompt, params=params,
+                                                client=client))
         except FrameTooLargeError as exc:
             raise BadRequestError(f"request too large: {exc}") from None
         except (TypeError, ValueError, OverflowError) as exc:  # msgspec.EncodeError is a ValueError

@@ -18,6 +18,10 @@ token is admitted at once, the answers to failed authentications are held per pe
 
 Request ids are the client's, scoped to its connection: the engine sees ``c<conn>-<n>`` and the
 outputs are renamed back, so clients can neither collide with nor abort each other's requests.
+Each connection is a client of the engine's (``c<conn>``: its waiting requests take turns with
+other clients', and it holds at most its share of the admission limits), and so is each user a
+connection names in ``Generate.client`` (``c<conn>/<name>``: an HTTP frontend's users), so no
+connection can pass for another's users.
 
 ``serve_ipc`` returns when the engine has stopped (after a drain, shutdown or failure -- also one
 a client asked for), after each connection's pending replies are flushed; or when cancelled. It
@@ -55,15 +59,19 @@ from .wire_errors import error_to_message
 
 log = logging.getLogger("enginecore.ipc")
 
+#: Generate frames dispatched between two turns of the event loop (others' frames, the steps).
+GENERATES_PER_TURN = 32
+
 
 @runtime_checkable
 class ServedEngine(Engine, Protocol):
     """An :class:`~engine.interface.Engine` with the server's fast path: ``submit`` delivers a
     request's outputs (or the exception that ends it) to ``sink`` on the event-loop thread,
-    all of one step's outputs in one go; returns the number of prompt tokens."""
+    all of one step's outputs in one go; returns the number of prompt tokens. ``client``: whose
+    request it is (the engine's fairness between clients)."""
 
     def submit(self, prompt: Prompt, params: SamplingParams, request_id: str,
-               sink: Callable[[Any], None]) -> int: ...
+               sink: Callable[[Any], None], client: str = "") -> int: ...
 
 
 class IPCServer:
@@ -115,6 +123,7 @@ class IPCServer:
         self._tg: Optional[anyio.abc.TaskGroup] = None
         self._all_closed = anyio.Event()
         self._info: Optional[dict] = None  # Welcome's model description, once loaded
+        self._generates = 0  # Generate frames dispatched (a turn for others every few)
 
     # ------------------------------------------------------------------ lifetime
 
@@ -283,6 +292,13 @@ class IPCServer:
         t = type(msg)
         if t is Generate:
             self._generate(conn, msg)
+            # NOTE: a client's pipelined Generates arrive many to a receive (1 MiB: thousands of
+            # frames) and its reader dispatches every complete frame before it awaits again: a
+            # flood of 16k held the event loop for seconds (a submit costs tens of us), while
+            # other connections' frames and the engine's steps waited. A turn every few frames.
+            self._generates += 1
+            if not self._generates % GENERATES_PER_TURN:
+                await anyio.lowlevel.checkpoint()
         elif t is Abort:
             erid = conn.inflight.get(msg.request_id)
             if erid is not None:
@@ -323,9 +339,10 @@ class IPCServer:
                 request_id=rid))
             return
         erid = f"c{conn.id}-{next(conn.seq)}"
+        client = f"c{conn.id}" if msg.client is None else f"c{conn.id}/{msg.client}"
         conn.inflight[rid] = erid
         try:
-            self.engine.submit(msg.prompt, msg.params, erid, conn.make_sink(rid, erid))
+            self.engine.submit(msg.prompt, msg.params, erid, conn.make_sink(rid, erid), client)
         except Exception as exc:  # refusals (draining, overloaded: retryable, with retry_after)
             conn.inflight.pop(rid, None)
             conn.push(error_to_message(exc, request_id=rid, fatal=False))

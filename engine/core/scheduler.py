@@ -2,20 +2,24 @@
 
 There are no prefill/decode phases: each step brings every scheduled request's
 ``num_computed_tokens`` closer to its ``num_tokens``. Running requests go first (oldest first),
-then waiting ones in arrival order (FCFS). When KV blocks run out, the newest running request is
-preempted: its blocks are freed (their full blocks stay in the prefix cache, so its resume may
-hit them) and it returns to the front of the waiting queue to be recomputed later — it is never
-failed. A waiting request is admitted with the longest cached prefix of its tokens already
-computed. Only the scheduler (through its :class:`BlockManager`) changes ``block_ids``.
+then waiting ones: in arrival order within one client, round-robin across clients
+(:class:`~engine.core.waiting.WaitingQueue`; with one client, FCFS). When KV blocks run out,
+the newest running request is preempted: its blocks are freed (their full blocks stay in the
+prefix cache, so its resume may hit them) and it returns to the front of the waiting queue to
+be recomputed later — it is never failed. A waiting request is admitted with the longest
+cached prefix of its tokens already computed. Only the scheduler (through its
+:class:`BlockManager`) changes ``block_ids``.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from typing import Hashable
 
 from engine.kv.block_manager import BlockManager
 from engine.kv.kv_cache import blocks_needed
 from engine.request import Request, Status
+
+from .waiting import WaitingQueue
 
 
 class Scheduler:
@@ -24,8 +28,9 @@ class Scheduler:
         self.block_size = blocks.block_size
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
+        self._running_of: dict[Hashable, int] = {}  # client -> its running requests (> 0)
         self.num_preemptions = 0
         #: requests finished or aborted so far (a step planned before sees none left if equal)
         self.removed = 0
@@ -35,10 +40,19 @@ class Scheduler:
         req.status = Status.WAITING
         self.waiting.append(req)
 
+    def move(self, req: Request, client: Hashable) -> None:
+        """``req``, just added, is ``client``'s: it waits behind that client's requests."""
+        self.waiting.move(req, client)
+
+    def running_of(self, client: Hashable) -> int:
+        """How many of ``client``'s requests are running."""
+        return self._running_of.get(client, 0)
+
     def remove(self, req: Request) -> None:
         """Take ``req`` out of the queues and free its blocks (finish or abort)."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
+            self._stopped(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
         self.blocks.free(req)
@@ -80,8 +94,9 @@ class Scheduler:
             scheduled.add(id(req))
             budget -= n + spec
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        waiting = self.waiting
+        while waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = waiting.peek()
             hit = [] if req.skips_prefix_cache else self.blocks.lookup(req)
             start = len(hit) * self.block_size
             n = min(req.num_tokens - start, budget)
@@ -89,10 +104,11 @@ class Scheduler:
             if not self.blocks.can_admit(hit, need):
                 break
             self.blocks.admit(req, hit, need)
-            self.waiting.popleft()
+            waiting.popleft()
             req.status = Status.RUNNING
             req.spec_token_ids = []
             self.running.append(req)
+            self._running_of[req.client] = self._running_of.get(req.client, 0) + 1
             # the blocks this chunk fills are found by the requests admitted after it
             self.blocks.seal_ahead(req, start + n)
             out.append((req, n))
@@ -144,6 +160,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self._stopped(req)
         self.blocks.free(req)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -152,10 +169,19 @@ class Scheduler:
         req.status = Status.WAITING
         self.waiting.appendleft(req)
 
+    def _stopped(self, req: Request) -> None:
+        """``req`` left ``running``."""
+        n = self._running_of[req.client] - 1
+        if n:
+            self._running_of[req.client] = n
+        else:
+            del self._running_of[req.client]
+
     # -- bookkeeping -------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Waiting requests hold nothing; the block manager's counts, lists and index agree with
         the running requests' blocks."""
         for r in self.waiting:
             assert not r.block_ids and r.num_computed_tokens == 0, f"waiting {r} holds blocks"
+        assert sum(self._running_of.values()) == len(self.running), "running counts per client"
         self.blocks.check_integrity(self.running)

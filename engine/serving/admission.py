@@ -9,7 +9,11 @@ Checked where the request enters (``AsyncEngine.submit``), before anything is qu
   ``max_model_len`` tokens of the vocabulary's longest token can fit, so it is refused at once;
 * the engine-wide limits: requests waiting for a batch slot (``max_waiting_requests``) and prompt
   tokens held by unfinished requests (``max_queued_tokens``) -- beyond either, a retryable
-  :class:`EngineOverloadedError`, and nothing is queued.
+  :class:`EngineOverloadedError`, and nothing is queued;
+* a named client's share of them (``max_waiting_per_client``, ``max_queued_tokens_per_client``):
+  one client -- an IPC connection, one user of an HTTP frontend -- cannot fill the engine-wide
+  limits and have everyone else refused. The default client (in-process callers that name
+  none: the program that owns the engine) has no share of its own.
 
 Tokenization never runs on the event loop for long texts: a prompt of more than
 :data:`INLINE_TOKENIZE_CHARS` characters is tokenized on a worker thread through the tokenizer's
@@ -26,29 +30,43 @@ import msgspec
 
 from engine.errors import BadRequestError, EngineOverloadedError
 from engine.params import SamplingParams
+from engine.request import DEFAULT_CLIENT
 
 #: Text prompts up to this many characters are tokenized inline (well under a millisecond).
 INLINE_TOKENIZE_CHARS = 4096
 MAX_REQUEST_ID_LEN = 256
+MAX_CLIENT_LEN = 512  # characters of a client's name
 
 
 class Admission:
     def __init__(self, runner, *, max_waiting_requests: int, max_queued_tokens: int,
+                 max_waiting_per_client: Optional[int] = None,
+                 max_queued_tokens_per_client: Optional[int] = None,
                  tokenizer_threads: int = 2) -> None:
         self.runner = runner
         self.max_waiting = max_waiting_requests
         self.max_tokens = max_queued_tokens
+        self.client_waiting = min(max_waiting_per_client or max_waiting_requests,
+                                  max_waiting_requests)
+        self.client_tokens = min(max_queued_tokens_per_client or max_queued_tokens,
+                                 max_queued_tokens)
         self.tokens_in_flight = 0  # prompt tokens of accepted, unfinished requests
         self._tokens: dict[str, int] = {}
+        # named clients only: request id -> its client; client -> [unfinished requests, their
+        # prompt tokens] (a client's entry goes with its last unfinished request)
+        self._owner: dict[str, str] = {}
+        self._clients: dict[str, list[int]] = {}
         self._limiter = anyio.CapacityLimiter(tokenizer_threads)
         self._ids_type = (-1, None)  # (vocabulary size, the prompt ids' msgspec type for it)
 
     # -- checks (raise; nothing queued) ---------------------------------------------------------
     def check(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
-              num_waiting: int) -> None:
+              num_waiting: int, client: str = DEFAULT_CLIENT) -> None:
         if not isinstance(request_id, str) or not (0 < len(request_id) <= MAX_REQUEST_ID_LEN):
             raise BadRequestError(
                 f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_LEN} chars")
+        if type(client) is not str or len(client) > MAX_CLIENT_LEN:
+            raise BadRequestError(f"client must be a string of at most {MAX_CLIENT_LEN} chars")
         if not isinstance(params, SamplingParams):
             raise BadRequestError("params must be SamplingParams")
         params.validate()
@@ -75,11 +93,29 @@ class Admission:
                 f"engine is overloaded: {self.tokens_in_flight} prompt tokens are queued "
                 f"(max_queued_tokens={self.max_tokens}); retry later")
 
+    def check_client(self, client: str, num_running: int) -> None:
+        """A named client's share: its waiting requests (``num_running`` of its unfinished ones
+        are running) and its prompt tokens."""
+        held = self._clients.get(client)
+        if held is None:
+            return
+        if held[0] - num_running >= self.client_waiting:
+            raise EngineOverloadedError(
+                f"engine is overloaded for this client: {held[0] - num_running} of its requests "
+                f"are waiting (max_waiting_per_client={self.client_waiting}); retry later")
+        if held[1] >= self.client_tokens:
+            raise EngineOverloadedError(self._client_tokens_error(held[1]))
+
+    def _client_tokens_error(self, held: int) -> str:
+        return (f"engine is overloaded for this client: {held} of its prompt tokens are queued "
+                f"(max_queued_tokens_per_client={self.client_tokens}); retry later")
+
     @property
     def max_prompt_chars(self) -> int:
         return self.runner.max_model_len * max(1, self.runner.tokenizer.max_token_chars)
 
-    def check_ids(self, ids: list[int], params: SamplingParams) -> list[int]:
+    def check_ids(self, ids: list[int], params: SamplingParams,
+                  client: str = DEFAULT_CLIENT) -> list[int]:
         """The prompt's ids as the engine takes them (the last ``truncate_prompt_tokens``): a
         new list of plain ints, whatever the caller does with its own list afterwards."""
         if params.truncate_prompt_tokens is not None:
@@ -103,6 +139,9 @@ class Admission:
             raise EngineOverloadedError(
                 f"engine is overloaded: {self.tokens_in_flight} prompt tokens are queued "
                 f"(max_queued_tokens={self.max_tokens}); retry later")
+        held = self._clients.get(client) if client != DEFAULT_CLIENT else None
+        if held is not None and held[1] and held[1] + len(ids) > self.client_tokens:
+            raise EngineOverloadedError(self._client_tokens_error(held[1]))
         return ids
 
     # -- tokenization ---------------------------------------------------------------------------
@@ -133,12 +172,42 @@ class Admission:
         return [await to_thread.run_sync(tok.decode, ids, limiter=self._limiter)]
 
     # -- accounting -----------------------------------------------------------------------------
+    def opened(self, request_id: str, client: str) -> None:
+        """``request_id`` is ``client``'s and unfinished (until :meth:`finished`)."""
+        if client == DEFAULT_CLIENT:
+            return
+        self._owner[request_id] = client
+        held = self._clients.get(client)
+        if held is None:
+            self._clients[client] = [1, 0]
+        else:
+            held[0] += 1
+
     def accepted(self, request_id: str, num_tokens: int) -> None:
+        """Its prompt has ``num_tokens`` tokens (it goes to the core)."""
         self._tokens[request_id] = num_tokens
         self.tokens_in_flight += num_tokens
+        client = self._owner.get(request_id)
+        if client is not None:
+            self._clients[client][1] += num_tokens
 
     def finished(self, request_id: str) -> None:
-        self.tokens_in_flight -= self._tokens.pop(request_id, 0)
+        """Its terminal output or error was delivered."""
+        n = self._tokens.pop(request_id, 0)
+        self.tokens_in_flight -= n
+        client = self._owner.pop(request_id, None)
+        if client is not None:
+            held = self._clients[client]
+            if held[0] == 1:
+                del self._clients[client]
+            else:
+                held[0] -= 1
+                held[1] -= n
+
+    def unfinished_of(self, client: str) -> tuple[int, int]:
+        """A named client's unfinished requests and their prompt tokens."""
+        held = self._clients.get(client)
+        return (held[0], held[1]) if held is not None else (0, 0)
 
 
-__all__ = ["Admission", "INLINE_TOKENIZE_CHARS", "MAX_REQUEST_ID_LEN"]
+__all__ = ["Admission", "INLINE_TOKENIZE_CHARS", "MAX_CLIENT_LEN", "MAX_REQUEST_ID_LEN"]

@@ -60,8 +60,11 @@ class AsyncEngine(IntakeAPI, EngineLoop, SleepAPI, PauseAPI, TransferAPI):
         self._handed: deque[list] = deque()
         self._held_lock = threading.Lock()
         self._inbox: deque[InboxItem] = deque()
-        self.admission = Admission(self.runner, max_waiting_requests=config.max_waiting_requests,
-                                   max_queued_tokens=config.max_queued_tokens)
+        self.admission = Admission(
+            self.runner, max_waiting_requests=config.max_waiting_requests,
+            max_queued_tokens=config.max_queued_tokens,
+            max_waiting_per_client=config.max_waiting_per_client,
+            max_queued_tokens_per_client=config.max_queued_tokens_per_client)
         self._tg: Optional[anyio.abc.TaskGroup] = None
         #: accepted requests whose long prompt is tokenized on a worker thread -> abort reason
         self._tokenizing: dict[str, Optional[str]] = {}

@@ -23,6 +23,7 @@ import uuid
 
 from engine.errors import BadRequestError
 from engine.params import RequestOutput, SamplingParams
+from engine.request import DEFAULT_CLIENT
 from states import State
 
 from .request_stream import RequestStream, Sink
@@ -40,6 +41,7 @@ class _Add(NamedTuple):
     ids: list[int]
     params: SamplingParams
     grammar: object = None  # params.structured compiled (engine/structured/grammars.py)
+    client: str = DEFAULT_CLIENT  # whose request (the scheduler's turns; admission's shares)
 
 
 class _Abort(NamedTuple):
@@ -54,19 +56,25 @@ InboxItem = Union[_Add, _Abort]
 
 class IntakeAPI:
     def generate(self, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None,
-                 request_id: Optional[str] = None) -> RequestStream:
-        """Submit now (errors are raised here, at once); iterate the result for outputs."""
+                 request_id: Optional[str] = None, *,
+                 client: str = DEFAULT_CLIENT) -> RequestStream:
+        """Submit now (errors are raised here, at once); iterate the result for outputs.
+
+        ``client``: who the request is for. Waiting requests are admitted round-robin across
+        clients (FIFO within one), and a named client (not the default, which every caller
+        naming none shares) may hold only its share of the admission limits
+        (``max_waiting_per_client``, ``max_queued_tokens_per_client``)."""
         rid = request_id if request_id is not None else uuid.uuid4().hex
         stream = RequestStream(rid, self._abort_nowait)
         try:
-            self.submit(prompt, params or SamplingParams(), rid, stream.sink())
+            self.submit(prompt, params or SamplingParams(), rid, stream.sink(), client=client)
         except BaseException:
             stream._close()  # refused: nothing was accepted, nothing to abort
             raise
         return stream
 
     def submit(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
-               sink: Sink) -> Optional[int]:
+               sink: Sink, client: str = DEFAULT_CLIENT) -> Optional[int]:
         """Lower-level ``generate``: outputs go to ``sink`` (called on the event-loop thread).
 
         What can be told at once is raised here (not serving, bad id/params/prompt, overloaded:
@@ -78,32 +86,35 @@ class IntakeAPI:
         if request_id in self._sinks:
             raise BadRequestError(f"request_id {request_id!r} is already in flight")
         core = self.core
+        admission = self.admission
         waiting = len(self._sinks) - (core.num_running if core is not None else 0)
-        self.admission.check(request_id, prompt, params, waiting)
-        ids = self.admission.ids_now(prompt)
+        admission.check(request_id, prompt, params, waiting, client)
+        if client != DEFAULT_CLIENT:  # its share (the default client has none)
+            admission.check_client(client, core.scheduler.running_of(client) if core else 0)
+        ids = admission.ids_now(prompt)
         if ids is not None:
-            ids = self.admission.check_ids(ids, params)
+            ids = admission.check_ids(ids, params, client)
         st = params.structured
         grammar = self.grammars.cached(st) if st is not None else None
+        admission.opened(request_id, client)
+        self._sinks[request_id] = sink
         if ids is None or (st is not None and grammar is None):
-            self._sinks[request_id] = sink
             self._tokenizing[request_id] = None
             assert self._tg is not None
             self._tg.start_soon(self._prepare_then_add, request_id,
-                                prompt if ids is None else ids, params)
+                                prompt if ids is None else ids, params, client)
             return None if ids is None else len(ids)
-        self._sinks[request_id] = sink
-        self._accept(request_id, ids, params, grammar)
+        self._accept(request_id, ids, params, grammar, client)
         return len(ids)
 
     def _accept(self, request_id: str, ids: list[int], params: SamplingParams,
-                grammar=None) -> None:
+                grammar=None, client: str = DEFAULT_CLIENT) -> None:
         self.admission.accepted(request_id, len(ids))
-        self._inbox.append(_Add(request_id, ids, params, grammar))
+        self._inbox.append(_Add(request_id, ids, params, grammar, client))
         self._wake()
 
     async def _prepare_then_add(self, request_id: str, prompt: Union[str, list[int]],
-                                params: SamplingParams) -> None:
+                                params: SamplingParams, client: str) -> None:
         """Tokenize a long text prompt and compile the output constraint's grammar, off the
         event loop; then add the request (or end it: an error, an abort meanwhile)."""
         grammar = None
@@ -112,7 +123,7 @@ class IntakeAPI:
                 ids = await self.admission.tokenize(prompt)
                 if self._sinks.get(request_id) is None:
                     return  # the engine died meanwhile: the sink already has its error
-                ids = self.admission.check_ids(ids, params)
+                ids = self.admission.check_ids(ids, params, client)
             else:
                 ids = prompt
             if params.structured is not None and self._tokenizing.get(request_id) is None:
@@ -127,9 +138,10 @@ class IntakeAPI:
         except Exception as exc:
             sink = self._sinks.pop(request_id, None)
             if sink is not None:
+                self.admission.finished(request_id)
                 sink(exc)
         else:
-            self._accept(request_id, ids, params, grammar)
+            self._accept(request_id, ids, params, grammar, client)
         finally:
             self._tokenizing.pop(request_id, None)
             self._wake()

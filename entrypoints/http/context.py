@@ -108,10 +108,11 @@ class Frontend:
         return (self.max_model_len or 4096) if chat else 16
 
     # -- calls ----------------------------------------------------------------------------------
-    def generate(self, prompt, params: SamplingParams, request_id: str) -> RequestStreamLike:
+    def generate(self, prompt, params: SamplingParams, request_id: str,
+                 client: str = "") -> RequestStreamLike:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        return self.engine.generate(prompt, params, request_id=request_id)
+        return self.engine.generate(prompt, params, request_id=request_id, client=client)
 
     async def chat_prompt(self, messages: list[dict]) -> str:
         if self.dead is not None:
@@ -145,4 +146,13 @@ class Frontend:
         return (200 if live else 503), body, h
 
 
-__all__ = ["Frontend", "HEALTH_PROBE_TIMEOUT"]
+def client_of(request) -> str:
+    """The user an HTTP request is for, as the engine tells clients apart (its waiting requests
+    take turns with other users', within a share of the admission limits): the peer's host, its
+    port aside. NOTE: not an ``Authorization`` key -- the generation routes do not check one, and
+    a key anyone may invent would let one host pass for any number of users."""
+    peer = request.client
+    return peer.host if peer is not None and peer.host else ""
+
+
+__all__ = ["Frontend", "HEALTH_PROBE_TIMEOUT", "client_of"]

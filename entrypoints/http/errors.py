@@ -44,9 +44,40 @@ _REJECTED_REASON = {ErrorKind.BAD_REQUEST: "bad_request", ErrorKind.DRAINING: "d
                     ErrorKind.OVERLOADED: "overloaded", ErrorKind.SLEEPING: "sleeping"}
 
 
+# NOTE: JSON leaves U+0085 (NEL), U+2028 and U+2029 unescaped (msgspec, and json.dumps with
+# ensure_ascii=False, as Starlette's JSONResponse), but Python's str.splitlines -- so httpx's
+# iter_lines, and other line-based readers -- ends a line at each: an SSE event whose text has
+# one arrives cut in two. Escaped (``\u0085``) they stay the same JSON. In valid UTF-8 their
+# byte sequences cannot occur inside another character, and JSON puts non-ASCII text only
+# inside strings: replacing the bytes is exact.
+_SEPARATORS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"),
+               (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def escape_separators(data: bytes) -> bytes:
+    """UTF-8 JSON ``data`` with U+0085, U+2028 and U+2029 escaped (the same JSON value)."""
+    if data.isascii():  # (most chunks: one pass in C)
+        return data
+    for raw, escaped in _SEPARATORS:
+        data = data.replace(raw, escaped)
+    return data
+
+
+def json_bytes(obj) -> bytes:
+    """``obj`` as JSON that no line-based reader splits (:func:`escape_separators`)."""
+    return escape_separators(_json.encode(obj))
+
+
+class JSONBody(JSONResponse):
+    """Starlette's JSONResponse, with U+0085, U+2028 and U+2029 escaped."""
+
+    def render(self, content) -> bytes:
+        return escape_separators(super().render(content))
+
+
 def openai_error(status: int, message: str, type: str, param=None, code=None,
                  headers=None) -> JSONResponse:
-    return JSONResponse(P.error_body(message, type, param, code), status_code=status, headers=headers)
+    return JSONBody(P.error_body(message, type, param, code), status_code=status, headers=headers)
 
 
 def error_response(exc: BaseException, metrics=None) -> JSONResponse:
@@ -138,7 +169,7 @@ def install_handlers(app: FastAPI, metrics) -> None:
 
 def error_bytes(status: int, message: str, type: str = "invalid_request_error",
                 code: Optional[str] = None) -> bytes:
-    return _json.encode(P.error_body(message, type, None, code or STATUS_CODES.get(status)))
+    return json_bytes(P.error_body(message, type, None, code or STATUS_CODES.get(status)))
 
 
 async def send_error(send, status: int, message: str, type: str = "invalid_request_error",
@@ -153,5 +184,6 @@ async def send_error(send, status: int, message: str, type: str = "invalid_reque
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-__all__ = ["openai_error", "error_response", "stream_error", "param_of", "invalid_body",
+__all__ = ["escape_separators", "json_bytes", "JSONBody", "openai_error", "error_response",
+           "stream_error", "param_of", "invalid_body",
            "validation_error", "install_handlers", "error_bytes", "send_error", "STATUS_CODES"]

@@ -18,26 +18,25 @@ import math
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import anyio
-import msgspec
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from engine.errors import EngineError, EngineShutdownError
 from engine.interface import RequestStreamLike
 from . import protocol as P
 from .choices import ChoiceState, Job, Kind, total_usage
-from .context import Frontend
-from .errors import error_response, stream_error
+from .context import Frontend, client_of
+from .errors import JSONBody, error_response, json_bytes, stream_error
 from .metrics import Metrics, RequestTracker
 
 log = logging.getLogger("enginecore.http")
 
-_json = msgspec.json.Encoder()
 _DONE = b"data: [DONE]\n\n"
 
 
 def _sse(obj: dict) -> bytes:
-    return b"data: " + _json.encode(obj) + b"\n\n"
+    """One event: its JSON on one line, whatever line ends a reader knows (errors.json_bytes)."""
+    return b"data: " + json_bytes(obj) + b"\n\n"
 
 
 async def _unless_disconnected(request: Request, fn: Callable[[], Awaitable[Any]],
@@ -69,17 +68,19 @@ class _Run:
     """One engine request: its outputs (starting with the first), metrics, and the abort if it
     is left before its terminal output."""
 
-    def __init__(self, fe: Frontend, tracker: RequestTracker, request_id: str) -> None:
+    def __init__(self, fe: Frontend, tracker: RequestTracker, request_id: str,
+                 client: str) -> None:
         self.fe = fe
         self.tracker = tracker
         self.request_id = request_id
+        self.client = client
         self.it: Optional[RequestStreamLike] = None
         self.first = None
         self.finished = False
         self.closed = False
 
     async def start(self, prompt, params) -> "_Run":
-        self.it = self.fe.generate(prompt, params, self.request_id)
+        self.it = self.fe.generate(prompt, params, self.request_id, self.client)
         try:
             self.first = await self.it.__anext__()
         except StopAsyncIteration:  # pragma: no cover - engines always send a terminal output
@@ -155,13 +156,13 @@ class _Request:
     """The runs of one HTTP request, one per job (choice)."""
 
     def __init__(self, fe: Frontend, jobs: list[Job], kind: Kind, arrival: float,
-                 echo: bool, want_prompt_lps: bool) -> None:
+                 echo: bool, want_prompt_lps: bool, client: str = "") -> None:
         self.fe = fe
         self.jobs = jobs
         self.kind = kind
         single = len(jobs) == 1
         self.runs = [_Run(fe, fe.metrics.tracker(arrival),
-                          kind.rid if single else f"{kind.rid}-{j.index}") for j in jobs]
+                          kind.rid if single else f"{kind.rid}-{j.index}", client) for j in jobs]
         self.states = [ChoiceState(kind.chat, j, echo, want_prompt_lps, kind.tools) for j in jobs]
 
     async def start(self) -> None:
@@ -197,7 +198,7 @@ async def serve_request(fe: Frontend, request: Request, body: P._SamplingFields,
                         jobs: list[Job], kind: Kind, arrival: float, *, echo: bool = False,
                         want_prompt_lps: bool = False) -> Response:
     """Submit every choice, then answer: one JSON response, or the event stream."""
-    req = _Request(fe, jobs, kind, arrival, echo, want_prompt_lps)
+    req = _Request(fe, jobs, kind, arrival, echo, want_prompt_lps, client_of(request))
 
     how, result = await _unless_disconnected(request, req.start, fe.metrics)
     if how != "ok":
@@ -222,7 +223,7 @@ async def serve_request(fe: Frontend, request: Request, body: P._SamplingFields,
         await req.close()
     if how != "ok":
         return Response(status_code=499) if how == "gone" else result
-    return JSONResponse(kind.whole(req.states))
+    return JSONBody(kind.whole(req.states))
 
 
 class _EventStream(StreamingResponse):

@@ -9,12 +9,12 @@ from importlib import metadata
 from typing import Annotated, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import Field, StrictBool, StrictStr
 
 from . import protocol as P
 from .context import Frontend
-from .errors import error_response
+from .errors import JSONBody, error_response
 
 
 class TokenizeRequest(P._Body):
@@ -61,7 +61,7 @@ def register(app: FastAPI, fe: Frontend, parse_body) -> None:
                 out["token_strs"] = await fe.engine.detokenize(ids, each=True)
         except Exception as exc:
             return error_response(exc, fe.metrics)
-        return JSONResponse(out)
+        return JSONBody(out)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
@@ -76,7 +76,7 @@ def register(app: FastAPI, fe: Frontend, parse_body) -> None:
             text = (await fe.engine.detokenize(list(body.tokens)))[0]
         except Exception as exc:
             return error_response(exc, fe.metrics)
-        return JSONResponse({"prompt": text})
+        return JSONBody({"prompt": text})
 
     @app.get("/version")
     async def get_version() -> dict:

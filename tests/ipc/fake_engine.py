@@ -3,7 +3,8 @@ plus the IPC server's ``submit`` with a sink (``ipc.server.ServedEngine``).
 
 Each step produces one token per running request and hands all of the step's outputs to their
 sinks in one synchronous loop, like ``AsyncEngine._dispatch``. Token ``k`` of a request is
-``k``; its text is ``"<k>"`` (or ``text_size`` bytes when set).
+``k``; its text is ``"<k>"`` (or ``text_size`` bytes when set, or ``text(k)``). ``clients``:
+each submitted request's client, as ``submit`` got it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from states import InvalidTransitionError, Lifecycle, State
 
 class FakeEngine:
     def __init__(self, step_interval: float = 0.002, text_size: int = 0, *, tokenizer=None,
-                 max_model_len: int = 0) -> None:
+                 max_model_len: int = 0, text: Optional[Callable[[int], str]] = None) -> None:
         self.lifecycle = Lifecycle()
         self.lifecycle.trigger("load")
         self.lifecycle.trigger("serve")
@@ -33,6 +34,8 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.step_interval = step_interval
         self.text_size = text_size
+        self.text = text
+        self.clients: dict[str, str] = {}
         self.requests: dict[str, list] = {}  # rid -> [sink, params, n_out, n_prompt]
         self.aborted: list[tuple[str, str]] = []
         self.submitted: list[str] = []
@@ -81,18 +84,18 @@ class FakeEngine:
                                     add_generation_prompt)
 
     def generate(self, prompt, params: Optional[SamplingParams] = None,
-                 request_id: Optional[str] = None) -> RequestStreamLike:
+                 request_id: Optional[str] = None, *, client: str = "") -> RequestStreamLike:
         from engine.serving.request_stream import RequestStream
 
         rid = request_id or f"fake-{len(self.submitted)}"
         stream = RequestStream(self, rid)
-        self.submit(prompt, params or SamplingParams(), rid, stream.sink())
+        self.submit(prompt, params or SamplingParams(), rid, stream.sink(), client)
         return stream
 
     def on_state_change(self, listener) -> None:
         self._listeners.append(listener)
 
-    def submit(self, prompt, params: SamplingParams, request_id: str, sink) -> int:
+    def submit(self, prompt, params: SamplingParams, request_id: str, sink, client: str = "") -> int:
         st = self.state
         if st is State.DRAINING:
             raise EngineDrainingError(retry_after=2.5)
@@ -110,6 +113,7 @@ class FakeEngine:
             raise BadRequestError("empty prompt")
         self.requests[request_id] = [sink, params, 0, n_prompt]
         self.submitted.append(request_id)
+        self.clients[request_id] = client
         return n_prompt
 
     async def abort(self, request_id: str, reason: str = "aborted by client") -> None:
@@ -193,7 +197,8 @@ class FakeEngine:
         for rid, req in list(self.requests.items()):
             sink, params, n, n_prompt = req
             req[2] = n = n + 1
-            text = "x" * self.text_size if self.text_size else f"<{n}>"
+            text = (self.text(n) if self.text is not None
+                    else "x" * self.text_size if self.text_size else f"<{n}>")
             out = RequestOutput(request_id=rid, token_ids=[n], text=text,
                                 num_prompt_tokens=n_prompt, num_output_tokens=n)
             if n >= params.max_tokens:

@@ -342,10 +342,10 @@ async def test_engine_admission_limit_reaches_the_client_typed_and_retryable():
     from engine.errors import EngineOverloadedError
 
     class Full(FakeEngine):
-        def submit(self, prompt, params, request_id, sink):
+        def submit(self, prompt, params, request_id, sink, client=""):
             if len(self.requests) >= 2:
                 raise EngineOverloadedError("too many waiting requests (max 2)", retry_after=0.75)
-            return super().submit(prompt, params, request_id, sink)
+            return super().submit(prompt, params, request_id, sink, client)
 
     async with serving(Full()) as (eng, server, addr), EngineClient.connect(addr) as c:
         running = [c.generate([1], SamplingParams(max_tokens=100_000)) for _ in range(2)]
