@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 from engine.errors import BadRequestError
 from engine.kv.kv_cache import blocks_needed
 from engine.params import Logprobs, RequestOutput, SamplingParams
-from engine.request import Request
+from engine.request import DEFAULT_CLIENT, Request
 from engine.runner.model_runner import ModelRunner
 from engine.sample.bad_words import bad_word_sequences
 from engine.sample.sampler import StepResult
@@ -68,14 +68,15 @@ class EngineCore(LateStep):
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    params: SamplingParams, grammar=None) -> Request:
+                    params: SamplingParams, grammar=None,
+                    client: str = DEFAULT_CLIENT) -> Request:
         """Validated input only (the async engine checks ids, params and length first).
 
         The request's per-request state is prepared here, once (``ModelRunner.admit``): if that
         fails, nothing is added and the error is raised for this request alone. ``grammar``:
         the compiled grammar of ``params.structured`` (the async engine compiled it); the
-        request gets its own matcher of it."""
-        req = Request(request_id, prompt_token_ids, params)  # Request keeps its own copy
+        request gets its own matcher of it. ``client``: whose request (the waiting queue's turns)."""
+        req = Request(request_id, prompt_token_ids, params, client)  # keeps its own copy of ids
         try:
             if params.structured is not None:
                 if grammar is None:

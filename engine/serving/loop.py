@@ -25,7 +25,6 @@ from anyio import from_thread
 from engine.core.engine_core import EngineCore
 from engine.errors import EngineDeadError
 from engine.params import RequestOutput
-from engine.request import DEFAULT_CLIENT
 from states import State
 
 from .cpu_threads import governed
@@ -199,9 +198,8 @@ class EngineLoop:
                 self._pause.park(item)  # queued until resume (engine/serving/pause.py)
             elif type(item) is _Add:
                 try:
-                    req = core.add_request(item.request_id, item.ids, item.params, item.grammar)
-                    if item.client != DEFAULT_CLIENT:  # added as the default client's
-                        core.scheduler.move(req, item.client)
+                    core.add_request(item.request_id, item.ids, item.params, item.grammar,
+                                     item.client)
                 except Exception as exc:  # this request's own input: it ends, the engine serves on
                     log.warning("request %s refused at admission: %s", item.request_id, exc)
                     self._dispatch([RequestOutput(
