@@ -8,8 +8,8 @@ while the engine is alive), ``GET /ready`` (200 only while it is SERVING), ``GET
 ``sleep_mode``, the admin endpoints of ``admin.py`` (``/sleep``, ``/wake_up``, ...).
 
 A request passes, in order: the in-flight limit and the body limits (``guards.py``, before the
-body is read), the short lists' sizes in bytes (``raw_limits.check_list_sizes``, before the body
-becomes objects), the JSON schema (``protocol.py``: strict types, every number and list bounded;
+body is read), every list's length and the free-form JSON's size (``raw_limits.check_list_sizes``,
+before the body becomes objects), the JSON schema (``protocol.py``: strict types, every number and list bounded;
 a large body is parsed on a worker thread), the prompt's size in characters, then the chat
 template (rendered off the event loop by the engine's async ``apply_chat_template``) and the
 engine. Every refusal is an OpenAI-shaped error (``errors.py``).
@@ -43,7 +43,7 @@ async def parse_body(request: Request, model: type[Body], fe: Frontend) -> Body:
     """The request's JSON body as ``model`` (``RequestError`` if it is not one). The guard has
     bounded its size; a large one is parsed on a worker thread."""
     raw = await request.body()
-    parse = _checked(model) if issubclass(model, P._SamplingFields) else model.model_validate_json
+    parse = _checked(model)
     try:
         if len(raw) <= INLINE_PARSE_BYTES:
             return parse(raw)
@@ -53,10 +53,10 @@ async def parse_body(request: Request, model: type[Body], fe: Frontend) -> Body:
 
 
 def _checked(model: type[Body]):
-    """``model.model_validate_json`` after the short lists' sizes (``raw_limits.check_list_sizes``)."""
+    """``model.model_validate_json`` after the lists' sizes (``raw_limits.check_list_sizes``)."""
     def parse(raw: bytes) -> Body:
-        check_list_sizes(raw)
-        return model.model_validate_json(raw)
+        kind = check_list_sizes(raw)
+        return model.for_prompt(kind).model_validate_json(raw)
     return parse
 
 
