@@ -44,19 +44,36 @@ async def parse_body(request: Request, model: type[Body], fe: Frontend) -> Body:
     bounded its size; a large one is parsed on a worker thread."""
     raw = await request.body()
     parse = _checked(model)
+    if len(raw) <= INLINE_PARSE_BYTES:
+        got = parse(raw)
+    else:
+        got = await anyio.to_thread.run_sync(parse, raw, limiter=fe.parse_limiter)
+    if not isinstance(got, P.RequestError):
+        return got
     try:
-        if len(raw) <= INLINE_PARSE_BYTES:
-            return parse(raw)
-        return await anyio.to_thread.run_sync(parse, raw, limiter=fe.parse_limiter)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+        raise got
+    finally:
+        del got  # the traceback holds this frame: the frame must not hold the error
 
 
 def _checked(model: type[Body]):
-    """``model.model_validate_json`` after the lists' sizes (``raw_limits.check_list_sizes``)."""
-    def parse(raw: bytes) -> Body:
-        kind = check_list_sizes(raw)
-        return model.for_prompt(kind).model_validate_json(raw)
+    """``model.model_validate_json`` after the lists' sizes (``raw_limits.check_list_sizes``):
+    the body, or the ``RequestError`` refusing it, returned (not raised) and made afresh, with
+    no traceback.
+
+    Why: an exception raised on the worker thread reaches the event loop through anyio's
+    future, whose frame holds the future: the traceback makes a reference cycle, which keeps
+    the body and all the parse made until the garbage collector's next full collection, rare
+    in a quiet process. Measured on a frontend: 80 MB (about ten 7.7 MiB bodies) still held
+    12 s after three waves of 16 refused bodies, freed by one ``gc.collect()``."""
+    def parse(raw: bytes) -> Union[Body, P.RequestError]:
+        try:
+            kind = check_list_sizes(raw)
+            return model.for_prompt(kind).model_validate_json(raw)
+        except ValidationError as exc:
+            return validation_error(exc)
+        except P.RequestError as exc:
+            return P.RequestError(str(exc), exc.param, exc.code, exc.status)
     return parse
 
 
