@@ -8,8 +8,9 @@ while the engine is alive), ``GET /ready`` (200 only while it is SERVING), ``GET
 ``sleep_mode``, the admin endpoints of ``admin.py`` (``/sleep``, ``/wake_up``, ...).
 
 A request passes, in order: the in-flight limit and the body limits (``guards.py``, before the
-body is read), every list's length and the free-form JSON's size (``raw_limits.check_list_sizes``,
-before the body becomes objects), the JSON schema (``protocol.py``: strict types, every number and list bounded;
+body is read), the raw body against the schema's shape: every list's length, every value's
+kind, the free-form JSON's size (``raw_limits.check_raw``, before the body becomes objects), the
+JSON schema (``protocol.py``: strict types, every number and list bounded;
 a large body is parsed on a worker thread), the prompt's size in characters, then the chat
 template (rendered off the event loop by the engine's async ``apply_chat_template``) and the
 engine. Every refusal is an OpenAI-shaped error (``errors.py``).
@@ -28,7 +29,7 @@ from states import State
 
 from engine.interface import Engine
 from . import protocol as P
-from .raw_limits import check_list_sizes
+from .raw_limits import check_raw
 from ..malloc import Trimmer
 from .context import Frontend
 from .errors import install_handlers, validation_error
@@ -57,7 +58,7 @@ async def parse_body(request: Request, model: type[Body], fe: Frontend) -> Body:
 
 
 def _checked(model: type[Body]):
-    """``model.model_validate_json`` after the lists' sizes (``raw_limits.check_list_sizes``):
+    """``model.model_validate_json`` after the raw body's check (``raw_limits.check_raw``):
     the body, or the ``RequestError`` refusing it, returned (not raised) and made afresh, with
     no traceback.
 
@@ -68,8 +69,7 @@ def _checked(model: type[Body]):
     12 s after three waves of 16 refused bodies, freed by one ``gc.collect()``."""
     def parse(raw: bytes) -> Union[Body, P.RequestError]:
         try:
-            kind = check_list_sizes(raw)
-            return model.for_prompt(kind).model_validate_json(raw)
+            return check_raw(raw, model).model_validate_json(raw)
         except ValidationError as exc:
             return validation_error(exc)
         except P.RequestError as exc:

@@ -23,7 +23,7 @@ sizes in characters are checked by the frontend against its ``max_prompt_chars``
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, ClassVar, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
@@ -325,6 +325,9 @@ class ContentPart(_Body):
 
 
 class ChatMessage(_Body):
+    #: lists of a message this schema ignores (not rendered) but ``raw_limits`` bounds
+    RAW_LISTS: ClassVar[dict[str, int]] = {"tool_calls": MAX_TOOL_CALLS}
+
     role: _str(64, min_length=1)  # any role the chat template renders
     content: Union[StrictStr, Annotated[list[ContentPart], Field(max_length=MAX_PARTS)], None] = None
     name: Optional[Name] = None

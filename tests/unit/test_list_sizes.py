@@ -1,7 +1,8 @@
-"""raw_limits.check_list_sizes: every list of a request is counted from the body's JSON before
-pydantic turns its entries into objects. At its limit a list passes both the count and the
-schema; one entry past it the count refuses it with a 400 naming the field and the limit (and
-the schema, where it bounds the list too, agrees); a flood costs no object per entry."""
+"""raw_limits.check_raw: a body's JSON is checked against its schema's shape before pydantic
+turns it into objects. At its limit a list passes both the count and the schema; one entry past
+it the count refuses it with a 400 naming the field and the limit (and the schema, where it
+bounds the list too, agrees); a value of a kind the schema does not allow is refused naming its
+place; a flood of either costs no object per entry."""
 
 import gc
 import json
@@ -12,7 +13,8 @@ from pydantic import ValidationError
 
 from engine.params import MAX_BAD_WORDS
 from entrypoints.http import protocol as P
-from entrypoints.http.raw_limits import FREE_FORM, check_list_sizes
+from entrypoints.http.raw_limits import COUNTER_MAX, check_raw
+from entrypoints.http.raw_shape import ARRAY, model_shape
 from entrypoints.http.tokens import DetokenizeRequest, TokenizeRequest
 
 USER = {"role": "user", "content": "x"}
@@ -60,8 +62,8 @@ IDS = [f"{schema.__name__}.{param}.{limit}" for schema, param, limit, *_ in LIST
 
 
 def _parse(schema, body: bytes):
-    """As the app parses: the counts, then the schema (narrowed to a long prompt's kind)."""
-    return schema.for_prompt(check_list_sizes(body)).model_validate_json(body)
+    """As the app parses: the raw check, then the schema (narrowed to a long prompt's kind)."""
+    return check_raw(body, schema).model_validate_json(body)
 
 
 @pytest.mark.parametrize("schema, param, limit, make, in_schema", LISTS, ids=IDS)
@@ -70,7 +72,7 @@ def test_at_the_limit_passes_and_one_past_is_refused_naming_the_field(schema, pa
     _parse(schema, json.dumps(make(limit)).encode())
     over = json.dumps(make(limit + 1)).encode()
     with pytest.raises(P.RequestError) as info:
-        check_list_sizes(over)
+        check_raw(over, schema)
     assert info.value.param == param and info.value.status == 400
     assert str(info.value).startswith(f"{param}: ") and str(limit) in str(info.value)
     if in_schema:  # the schema draws the same line
@@ -78,17 +80,17 @@ def test_at_the_limit_passes_and_one_past_is_refused_naming_the_field(schema, pa
             schema.model_validate_json(over)
 
 
-def _refused(body: bytes):
+def _refused(body: bytes, schema=P.ChatCompletionRequest):
     """The refusal of ``body`` and the traced allocation peak while checking it."""
     try:
-        check_list_sizes(json.dumps({"messages": [USER]}).encode())  # the counters are made once
-    except P.RequestError:
+        check_raw(json.dumps({"messages": [USER] * 300, "tools": [TOOL] * 129}).encode(), schema)
+    except P.RequestError:  # the counters are made once
         pass
     gc.collect()
     tracemalloc.start()
     try:
         with pytest.raises(P.RequestError) as info:
-            check_list_sizes(body)
+            check_raw(body, schema)
         return info, tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -96,27 +98,42 @@ def _refused(body: bytes):
 
 EMPTY = b",".join([b"{}"] * 2_700_000)  # 7.7 MiB
 ONES = b",".join([b"1"] * 4_000_000)  # 7.6 MiB
+C, D = P.CompletionRequest, DetokenizeRequest
 FLOODS = [
-    ("messages", b'{"messages": [%s]}' % EMPTY),
-    ("messages.[0].content", b'{"messages": [{"role": "user", "content": [%s]}]}' % EMPTY),
-    ("messages.[2].tool_calls", b'{"messages": [1, {}, {"tool_calls": [%s]}]}' % EMPTY),
-    ("messages", b'{"messages": [%s]}' % b",".join([b'{"content": [{}, {}, {}]}'] * 300_000)),
-    ("tools", b'{"tools": [%s]}' % EMPTY),
-    ("tools", b'{"tools": [{"function": {"parameters": [%s]}}]}' % EMPTY),
-    ("guided_json", b'{"guided_json": [%s]}' % EMPTY),
-    ("guided_choice", b'{"guided_choice": [%s]}' % b",".join([b'""'] * 2_700_000)),
-    ("allowed_token_ids", b'{"allowed_token_ids": [%s]}' % ONES),
-    ("tokens", b'{"tokens": [%s]}' % ONES),
-    ("prompt", b'{"prompt": [%s]}' % ONES),
+    ("messages", b'{"messages": [%s]}' % EMPTY, P.ChatCompletionRequest),
+    ("messages", b'{"messages": [%s]}' % EMPTY, TokenizeRequest),
+    ("messages.[0].content", b'{"messages": [{"role": "user", "content": [%s]}]}' % EMPTY, None),
+    ("messages.[2].tool_calls", b'{"messages": [{}, {}, {"tool_calls": [%s]}]}' % EMPTY, None),
+    ("messages", b'{"messages": [%s]}' % b",".join([b'{"content": [{}, {}, {}]}'] * 300_000), None),
+    ("tools", b'{"tools": [%s]}' % EMPTY, None),
+    ("tools.[0]", b'{"tools": [{"function": {"parameters": [%s]}}]}' % EMPTY, None),
+    ("guided_json", b'{"guided_json": [%s]}' % EMPTY, None),
+    ("guided_choice", b'{"guided_choice": [%s]}' % b",".join([b'""'] * 2_700_000), None),
+    ("allowed_token_ids", b'{"allowed_token_ids": [%s]}' % ONES, None),
+    ("tokens", b'{"tokens": [%s]}' % ONES, D),
+    ("prompt", b'{"prompt": [%s]}' % ONES, C),
+    # a value of the wrong kind: pydantic's error keeps it, made Python objects (+391 MB)
+    ("max_tokens", b'{"max_tokens": [%s]}' % EMPTY, None),
+    ("messages", b'{"messages": {"x": [%s]}}' % EMPTY, None),
+    ("messages.[0].role", b'{"messages": [{"role": [%s]}]}' % EMPTY, None),
+    ("messages.[0].content", b'{"messages": [{"content": {"x": [%s]}}]}' % EMPTY, None),
+    ("messages.[0].content.[0].text", b'{"messages": [{"content": [{"text": [%s]}]}]}' % EMPTY, None),
+    ("stream_options.include_usage", b'{"stream_options": {"include_usage": [%s]}}' % EMPTY, None),
+    ("stop_token_ids", b'{"stop_token_ids": [1, [%s]]}' % EMPTY, None),
+    ("prompt.[1]", b'{"prompt": ["a", [%s]]}' % EMPTY, C),
+    ("prompt", b'{"prompt": [1, [%s]]}' % EMPTY, C),
+    ("prompt.[1]", b'{"prompt": [[1], {"x": [%s]}]}' % EMPTY, C),
+    ("tokens", b'{"tokens": [1, {"x": [%s]}]}' % EMPTY, D),
 ]
 
 
-@pytest.mark.parametrize("param, body", FLOODS, ids=[f"{p}-{i}" for i, (p, _) in enumerate(FLOODS)])
-def test_a_flood_is_refused_without_an_object_per_entry(param, body):
-    info, peak = _refused(body)
-    assert info.value.param == param
+@pytest.mark.parametrize("param, body, schema", FLOODS,
+                         ids=[f"{p}-{i}" for i, (p, *_) in enumerate(FLOODS)])
+def test_a_flood_is_refused_without_an_object_per_entry(param, body, schema):
+    info, peak = _refused(body, schema or P.ChatCompletionRequest)
+    assert info.value.param == param, info.value
     # at most a copy of the body (token ids are counted on one), never an object per entry:
-    # pydantic alone took 300-590 MB for these (2.7 M messages: +420 MB and 3.6 s)
+    # pydantic alone took 300-680 MB for these (2.7 M messages: +420 MB and 3.6 s)
     assert peak < len(body) + (1 << 20), peak
 
 
@@ -126,22 +143,21 @@ def test_the_free_form_json_is_bounded_in_bytes_together():
         return {"messages": [USER], "tools": [tool], "tool_choice": "required"}
 
     short = body(0)
-    size = len(json.dumps(short["tools"])) + len(json.dumps(short["tool_choice"]))
+    size = len(json.dumps(short["tools"][0])) + len(json.dumps(short["tool_choice"]))  # each tool
     at_limit = body(P.MAX_SCHEMA_BYTES - size)
     _parse(P.ChatCompletionRequest, json.dumps(at_limit).encode())
     over = body(P.MAX_SCHEMA_BYTES - size + 1)
     with pytest.raises(P.RequestError) as info:
-        check_list_sizes(json.dumps(over).encode())
+        check_raw(json.dumps(over).encode(), P.ChatCompletionRequest)
     assert info.value.param == "tool_choice" and str(P.MAX_SCHEMA_BYTES) in str(info.value)
-    assert {"tools", "response_format", "structured_outputs", "guided_json"} <= set(FREE_FORM)
 
 
 def test_a_batch_is_bounded_in_tokens_together():
     per = P.MAX_BATCH_TOKENS // P.MAX_PROMPTS
     batch = [[1] * per] * P.MAX_PROMPTS
-    check_list_sizes(json.dumps({"prompt": batch}).encode())
+    check_raw(json.dumps({"prompt": batch}).encode(), P.CompletionRequest)
     with pytest.raises(P.RequestError) as info:
-        check_list_sizes(json.dumps({"prompt": batch[:-1] + [[1] * (per + 1)]}).encode())
+        check_raw(json.dumps({"prompt": batch[:-1] + [[1] * (per + 1)]}).encode(), P.CompletionRequest)
     assert info.value.param == "prompt" and str(P.MAX_BATCH_TOKENS) in str(info.value)
 
 
@@ -163,12 +179,16 @@ def _outcome(fn):
         return exc.param, str(exc)
 
 
-@pytest.mark.parametrize("prompt", [[7] * 300 + ["x"], [[1]] * 100 + [["x"]], ["a"] * 100 + [3]])
-def test_a_long_prompt_of_mixed_kinds_is_a_400_naming_the_prompt(prompt):
+@pytest.mark.parametrize("prompt, param", [
+    ([7] * 300 + ["x"], "prompt"), ([[1]] * 100 + [["x"]], "prompt.[100]"),
+    (["a"] * 100 + [3], "prompt.[100]"), ([[1]] * 100 + [[1, {}]], "prompt.[100]")])
+def test_a_long_prompt_of_mixed_kinds_is_a_400_naming_the_prompt(prompt, param):
     body = json.dumps({"prompt": prompt}).encode()
-    with pytest.raises(ValidationError) as info:
-        _parse(P.CompletionRequest, body)
-    assert info.value.errors()[0]["loc"][0] == "prompt"
+    with pytest.raises(P.RequestError) as info:
+        check_raw(body, P.CompletionRequest)
+    assert info.value.param == param
+    with pytest.raises(ValidationError):
+        P.CompletionRequest.model_validate_json(body)
 
 
 def _biggest_valid() -> dict:
@@ -181,11 +201,11 @@ def _biggest_valid() -> dict:
 
 def test_the_largest_valid_lists_pass_even_indented():
     body = _biggest_valid()
-    check_list_sizes(json.dumps(body, indent=8).encode())
-    P.CompletionRequest.model_validate_json(json.dumps(body))  # and the schema takes them
+    _parse(P.CompletionRequest, json.dumps(body, indent=8).encode())
     chat = {"messages": [{"role": "user", "content": [PART] * 2}] * P.MAX_MESSAGES,
-            "tools": [TOOL] * P.MAX_TOOLS}
-    check_list_sizes(json.dumps(chat, indent=8).encode())
+            "tools": [TOOL] * P.MAX_TOOLS, "response_format": {"type": "json_schema",
+                                                              "json_schema": {"schema": {}}}}
+    _parse(P.ChatCompletionRequest, json.dumps(chat, indent=8).encode())
 
 
 @pytest.mark.parametrize("name, value", [
@@ -193,23 +213,67 @@ def test_the_largest_valid_lists_pass_even_indented():
     ("bad_words", ["ab"] * 200_000), ("logit_bias", {str(i): 1 for i in range(20_000)})])
 def test_too_long_is_refused_without_an_object_per_entry(name, value):
     body = json.dumps({"model": "m", "prompt": "x", name: value}).encode()
-    info, peak = _refused(body)
+    info, peak = _refused(body, P.CompletionRequest)
     assert info.value.param == name and info.value.status == 400
-    assert peak < 64 * 1024, peak  # pydantic alone: 7.6 MB for the 200,000 ids
+    assert peak < len(body) + 256 * 1024, peak  # pydantic alone: 7.6 MB for the 200,000 ids
 
 
-@pytest.mark.parametrize("raw", [b"[1, 2]", b"{", b"", b'{"stop": 5}', b"[" * 100_000,
-                                 b'{"messages": 5}', b'{"messages": [5, "x", null]}',
-                                 b'{"messages": [{"content": 7, "tool_calls": {}}]}',
-                                 b'{"prompt": {"a": 1}}', b'{"tools": "x"}'])
-def test_anything_else_is_left_to_the_schema(raw):
-    check_list_sizes(raw)
+@pytest.mark.parametrize("raw", [b"[1, 2]", b"{", b"", b"[" * 100_000, b'{"a": ' * 5000])
+def test_what_is_not_a_json_object_is_left_to_the_schema(raw):
+    assert check_raw(raw, P.CompletionRequest) is P.CompletionRequest
+
+
+@pytest.mark.parametrize("schema, body, param", [
+    (C, {"prompt": "x", "stop": 5}, "stop"), (C, {"prompt": {"a": 1}}, "prompt"),
+    (C, {"prompt": [True]}, "prompt.[0]"), (C, {"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    (C, {"prompt": "x", "logit_bias": {"5": "1"}}, "logit_bias.5"),
+    (C, {"prompt": "x", "stop_token_ids": [1, "2"]}, "stop_token_ids"),
+    (C, {"prompt": "x", "allowed_token_ids": [1, [2]]}, "allowed_token_ids"),
+    (P.ChatCompletionRequest, {"messages": 5}, "messages"),
+    (P.ChatCompletionRequest, {"messages": [5]}, "messages.[0]"),
+    (P.ChatCompletionRequest, {"messages": [{"role": "u", "content": 7}]}, "messages.[0].content"),
+    (P.ChatCompletionRequest, {"messages": [USER], "tools": "x"}, "tools"),
+    (P.ChatCompletionRequest, {"messages": [USER], "response_format": []}, "response_format"),
+    (TokenizeRequest, {"prompt": ["x"]}, "prompt"),
+])
+def test_a_value_of_the_wrong_kind_is_refused_naming_its_place(schema, body, param):
+    raw = json.dumps(body).encode()
+    with pytest.raises(P.RequestError) as info:
+        check_raw(raw, schema)
+    assert info.value.param == param, info.value
+    with pytest.raises(ValidationError):  # the schema refuses it too
+        schema.model_validate_json(raw)
+
+
+def _lists(shape, path="", seen=None):
+    """(path, shape) of every list the shape holds."""
+    seen = set() if seen is None else seen
+    if id(shape) in seen:
+        return
+    seen.add(id(shape))
+    if ARRAY in shape.kinds and not shape.free:
+        yield path, shape
+    for name, field in (shape.fields or {}).items():
+        yield from _lists(field, f"{path}.{name}", seen)
+    if shape.entry is not None:
+        yield from _lists(shape.entry, f"{path}[]", seen)
+
+
+@pytest.mark.parametrize("schema", [C, P.ChatCompletionRequest, TokenizeRequest, D])
+def test_every_list_of_every_schema_has_a_bound(schema):
+    lists = list(_lists(model_shape(schema)))
+    assert lists
+    for path, shape in lists:
+        if shape.entry is not None:  # an array, not a free-form value
+            assert shape.limit is not None, path
+            # a longer list is counted by its commas: of numbers, or the prompt's union
+            assert shape.limit <= COUNTER_MAX or shape.numbers_only or path == ".prompt", path
 
 
 @pytest.mark.parametrize("prompt", [[[5]] * 300_000, ["a"] * 300_000, ['\\"'] * 300_000])
 def test_a_huge_batch_of_prompts_is_refused_before_the_schema(prompt):
     body = json.dumps({"model": "m", "prompt": prompt}).encode()
-    info, peak = _refused(body)
+    info, peak = _refused(body, P.CompletionRequest)
     assert info.value.param == "prompt" and "at most 128" in str(info.value)
     assert peak < 64 * 1024 + len(body), peak  # pydantic alone: ~290 MB for [[5]] * 300,000
 
