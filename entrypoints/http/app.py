@@ -43,7 +43,7 @@ Body = TypeVar("Body", bound=P._Body)
 async def parse_body(request: Request, model: type[Body], fe: Frontend) -> Body:
     """The request's JSON body as ``model`` (``RequestError`` if it is not one). The guard has
     bounded its size; a large one is parsed on a worker thread."""
-    raw = await request.body()
+    raw = await _body(request)
     parse = _checked(model)
     if len(raw) <= INLINE_PARSE_BYTES:
         got = parse(raw)
@@ -55,6 +55,14 @@ async def parse_body(request: Request, model: type[Body], fe: Frontend) -> Body:
         raise got
     finally:
         del got  # the traceback holds this frame: the frame must not hold the error
+
+
+async def _body(request: Request) -> bytes:
+    """The body as the guard gave it (one message): not copied, as ``request.body()`` does
+    (it joins the body with the empty chunk that ends the stream; 13 ms of the event loop
+    for 7.7 MiB, measured here)."""
+    chunks = [chunk async for chunk in request.stream() if chunk]
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _checked(model: type[Body]):

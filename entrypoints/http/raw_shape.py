@@ -88,10 +88,10 @@ def shape_of(annotation: Any, metadata: tuple = ()) -> Shape:
         return _with_limit(_merge([shape_of(a) for a in get_args(annotation)]), metadata)
     if origin in (list, tuple, set, frozenset):
         args = [a for a in get_args(annotation) if a is not Ellipsis]
-        return Shape(kinds=frozenset({ARRAY}), limit=_max_len(metadata),
+        return Shape(kinds=frozenset({ARRAY}), limit=_bound(annotation, metadata),
                      entry=shape_of(args[0]) if args else Shape(kinds=ANY, free=True))
     if origin is dict:
-        return Shape(kinds=frozenset({OBJECT}), limit=_max_len(metadata),
+        return Shape(kinds=frozenset({OBJECT}), limit=_bound(annotation, metadata),
                      entry=shape_of(get_args(annotation)[1]))
     if origin is Literal:
         return _merge([shape_of(type(v)) for v in get_args(annotation)])
@@ -106,6 +106,14 @@ def shape_of(annotation: Any, metadata: tuple = ()) -> Shape:
     if annotation is str:
         return Shape(kinds=frozenset({STRING}))
     raise TypeError(f"no JSON shape for {annotation!r}")
+
+
+def _bound(annotation: Any, metadata: tuple) -> int:
+    """A list's (or dict's) ``max_length``: every one in a request has one (house rule)."""
+    limit = _max_len(metadata)
+    if limit is None:
+        raise TypeError(f"{annotation!r} in a request schema needs a max_length")
+    return limit
 
 
 def _with_limit(shape: Shape, metadata: tuple) -> Shape:

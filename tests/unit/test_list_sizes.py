@@ -283,3 +283,11 @@ def test_a_huge_batch_of_prompts_is_refused_before_the_schema(prompt):
 def test_valid_prompts_pass_the_batch_count(prompt):
     body = json.dumps({"model": "m", "prompt": prompt}, indent=4).encode()
     _parse(P.CompletionRequest, body)
+
+
+def test_a_schema_with_an_unbounded_list_has_no_shape():
+    class Loose(P._Body):
+        xs: list[int] = []
+
+    with pytest.raises(TypeError, match="max_length"):
+        model_shape(Loose)
