@@ -34,6 +34,10 @@ import msgspec
 from .protocol import MAX_BATCH_TOKENS, MAX_SCHEMA_BYTES, MAX_TOTAL_PARTS, RequestError
 from .raw_shape import ANY, ARRAY, KIND_OF, NUMBER, OBJECT, Shape, model_shape
 
+#: a body this small costs pydantic a few MB at most whatever it holds (its JSON tree and the
+#: errors' inputs: ~150 bytes a value), so it is left to the schema alone; the walk below costs
+#: ~10 us a model object in Python, more than pydantic's parse of such a body on the event loop
+SMALL_BODY = 64 * 1024
 #: lists longer than this are of numbers only in the schema (counted by commas)
 COUNTER_MAX = 4096
 #: entries of all the lists at one place (indices left out) together
