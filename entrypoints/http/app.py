@@ -8,8 +8,9 @@ while the engine is alive), ``GET /ready`` (200 only while it is SERVING), ``GET
 ``sleep_mode``, the admin endpoints of ``admin.py`` (``/sleep``, ``/wake_up``, ...).
 
 A request passes, in order: the in-flight limit and the body limits (``guards.py``, before the
-body is read), the short lists' sizes in bytes (``raw_limits.check_list_sizes``, before the body
-becomes objects), the JSON schema (``protocol.py``: strict types, every number and list bounded;
+body is read), the raw body against the schema's shape: every list's length, every value's
+kind, the free-form JSON's size (``raw_limits.check_raw``, before the body becomes objects), the
+JSON schema (``protocol.py``: strict types, every number and list bounded;
 a large body is parsed on a worker thread), the prompt's size in characters, then the chat
 template (rendered off the event loop by the engine's async ``apply_chat_template``) and the
 engine. Every refusal is an OpenAI-shaped error (``errors.py``).
@@ -28,7 +29,7 @@ from states import State
 
 from engine.interface import Engine
 from . import protocol as P
-from .raw_limits import check_list_sizes
+from .raw_limits import SMALL_BODY, check_raw
 from ..malloc import Trimmer
 from .context import Frontend
 from .errors import install_handlers, validation_error
@@ -42,21 +43,46 @@ Body = TypeVar("Body", bound=P._Body)
 async def parse_body(request: Request, model: type[Body], fe: Frontend) -> Body:
     """The request's JSON body as ``model`` (``RequestError`` if it is not one). The guard has
     bounded its size; a large one is parsed on a worker thread."""
-    raw = await request.body()
-    parse = _checked(model) if issubclass(model, P._SamplingFields) else model.model_validate_json
+    raw = await _body(request)
+    parse = _checked(model)
+    if len(raw) <= INLINE_PARSE_BYTES:
+        got = parse(raw)
+    else:
+        got = await anyio.to_thread.run_sync(parse, raw, limiter=fe.parse_limiter)
+    if not isinstance(got, P.RequestError):
+        return got
     try:
-        if len(raw) <= INLINE_PARSE_BYTES:
-            return parse(raw)
-        return await anyio.to_thread.run_sync(parse, raw, limiter=fe.parse_limiter)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+        raise got
+    finally:
+        del got  # the traceback holds this frame: the frame must not hold the error
+
+
+async def _body(request: Request) -> bytes:
+    """The body as the guard gave it (one message): not copied, as ``request.body()`` does
+    (it joins the body with the empty chunk that ends the stream; 13 ms of the event loop
+    for 7.7 MiB, measured here)."""
+    chunks = [chunk async for chunk in request.stream() if chunk]
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _checked(model: type[Body]):
-    """``model.model_validate_json`` after the short lists' sizes (``raw_limits.check_list_sizes``)."""
-    def parse(raw: bytes) -> Body:
-        check_list_sizes(raw)
-        return model.model_validate_json(raw)
+    """``model.model_validate_json`` after the raw body's check (``raw_limits.check_raw``;
+    a body of at most ``SMALL_BODY`` bytes is left to the schema alone): the body, or the
+    ``RequestError`` refusing it, returned (not raised) and made afresh, with no traceback.
+
+    Why: an exception raised on the worker thread reaches the event loop through anyio's
+    future, whose frame holds the future: the traceback makes a reference cycle, which keeps
+    the body and all the parse made until the garbage collector's next full collection, rare
+    in a quiet process. Measured on a frontend: 80 MB (about ten 7.7 MiB bodies) still held
+    12 s after three waves of 16 refused bodies, freed by one ``gc.collect()``."""
+    def parse(raw: bytes) -> Union[Body, P.RequestError]:
+        try:
+            schema = check_raw(raw, model) if len(raw) > SMALL_BODY else model
+            return schema.model_validate_json(raw)
+        except ValidationError as exc:
+            return validation_error(exc)
+        except P.RequestError as exc:
+            return P.RequestError(str(exc), exc.param, exc.code, exc.status)
     return parse
 
 

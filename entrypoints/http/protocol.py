@@ -15,13 +15,15 @@ accept integers but not booleans or strings, booleans are ``true``/``false`` onl
 its range is a 400 naming the parameter. The bounds are :data:`MAX_INT` (2**31 - 1) for counts and
 token ids, ``[0, 2**63)`` for ``seed``, :data:`MAX_STOP` stop strings of at most
 :data:`MAX_STOP_CHARS` characters, :data:`MAX_STOP_TOKEN_IDS` stop ids, :data:`MAX_MESSAGES` chat
-messages of at most :data:`MAX_PARTS` content parts. Prompt sizes in characters are checked by the
-frontend against its ``max_prompt_chars`` (``limits.py``).
+messages of at most :data:`MAX_PARTS` content parts (:data:`MAX_TOTAL_PARTS` in all) and
+:data:`MAX_TOOL_CALLS` tool calls, :data:`MAX_TOOLS` tools. ``raw_limits`` counts every list (and
+the free-form JSON, :data:`MAX_SCHEMA_BYTES`) in the raw body before this schema parses it. Prompt
+sizes in characters are checked by the frontend against its ``max_prompt_chars`` (``limits.py``).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, ClassVar, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
@@ -51,6 +53,16 @@ MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_MESSAGES = 4096
 MAX_PARTS = 256
+#: content parts of all messages together (each message: at most MAX_PARTS)
+MAX_TOTAL_PARTS = 2 * MAX_MESSAGES
+#: tools (as OpenAI allows) and legacy functions of a chat request; tool calls of one message
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 128
+#: the JSON of a request's tools, functions, tool_choice and output constraints together, in
+#: bytes: pydantic makes it Python objects (about 90 bytes a value), so it is bounded before
+#: (``raw_limits``); a JSON schema as OpenAI's structured outputs allow it (5,000 properties,
+#: 120,000 characters of names and values) takes a few hundred KiB
+MAX_SCHEMA_BYTES = 1 << 20
 MAX_NAME_CHARS = 256
 #: choices per request (n), prompts per request, choices of all prompts together
 MAX_N = 128
@@ -58,6 +70,11 @@ MAX_PROMPTS = 128
 MAX_CHOICES = 256
 MAX_ALLOWED = 1 << 17
 MAX_LOGIT_BIAS = 300
+#: token ids of one prompt (a completion's, or /detokenize's)
+MAX_PROMPT_TOKENS = 1 << 20
+#: strings of guided_choice, and characters of each
+MAX_CHOICE = 256
+MAX_CHOICE_CHARS = 1024
 
 
 def _int(ge: int = 0, le: int = MAX_INT):
@@ -84,6 +101,11 @@ Opaque = Any
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    @classmethod
+    def for_prompt(cls, kind: Optional[str]) -> type:
+        """The schema that parses a body whose prompt is of ``kind`` (``raw_limits.prompt_kind``)."""
+        return cls
+
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
@@ -95,7 +117,7 @@ class ResponseFormat(_Body):
     json_schema: Optional[Opaque] = None  # {"name", "schema", "strict", "description"}
 
 
-_Choice = Annotated[list[Annotated[str, Field(strict=True, max_length=1024)]], Field(max_length=256)]
+_Choice = Annotated[list[_str(MAX_CHOICE_CHARS)], Field(max_length=MAX_CHOICE)]
 
 
 class _SamplingFields(_Body):
@@ -200,7 +222,7 @@ def check_logprobs_k(param: str, k: Optional[int], max_logprobs: int) -> None:
                            f"got {k}", param=param)
 
 
-_Ids = Annotated[list[TokenId], Field(max_length=1 << 20)]
+_Ids = Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKENS)]
 #: all prompts of one request together, in tokens (a batch of token-id lists)
 MAX_BATCH_TOKENS = 1 << 22
 
@@ -248,6 +270,12 @@ class CompletionRequest(_SamplingFields):
                                f"per request", param="prompt")
         return prompts
 
+    @classmethod
+    def for_prompt(cls, kind: Optional[str]) -> type:
+        """The schema with the prompt's one member when its kind is known (a long prompt):
+        the same fields and checks, no union to try."""
+        return _PROMPT_SCHEMAS.get(kind, cls) if cls is CompletionRequest else cls
+
     @property
     def num_candidates(self) -> int:
         """Completions generated per prompt: ``best_of`` (the best ``n`` are returned) or ``n``."""
@@ -269,12 +297,37 @@ class CompletionRequest(_SamplingFields):
         return params
 
 
+class _OneText(CompletionRequest):
+    prompt: StrictStr
+
+
+class _OneIds(CompletionRequest):
+    prompt: _Ids
+
+
+class _Texts(CompletionRequest):
+    prompt: Annotated[list[StrictStr], Field(max_length=MAX_PROMPTS)]
+
+
+class _IdLists(CompletionRequest):
+    prompt: Annotated[list[_Ids], Field(max_length=MAX_PROMPTS)]
+
+
+#: Why: pydantic tries a union's members in turn, and a member that fails on each entry keeps
+#: each entry, made a Python object, in its error: a batch of 1.6 M token ids (8 MiB) peaked at
+#: +263 MB through the union, +113 MB parsed as a batch alone (the ids themselves are 59 MB).
+_PROMPT_SCHEMAS = {"text": _OneText, "ids": _OneIds, "texts": _Texts, "id_lists": _IdLists}
+
+
 class ContentPart(_Body):
     type: _str(64)
     text: Optional[StrictStr] = None
 
 
 class ChatMessage(_Body):
+    #: lists of a message this schema ignores (not rendered) but ``raw_limits`` bounds
+    RAW_LISTS: ClassVar[dict[str, int]] = {"tool_calls": MAX_TOOL_CALLS}
+
     role: _str(64, min_length=1)  # any role the chat template renders
     content: Union[StrictStr, Annotated[list[ContentPart], Field(max_length=MAX_PARTS)], None] = None
     name: Optional[Name] = None
@@ -306,9 +359,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[_int(ge=1)] = None
     logprobs: Optional[StrictBool] = False
     top_logprobs: Optional[_int()] = None
-    tools: Optional[Annotated[list[Opaque], Field(max_length=128)]] = None
+    tools: Optional[Annotated[list[Opaque], Field(max_length=MAX_TOOLS)]] = None
     tool_choice: Optional[Opaque] = None
-    functions: Optional[Annotated[list[Opaque], Field(max_length=128)]] = None
+    functions: Optional[Annotated[list[Opaque], Field(max_length=MAX_TOOLS)]] = None
 
     def check(self, vocab_size: int = 0, max_logprobs: int = 20) -> list[dict]:
         """Validate what the schema cannot tell; return the messages for the chat template."""

@@ -28,7 +28,7 @@ class TokenizeRequest(P._Body):
 
 class DetokenizeRequest(P._Body):
     model: Optional[P.Name] = None
-    tokens: Annotated[list[P.TokenId], Field(max_length=1 << 20)]
+    tokens: Annotated[list[P.TokenId], Field(max_length=P.MAX_PROMPT_TOKENS)]
 
 
 def version() -> str:
