@@ -201,12 +201,12 @@ class RunnerSleep:
         if not self.loaded and not self.asleep:
             raise BadRequestError("update_weights needs a loaded model")
         if self._tp is not None:  # every rank's slices (a TP rank's weights are never packed)
-            from engine.tp.update import BUCKET_BYTES, send
+            from engine.tp.update import bucket_bytes, send
 
-            tp = self._tp
-            tp.update_all(list(tensors), [list(t.shape) for t in tensors.values()], BUCKET_BYTES,
+            tp, per_rank = self._tp, bucket_bytes(self._tp.world)
+            tp.update_all(list(tensors), [list(t.shape) for t in tensors.values()], per_rank,
                           source, lambda: send(tensors, self.dtype, self.device, tp.world,
-                                               self._write_local))
+                                               self._write_local, per_rank))
             self.weights_source = source
             log.info("weights updated (%d tensors, on %d ranks)", len(tensors), tp.world)
             return

@@ -12,8 +12,8 @@ Frames, in the order they flow (W = worker -> driver, D = driver -> worker):
   D Sleep(seq, level, tags)       free this rank's device memory as the driver does (sleep mode)
   D Wake(seq, tags)               bring back what ``tags`` name
   D Update(seq, names, shapes, bucket_bytes, source)
-                                  new weights, checked in full by the driver: their bytes follow
-                                  over the process group (engine/tp/update.py), not here
+                                  new weights, checked in full by the driver: each rank's slices
+                                  follow over the process group (engine/tp/update.py), not here
   W Done(seq, rank, error, ...)   one answer to each Sleep / Wake / Update: error "" is success
   D Shutdown()                    release, report, destroy the process group, exit
   W Released(rank, ...)           the weakref check of what the release left behind
@@ -83,7 +83,7 @@ class Update(msgspec.Struct, tag=True, array_like=True):
     seq: int
     names: list[str]  # full (unsharded) weights, in send order, in the engine's dtype
     shapes: list[list[int]]
-    bucket_bytes: int
+    bucket_bytes: int  # each rank's bucket (engine/tp/update.py)
     source: Optional[str]  # where the weights now come from (a level-2 wake reloads it)
 
 

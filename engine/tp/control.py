@@ -13,8 +13,8 @@ driver's own part run meanwhile, then one ``Done`` from every worker. What a fai
   brought back and is asleep again (``RunnerSleep.wake``); the ranks that did wake are put back
   to sleep too, and the caller gets the error with every rank asleep -- as with one rank.
 
-A rank that does not answer within the collective timeout (``ENGINECORE_TP_TIMEOUT_S``) after
-the driver's own part is done is a failed rank.
+A rank that does not answer within the collective timeout (``envs.tp_timeout_s``) after the
+driver's own part is done is a failed rank.
 """
 
 from __future__ import annotations
