@@ -19,7 +19,7 @@ from engine.memory.weights import module_bytes
 from engine.weight_transfer import Sender, metadata
 from states import State
 
-pytestmark = [pytest.mark.asyncio]
+pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 
 TP3_SHAPES = dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=3,
                   intermediate_size=192)
@@ -274,7 +274,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
 async def test_default_model_tp3_pause_update_sleep_wake() -> None:
     """The issue's check on the embedded model: TP=3 paused, updated (a subset, then a full
     set: greedy outputs equal TP=1's), asleep and woken (level 1, the KV cache alone) on every
