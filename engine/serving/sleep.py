@@ -22,6 +22,9 @@ The phases, as the lifecycle sees them:
 
 Every call that waits on the loop is answered: when the engine fails or shuts down first, it
 raises ``EngineDeadError`` / ``EngineShutdownError``.
+
+With tensor parallelism the runner takes every rank along (engine/tp/control.py): each rank
+sleeps, wakes and writes its slice of the same update; nothing here differs.
 """
 
 from __future__ import annotations
