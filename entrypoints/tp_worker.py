@@ -2,7 +2,8 @@
 
 A process entry point (it configures its own signals and logging): it connects to the driver,
 joins the process group, loads its shard through the same :class:`~engine.runner.model_runner.ModelRunner`
-as the driver, then replays every ``Step`` the driver sends until ``Shutdown`` -- when it
+as the driver, then replays every ``Step`` the driver sends, and runs its part of each
+``Sleep``, ``Wake`` and ``Update`` (answering ``Done``), until ``Shutdown`` -- when it
 releases its owner, reports the weakref check, destroys the process group and exits 0.
 
 It never outlives the driver: a closed control connection ends it (at once, the kernel closes
@@ -76,7 +77,8 @@ def run(addr: str, rank: int, local_rank: int) -> int:
 
     from engine.config import EngineConfig
     from engine.runner.model_runner import ModelRunner
-    from engine.tp.channel import Channel, Closed, Failed, Hello, Init, Shutdown, Step
+    from engine.tp.channel import (Channel, Closed, Done, Failed, Hello, Init, Shutdown, Sleep,
+                                   Step, Update, Wake)
     from engine.tp.group import TOKEN_ENV
     from engine.tp.link import WorkerLink
 
@@ -112,6 +114,8 @@ def run(addr: str, rank: int, local_rank: int) -> int:
             msg = ch.recv()
             if isinstance(msg, Step):
                 runner.replay(msg.seqs, msg.logits_rows)
+            elif isinstance(msg, (Sleep, Wake, Update)):
+                ch.send(_control(runner, msg, rank, Done))
             elif isinstance(msg, Shutdown):
                 break
     except Closed:
@@ -128,6 +132,28 @@ def run(addr: str, rank: int, local_rank: int) -> int:
         pass
     ch.close()
     return code
+
+
+def _control(runner, msg, rank: int, done):
+    """One sleep-mode call of the driver's (engine/tp/control.py), answered: its error does not
+    end this rank (a failed wake leaves it asleep; the driver decides what follows)."""
+    from engine.tp.channel import Sleep, Wake
+
+    try:
+        if isinstance(msg, Sleep):
+            value = runner.sleep(msg.level, msg.tags)
+        elif isinstance(msg, Wake):
+            value = runner.wake(msg.tags)
+        else:
+            value = runner.receive_weights(msg.names, msg.shapes, msg.bucket_bytes, msg.source)
+    except Exception as exc:
+        log.warning("%s failed: %r", type(msg).__name__.lower(), exc)
+        traceback.clear_frames(exc.__traceback__)
+        error = f"{type(exc).__name__}: {exc}"
+        value = 0
+    else:
+        error = ""
+    return done(msg.seq, rank, error, int(value or 0), runner.resources(), list(runner.asleep))
 
 
 def _send_quietly(ch, msg) -> None:

@@ -2,6 +2,11 @@
 ``sleep`` frees the device through the owner, ``wake`` brings the parts back, ``update_weights*``
 write a validated checkpoint into the weights' storage. engine/serving/sleep.py drives it.
 
+With tensor parallelism the driver's calls reach every rank (engine/tp/control.py): each rank
+runs the ``_local`` part on its own shard; an update is checked in full here, on the driver,
+before any rank hears of it, then its bytes go to every rank over the process group
+(engine/tp/update.py: ``receive_weights`` is a worker's side).
+
 It uses the runner's ``_owner``, ``device``, ``dtype``, ``config``, ``model_config``,
 ``speculator``, ``weight_format``, ``weights_source``, ``asleep``/``sleep_level``/
 ``sleep_timings``, ``loaded``, ``_build_stack()``, ``_capture_mixed()`` and ``_pack()``.
@@ -33,9 +38,14 @@ class RunnerSleep:
         graphs, model state and KV cache are released through the owner (reverse creation order); the weights are
         offloaded to host memory (level 1; page-locked on CUDA) or released too (level 2).
         ``tags=("kv_cache",)``: the weights stay on the device (the speculator is offloaded).
-        Returns the bytes kept in host memory."""
+        Returns the bytes kept in host memory (on every rank)."""
         if level not in (1, 2):
             raise BadRequestError(f"sleep level must be 1 or 2, not {level!r}")
+        if self._tp is None:
+            return self._sleep_local(level, tags)
+        return self._tp.sleep_all(level, tags, lambda: self._sleep_local(level, tags))
+
+    def _sleep_local(self, level: int, tags: Sequence[str]) -> int:
         if "weights" not in tags:
             level = 1  # what a level means is what happens to the weights: they stay
         pin, own, held = self.device.type == "cuda", self._owner, 0
@@ -70,7 +80,18 @@ class RunnerSleep:
         """Bring back the parts ``tags`` name: the weights (copied back, or reloaded from
         ``weights_source`` after level 2), the KV cache with model state and graphs (graphs
         are captured again on first use). The speculator comes back with the last part. A wake
-        that fails releases what it brought back (asleep again) before it raises."""
+        that fails releases what it brought back (asleep again, every part) before it raises --
+        on every rank when one of them fails."""
+        if self._tp is None:
+            return self._wake_local(tags)
+        level = self._rollback_level()
+        self._tp.wake_all(tags, lambda: self._wake_local(tags), level,
+                          lambda: self._sleep_local(level, ("weights", "kv_cache")))
+
+    def _rollback_level(self) -> int:
+        return 1 if self.weights_source is None else max(1, self.sleep_level)
+
+    def _wake_local(self, tags: Sequence[str]) -> None:
         t0, self.sleep_timings = time.perf_counter(), {}
         try:
             if "weights" in tags and "weights" in self.asleep:
@@ -92,7 +113,7 @@ class RunnerSleep:
                 self.speculator.wake()
                 self._lap("speculator_s", t0)
         except BaseException as exc:
-            self.sleep(1 if self.weights_source is None else max(1, self.sleep_level))
+            self._sleep_local(self._rollback_level(), ("weights", "kv_cache"))
             traceback.clear_frames(exc.__traceback__)
             raise
         if not self.asleep:
@@ -113,9 +134,24 @@ class RunnerSleep:
         src = self.weights_source
         cfg, tensors, _tok = resolve_source(src, self.config.revision if src == self.config.model else None)
         check_architecture(self.model_config, cfg, src)
-        model = self._owner.adopt(R.WEIGHTS, create_model(self.model_config, self.device, self.dtype, self.switches))
+        if self._tp is None:
+            model = self._new_weights()
+        else:  # this rank's slices, as at load
+            from engine.tp.load import create_shard
+
+            model, tensors = create_shard(self, self.model_config, tensors)
         fill_model(model, tensors, self.config.seed, self.weights_source)
-        self._pack(model, tensors)
+        if self._tp is None:
+            self._pack(model, tensors)
+
+    def _new_weights(self):
+        """Weights of this rank's shapes, adopted, uninitialised (to be filled or written)."""
+        if self._tp is None:
+            return self._owner.adopt(R.WEIGHTS, create_model(
+                self.model_config, self.device, self.dtype, self.switches))
+        from engine.tp.load import create_shard
+
+        return create_shard(self, self.model_config, None)[0]
 
     def update_weights(self, source: str) -> None:
         """Load checkpoint ``source`` (same architecture) into the weights' storage, on the
@@ -131,15 +167,13 @@ class RunnerSleep:
             new = validated(spec, tensors(), self.model_config, source, exact_dtype=False)
         except OSError as exc:  # a name too long, no permission, a read error: the caller's path
             raise CheckpointError(source, f"cannot read it: {exc}") from None
-        self._write_weights(new)
-        self.weights_source = source
+        self._write_weights(new, source)
 
     def update_weights_from_tensors(self, named: NamedTensors, partial: bool = False) -> None:
         """As :meth:`update_weights`, from ``(name, tensor)`` pairs of the weights' shapes and
         dtype (any device): all of them, or with ``partial`` any subset (written in place: CUDA
         graphs and fused views stay valid); a later level-2 sleep cannot reload them."""
-        self._write_weights(self.check_weights(named, partial))
-        self.weights_source = None
+        self._write_weights(self.check_weights(named, partial), None)
 
     def check_weights(self, named: NamedTensors, partial: bool = True) -> dict:
         """``named`` validated as an update (names, shapes, dtypes; tensors on the meta device
@@ -161,9 +195,21 @@ class RunnerSleep:
         spec = weight_spec(self.model_config, self.dtype)
         return [(n, shape, str(dtype).removeprefix("torch.")) for n, (shape, dtype) in spec.items()]
 
-    def _write_weights(self, tensors) -> None:
+    def _write_weights(self, tensors, source) -> None:
+        """``tensors`` (validated, full shapes) into the weights; ``source``: where they came
+        from (a later level-2 wake reloads it), None for tensors."""
         if not self.loaded and not self.asleep:
             raise BadRequestError("update_weights needs a loaded model")
+        if self._tp is not None:  # every rank's slices (a TP rank's weights are never packed)
+            from engine.tp.update import bucket_bytes, send
+
+            tp, per_rank = self._tp, bucket_bytes(self._tp.world)
+            tp.update_all(list(tensors), [list(t.shape) for t in tensors.values()], per_rank,
+                          source, lambda: send(tensors, self.dtype, self.device, tp.world,
+                                               self._write_local, per_rank))
+            self.weights_source = source
+            log.info("weights updated (%d tensors, on %d ranks)", len(tensors), tp.world)
+            return
         model = self._owner.get(R.WEIGHTS)
         if model is not None and is_packed(model):
             # packed kernels' layouts cannot be written in place: new float weights, repacked
@@ -175,11 +221,33 @@ class RunnerSleep:
             self._owner.adopt(R.WEIGHTS, fresh)
             del fresh
         else:
-            woke = model is None
-            if woke:  # discarded by a level-2 sleep: these are the weights now
-                model = self._owner.adopt(R.WEIGHTS, create_model(self.model_config, self.device, self.dtype, self.switches))
-                self.asleep = tuple(t for t in self.asleep if t != "weights")
-            copy_into(model, tensors)
-            if woke and "kv_cache" not in self.asleep:  # the stack woke first: its graphs now
-                self._capture_mixed()
+            self._write_local(tensors)
+        self.weights_source = source
         log.info("weights updated (%d tensors)", len(tensors))
+
+    def _write_local(self, tensors) -> None:
+        """Float weights of this rank's shapes, written in place (allocated first if a level-2
+        sleep discarded them: the written set is then a full one, ``check_weights``)."""
+        model = self._owner.get(R.WEIGHTS)
+        woke = model is None
+        if woke:  # discarded by a level-2 sleep: these are the weights now
+            model = self._new_weights()
+            self.asleep = tuple(t for t in self.asleep if t != "weights")
+        copy_into(model, tensors)
+        if woke and "kv_cache" not in self.asleep:  # the stack woke first: its graphs now
+            self._capture_mixed()
+
+    def resources(self) -> list[str]:
+        """What the owner holds now (on the device, or offloaded by a sleep)."""
+        return self._owner.names()
+
+    def receive_weights(self, names: list[str], shapes: list[list[int]], bucket_bytes: int,
+                        source) -> int:
+        """A tensor-parallel worker's side of an update the driver checked and sends
+        (engine/tp/update.py): this rank's slices written as each bucket arrives."""
+        from engine.tp.update import receive
+
+        n = receive(names, shapes, self.dtype, self.device, self._tp.rank, self._tp.world,
+                    self._write_local, bucket_bytes)
+        self.weights_source = source
+        return n

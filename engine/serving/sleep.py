@@ -22,6 +22,9 @@ The phases, as the lifecycle sees them:
 
 Every call that waits on the loop is answered: when the engine fails or shuts down first, it
 raises ``EngineDeadError`` / ``EngineShutdownError``.
+
+With tensor parallelism the runner takes every rank along (engine/tp/control.py): each rank
+sleeps, wakes and writes its slice of the same update; nothing here differs.
 """
 
 from __future__ import annotations
@@ -148,13 +151,6 @@ class SleepController:
         engine.lifecycle.on_change(self._on_change)
 
     # -- the API (event-loop thread) --------------------------------------------------------------
-    def _refuse_tp(self, call: str) -> None:
-        # NOTE: sleep mode across ranks (each worker offloading / reloading its shard on the
-        # driver's word) is not built yet: refused before anything changes.
-        if getattr(self._engine.config, "tensor_parallel_size", 1) > 1:
-            raise BadRequestError(f"{call} is not supported with tensor_parallel_size > 1 "
-                                  "(sleep mode and weight updates are single-rank only)")
-
     async def sleep(self, level: int, mode: str, timeout: Optional[float],
                     tags: tuple[str, ...] = TAGS) -> None:
         eng = self._engine
@@ -164,7 +160,6 @@ class SleepController:
             raise BadRequestError(f"sleep mode must be one of {list(MODES)}, not {mode!r}")
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
             raise BadRequestError(f"sleep timeout must be a number >= 0 or None, not {timeout!r}")
-        self._refuse_tp("sleep")
         self._refuse_if_stopped(eng.lifecycle.state, "sleep")
         eng.lifecycle.trigger("sleep")  # InvalidTransitionError unless SERVING
         start = time.monotonic()
@@ -177,7 +172,6 @@ class SleepController:
 
     async def wake_up(self, tags: Optional[Sequence[str]]) -> None:
         tags = check_tags(tags)
-        self._refuse_tp("wake_up")
         await self._queue("wake_up", _Call("wake", tags), State.SLEEPING)
 
     async def update_weights(self, kind: str, arg: Any, version: Optional[int] = None) -> None:
@@ -186,7 +180,6 @@ class SleepController:
         eng = self._engine
         if version is not None and (type(version) is not int or not 0 <= version < 2**63):
             raise BadRequestError(f"version must be an integer >= 0, not {version!r}")
-        self._refuse_tp("update_weights")
         state = eng.lifecycle.state
         if state in (State.LOADED, State.PAUSED):
             async with eng._pause.lock:  # a resume waits for the update to be done

@@ -9,6 +9,12 @@ Frames, in the order they flow (W = worker -> driver, D = driver -> worker):
   D Blocks(num_blocks)            the minimum over the ranks: every rank builds the same cache
   W Ready(rank)                   KV cache and model state built
   D Step(seqs, logits_rows)       one forward (and its logits rows), in lockstep with the driver
+  D Sleep(seq, level, tags)       free this rank's device memory as the driver does (sleep mode)
+  D Wake(seq, tags)               bring back what ``tags`` name
+  D Update(seq, names, shapes, bucket_bytes, source)
+                                  new weights, checked in full by the driver: each rank's slices
+                                  follow over the process group (engine/tp/update.py), not here
+  W Done(seq, rank, error, ...)   one answer to each Sleep / Wake / Update: error "" is success
   D Shutdown()                    release, report, destroy the process group, exit
   W Released(rank, ...)           the weakref check of what the release left behind
   W Failed(rank, error)           any failure (load, step); the worker exits after it
@@ -62,6 +68,34 @@ class Step(msgspec.Struct, tag=True, array_like=True, gc=False):
     logits_rows: list[int]
 
 
+class Sleep(msgspec.Struct, tag=True, array_like=True):
+    seq: int
+    level: int
+    tags: list[str]
+
+
+class Wake(msgspec.Struct, tag=True, array_like=True):
+    seq: int
+    tags: list[str]
+
+
+class Update(msgspec.Struct, tag=True, array_like=True):
+    seq: int
+    names: list[str]  # full (unsharded) weights, in send order, in the engine's dtype
+    shapes: list[list[int]]
+    bucket_bytes: int  # each rank's bucket (engine/tp/update.py)
+    source: Optional[str]  # where the weights now come from (a level-2 wake reloads it)
+
+
+class Done(msgspec.Struct, tag=True, array_like=True):
+    seq: int
+    rank: int
+    error: str  # "" on success; else the rank's error (it stays usable: engine/tp/control.py)
+    value: int  # the call's result: host bytes kept by a Sleep
+    resources: list[str]  # what the rank's owner holds after the call (device or offloaded)
+    asleep: list[str]  # the parts the rank has asleep after the call
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
@@ -80,7 +114,8 @@ class Failed(msgspec.Struct, tag=True, array_like=True):
     startup: bool  # a load failure (a bad checkpoint, a bad size): exit 2 for the engine
 
 
-Message = Union[Hello, Init, Loaded, Blocks, Ready, Step, Shutdown, Released, Failed]
+Message = Union[Hello, Init, Loaded, Blocks, Ready, Step, Sleep, Wake, Update, Done, Shutdown,
+                Released, Failed]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -36,6 +36,7 @@ from engine import envs
 from ..errors import EngineError
 from .channel import (_HEADER, Blocks, Channel, Closed, Failed, Hello, Init, Loaded, Ready,
                       Released, Shutdown, Step, _encoder)
+from .control import DriverCalls, RankFailed
 
 log = logging.getLogger("enginecore.tp")
 
@@ -43,10 +44,6 @@ TOKEN_ENV = envs.TP_TOKEN
 CONNECT_TIMEOUT_S = 120.0  # for every rank to connect (torch's import is seconds)
 EXIT_GRACE_S = 10.0  # for a worker to release and exit after Shutdown, then SIGKILL
 FAIL_GRACE_S = 2.0  # after a failure: for the other ranks to report theirs, then SIGKILL
-
-
-class RankFailed(EngineError):
-    """A tensor-parallel rank died or failed; the engine cannot go on."""
 
 
 class TPStartupError(EngineError):
@@ -62,7 +59,7 @@ def backend_for(device: torch.device, ranks_per_node: int = 1) -> str:
     return "nccl" if torch.cuda.device_count() >= ranks_per_node else "gloo"
 
 
-class DriverGroup:
+class DriverGroup(DriverCalls):
     rank = 0
 
     def __init__(self, config):

@@ -4,9 +4,10 @@ makes them (the same names on both sides keep ``ModelRunner`` free of rank check
 from __future__ import annotations
 
 from .channel import Blocks, Channel, Closed, Loaded, Ready, Released
+from .control import WorkerCalls
 
 
-class WorkerLink:
+class WorkerLink(WorkerCalls):
     def __init__(self, rank: int, world: int, ch: Channel):
         self.rank, self.world, self._ch = rank, world, ch
         self._closed = False

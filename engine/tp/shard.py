@@ -56,11 +56,15 @@ def shard_dim(name: str) -> Optional[int]:
     return None
 
 
-def shard_of(t: torch.Tensor, dim: Optional[int], rank: int, world: int) -> torch.Tensor:
+def shard_of(t: torch.Tensor, dim: Optional[int], rank: int, world: int,
+             copy: bool = True) -> torch.Tensor:
+    """``rank``'s slice of ``t`` along ``dim``; ``copy``: a tensor of its own (at load: the full
+    tensor is freed after), else a view (a weight update copies it into the weights at once)."""
     if dim is None:
         return t
     n = t.shape[dim] // world
-    return t.narrow(dim, rank * n, n).clone()  # a copy: the full tensor is freed after
+    part = t.narrow(dim, rank * n, n)
+    return part.clone() if copy else part
 
 
 class ShardedTensors:
