@@ -31,6 +31,7 @@ from states import State
 from .calls import Calls, death_message
 from .errors import ConnectionClosed, ProtocolError
 from .framing import STREAM_ENDED, FrameWriter
+from .control import ControlReply
 from .messages import Abort, Ack, Error, Health, Outputs, StateChanged, Tokens, Welcome
 from .requests import GenerateEncoder, RequestTable
 from .streams import thread_caller
@@ -173,7 +174,7 @@ class ClientChannel:
                 self.failure = EngineDeadError("engine failed")
             if self.failure is None or msg.state is State.FAILED:
                 self._set_state(msg.state)
-        elif t is Health or t is Ack or t is Tokens:
+        elif t is Health or t is Ack or t is Tokens or t is ControlReply:
             if t is Ack and msg.state is not None and self.failure is None:
                 self._set_state(msg.state)
             self._calls.answer(msg.call_id, msg)

@@ -36,10 +36,13 @@ from engine.errors import BadRequestError
 from engine.interface import Prompt, TokenizerInfo, unavailable_error
 from engine.loader.tokenizer import render_chat_template
 from engine.params import RequestOutput, SamplingParams
+from engine.serving.pause import PAUSE_MODES
 from engine.serving.sleep import MODES, check_tags
 from states import State
 
 from .channel import ClientChannel, ConnState
+from .control import (AbortAll, CloseWeightTransfer, InitWeightTransfer, Pause, Resume,
+                      UpdateWeightsFromDistributed, WeightInfoRequest)
 from .handshake import HANDSHAKE_TIMEOUT, client_handshake
 from .messages import (MAX_PATH_LEN, MAX_REQUEST_ID_LEN, Abort, Detokenize, Drain, Health,
                        HealthRequest, Shutdown, Sleep, Tokenize, UpdateWeights, Vocabulary, WakeUp)
@@ -162,8 +165,8 @@ class EngineClient(ClientChannel):
         iterator, at the latest on its first ``__anext__``: what the engine refuses."""
         if self.conn is not ConnState.OPEN:
             raise self._closed_error()
-        if self._state is not State.SERVING:
-            raise unavailable_error(self._state, "generate", self.failure)
+        if self._state is not State.SERVING and self._state is not State.PAUSED:
+            raise unavailable_error(self._state, "generate", self.failure)  # paused: queued
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
@@ -232,7 +235,8 @@ class EngineClient(ClientChannel):
 
     # ------------------------------------------------------------------ sleep mode
 
-    async def sleep(self, level: int = 1, mode: str = "abort", timeout: Optional[float] = None) -> None:
+    async def sleep(self, level: int = 1, mode: str = "abort", timeout: Optional[float] = None,
+                    tags: Optional[list[str]] = None) -> None:
         """As :meth:`engine.AsyncEngine.sleep`: returns once the engine's device memory is freed
         (the client is told ``sleeping`` at once). ``timeout``: ``mode="wait"`` only; None or
         beyond the wire's bound (1e9 s): no limit."""
@@ -243,7 +247,9 @@ class EngineClient(ClientChannel):
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
                 raise BadRequestError(f"sleep timeout must be a number >= 0 or None, not {timeout!r}")
             timeout = None if timeout >= _MAX_DRAIN_TIMEOUT else float(timeout)
-        await self._call("sleep", lambda cid: Sleep(level=level, mode=mode, timeout=timeout, call_id=cid))
+        wire = None if tags is None else list(check_tags(tags))
+        await self._call("sleep", lambda cid: Sleep(level=level, mode=mode, timeout=timeout,
+                                                    tags=wire, call_id=cid))
 
     async def wake_up(self, tags: Optional[list[str]] = None) -> None:
         """Bring back ``tags`` ("weights", "kv_cache"; None: both); ``serving`` once both are."""
@@ -254,14 +260,63 @@ class EngineClient(ClientChannel):
     def is_sleeping(self) -> bool:
         return self._state is State.SLEEPING
 
-    async def update_weights(self, path: str) -> None:
+    async def update_weights(self, path: str, version: Optional[int] = None) -> None:
         """Load the checkpoint at ``path`` -- on the engine's machine -- into a sleeping engine's
         weights; a refused one raises ``BadRequestError`` and the old weights stay."""
         if not isinstance(path, str) or not 0 < len(path) <= MAX_PATH_LEN or "\0" in path or (
                 not path.isascii() and not _utf8(path)):
             raise BadRequestError(f"path must be a non-empty UTF-8 string of at most "
                                   f"{MAX_PATH_LEN} characters, without NUL")
-        await self._call("update_weights", lambda cid: UpdateWeights(path=path, call_id=cid))
+        _check_version(version)
+        await self._call("update_weights", lambda cid: UpdateWeights(path=path, version=version,
+                                                                     call_id=cid))
+
+    # ------------------------------------------------------------------ RL loops (ipc/control.py)
+
+    async def pause(self, mode: str = "abort", timeout: Optional[float] = None) -> None:
+        """As :meth:`engine.AsyncEngine.pause`: returns once nothing steps any more."""
+        if mode not in PAUSE_MODES:
+            raise BadRequestError(f"pause mode must be one of {list(PAUSE_MODES)}, not {mode!r}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 <= timeout <= _MAX_DRAIN_TIMEOUT):
+            raise BadRequestError(f"pause timeout must be a number >= 0 or None, not {timeout!r}")
+        await self._call("pause", lambda cid: Pause(mode=mode, timeout=timeout, call_id=cid))
+
+    async def resume(self) -> None:
+        await self._call("resume", lambda cid: Resume(call_id=cid))
+
+    def is_paused(self) -> bool:
+        return self._state is State.PAUSED
+
+    async def abort_all(self, reason: str = "abort_all") -> int:
+        """Every request in flight in the engine (every client's) ends at the next step
+        boundary with its partial output; how many there were."""
+        if not isinstance(reason, str) or len(reason) > 256:
+            raise BadRequestError("reason must be a string of at most 256 characters")
+        msg = await self._call("abort_all", lambda cid: AbortAll(reason=reason, call_id=cid))
+        return msg.count or 0
+
+    async def weight_info(self) -> list[tuple[str, tuple[int, ...], str]]:
+        msg = await self._call("weight_info", lambda cid: WeightInfoRequest(call_id=cid))
+        return [(n, tuple(s), d) for n, s, d in msg.weights]
+
+    async def init_weight_transfer(self, backend: str, address: str, port: int, rank: int,
+                                   world_size: int, timeout: float = 300.0) -> None:
+        """The engine (on its machine) joins the trainer's group: see engine.weight_transfer."""
+        await self._call("init_weight_transfer", lambda cid: _checked(InitWeightTransfer(
+            backend=backend, address=address, port=port, rank=rank, world_size=world_size,
+            timeout=float(timeout), call_id=cid)))
+
+    async def update_weights_from_distributed(self, metadata, version: Optional[int] = None,
+                                              bucket_bytes: int = 256 * 2**20) -> None:
+        _check_version(version)
+        meta = [(n, list(s), d) for n, s, d in metadata]
+        await self._call("update_weights_from_distributed", lambda cid: _checked(
+            UpdateWeightsFromDistributed(metadata=meta, version=version,
+                                         bucket_bytes=bucket_bytes, call_id=cid)))
+
+    async def close_weight_transfer(self) -> None:
+        await self._call("close_weight_transfer", lambda cid: CloseWeightTransfer(call_id=cid))
 
     async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` with the model's chat template, client-side (the template came
@@ -274,6 +329,19 @@ class EngineClient(ClientChannel):
     def __repr__(self) -> str:
         return (f"<EngineClient model={self.model!r} state={self._state.value} "
                 f"client_id={self.welcome.client_id} {self.conn.value}>")
+
+
+def _check_version(version) -> None:
+    if version is not None and (type(version) is not int or not 0 <= version < 2**63):
+        raise BadRequestError(f"version must be an integer >= 0, not {version!r}")
+
+
+def _checked(msg):
+    """``msg`` as the engine will decode it: a bad field is a BadRequestError here, naming it."""
+    try:
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=type(msg))
+    except msgspec.ValidationError as exc:
+        raise BadRequestError(f"{type(msg).__name__}: {exc}") from None
 
 
 __all__ = ["EngineClient", "ConnState", "RemoteStream"]

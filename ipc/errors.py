@@ -10,8 +10,8 @@ import enum
 from typing import NamedTuple, Optional
 
 from engine.errors import (BadRequestError, CheckpointError, EngineDeadError, EngineDrainingError,
-                           EngineError, EngineOverloadedError, EngineShutdownError,
-                           EngineSleepingError)
+                           EngineError, EngineOverloadedError, EnginePausedError,
+                           EngineShutdownError, EngineSleepingError)
 from states import InvalidTransitionError
 
 
@@ -67,6 +67,7 @@ class ErrorKind(enum.IntEnum):
     INTERNAL = 10           # unexpected error in the engine process
     OVERLOADED = 11         # admission limits reached; retry_after
     SLEEPING = 12           # asleep (sleep mode): not accepting until woken; retry_after
+    PAUSED = 13             # paused, refusing new requests (reject_while_paused); retry_after
 
 
 class ErrorSpec(NamedTuple):
@@ -94,6 +95,7 @@ ERROR_TABLE: tuple[ErrorSpec, ...] = (
     ErrorSpec(EngineOverloadedError, ErrorKind.OVERLOADED, 429, "rate_limit_error", "engine_overloaded"),
     ErrorSpec(EngineDrainingError, ErrorKind.DRAINING, 503, "service_unavailable", "engine_draining"),
     ErrorSpec(EngineSleepingError, ErrorKind.SLEEPING, 503, "service_unavailable", "engine_sleeping"),
+    ErrorSpec(EnginePausedError, ErrorKind.PAUSED, 503, "service_unavailable", "engine_paused"),
     ErrorSpec(EngineShutdownError, ErrorKind.SHUTDOWN, 503, "service_unavailable", "engine_shutdown"),
     ErrorSpec(EngineDeadError, ErrorKind.DEAD, 503, "service_unavailable", "engine_dead"),
     ErrorSpec(ConnectionClosed, ErrorKind.DEAD, 503, "service_unavailable", "engine_dead"),

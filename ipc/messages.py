@@ -33,7 +33,7 @@ Each message is one frame::
   default are left out by the sender and may be left out by you; unknown keys, wrong types and
   values outside the bounds given below make the whole frame invalid (``Error(kind=PROTOCOL,
   fatal=True)``, then the connection is closed). Enums travel as their values: ``State`` as a
-  string ("init", "loaded", "serving", "sleeping", "draining", "shutdown", "failed"), :class:`ErrorKind` as an
+  string ("init", "loaded", "serving", "paused", "sleeping", "draining", "shutdown", "failed"), :class:`ErrorKind` as an
   integer. ``SamplingParams`` and ``RequestOutput`` (engine/params.py) are nested maps with their
   field names as keys and no ``"t"`` key: SamplingParams {max_tokens: int = 16, temperature: float
   = 0.0 (greedy), top_k: int = 0, top_p: float = 1.0, seed: int | nil, stop: [str],
@@ -113,6 +113,9 @@ Client -> engine:
   flight, frees the device, then answers; :class:`WakeUp` brings memory back; :class:`UpdateWeights`
   loads a checkpoint while asleep (refused: ``BAD_REQUEST``, the old weights stay). A Drain or
   Shutdown while sleeping releases what is left; a call in the wrong state: ``INVALID_TRANSITION``.
+  ``Sleep.tags`` (appended) frees only what it names; ``UpdateWeights.version`` (appended) is
+  the version outputs carry from then on.
+* Pause, abort-all and weights from a trainer (appended to version 2): ``control.py``.
 * :class:`Tokenize` / :class:`Detokenize` (appended too) ask the engine's tokenizer: :class:`Tokens` (``ids``
   / ``texts``) or an ``Error`` answers, with their ``call_id``. :class:`Vocabulary` (appended in
   version 2) asks for every token's bytes, by id: :class:`Tokens` (``pieces``).
@@ -150,7 +153,9 @@ from engine.params import RequestOutput, SamplingParams
 from engine.serving.admission import MAX_REQUEST_ID_LEN as _ENGINE_MAX_REQUEST_ID_LEN
 from states import State
 
+from .control import CONTROL_REPLIES, CONTROL_REQUESTS, ControlReply, ControlRequest
 from .errors import ErrorKind
+from .wire_base import MAX_PATH_LEN, CallId, Count, Seconds, Version, _Message
 
 #: Bumped on any incompatible change of the messages below (2: ``RequestOutput``'s logprobs are
 #: packed ``Logprobs``; ``Vocabulary`` appended).
@@ -167,32 +172,15 @@ MAX_TOKEN_LEN = 1024
 MAX_NAME_LEN = 256
 MAX_ERROR_MESSAGE_LEN = 8192
 MAX_CHAT_TEMPLATE_LEN = 1024 * 1024
-MAX_PATH_LEN = 4096  # Linux's PATH_MAX
 MAX_VOCAB = 1 << 21  # tokens in a Vocabulary answer
 MAX_PIECE_LEN = 1024  # bytes of one token
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
-CallId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
-Count = Annotated[int, Meta(ge=0, le=2**63 - 1)]
-Version = Annotated[int, Meta(ge=0, le=2**31 - 1)]
-Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]
 Prompt = Union[
     Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)],
     Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKENS)],
 ]
-
-
-class _Message(
-    msgspec.Struct,
-    tag_field="t",
-    tag=True,
-    forbid_unknown_fields=True,
-    omit_defaults=True,
-    kw_only=True,
-    gc=False,
-):
-    """Base of every message (not itself on the wire)."""
 
 
 # --------------------------------------------------------------------------- client -> engine
@@ -271,6 +259,7 @@ class Sleep(_Message, tag="Sleep"):
     mode: Literal["abort", "wait"] = "abort"
     timeout: Optional[Seconds] = None
     call_id: Optional[CallId] = None
+    tags: Optional[Annotated[list[Literal["weights", "kv_cache"]], Meta(min_length=1, max_length=2)]] = None
 
 
 class WakeUp(_Message, tag="WakeUp"):
@@ -285,6 +274,7 @@ class UpdateWeights(_Message, tag="UpdateWeights"):
 
     path: Annotated[str, Meta(min_length=1, max_length=MAX_PATH_LEN, pattern="^[^\\x00]+$")]
     call_id: Optional[CallId] = None
+    version: Optional[Annotated[int, Meta(ge=0, le=2**63 - 1)]] = None
 
 
 # --------------------------------------------------------------------------- engine -> client
@@ -360,13 +350,15 @@ class Ack(_Message, tag="Ack"):
 
 
 ClientMessage = Union[Hello, Generate, Abort, HealthRequest, Drain, Shutdown, Sleep, WakeUp, UpdateWeights,
-                      Tokenize, Detokenize, Vocabulary]
-EngineMessage = Union[Welcome, Outputs, Health, Error, StateChanged, Ack, Tokens]
+                      Tokenize, Detokenize, Vocabulary, ControlRequest]
+EngineMessage = Union[Welcome, Outputs, Health, Error, StateChanged, Ack, Tokens, ControlReply]
 Message = Union[ClientMessage, EngineMessage]
 
 CLIENT_MESSAGES: tuple[type, ...] = (Hello, Generate, Abort, HealthRequest, Drain, Shutdown, Sleep,
-                                     WakeUp, UpdateWeights, Tokenize, Detokenize, Vocabulary)
-ENGINE_MESSAGES: tuple[type, ...] = (Welcome, Outputs, Health, Error, StateChanged, Ack, Tokens)
+                                     WakeUp, UpdateWeights, Tokenize, Detokenize, Vocabulary,
+                                     *CONTROL_REQUESTS)
+ENGINE_MESSAGES: tuple[type, ...] = (Welcome, Outputs, Health, Error, StateChanged, Ack, Tokens,
+                                     *CONTROL_REPLIES)
 ALL_MESSAGES: tuple[type, ...] = CLIENT_MESSAGES + ENGINE_MESSAGES
 
 #: Kinds after which the engine closes the connection.

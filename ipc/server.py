@@ -1,10 +1,8 @@
 """``serve_ipc``: serve an engine to many clients over the wire protocol.
 
 One task per connection reads and dispatches frames; one sender per connection owns the
-stream's write side (both in ipc/connection.py). Outputs reach a connection through a sink the
-engine calls on the event-loop thread, all of one step's outputs in one go, so the sender --
-which only runs after that -- finds the whole step in its outbox and writes it as one
-``Outputs`` frame (several pending frames go out in one ``send``).
+stream's write side (ipc/connection.py). The engine's sink gets one step's outputs in one go, so
+the sender finds the whole step in its outbox and writes it as one ``Outputs`` frame.
 
 Isolation: a malformed, oversize or unexpected frame, a failed handshake, a peer that stops
 reading (``send_timeout``) or lets its outbox grow past ``max_outbox`` closes only that
@@ -16,16 +14,14 @@ file descriptors, ...) backs off and retries, logged as summaries (ipc/accept.py
 token is admitted at once, the answers to failed authentications are held per peer and in all
 (a bounded number at a time), logged with the peer (ipc/auth.py).
 
-Request ids are the client's, scoped to its connection: the engine sees ``c<conn>-<n>`` and the
-outputs are renamed back, so clients can neither collide with nor abort each other's requests.
-Each connection is a client of the engine's (``c<conn>``: its waiting requests take turns with
-other clients', and it holds at most its share of the admission limits), and so is each user a
-connection names in ``Generate.client`` (``c<conn>/<name>``: an HTTP frontend's users), so no
-connection can pass for another's users.
+Request ids are scoped to their connection (the engine sees ``c<conn>-<n>``): clients can
+neither collide with nor abort each other's requests. Each connection is a client of the
+engine's (``c<conn>``: turns with other clients' waiting requests, a share of the admission
+limits), and so is each user it names in ``Generate.client`` (``c<conn>/<name>``).
 
-``serve_ipc`` returns when the engine has stopped (after a drain, shutdown or failure -- also one
-a client asked for), after each connection's pending replies are flushed; or when cancelled. It
-never installs signal handlers and never shuts the engine down itself.
+``serve_ipc`` returns when the engine has stopped (a drain, shutdown or failure), after each
+connection's pending replies are flushed; or when cancelled. It touches no signal and never
+shuts the engine down itself.
 """
 
 from __future__ import annotations
@@ -46,6 +42,7 @@ from states import State
 from .accept import SummaryLog, accept_forever
 from .auth import AuthThrottle
 from .connection import STREAM_ERRORS, Connection
+from .control import CONTROL_REQUESTS, ControlReply, run_control
 from .errors import ConnectionClosed, ProtocolError
 from .framing import FrameCodec, FrameReader
 from .handshake import HANDSHAKE_TIMEOUT, describe_model, hello_error
@@ -66,9 +63,8 @@ GENERATES_PER_TURN = 32
 @runtime_checkable
 class ServedEngine(Engine, Protocol):
     """An :class:`~engine.interface.Engine` with the server's fast path: ``submit`` delivers a
-    request's outputs (or the exception that ends it) to ``sink`` on the event-loop thread,
-    all of one step's outputs in one go; returns the number of prompt tokens. ``client``: whose
-    request it is (the engine's fairness between clients)."""
+    request's outputs (or the exception that ends it) to ``sink`` on the event-loop thread, a
+    step's at a time; returns the prompt's token count. ``client``: whose request it is."""
 
     def submit(self, prompt: Prompt, params: SamplingParams, request_id: str,
                sink: Callable[[Any], None], client: str = "") -> int: ...
@@ -312,11 +308,14 @@ class IPCServer:
         elif t is Shutdown:
             self._call(conn, msg.call_id, self.engine.shutdown)
         elif t is Sleep:  # sleep mode (engine/serving/sleep.py): the frame's fields are bounded already
-            self._call(conn, msg.call_id, self.engine.sleep, msg.level, msg.mode, msg.timeout)
+            self._call(conn, msg.call_id, self.engine.sleep, msg.level, msg.mode, msg.timeout,
+                       msg.tags)
         elif t is WakeUp:
             self._call(conn, msg.call_id, self.engine.wake_up, msg.tags)
         elif t is UpdateWeights:
-            self._call(conn, msg.call_id, self.engine.update_weights, msg.path)
+            self._call(conn, msg.call_id, self.engine.update_weights, msg.path, msg.version)
+        elif t in CONTROL_REQUESTS:  # pause, abort-all, weights from a trainer (control.py)
+            self._call(conn, msg.call_id, run_control, self.engine, msg)
         elif t is Tokenize:
             self._call(conn, msg.call_id, self.engine.tokenize, msg.text, msg.add_special_tokens,
                        answer="ids")
@@ -359,7 +358,9 @@ class IPCServer:
             except Exception as exc:
                 conn.push(error_to_message(exc, call_id=call_id, fatal=False))
             else:
-                if answer is not None:
+                if type(result) is ControlReply:
+                    conn.push(msgspec.structs.replace(result, call_id=call_id))
+                elif answer is not None:
                     conn.push(Tokens(call_id=call_id, **{answer: result}))
                 elif call_id is not None:
                     conn.push(Ack(call_id=call_id, state=self.engine.state))

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import anyio
 
 from engine.errors import (BadRequestError, CheckpointError, EngineDeadError, EngineDrainingError,
-                           EngineShutdownError, EngineSleepingError)
+                           EnginePausedError, EngineShutdownError, EngineSleepingError)
 from engine.interface import Health, RequestStreamLike, TokenizerInfo
 from engine.params import RequestOutput, SamplingParams
 from states import InvalidTransitionError, Lifecycle, State
@@ -101,6 +101,8 @@ class FakeEngine:
             raise EngineDrainingError(retry_after=2.5)
         if st is State.SLEEPING:
             raise EngineSleepingError(retry_after=4.0)
+        if st is State.PAUSED and getattr(self, "reject", False):
+            raise EnginePausedError(retry_after=3.0)
         if st is State.SHUTDOWN:
             raise EngineShutdownError("engine is shut down; generate() is not possible")
         if st is State.FAILED:
@@ -132,9 +134,10 @@ class FakeEngine:
                           running=len(self.requests), waiting=0, kv_usage=min(1.0, len(self.requests) / 100))
 
     # -- sleep mode: the lifecycle and the calls' arguments, no memory ------------------------
-    async def sleep(self, level: int = 1, mode: str = "abort", timeout: Optional[float] = None) -> None:
+    async def sleep(self, level: int = 1, mode: str = "abort", timeout: Optional[float] = None,
+                    tags: Optional[list[str]] = None) -> None:
         self.lifecycle.trigger("sleep")  # InvalidTransitionError unless SERVING
-        self.calls.append(("sleep", level, mode, timeout))
+        self.calls.append(("sleep", level, mode, timeout) + ((tags,) if tags else ()))
         for rid in list(self.requests):
             self._abort_nowait(rid, "sleep")
 
@@ -150,11 +153,51 @@ class FakeEngine:
     def is_sleeping(self) -> bool:
         return self.state is State.SLEEPING
 
-    async def update_weights(self, path: str) -> None:
+    async def update_weights(self, path: str, version: Optional[int] = None) -> None:
         self.lifecycle.require("update_weights", State.SLEEPING)
-        self.calls.append(("update_weights", path))
+        self.calls.append(("update_weights", path) + ((version,) if version is not None else ()))
         if "bad" in path:
             raise CheckpointError(path, "intermediate_size 96 != 128")
+
+    # -- RL-loop calls: the lifecycle and the calls' arguments --------------------------------
+    async def pause(self, mode: str = "abort", timeout: Optional[float] = None) -> None:
+        if self.state is not State.PAUSED:
+            self.lifecycle.trigger("pause")
+        self.calls.append(("pause", mode, timeout))
+        if mode == "abort":
+            for rid in list(self.requests):
+                self._abort_nowait(rid, "pause")
+
+    async def resume(self) -> None:
+        if self.state is not State.SERVING:
+            self.lifecycle.trigger("resume")
+        self.calls.append(("resume",))
+
+    def is_paused(self) -> bool:
+        return self.state is State.PAUSED
+
+    async def abort_all(self, reason: str = "abort_all") -> int:
+        n = len(self.requests)
+        for rid in list(self.requests):
+            self._abort_nowait(rid, reason)
+        self.calls.append(("abort_all", reason))
+        return n
+
+    def weight_info(self) -> list[tuple[str, tuple[int, ...], str]]:
+        return [("model.embed_tokens.weight", (256, 64), "float32"),
+                ("model.norm.weight", (64,), "float32")]
+
+    async def init_weight_transfer(self, backend, address, port, rank, world_size,
+                                   timeout=300.0) -> None:
+        self.calls.append(("init_weight_transfer", backend, address, port, rank, world_size))
+
+    async def update_weights_from_distributed(self, metadata, version=None,
+                                              bucket_bytes=256 * 2**20) -> None:
+        self.lifecycle.require("update_weights_from_distributed", State.PAUSED, State.SLEEPING)
+        self.calls.append(("update_weights_from_distributed", metadata, version))
+
+    async def close_weight_transfer(self) -> None:
+        self.calls.append(("close_weight_transfer",))
 
     async def drain(self, timeout: Optional[float] = None, reason: str = "drain timeout") -> None:
         st = self.state

@@ -7,6 +7,8 @@ import struct
 from hypothesis import strategies as st
 
 from engine.params import Logprobs, RequestOutput, SamplingParams
+from ipc.control import (AbortAll, CloseWeightTransfer, ControlReply, InitWeightTransfer,
+                         Pause, Resume, UpdateWeightsFromDistributed, WeightInfoRequest)
 from ipc.messages import (
     Abort,
     Ack,
@@ -30,6 +32,7 @@ from ipc.messages import (
     Welcome,
 )
 from states import State
+
 
 
 def sample_messages() -> list:
@@ -66,6 +69,17 @@ def sample_messages() -> list:
         WakeUp(tags=["kv_cache"], call_id=11),
         WakeUp(),
         UpdateWeights(path="/models/step-2", call_id=12),
+        UpdateWeights(path="/models/step-3", version=3),
+        Sleep(level=1, tags=["kv_cache"]),
+        Pause(mode="keep", timeout=2.0, call_id=20),
+        Resume(call_id=21),
+        AbortAll(reason="rollout over", call_id=22),
+        WeightInfoRequest(call_id=23),
+        InitWeightTransfer(backend="gloo", address="127.0.0.1", port=29500, rank=1, world_size=2),
+        UpdateWeightsFromDistributed(metadata=[("model.norm.weight", [64], "bfloat16")], version=4),
+        CloseWeightTransfer(call_id=24),
+        ControlReply(call_id=22, count=3),
+        ControlReply(call_id=23, weights=[("lm_head.weight", [49152, 576], "float32")]),
         Tokenize(call_id=4, text="hello", add_special_tokens=False),
         Detokenize(call_id=5, ids=[1, 2, 3], each=True),
         Tokens(call_id=4, ids=[7, 8]),
