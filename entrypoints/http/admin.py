@@ -7,13 +7,16 @@
 * ``POST /update_weights`` -- ``path``: a checkpoint on the engine's machine, same architecture;
 * ``GET /is_sleeping`` -- ``{"is_sleeping": bool}``.
 
-Parameters come as a JSON object body or as query parameters, as vLLM's do
-(``POST /sleep?level=2``, ``POST /wake_up?tags=weights&tags=kv_cache``); the body's keys win.
-They are checked here, strictly and bounded (unknown keys too), before the engine is called.
+Parameters come only as a JSON object body (``Content-Type: application/json``, as every POST:
+``guards.JsonOnlyGuard``; an empty body is ``{}``), never in the query string: a query parameter
+is a 400 naming it. (vLLM reads them from the query string; then a cross-site form, which a
+browser posts without asking, could choose them. A JSON body needs the CORS preflight.) They are
+checked here, strictly and bounded (unknown keys too), before the engine is called.
 A call answers ``{"status": "ok", "state": ..., "is_sleeping": ...}`` or an OpenAI-shaped error:
 400 bad parameters or a refused checkpoint (the old weights keep serving), 401 without the token,
 409 not possible in the engine's state (``wake_up`` while serving, ``sleep`` while asleep),
-503 engine gone. With ``token`` set, every admin call needs ``Authorization: Bearer <token>``:
+503 engine gone. With ``token`` set, every admin call needs ``Authorization: Bearer <token>``,
+from every address (loopback too):
 the right token is compared first (constant time) and served at once; failures meet the IPC
 server's throttle (``ipc.auth.AuthThrottle``, keyed by the client's address, one per frontend
 process): past a few, the 401 is held (0.25 s doubling to 4 s), and beyond the failures held at
@@ -68,34 +71,21 @@ class UpdateWeightsParams(_Admin):
                     AfterValidator(_utf8)]
 
 
-def _query_value(key: str, values: list[str]) -> Any:
-    """A query parameter as the JSON value it stands for (``level=2`` is 2, ``tags`` a list);
-    anything else stays a string, which the model refuses where a number is due."""
-    if key == "tags":
-        return [t for v in values for t in v.split(",")]
-    value = values[-1]
-    if key == "level" and value.isdigit() and len(value) <= 2:
-        return int(value)
-    if key == "timeout":
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
-
-
 async def _params(request: Request, model: type[_Admin]) -> _Admin:
-    data: dict[str, Any] = {k: _query_value(k, request.query_params.getlist(k))
-                            for k in request.query_params}
+    if request.scope.get("query_string"):
+        key = next(iter(request.query_params), "")[:64] or None
+        raise P.RequestError(f"{key or 'query string'}: the admin endpoints take no query "
+                             "parameters; send them as a JSON object body (Content-Type: "
+                             "application/json)", param=key)
+    data: dict[str, Any] = {}
     body = await request.body()  # bounded by the BodyGuard
     if body.strip():
         try:
-            given = json.loads(body)
+            data = json.loads(body)
         except (ValueError, RecursionError) as exc:
             raise P.RequestError(f"invalid JSON body: {exc}") from None
-        if not isinstance(given, dict):
+        if not isinstance(data, dict):
             raise P.RequestError("the request body must be a JSON object")
-        data.update(given)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -7,8 +7,10 @@ true/false; SSE chunks in OpenAI's format ending with ``data: [DONE]``), ``GET /
 while the engine is alive), ``GET /ready`` (200 only while it is SERVING), ``GET /metrics``; with
 ``sleep_mode``, the admin endpoints of ``admin.py`` (``/sleep``, ``/wake_up``, ...).
 
-A request passes, in order: the in-flight limit and the body limits (``guards.py``, before the
-body is read), the raw body against the schema's shape: every list's length, every value's
+A request passes, in order: the CORS policy (Starlette's ``CORSMiddleware``, only with
+``limits.allowed_origins``: off by default, so no ``Access-Control-*`` header and no preflight
+granted), the media type (every POST ``application/json``, else 415), the in-flight limit and the
+body limits (``guards.py``, before the body is read), the raw body against the schema's shape: every list's length, every value's
 kind, the free-form JSON's size (``raw_limits.check_raw``, before the body becomes objects), the
 JSON schema (``protocol.py``: strict types, every number and list bounded;
 a large body is parsed on a worker thread), the prompt's size in characters, then the chat
@@ -22,6 +24,7 @@ from typing import Mapping, Optional, Sequence, TypeVar, Union
 
 import anyio
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
@@ -33,7 +36,7 @@ from .raw_limits import SMALL_BODY, check_raw
 from ..malloc import Trimmer
 from .context import Frontend
 from .errors import install_handlers, validation_error
-from .guards import BodyGuard, InFlightGuard
+from .guards import BodyGuard, InFlightGuard, JsonOnlyGuard
 from .limits import INLINE_PARSE_BYTES, HttpLimits
 from . import generate, tokens
 
@@ -107,10 +110,17 @@ def create_app(engine: Engine, *, model_name: Union[str, Sequence[str], None] = 
     def rejected(reason: str) -> None:
         fe.metrics.rejected.labels(reason).inc()
 
-    # The last added is the outermost: the in-flight limit answers before the body is read.
+    # The last added is the outermost: the media type and the in-flight limit answer before the
+    # body is read; the CORS headers (when on) reach every answer, the guards' refusals too.
     app.add_middleware(BodyGuard, max_body_bytes=limits.max_body_bytes,
                        body_timeout=limits.body_timeout, on_reject=rejected, after_large=Trimmer())
     app.add_middleware(InFlightGuard, limit=limits.max_requests_in_flight, on_reject=rejected)
+    app.add_middleware(JsonOnlyGuard, on_reject=rejected)
+    if limits.cors:
+        app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins),
+                           allow_methods=[m.upper() for m in limits.allowed_methods],
+                           allow_headers=list(limits.allowed_headers),
+                           allow_credentials=limits.allow_credentials)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -1,13 +1,21 @@
 """Pure ASGI middleware that refuses before the app does any work (see ``limits.py``).
 
-* :class:`InFlightGuard` (outermost): at most ``limit`` generation requests open at once; the
+* :class:`JsonOnlyGuard` (outermost of these): every POST must say ``Content-Type:
+  application/json`` (parameters such as ``charset`` allowed; no other media type, none
+  missing, one header only), else 415 from its head alone, before the body is read. Why: a
+  browser sends a POST whose type is ``text/plain``, ``application/x-www-form-urlencoded`` or
+  ``multipart/form-data`` -- or that has no body and no type -- to any origin without asking it
+  first (no CORS preflight), so any web page its user opens could drive a server on loopback;
+  a JSON body needs the preflight, which this server grants only to the origins it is told to
+  (``--allowed-origins``). vLLM refuses the same requests (with a 400).
+* :class:`InFlightGuard` (next): at most ``limit`` generation requests open at once; the
   next one gets 429 + ``Retry-After`` before its body is read.
 * :class:`BodyGuard`: reads the whole body itself, bounded in size (``Content-Length`` checked
   first, then the bytes counted as they arrive: 413), in time (408) and, over all requests of the process, in memory buffered at once
   (503 + ``Retry-After``). The app then gets the body as one message, and the client's
   disconnect afterwards as usual.
 
-NOTE: a 413 does not close the connection at once: closing with the client's bytes unread makes
+NOTE: a 413 or 415 does not close the connection at once: closing with the client's bytes unread makes
 the kernel send a reset, and the client loses the answer (a lingering close, as nginx does).
 uvicorn discards the rest of the body without buffering it; the connection's head timer
 (``server.py``), re-armed when the response completes, closes it if the client keeps sending.
@@ -22,10 +30,39 @@ import anyio
 from .errors import send_error
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+#: The media type every POST body must have (``Content-Type``, before any ``;``, any case).
+JSON_MEDIA_TYPE = b"application/json"
 #: Bodies buffered at once by one process, all requests together, in units of max_body_bytes.
 BUFFER_BUDGET_BODIES = 32
 
 Reject = Optional[Callable[[str], None]]
+
+
+def _content_types(scope) -> list[bytes]:
+    """The request's media types: each ``Content-Type`` header's, lower case, no parameters."""
+    return [value.split(b";", 1)[0].strip().lower()
+            for name, value in scope["headers"] if name == b"content-type"]
+
+
+class JsonOnlyGuard:
+    def __init__(self, app, on_reject: Reject = None) -> None:
+        self.app = app
+        self.on_reject = on_reject
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        types = _content_types(scope)
+        if types == [JSON_MEDIA_TYPE]:
+            return await self.app(scope, receive, send)
+        if self.on_reject is not None:
+            self.on_reject("bad_request")
+        told = ("no Content-Type" if not types else "several Content-Type headers" if len(types) > 1
+                else f"Content-Type {types[0][:64].decode('latin-1')!r}")
+        # Not closed: the body left unread is discarded by the server (see the NOTE above).
+        await send_error(send, 415, f"unsupported media type: a POST body must be JSON "
+                         f"(Content-Type: application/json), not {told}",
+                         code="unsupported_media_type")
 
 
 class InFlightGuard:
@@ -142,4 +179,4 @@ def _replay(body: bytes, receive) -> Callable[[], Any]:
     return replay
 
 
-__all__ = ["InFlightGuard", "BodyGuard", "GENERATION_PATHS"]
+__all__ = ["JsonOnlyGuard", "InFlightGuard", "BodyGuard", "GENERATION_PATHS", "JSON_MEDIA_TYPE"]

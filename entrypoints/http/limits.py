@@ -15,11 +15,20 @@ Every limit is enforced before the expensive step it protects (see README, "Limi
 * a prompt's size in characters (text prompt, or the sum of the chat messages' contents):
   ``max_prompt_chars`` (0: ``max_model_len`` x :data:`CHARS_PER_TOKEN_BOUND`), checked before it
   is rendered or tokenized.
+
+And the cross-origin policy (CORS), off unless ``allowed_origins`` is set: without it no response
+carries an ``Access-Control-*`` header and no preflight is granted, so a web page of another
+origin cannot read an answer nor send what needs a preflight (a JSON body, an ``Authorization``
+header). The flags are vLLM's (``--allowed-origins '["https://ui.example"]'``, also
+comma-separated), but vLLM allows every origin by default. ``--allow-credentials`` with ``*``
+is refused: it would grant every site a credentialed request.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 from typing import Optional
 
 import msgspec
@@ -39,6 +48,10 @@ class HttpLimits(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     header_timeout: float = 10.0
     body_timeout: float = 60.0
     keep_alive_timeout: float = 5.0
+    allowed_origins: tuple[str, ...] = ()  # empty: CORS off
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def validate(self) -> "HttpLimits":
         for name in ("max_body_bytes", "max_requests_in_flight", "max_connections"):
@@ -49,7 +62,27 @@ class HttpLimits(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
         for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
             if not (0 < getattr(self, name) <= 3600):
                 raise ValueError(f"--{name.replace('_', '-')} must be in (0, 3600] seconds")
+        self._validate_cors()
         return self
+
+    def _validate_cors(self) -> None:
+        for origin in self.allowed_origins:
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise ValueError(f"--allowed-origins: {origin!r} is not an origin (scheme://host"
+                                 "[:port] in lower case, no path, as a browser's Origin header "
+                                 "has it; or *)")
+        for name, token in (("allowed_methods", _METHOD), ("allowed_headers", _HEADER)):
+            for value in getattr(self, name):
+                if value != "*" and not token.fullmatch(value):
+                    raise ValueError(f"--{name.replace('_', '-')}: {value!r} is not a valid name")
+        if self.allow_credentials and "*" in self.allowed_origins:
+            raise ValueError("--allow-credentials with --allowed-origins '*' would let every web "
+                             "site send credentialed requests: name the origins")
+
+    @property
+    def cors(self) -> bool:
+        """Whether a CORS policy is on (some origin allowed)."""
+        return bool(self.allowed_origins)
 
     def prompt_chars(self, max_model_len: Optional[int]) -> int:
         """The effective prompt limit in characters."""
@@ -61,8 +94,36 @@ class HttpLimits(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
         """The flags that give a frontend process these limits."""
         out = []
         for name in self.__struct_fields__:
-            out += [f"--{name.replace('_', '-')}", str(getattr(self, name))]
+            flag, value = f"--{name.replace('_', '-')}", getattr(self, name)
+            if isinstance(value, bool):
+                out += [flag] if value else []
+            elif isinstance(value, tuple):
+                out += [flag, json.dumps(list(value))]
+            else:
+                out += [flag, str(value)]
         return out
+
+
+#: A serialized origin, as a browser's Origin header holds it: lower case, no path, no trailing
+#: slash (the header is compared as a string). "null" (sandboxed frames, file: pages: any site
+#: can make one) is not an origin one may allow.
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://(\[[0-9a-f:.]+\]|[a-z0-9.-]+)(:[0-9]{1,5})?")
+_METHOD = re.compile(r"[A-Za-z]{1,32}")
+_HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}")
+
+
+def name_list(text: str) -> tuple[str, ...]:
+    """A list flag's value: a JSON list of strings, as vLLM takes it, or comma-separated names."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            got = json.loads(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not all(isinstance(v, str) for v in got):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return tuple(v.strip() for v in got)
+    return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
 _HELP = {
@@ -74,15 +135,26 @@ _HELP = {
     "header_timeout": "seconds a client has to send a request's head (then closed)",
     "body_timeout": "seconds a client has to send a request's body (408 beyond)",
     "keep_alive_timeout": "seconds an idle kept-alive connection stays open",
+    "allowed_origins": "origins a browser page may call this server from (CORS), as a JSON list "
+                       "or comma-separated (e.g. https://ui.example:8443; * for any); default "
+                       "none: CORS off, no Access-Control-* headers, no preflight granted",
+    "allowed_methods": "with --allowed-origins: the methods a preflight grants (default *)",
+    "allowed_headers": "with --allowed-origins: the request headers a preflight grants (default *)",
+    "allow_credentials": "with --allowed-origins: let pages send cookies or HTTP auth (not with *)",
 }
 
 
 def add_http_limit_args(p: argparse.ArgumentParser) -> None:
     defaults = HttpLimits()
     for name in HttpLimits.__struct_fields__:
-        value = getattr(defaults, name)
-        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value,
-                       metavar="N" if isinstance(value, int) else "SECONDS", help=_HELP[name])
+        flag, value = f"--{name.replace('_', '-')}", getattr(defaults, name)
+        if isinstance(value, bool):
+            p.add_argument(flag, action="store_true", default=value, help=_HELP[name])
+        elif isinstance(value, tuple):
+            p.add_argument(flag, type=name_list, default=value, metavar="LIST", help=_HELP[name])
+        else:
+            p.add_argument(flag, type=type(value), default=value,
+                           metavar="N" if isinstance(value, int) else "SECONDS", help=_HELP[name])
 
 
 def limits_from_args(a: argparse.Namespace) -> HttpLimits:
@@ -90,5 +162,5 @@ def limits_from_args(a: argparse.Namespace) -> HttpLimits:
     return HttpLimits(**{name: getattr(a, name) for name in HttpLimits.__struct_fields__}).validate()
 
 
-__all__ = ["HttpLimits", "add_http_limit_args", "limits_from_args", "CHARS_PER_TOKEN_BOUND",
+__all__ = ["HttpLimits", "add_http_limit_args", "limits_from_args", "name_list", "CHARS_PER_TOKEN_BOUND",
            "INLINE_PARSE_BYTES"]

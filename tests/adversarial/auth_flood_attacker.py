@@ -61,7 +61,8 @@ class HttpAttempts:
         if self.conn is None:
             self.conn = http.client.HTTPConnection(self.host, self.port, timeout=20)
         try:
-            self.conn.request("POST", "/sleep", body=b"", headers={"Authorization": f"Bearer {WRONG}"})
+            self.conn.request("POST", "/sleep", body=b"{}", headers={
+                "Authorization": f"Bearer {WRONG}", "Content-Type": "application/json"})
             r = self.conn.getresponse()
             r.read()
         except (OSError, http.client.HTTPException):

@@ -132,7 +132,8 @@ async def test_finding7_slowloris_heads_and_bodies_are_closed_while_a_good_clien
 
         # A body that trickles: 408, then closed.
         with socket.create_connection(("127.0.0.1", s.port)) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n"
+                         b"Content-Type: application/json\r\n\r\n{")
             data = await anyio.to_thread.run_sync(read_response, sock, 4.0)
         assert data.startswith(b"HTTP/1.1 408"), data[:200]
 

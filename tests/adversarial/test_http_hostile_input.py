@@ -114,14 +114,16 @@ async def test_finding9_every_status_is_openai_shaped(monkeypatch):
         assert "POST" in r.headers["allow"]
         r = await c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
         assert_openai_error(r, 400, type_="invalid_request_error")
-        r = await c.post("/v1/completions", content=b"[1, 2]")
+        r = await c.post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"})
         assert_openai_error(r, 400)
         r = await c.post("/v1/completions", json={"max_tokens": 2})  # FastAPI would say 422
         assert_openai_error(r, 400, param="prompt")
         r = await c.post("/v1/completions", json={"model": "gpt-nope", "prompt": "x"})
         assert_openai_error(r, 404, param="model", code="model_not_found")
-        r = await c.post("/v1/completions", content=b"x" * (8 * 2**20 + 1))
+        r = await c.post("/v1/completions", content=b"x" * (8 * 2**20 + 1), headers={"content-type": "application/json"})
         assert_openai_error(r, 413, code="request_too_large")
+        r = await c.post("/v1/completions", content=b'{"prompt": "x"}', headers={"content-type": "text/plain"})
+        assert_openai_error(r, 415, code="unsupported_media_type")
 
         def overloaded(*args, **kw):
             raise EngineOverloadedError("engine is overloaded; retry later", retry_after=2.5)
@@ -144,9 +146,9 @@ async def test_finding6_giant_prompts_are_refused_fast_and_health_stays_200():
         completion = json.dumps({"model": MODEL, "prompt": "a" * BIG}).encode()
         chat = json.dumps({"messages": [{"role": "user", "content": "a" * (BIG // 4)}] * 4}).encode()
         t0 = time.monotonic()
-        r = await c.post("/v1/completions", content=completion)
+        r = await c.post("/v1/completions", content=completion, headers={"content-type": "application/json"})
         assert_openai_error(r, 400, param="prompt", code="prompt_too_long")
-        r = await c.post("/v1/chat/completions", content=chat)
+        r = await c.post("/v1/chat/completions", content=chat, headers={"content-type": "application/json"})
         assert_openai_error(r, 400, param="messages", code="prompt_too_long")
         assert time.monotonic() - t0 < 3.0
 
@@ -163,7 +165,7 @@ async def test_finding6_giant_prompts_are_refused_fast_and_health_stays_200():
 
         async def hostile(body: bytes, path: str) -> None:
             async with s.http() as h:
-                r = await h.post(path, content=body)
+                r = await h.post(path, content=body, headers={"content-type": "application/json"})
                 assert r.status_code == 400
 
         async with anyio.create_task_group() as tg:

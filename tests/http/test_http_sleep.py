@@ -18,13 +18,14 @@ from http_helpers import ROOT, TINY, ServeProcess, served
 from states import State
 
 BODY = {"model": TINY.model, "prompt": [1, 2, 3], "max_tokens": 4}
+JSON = {"Content-Type": "application/json"}
 
 
 @pytest.mark.asyncio
 async def test_endpoints_are_absent_unless_enabled() -> None:
     async with served() as s, s.http() as c:
         for path in ("/sleep", "/wake_up", "/update_weights"):
-            assert (await c.post(path)).status_code == 404
+            assert (await c.post(path, json={})).status_code == 404
         assert (await c.get("/is_sleeping")).status_code == 404
 
 
@@ -33,7 +34,7 @@ async def test_endpoints_are_absent_unless_enabled() -> None:
 async def test_asleep_requests_get_503_retry_after_and_health_says_sleeping(via) -> None:
     async with served(via=via, sleep_mode=True) as s, s.http() as c:
         assert (await c.post("/v1/completions", json=BODY)).status_code == 200
-        r = await c.post("/wake_up")  # not asleep: not possible in this state
+        r = await c.post("/wake_up", json={})  # not asleep: not possible in this state
         assert r.status_code == 409 and r.json()["error"]["code"] == "invalid_state"
         r = await c.post("/sleep", json={"level": 2})
         assert r.status_code == 200, r.text
@@ -55,9 +56,9 @@ async def test_asleep_requests_get_503_retry_after_and_health_says_sleeping(via)
         metrics = (await c.get("/metrics")).text
         assert 'enginecore_requests_rejected_total{reason="sleeping"} 2.0' in metrics
         assert 'enginecore_engine_state{state="sleeping"} 1.0' in metrics
-        r = await c.post("/sleep")  # already asleep
+        r = await c.post("/sleep", json={})  # already asleep
         assert r.status_code == 409 and "SLEEPING" in r.json()["error"]["message"]
-        r = await c.post("/wake_up?tags=weights")
+        r = await c.post("/wake_up", json={"tags": ["weights"]})
         assert r.status_code == 200 and r.json()["state"] == "sleeping"  # half awake
         r = await c.post("/wake_up", json={"tags": ["kv_cache"]})
         assert r.status_code == 200 and r.json()["state"] == "serving"
@@ -66,9 +67,9 @@ async def test_asleep_requests_get_503_retry_after_and_health_says_sleeping(via)
         assert (await c.get("/health")).json()["ready"] is True
 
 
-BAD_SLEEPS = [
-    ("query", "level=7"), ("query", "level=1.0"), ("query", "mode=later"),
-    ("query", "timeout=-1"), ("query", "timeout=nan"), ("json", {"level": "2"}),
+BAD_SLEEPS = [  # query parameters: none is taken, not even a valid one
+    ("query", "level=2"), ("query", "level=7"), ("query", "mode=wait"), ("query", "timeout=nan"),
+    ("query", "=2"), ("query", "x"), ("json", {"level": "2"}),
     ("json", {"level": True}), ("json", {"level": 3}), ("json", {"timeout": 2e9}),
     ("json", {"levle": 2}), ("content", b"[1]"), ("content", b"{"), ("content", b"[" * 100_000),
 ]
@@ -79,11 +80,11 @@ async def test_bad_sleep_parameters_are_400_and_change_nothing() -> None:
     async with served(sleep_mode=True) as s, s.http() as c:
         for how, data in BAD_SLEEPS:
             if how == "query":
-                r = await c.post(f"/sleep?{data}")
+                r = await c.post(f"/sleep?{data}", json={})
             elif how == "json":
                 r = await c.post("/sleep", json=data)
             else:
-                r = await c.post("/sleep", content=data)
+                r = await c.post("/sleep", content=data, headers=JSON)
             assert r.status_code == 400, (data, r.text)
             assert r.json()["error"]["type"] == "invalid_request_error"
             assert s.engine.state is State.SERVING
@@ -93,16 +94,18 @@ async def test_bad_sleep_parameters_are_400_and_change_nothing() -> None:
 @pytest.mark.asyncio
 async def test_bad_wake_and_update_parameters_are_400() -> None:
     async with served(sleep_mode=True) as s, s.http() as c:
-        assert (await c.post("/sleep?level=1&mode=wait&timeout=5")).status_code == 200
+        r = await c.post("/sleep", json={"level": 1, "mode": "wait", "timeout": 5})
+        assert r.status_code == 200, r.text
         for body in ({"tags": ["gpu"]}, {"tags": []}, {"tags": "weights"},
                      {"tags": ["weights", "kv_cache", "weights"]}, {"tags": [1]}):
             r = await c.post("/wake_up", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"].startswith("tags"), (body, r.text)
-        assert (await c.post("/wake_up?tags=gpu")).status_code == 400
+        r = await c.post("/wake_up?tags=weights", json={})  # a query parameter: refused
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tags", r.text
         for body in ({}, {"path": ""}, {"path": 5}, {"path": "x" * 4097}, {"path": "/a\x00b"}):
             r = await c.post("/update_weights", json=body)
             assert r.status_code == 400, (body, r.text)
-        r = await c.post("/update_weights", content=b'{"path": "/ckpt/\\ud800"}')  # a lone surrogate
+        r = await c.post("/update_weights", content=b'{"path": "/ckpt/\\ud800"}', headers=JSON)  # a lone surrogate
         assert r.status_code == 400 and r.json()["error"]["param"] == "path", r.text
         r = await c.post("/update_weights", json={"path": "random:tiny-llama"})
         assert r.status_code == 400 and "random presets" in r.json()["error"]["message"]
@@ -111,7 +114,7 @@ async def test_bad_wake_and_update_parameters_are_400() -> None:
         r = await c.post("/update_weights", json={"path": "/" + "x" * 300})  # a name too long
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_checkpoint", r.text
         assert s.engine.state is State.SLEEPING
-        assert (await c.post("/wake_up?tags=weights,kv_cache")).json()["state"] == "serving"
+        assert (await c.post("/wake_up", json={"tags": ["weights", "kv_cache"]})).json()["state"] == "serving"
 
 
 @pytest.mark.asyncio
@@ -142,16 +145,16 @@ async def test_update_weights_over_http_equals_a_fresh_engine(hf_checkpoint) -> 
         assert old != want
         r = await c.post("/update_weights", json={"path": str(b)})
         assert r.status_code == 409  # only while asleep
-        assert (await c.post("/sleep")).status_code == 200
+        assert (await c.post("/sleep", json={})).status_code == 200
         r = await c.post("/update_weights", json={"path": str(wide)})
         assert r.status_code == 400 and "intermediate_size" in r.json()["error"]["message"]
-        assert (await c.post("/wake_up")).status_code == 200
+        assert (await c.post("/wake_up", json={})).status_code == 200
         assert await texts(c) == old  # refused: the old weights serve
         for level in (1, 2):
-            assert (await c.post(f"/sleep?level={level}")).status_code == 200
+            assert (await c.post("/sleep", json={"level": level})).status_code == 200
             r = await c.post("/update_weights", json={"path": str(b)})
             assert r.status_code == 200 and r.json()["state"] == "sleeping", r.text
-            assert (await c.post("/wake_up")).status_code == 200
+            assert (await c.post("/wake_up", json={})).status_code == 200
             assert await texts(c) == want, level
 
 
@@ -190,17 +193,17 @@ async def test_sleep_during_http_streams_each_ends_once() -> None:
 @pytest.mark.asyncio
 async def test_admin_token_required_when_set() -> None:
     async with served(sleep_mode=True, admin_token="s3cret") as s, s.http() as c:
-        r = await c.post("/sleep")
+        r = await c.post("/sleep", json={})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert r.headers["WWW-Authenticate"] == "Bearer"
         assert (await c.get("/is_sleeping")).status_code == 401
         for bad in ("Bearer wrong", "Basic s3cret", "s3cret", "Bearer s3cret2"):
-            assert (await c.post("/sleep", headers={"Authorization": bad})).status_code == 401
+            assert (await c.post("/sleep", json={}, headers={"Authorization": bad})).status_code == 401
         assert s.engine.state is State.SERVING
         good = {"Authorization": "Bearer s3cret"}
-        assert (await c.post("/sleep", headers=good)).status_code == 200
+        assert (await c.post("/sleep", json={}, headers=good)).status_code == 200
         assert (await c.get("/is_sleeping", headers=good)).json() == {"is_sleeping": True}
-        assert (await c.post("/wake_up", headers=good)).status_code == 200
+        assert (await c.post("/wake_up", json={}, headers=good)).status_code == 200
         assert (await c.post("/v1/completions", json=BODY)).status_code == 200  # not guarded
 
 
@@ -215,11 +218,22 @@ def test_non_loopback_http_with_sleep_mode_needs_a_token() -> None:
 @pytest.mark.slow
 @pytest.mark.asyncio
 async def test_serve_enable_sleep_mode_through_a_frontend_process() -> None:
-    sp = ServeProcess(extra=("--enable-sleep-mode", "--token", "s3cret"))
+    origin = "http://localhost:3000"
+    sp = ServeProcess(extra=("--enable-sleep-mode", "--token", "s3cret",
+                             "--allowed-origins", f'["{origin}"]'))
     try:
         await sp.wait_ready(1)
         async with sp.http() as c:
-            assert (await c.post("/sleep")).status_code == 401  # the server has a token
+            assert (await c.post("/sleep", json={})).status_code == 401  # the server has a token
+            r = await c.post("/sleep", content=b'{"level": 2}', headers={
+                "Authorization": "Bearer s3cret", "Content-Type": "text/plain"})
+            assert r.status_code == 415 and (await c.get("/is_sleeping", headers={
+                "Authorization": "Bearer s3cret"})).json() == {"is_sleeping": False}
+            for who, granted in ((origin, True), ("https://evil.example", False)):
+                r = await c.options("/sleep", headers={
+                    "Origin": who, "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": "authorization,content-type"})
+                assert (r.headers.get("access-control-allow-origin") == who) is granted, r.headers
             c.headers["Authorization"] = "Bearer s3cret"
             r = await c.post("/sleep", json={"level": 1, "mode": "wait"})
             assert r.status_code == 200 and r.json()["is_sleeping"] is True, r.text
@@ -228,9 +242,9 @@ async def test_serve_enable_sleep_mode_through_a_frontend_process() -> None:
             assert int(r.headers["Retry-After"]) >= 1
             h = (await c.get("/health")).json()
             assert (h["state"], h["live"], h["ready"]) == ("sleeping", True, False)
-            assert (await c.post("/wake_up")).status_code == 200
+            assert (await c.post("/wake_up", json={})).status_code == 200
             assert (await c.post("/v1/completions", json=BODY)).status_code == 200
-            assert (await c.post("/sleep?level=2")).status_code == 200
+            assert (await c.post("/sleep", json={"level": 2})).status_code == 200
         sp.signal_group(signal.SIGTERM)  # Kubernetes' stop while asleep: a clean exit
         assert await sp.wait(60) == 0
     finally:
