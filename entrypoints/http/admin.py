@@ -5,7 +5,14 @@
   ``timeout`` (seconds, for "wait"; absent: no limit); answers once the device memory is freed;
 * ``POST /wake_up`` -- ``tags`` (a non-empty subset of ["weights", "kv_cache"]; absent: both);
 * ``POST /update_weights`` -- ``path``: a checkpoint on the engine's machine, same architecture;
-* ``GET /is_sleeping`` -- ``{"is_sleeping": bool}``.
+* ``GET /is_sleeping`` -- ``{"is_sleeping": bool}``;
+* ``POST /pause`` -- ``mode`` ("abort" | "wait" | "keep", default "abort"), ``timeout`` (for
+  "wait"); answers once nothing steps (docs/rl.md); ``POST /resume``; ``GET /is_paused``;
+* ``POST /abort_all`` -- ``reason``; every request in flight ends with its partial output, the
+  answer's ``count`` says how many.
+
+``/sleep`` also takes ``tags`` (``["kv_cache"]``: only the KV cache), ``/update_weights`` a
+``version`` (the ``weight_version`` outputs carry from then on).
 
 Parameters come only as a JSON object body (``Content-Type: application/json``, as every POST:
 ``guards.JsonOnlyGuard``; an empty body is ``{}``), never in the query string: a query parameter
@@ -51,14 +58,27 @@ class _Admin(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+Tags = Optional[Annotated[list[Literal["weights", "kv_cache"]], Field(min_length=1, max_length=2)]]
+
+
 class SleepParams(_Admin):
     level: P._int(1, 2) = 1
     mode: Literal["abort", "wait"] = "abort"
     timeout: Optional[P._num(0.0, MAX_TIMEOUT)] = None
+    tags: Tags = None
 
 
 class WakeUpParams(_Admin):
-    tags: Optional[Annotated[list[Literal["weights", "kv_cache"]], Field(min_length=1, max_length=2)]] = None
+    tags: Tags = None
+
+
+class PauseParams(_Admin):
+    mode: Literal["abort", "wait", "keep"] = "abort"
+    timeout: Optional[P._num(0.0, MAX_TIMEOUT)] = None
+
+
+class AbortAllParams(_Admin):
+    reason: Annotated[str, Field(strict=True, max_length=256)] = "abort_all"
 
 
 def _utf8(path: str) -> str:
@@ -69,6 +89,7 @@ def _utf8(path: str) -> str:
 class UpdateWeightsParams(_Admin):
     path: Annotated[str, Field(strict=True, min_length=1, max_length=MAX_PATH_CHARS, pattern=r"^[^\x00]+$"),
                     AfterValidator(_utf8)]
+    version: Optional[P._int(0, 2**63 - 1)] = None
 
 
 async def _params(request: Request, model: type[_Admin]) -> _Admin:
@@ -119,10 +140,11 @@ def add_sleep_routes(app: FastAPI, fe: Frontend, token: Optional[str],
                             "(Authorization: Bearer <token>)", "authentication_error", None,
                             "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    def answer() -> JSONResponse:
+    def answer(extra: Optional[dict] = None) -> JSONResponse:
         state = fe.state
         return JSONResponse({"status": "ok", "state": state.value,
-                             "is_sleeping": state is State.SLEEPING})
+                             "is_sleeping": state is State.SLEEPING,
+                             "is_paused": state is State.PAUSED, **(extra or {})})
 
     async def call(request: Request, model: type[_Admin], run) -> Response:
         if (refused := await unauthorized(request)) is not None:
@@ -131,15 +153,15 @@ def add_sleep_routes(app: FastAPI, fe: Frontend, token: Optional[str],
             params = await _params(request, model)
             if fe.dead is not None:
                 raise EngineDeadError(fe.dead)
-            await run(params)
+            extra = await run(params)
         except Exception as exc:
             return error_response(exc)
-        return answer()
+        return answer(extra)
 
     @app.post("/sleep")
     async def sleep(request: Request) -> Response:
         return await call(request, SleepParams,
-                          lambda p: fe.engine.sleep(p.level, p.mode, p.timeout))
+                          lambda p: fe.engine.sleep(p.level, p.mode, p.timeout, p.tags))
 
     @app.post("/wake_up")
     async def wake_up(request: Request) -> Response:
@@ -147,7 +169,8 @@ def add_sleep_routes(app: FastAPI, fe: Frontend, token: Optional[str],
 
     @app.post("/update_weights")
     async def update_weights(request: Request) -> Response:
-        return await call(request, UpdateWeightsParams, lambda p: fe.engine.update_weights(p.path))
+        return await call(request, UpdateWeightsParams,
+                          lambda p: fe.engine.update_weights(p.path, p.version))
 
     @app.get("/is_sleeping")
     async def is_sleeping(request: Request) -> Response:
@@ -155,5 +178,26 @@ def add_sleep_routes(app: FastAPI, fe: Frontend, token: Optional[str],
             return refused
         return JSONResponse({"is_sleeping": fe.state is State.SLEEPING})
 
+    @app.post("/pause")
+    async def pause(request: Request) -> Response:
+        return await call(request, PauseParams, lambda p: fe.engine.pause(p.mode, p.timeout))
 
-__all__ = ["add_sleep_routes", "SleepParams", "WakeUpParams", "UpdateWeightsParams"]
+    @app.post("/resume")
+    async def resume(request: Request) -> Response:
+        return await call(request, _Admin, lambda p: fe.engine.resume())
+
+    @app.get("/is_paused")
+    async def is_paused(request: Request) -> Response:
+        if (refused := await unauthorized(request)) is not None:
+            return refused
+        return JSONResponse({"is_paused": fe.state is State.PAUSED})
+
+    @app.post("/abort_all")
+    async def abort_all(request: Request) -> Response:
+        async def run(p: AbortAllParams) -> dict:
+            return {"count": await fe.engine.abort_all(p.reason)}
+        return await call(request, AbortAllParams, run)
+
+
+__all__ = ["add_sleep_routes", "SleepParams", "WakeUpParams", "UpdateWeightsParams",
+           "PauseParams", "AbortAllParams"]
