@@ -121,7 +121,7 @@ class EngineCore(LateStep):
         """Apply the step in flight (overlapped), launch none (a pause: nothing on the device)."""
         prev, self._inflight = self._inflight, None
         outputs = self._complete(*prev) if prev is not None else []
-        self.timings.end_iteration()
+        self.timings.end_iteration(self._gen_tokens)
         return outputs
 
     def reset_kv(self, weights_version: Optional[int] = None) -> None:
@@ -148,7 +148,7 @@ class EngineCore(LateStep):
         in two halves), when the host is about to wait for the step before's tokens: the moment
         to let other host work run."""
         outputs = self._step(on_launched)
-        self.timings.end_iteration()  # the tokens of the outputs returned, one observation
+        self.timings.end_iteration(self._gen_tokens)  # the outputs' tokens, one observation
         return outputs
 
     def _step(self, on_launched: Optional[Callable[[], None]]) -> list[RequestOutput]:
@@ -351,7 +351,6 @@ class EngineCore(LateStep):
         if self._budget.pending and not finish:  # its grammar's work was over the budget
             finish, reason = self._budget.verdict(req.matcher) or (finish, reason)
         self._gen_tokens += len(accepted)
-        self.timings.iter_tokens += len(accepted)
         out = RequestOutput(request_id=req.request_id, token_ids=accepted, text=text)
         if p.logprobs:  # the accepted tokens' (a prefix of the step's new tokens)
             lps = logprobs or []

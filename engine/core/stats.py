@@ -107,9 +107,10 @@ class EngineTimings:
         for key, bounds in histogram_bounds(max_model_len).items():
             setattr(self, key, Histogram(bounds))
         self.keys = tuple(histogram_bounds(max_model_len))
-        #: tokens of the step under way: those generated, and a request's prompt with its first
-        #: token (vLLM counts a step's tokens so)
+        #: the prompts of the requests whose first token came in the step under way (a step's
+        #: tokens are those and the tokens generated: vLLM counts them so)
         self.iter_tokens = 0
+        self._generated = 0  # the engine's count of generated tokens at the last step's end
 
     def scheduled(self, batch) -> None:
         now = time.monotonic()
@@ -118,11 +119,13 @@ class EngineTimings:
                 req.first_scheduled = now
                 self.queue_time.observe(now - req.arrival)
 
-    def end_iteration(self) -> None:
-        """A step's outputs are out: its token count, if it produced any."""
-        if self.iter_tokens:
-            self.iteration_tokens.observe(self.iter_tokens)
-            self.iter_tokens = 0
+    def end_iteration(self, generated: int) -> None:
+        """A step's outputs are out (``generated``: the engine's count of tokens generated so
+        far): its token count, if it produced any."""
+        n = generated - self._generated + self.iter_tokens
+        if n:
+            self.iteration_tokens.observe(n)
+            self._generated, self.iter_tokens = generated, 0
 
     def finished(self, req) -> None:
         """``req`` ends (finished or aborted): its phases, if it was ever scheduled. A request

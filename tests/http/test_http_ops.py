@@ -139,8 +139,8 @@ async def test_two_api_servers_one_metrics_view_dashboard_names_and_logs():
             assert m["enginecore_frontend_requests_in_flight"] == 0
             assert m["enginecore_engine_state,state=serving"] == 1
             # vLLM's names: the same figures, labelled with the served name
-            v = {k.replace(",engine=0,model_name=tiny", ""): x for k, x in m.items()
-                 if k.startswith("vllm:")}
+            v = {k.replace(",engine=0", "").replace(",model_name=tiny", ""): x
+                 for k, x in m.items() if k.startswith("vllm:")}
             assert v["vllm:request_success_total,finished_reason=length"] == n
             assert v["vllm:generation_tokens_total"] == m["enginecore_generation_tokens_total"]
             assert v["vllm:request_generation_tokens_sum"] == n * 4

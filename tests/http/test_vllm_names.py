@@ -290,12 +290,14 @@ def test_request_phases_in_the_engine():
     req.first_token_time = None
     t.finished(req)
     assert t.inference_time.snapshot().count == 2 and t.prefill_time.snapshot().count == 1
-    t.iter_tokens = 0
-    t.end_iteration()
+    t.end_iteration(0)
     assert t.iteration_tokens.snapshot().count == 0  # a step without outputs is not a step here
-    t.iter_tokens = 21
-    t.end_iteration()
-    assert t.iteration_tokens.sum == 21 and t.iter_tokens == 0
+    t.iter_tokens = 20  # a prompt whose first token came in this step
+    t.end_iteration(1)
+    t.end_iteration(1)
+    t.end_iteration(4)
+    assert t.iteration_tokens.snapshot().counts[:3] == (0, 1, 0)  # 3 tokens: le 8
+    assert t.iteration_tokens.sum == 24 and t.iteration_tokens.snapshot().count == 2
 
 
 @pytest.mark.asyncio
