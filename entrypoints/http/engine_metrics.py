@@ -22,7 +22,8 @@ COUNTERS = {
     "enginecore_preemptions": ("preemptions", "Requests preempted (recomputed later)"),
     "enginecore_prefix_cache_queries": ("prefix_cache_queries",
                                         "Prompt tokens looked up in the prefix cache"),
-    "enginecore_prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+    "enginecore_prefix_cache_hits": ("prefix_cache_hits",
+                                     "Prompt tokens found in the prefix cache"),
 }
 #: only with a speculator (the engine then reports one count per draft position)
 SPEC_COUNTERS = {
@@ -36,8 +37,8 @@ SPEC_PER_POS = "enginecore_spec_decode_accepted_tokens_per_pos"
 HISTOGRAMS = {
     "enginecore_step_time_seconds": ("step_time",
                                      "Wall time of one engine step (schedule, forward, sample)"),
-    "enginecore_request_queue_time_seconds": ("queue_time",
-                                              "Time from arrival in the engine to first scheduling"),
+    "enginecore_request_queue_time_seconds": (
+        "queue_time", "Time from arrival in the engine to first scheduling"),
     "enginecore_request_prefill_time_seconds": (
         "prefill_time", "Time from a request's first scheduling to its first token"),
     "enginecore_request_decode_time_seconds": (

@@ -43,7 +43,8 @@ class Alias(NamedTuple):
 #: our family -> its vLLM names
 ALIASES: dict[str, tuple[Alias, ...]] = {
     # frontends (per request, summed over the API servers)
-    "enginecore_prompt_tokens": (Alias("vllm:prompt_tokens", "Number of prefill tokens processed."),),
+    "enginecore_prompt_tokens": (
+        Alias("vllm:prompt_tokens", "Number of prefill tokens processed."),),
     "enginecore_generation_tokens": (
         Alias("vllm:generation_tokens", "Number of generation tokens processed."),),
     "enginecore_requests": (Alias("vllm:request_success", "Count of processed requests by finish "

@@ -181,7 +181,8 @@ async def test_vllm_series_after_requests_as_vllm_counts_them():
         assert get("vllm:iteration_tokens_total_count") == n_req * m_tok
         assert get("vllm:prompt_tokens_total") == n_req * p_len
         assert get("vllm:generation_tokens_total") == n_req * m_tok
-        assert v[f"vllm:request_success_total,engine=0,finished_reason=length,model_name={MODEL}"] == n_req
+        success = f"vllm:request_success_total,engine=0,finished_reason=length,model_name={MODEL}"
+        assert v[success] == n_req
         # the prompt's one full block (16 tokens a block: none here) is all the cache can hold
         assert get("vllm:prefix_cache_queries_total") == n_req * p_len
         assert get("vllm:request_prefill_kv_computed_tokens_sum") == n_req * p_len
