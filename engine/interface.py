@@ -27,6 +27,8 @@ from .params import RequestOutput, SamplingParams
 Prompt = Union[str, list[int]]
 _Count = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 MAX_HISTOGRAM_BUCKETS = 64
+_Counts = Annotated[list[_Count], Meta(max_length=MAX_HISTOGRAM_BUCKETS)]
+_Sum = Annotated[float, Meta(ge=0.0)]
 
 
 class Health(msgspec.Struct, tag_field="t", tag="Health", forbid_unknown_fields=True,
@@ -50,10 +52,32 @@ class Health(msgspec.Struct, tag_field="t", tag="Health", forbid_unknown_fields=
     preemptions: _Count = 0
     prefix_cache_queries: _Count = 0
     prefix_cache_hits: _Count = 0
-    step_time_counts: Annotated[list[_Count], Meta(max_length=MAX_HISTOGRAM_BUCKETS)] = []
-    step_time_sum: Annotated[float, Meta(ge=0.0)] = 0.0
-    queue_time_counts: Annotated[list[_Count], Meta(max_length=MAX_HISTOGRAM_BUCKETS)] = []
-    queue_time_sum: Annotated[float, Meta(ge=0.0)] = 0.0
+    step_time_counts: _Counts = []
+    step_time_sum: _Sum = 0.0
+    queue_time_counts: _Counts = []
+    queue_time_sum: _Sum = 0.0
+    # Then more, the same way (engine/core/stats.py's histogram_bounds): per finished request,
+    # its prefill, decode and running times, prefill time per prompt token and prompt tokens
+    # computed (not from the prefix cache); tokens per step. Speculative decoding: drafts
+    # verified, draft tokens, accepted ones and, by draft position, drafts that accepted it
+    # (empty without a speculator). ``sleep_level``: 1 or 2 while SLEEPING, else 0.
+    prefill_time_counts: _Counts = []
+    prefill_time_sum: _Sum = 0.0
+    decode_time_counts: _Counts = []
+    decode_time_sum: _Sum = 0.0
+    inference_time_counts: _Counts = []
+    inference_time_sum: _Sum = 0.0
+    prefill_token_time_counts: _Counts = []
+    prefill_token_time_sum: _Sum = 0.0
+    prefill_computed_counts: _Counts = []
+    prefill_computed_sum: _Sum = 0.0
+    iteration_tokens_counts: _Counts = []
+    iteration_tokens_sum: _Sum = 0.0
+    spec_drafts: _Count = 0
+    spec_draft_tokens: _Count = 0
+    spec_accepted_tokens: _Count = 0
+    spec_accepted_per_pos: _Counts = []
+    sleep_level: Annotated[int, Meta(ge=0, le=2)] = 0
 
 
 class TokenizerInfo(NamedTuple):

@@ -25,7 +25,7 @@ class Request:
     __slots__ = (
         "request_id", "params", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_ids", "status", "arrival", "finish_reason", "reason", "detok", "spec_token_ids",
-        "num_preemptions", "first_token_time",
+        "num_preemptions", "first_token_time", "num_cached_tokens",
         "stop_ids", "sampling_row",
         "num_sealed_blocks", "block_hashes", "hash_root", "cache_epoch", "first_scheduled",
         "prompt_lps", "num_prompt_lps", "prompt_sent", "bad_words", "matcher",
@@ -59,6 +59,7 @@ class Request:
         self.num_preemptions = 0
         self.first_token_time: Optional[float] = None
         self.first_scheduled: Optional[float] = None  # monotonic time it was first scheduled
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at its first admission
         self.stop_ids = frozenset(params.stop_token_ids)
         self.bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
         # prompt_logprobs: the rows (engine.params.Logprobs) of prompt positions 1.., one chunk

@@ -54,7 +54,7 @@ class EngineCore(LateStep):
         # here so that the figures outlive the speculator, which the release drops
         spec = runner.speculator
         self._spec = spec.stats_ if spec is not None else SpecStats()
-        self.timings = EngineTimings()
+        self.timings = EngineTimings(runner.max_model_len)
         # overlapped scheduling: the step launched but not yet applied, (batch, Launched)
         self._inflight = None
         self._inflight_first = False  # a request's first token is in the step in flight
@@ -121,7 +121,9 @@ class EngineCore(LateStep):
     def settle(self) -> list[RequestOutput]:
         """Apply the step in flight (overlapped), launch none (a pause: nothing on the device)."""
         prev, self._inflight = self._inflight, None
-        return self._complete(*prev) if prev is not None else []
+        outputs = self._complete(*prev) if prev is not None else []
+        self.timings.end_iteration(self._gen_tokens)
+        return outputs
 
     def reset_kv(self, weights_version: Optional[int] = None) -> None:
         """The KV cache's contents are stale (new weights, or a cache rebuilt after a sleep):
@@ -146,6 +148,11 @@ class EngineCore(LateStep):
         ``on_launched()`` is called (on this thread) once this step is launched (its forward,
         in two halves), when the host is about to wait for the step before's tokens: the moment
         to let other host work run."""
+        outputs = self._step(on_launched)
+        self.timings.end_iteration(self._gen_tokens)  # the outputs' tokens, one observation
+        return outputs
+
+    def _step(self, on_launched: Optional[Callable[[], None]]) -> list[RequestOutput]:
         t0 = time.perf_counter()
         outputs: list[RequestOutput] = []
         # the step before, still on the device (overlapped): applied now where it must be
@@ -311,6 +318,7 @@ class EngineCore(LateStep):
         p = req.params
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
+            self.timings.iter_tokens += req.num_prompt_tokens
         finish: Optional[str] = None
         reason = None
         accepted: list[int] = []
@@ -363,6 +371,7 @@ class EngineCore(LateStep):
         self.scheduler.remove(req)
         self.runner.forget(req.request_id)
         del self.requests[req.request_id]
+        self.timings.finished(req)
         self._finished[finish_reason] = self._finished.get(finish_reason, 0) + 1
         out.finished = True
         out.finish_reason = finish_reason  # type: ignore[assignment]
@@ -375,6 +384,7 @@ class EngineCore(LateStep):
     num_running = property(lambda self: len(self.scheduler.running))
     num_waiting = property(lambda self: len(self.scheduler.waiting))
     kv_usage = property(lambda self: self.blocks.usage)
+    spec_stats = property(lambda self: self._spec)
 
     def statistics(self) -> CoreStats:
         cache = self.blocks.statistics()

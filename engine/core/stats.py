@@ -1,8 +1,13 @@
 """The engine's statistics: :class:`EngineStats` (``AsyncEngine.statistics()``), the figures
 its :class:`~engine.interface.Health` carries for /metrics, and ``EngineTimings``, the engine
-core's own latency histograms (step time, queue time), kept as fixed-bucket counts so a snapshot
-is a few integers (they travel in the ``Health`` frame and become Prometheus histograms in the
-HTTP frontends)."""
+core's own histograms (step time; per request: queue, prefill, decode and running time, prompt
+tokens computed; tokens per step), kept as fixed-bucket counts so a snapshot is a few integers
+(they travel in the ``Health`` frame and become Prometheus histograms in the HTTP frontends).
+
+The bounds contain vLLM's for the same figures (``entrypoints/http/vllm_names.py`` serves
+them under vLLM's names too, from the same counts: a bucket of vLLM's is the cumulative count
+at its bound), with finer ones below where this engine's figures usually fall.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +20,42 @@ from states import State
 #: Upper bounds (seconds, ``le``) of the step-time buckets; a last, implicit bucket is +Inf.
 STEP_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5,
                      5.0, 10.0)
-#: Upper bounds of the queue-time buckets (arrival -> first scheduled), as vLLM's.
-QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
-                      40.0, 80.0, 160.0, 640.0, 2560.0)
+#: Upper bounds of a request's times in the engine (queue: arrival -> first scheduled; prefill:
+#: -> first token; decode: first token -> end; running: first scheduled -> end): vLLM's
+#: request-latency bounds (0.3 .. 7680) with finer ones from 1 ms.
+REQUEST_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0,
+                        2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 80.0, 120.0, 160.0,
+                        240.0, 480.0, 640.0, 960.0, 1920.0, 2560.0, 7680.0)
+QUEUE_TIME_BUCKETS = REQUEST_TIME_BUCKETS
+#: Prefill time per prompt token (vLLM's 1 ms .. 1 s, and finer from 10 us).
+PREFILL_TOKEN_TIME_BUCKETS = (1e-05, 2e-05, 5e-05, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005,
+                              0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+#: Tokens a step produced or consumed (vLLM's bounds).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def token_count_buckets(max_value: int) -> tuple[int, ...]:
+    """Bounds for a per-request token count: 1, 2, 5, 10, 20, 50, ... up to ``max_value`` (the
+    context limit), as vLLM builds them."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+def histogram_bounds(max_model_len: int) -> dict[str, tuple]:
+    """Every ``EngineTimings`` histogram's bounds by its key (``Health`` carries ``<key>_counts``
+    and ``<key>_sum``); the frontends read the counts back with the same bounds."""
+    return {"step_time": STEP_TIME_BUCKETS, "queue_time": REQUEST_TIME_BUCKETS,
+            "prefill_time": REQUEST_TIME_BUCKETS, "decode_time": REQUEST_TIME_BUCKETS,
+            "inference_time": REQUEST_TIME_BUCKETS,
+            "prefill_token_time": PREFILL_TOKEN_TIME_BUCKETS,
+            "prefill_computed": token_count_buckets(max_model_len),
+            "iteration_tokens": ITERATION_TOKEN_BUCKETS}
 
 
 class CoreStats(NamedTuple):
@@ -60,12 +98,19 @@ class Histogram:
 
 
 class EngineTimings:
-    """Fed by ``EngineCore.step()``: the step's wall time, and each request's time in the queue
-    (arrival to its first scheduling; a preempted request is not counted again)."""
+    """Fed by ``EngineCore``: each step's wall time and tokens; each request's time in the queue
+    (arrival to its first scheduling; a preempted request is not counted again) and, when it
+    ends, its prefill, decode and running times and the prompt tokens it computed. The per-step
+    and per-request work is a clock read and a few bisections."""
 
-    def __init__(self) -> None:
-        self.step_time = Histogram(STEP_TIME_BUCKETS)
-        self.queue_time = Histogram(QUEUE_TIME_BUCKETS)
+    def __init__(self, max_model_len: int = 0) -> None:
+        for key, bounds in histogram_bounds(max_model_len).items():
+            setattr(self, key, Histogram(bounds))
+        self.keys = tuple(histogram_bounds(max_model_len))
+        #: the prompts of the requests whose first token came in the step under way (a step's
+        #: tokens are those and the tokens generated: vLLM counts them so)
+        self.iter_tokens = 0
+        self._generated = 0  # the engine's count of generated tokens at the last step's end
 
     def scheduled(self, batch) -> None:
         now = time.monotonic()
@@ -74,8 +119,41 @@ class EngineTimings:
                 req.first_scheduled = now
                 self.queue_time.observe(now - req.arrival)
 
+    def end_iteration(self, generated: int) -> None:
+        """A step's outputs are out (``generated``: the engine's count of tokens generated so
+        far): its token count, if it produced any."""
+        n = generated - self._generated + self.iter_tokens
+        if n:
+            self.iteration_tokens.observe(n)
+            self._generated, self.iter_tokens = generated, 0
+
+    def finished(self, req) -> None:
+        """``req`` ends (finished or aborted): its phases, if it was ever scheduled. A request
+        that produced no token has no prefill or decode time (only its running time)."""
+        start = req.first_scheduled
+        if start is None:
+            return
+        now = time.monotonic()
+        self.inference_time.observe(now - start)
+        first = req.first_token_time
+        if first is not None:
+            self.prefill_time.observe(first - start)
+            self.decode_time.observe(now - first)
+            if req.num_prompt_tokens:
+                self.prefill_token_time.observe((first - start) / req.num_prompt_tokens)
+            self.prefill_computed.observe(req.num_prompt_tokens - req.num_cached_tokens)
+
     def snapshot(self) -> tuple[HistogramSnapshot, HistogramSnapshot]:
         return self.step_time.snapshot(), self.queue_time.snapshot()
+
+    def figures(self) -> dict:
+        """Every histogram as ``Health`` fields."""
+        out: dict = {}
+        for key in self.keys:
+            h = getattr(self, key)
+            out[f"{key}_counts"] = list(h.counts)
+            out[f"{key}_sum"] = max(0.0, h.sum)
+        return out
 
 
 class EngineStats(NamedTuple):
@@ -115,13 +193,17 @@ def health_figures(core: Any) -> dict:
     if core is None:
         return {}
     cs = core.statistics()
-    step, queue = core.timings.snapshot()
+    spec = core.spec_stats
     return {"steps": cs.steps, "preemptions": cs.preemptions,
             "prefix_cache_queries": cs.prefix_cache_queries,
             "prefix_cache_hits": cs.prefix_cache_hits,
-            "step_time_counts": list(step.counts), "step_time_sum": max(0.0, step.sum),
-            "queue_time_counts": list(queue.counts), "queue_time_sum": max(0.0, queue.sum)}
+            "spec_drafts": spec.verifications, "spec_draft_tokens": spec.proposed,
+            "spec_accepted_tokens": spec.accepted,
+            "spec_accepted_per_pos": list(spec.accepted_per_pos),
+            **core.timings.figures()}
 
 
 __all__ = ["CoreStats", "EngineStats", "EngineTimings", "Histogram", "HistogramSnapshot", "engine_stats",
-           "health_figures", "STEP_TIME_BUCKETS", "QUEUE_TIME_BUCKETS"]
+           "health_figures", "histogram_bounds", "token_count_buckets", "STEP_TIME_BUCKETS",
+           "QUEUE_TIME_BUCKETS", "REQUEST_TIME_BUCKETS", "PREFILL_TOKEN_TIME_BUCKETS",
+           "ITERATION_TOKEN_BUCKETS"]

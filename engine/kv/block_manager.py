@@ -149,7 +149,8 @@ class BlockManager:
             req.hash_root, req.block_hashes = self._root, list(map(self._hash.__getitem__, hit))
         if self.enable_caching and req.num_preemptions == 0:  # a resume re-reads its own prefix: not a prompt query
             self._queries += req.num_prompt_tokens
-            self._hits += min(req.num_computed_tokens, req.num_prompt_tokens)
+            req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
+            self._hits += req.num_cached_tokens
 
     # -- progress ------------------------------------------------------------------------------
     def advance(self, req: Request, num_computed: int) -> None:

@@ -27,6 +27,8 @@ class SpecStats:
     verifications: int = 0  # entries verified with at least one draft token
     proposed: int = 0  # draft tokens verified
     accepted: int = 0  # draft tokens accepted (before stop/max_tokens truncation)
+    #: by draft position (0 = the first drafted token): verifications that accepted it
+    accepted_per_pos: list = dataclasses.field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -215,7 +217,7 @@ class Speculator:
     def __init__(self, config, runner):
         self.k = config.num_speculative_tokens
         self._runner = weakref.ref(runner)
-        self.stats_ = SpecStats()
+        self.stats_ = SpecStats(accepted_per_pos=[0] * self.k)
 
     @property
     def runner(self):
@@ -279,6 +281,8 @@ class Speculator:
                 st.verifications += 1
                 st.proposed += len(d)
                 st.accepted += n_acc[i]
+                for pos in range(n_acc[i]):
+                    st.accepted_per_pos[pos] += 1
         self._verified(batch, drafts, n_acc)
         return StepResult(tokens, logprobs)
 

@@ -10,7 +10,9 @@
   the limits, the ASGI guards (body size/time, requests in flight), hardened uvicorn (head
   timeout, connection cap, log-flood filter);
 * :mod:`entrypoints.http.frontend`: the frontend process (``enginecore serve --http``) and the
-  engine process's supervisor of its frontends; :mod:`entrypoints.http.metrics`: Prometheus.
+  engine process's supervisor of its frontends; :mod:`entrypoints.http.metrics`: Prometheus
+  (the engine's figures: :mod:`entrypoints.http.engine_metrics`; vLLM's names for all of them:
+  :mod:`entrypoints.http.vllm_names`).
 """
 
 

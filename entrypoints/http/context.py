@@ -49,7 +49,7 @@ class Frontend:
         self.served: list[str] = served or [display_name(engine.model)]
         self.model: str = self.served[0]
         self.names: frozenset[str] = frozenset([*self.served, "default", engine.model])
-        self.metrics = Metrics(engine, cache_info)
+        self.metrics = Metrics(engine, cache_info, self.model)
         self.created = now()
         #: Set by the frontend process when its connection to the engine is gone for good.
         self.dead: Optional[str] = None

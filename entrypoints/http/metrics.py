@@ -3,141 +3,83 @@
 Two sources:
 
 * Per-request figures measured in the frontend (finished requests by finish reason, refusals,
-  prompt / generation tokens, time to first token, inter-token and end-to-end latency, requests
-  in flight). With ``PROMETHEUS_MULTIPROC_DIR`` set (``enginecore serve --http`` sets it for its
-  frontends: entrypoints/http/frontend.py) they are prometheus-client multiprocess values, and a
-  scrape sums every frontend's files (:class:`MultiProcessCollector`), so counters count all
-  requests and never go back, whichever process answers. Without it (one in-process app) they
-  are this process's own.
+  prompt / generation tokens, time to first token, inter-token and end-to-end latency, tokens
+  and parameters per request, requests in flight). With ``PROMETHEUS_MULTIPROC_DIR`` set
+  (``enginecore serve --http`` sets it for its frontends: entrypoints/http/frontend.py) they are
+  prometheus-client multiprocess values, and a scrape sums every frontend's files
+  (:class:`MultiProcessCollector`), so counters count all requests and never go back, whichever
+  process answers. Without it (one in-process app) they are this process's own.
 * The engine's figures (running / waiting, KV-cache usage, state, preemptions, steps, prefix
-  cache, step-time and queue-time histograms), read from the engine's Health snapshot at each
-  scrape (:class:`EngineCollector`); they are the engine's own, never summed over frontends.
+  cache, its histograms: step time, queue / prefill / decode time per request ...), read from
+  the engine's Health snapshot at each scrape (entrypoints/http/engine_metrics.py); they are the
+  engine's own, never summed over frontends.
 
-Metric names and their vLLM counterparts: docs/metrics.md.
+Each scrape also serves vLLM's names for the same figures (entrypoints/http/vllm_names.py),
+renamed from what was just collected. Metric names and their vLLM counterparts: docs/metrics.md.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               generate_latest)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import generate_latest
 
-from engine.core.stats import QUEUE_TIME_BUCKETS, STEP_TIME_BUCKETS
-from states import State
+from engine.core.stats import REQUEST_TIME_BUCKETS, token_count_buckets
+
+from .engine_metrics import STATES, EngineCollector, cache_info
+from .vllm_names import VLLM_N_BUCKETS, VLLM_TTFT_BUCKETS, vllm_view
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0)
+#: Our bounds contain vLLM's (vllm_names.py serves vLLM's histogram from the same counts).
+TTFT_BUCKETS = VLLM_TTFT_BUCKETS
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-               0.75, 1.0, 2.5, 5.0)
-E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+               0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = REQUEST_TIME_BUCKETS
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-STATES = tuple(s.value for s in State)
-
-# engine counter -> (Health / EngineStats field, help)
-_ENGINE_COUNTERS = {
-    "enginecore_engine_steps": ("steps", "Engine steps run"),
-    "enginecore_preemptions": ("preemptions", "Requests preempted (recomputed later)"),
-    "enginecore_prefix_cache_queries": ("prefix_cache_queries",
-                                        "Prompt tokens looked up in the prefix cache"),
-    "enginecore_prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache"),
-}
-_ENGINE_HISTOGRAMS = {
-    "enginecore_step_time_seconds": ("step_time", STEP_TIME_BUCKETS,
-                                     "Wall time of one engine step (schedule, forward, sample)"),
-    "enginecore_request_queue_time_seconds": ("queue_time", QUEUE_TIME_BUCKETS,
-                                              "Time from arrival in the engine to first scheduling"),
-}
 
 
 def multiprocess_dir() -> Optional[str]:
     return os.environ.get(MULTIPROC_ENV) or None
 
 
-def cache_info(engine: Any) -> dict[str, str]:
-    """The ``enginecore_cache_config_info`` labels of an in-process engine (``{}`` if unknown)."""
-    runner = getattr(engine, "runner", None)
-    if runner is None or not getattr(runner, "num_blocks", 0):
-        return {}
-    return {"block_size": str(runner.block_size), "num_gpu_blocks": str(runner.num_blocks),
-            "cache_dtype": str(runner.dtype).removeprefix("torch."),
-            "device": str(runner.device), "enable_prefix_caching": str(
-                bool(getattr(runner.config, "enable_prefix_caching", False)))}
+class _Exposition:
+    """What a scrape exposes: the frontends' values (this process's, or every process's files),
+    the engine's, and vLLM's names for all of them -- each source collected once."""
 
+    def __init__(self, metrics: "Metrics", path: Optional[str]) -> None:
+        self.m = metrics
+        if path is None:
+            self.source = metrics.registry
+        else:  # this process's values are files in `path`; expose every process's files
+            from prometheus_client.multiprocess import MultiProcessCollector
 
-class EngineCollector:
-    """The engine's figures at the last :meth:`update`; engine counters never go back (a
-    high-water mark per counter: the engine reports zeros once it has released its core)."""
-
-    def __init__(self, info: Optional[Mapping[str, str]] = None) -> None:
-        self.info = dict(info or {})
-        self.state = State.INIT.value
-        self.gauges = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
-        self.counters = {name: 0 for name in _ENGINE_COUNTERS}
-        self.histograms: dict[str, tuple[list[int], float]] = {}
-
-    def update(self, health: Any) -> None:
-        """From an :class:`engine.interface.Health` (or anything with its fields)."""
-        state = health.state.value if isinstance(health.state, State) else str(health.state)
-        self.state = state if state in STATES else State.FAILED.value
-        for key in self.gauges:
-            self.gauges[key] = float(getattr(health, key, 0.0) or 0.0)
-        for name, (key, _) in _ENGINE_COUNTERS.items():
-            self.counters[name] = max(self.counters[name], int(getattr(health, key, 0) or 0))
-        for name, (key, bounds, _) in _ENGINE_HISTOGRAMS.items():
-            counts = list(getattr(health, f"{key}_counts", None) or [])
-            old = self.histograms.get(name)
-            if len(counts) == len(bounds) + 1 and (old is None or sum(counts) >= sum(old[0])):
-                self.histograms[name] = (counts, float(getattr(health, f"{key}_sum", 0.0) or 0.0))
-
-    def unreachable(self) -> None:
-        self.state = State.FAILED.value
-        self.gauges = dict.fromkeys(self.gauges, 0.0)
+            self.source = MultiProcessCollector(None, path=path)
 
     def describe(self):
-        return []  # no duplicate checks against the frontend's own metrics
+        return []
 
     def collect(self):
-        g = self.gauges
-        for name, value, doc in (
-                ("enginecore_requests_running", g["running"], "Requests running in the engine"),
-                ("enginecore_requests_waiting", g["waiting"], "Requests waiting in the engine"),
-                ("enginecore_kv_cache_usage_ratio", g["kv_usage"],
-                 "Fraction of the engine's KV cache blocks in use (0..1)")):
-            yield GaugeMetricFamily(name, doc, value=value)
-        state = GaugeMetricFamily("enginecore_engine_state",
-                                  "The engine's lifecycle state (1 for the current one)",
-                                  labels=["state"])
-        for s in STATES:
-            state.add_metric([s], 1.0 if s == self.state else 0.0)
-        yield state
-        for name, (_, doc) in _ENGINE_COUNTERS.items():
-            yield CounterMetricFamily(name, doc, value=self.counters[name])
-        for name, (key, bounds, doc) in _ENGINE_HISTOGRAMS.items():
-            counts, total = self.histograms.get(name, ([0] * (len(bounds) + 1), 0.0))
-            cumulative, running = [], 0
-            for le, c in zip([*(repr(float(b)) for b in bounds), "+Inf"], counts):
-                running += c
-                cumulative.append((le, running))
-            yield HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=total)
-        info = GaugeMetricFamily("enginecore_cache_config_info",
-                                 "The KV cache's configuration (labels; value 1)",
-                                 labels=list(self.info))
-        info.add_metric(list(self.info.values()), 1.0)
-        yield info
+        fams = [*self.source.collect(), *self.m.engine.collect()]
+        yield from fams
+        yield from vllm_view(fams, self.m.model_name)
 
 
 class Metrics:
-    def __init__(self, engine: Any = None, info: Optional[Mapping[str, str]] = None) -> None:
+    """``model_name``: the served name (vLLM's ``model_name`` label); ``info``: the
+    cache_config_info labels (read from an in-process engine when not given)."""
+
+    def __init__(self, engine: Any = None, info: Optional[Mapping[str, str]] = None,
+                 model_name: Optional[str] = None) -> None:
         if info is None and engine is not None:  # an in-process engine: read from its runner
             info = cache_info(engine)
-        self.engine = EngineCollector(info)
+        self._engine = engine
+        self.model_name = model_name or str(getattr(engine, "model", "") or "")
+        self.engine = EngineCollector(info, self._max_model_len)
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("enginecore_requests", "Finished requests by finish reason",
                                 ["finish_reason"], registry=r)
@@ -154,25 +96,47 @@ class Metrics:
         self.itl = Histogram("enginecore_inter_token_latency_seconds",
                              "Time between consecutive output tokens of a request",
                              buckets=ITL_BUCKETS, registry=r)
+        self.tpot = Histogram("enginecore_request_time_per_output_token_seconds",
+                              "A request's time from its first token to its last, per token "
+                              "after the first (requests with 2 tokens or more)",
+                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("enginecore_e2e_request_latency_seconds",
                              "Time from request arrival to its last output", buckets=E2E_BUCKETS,
                              registry=r)
+        self.params_n = Histogram("enginecore_request_params_n", "The n parameter, once per prompt "
+                                  "of a request", buckets=VLLM_N_BUCKETS, registry=r)
         self.in_flight = Gauge("enginecore_frontend_requests_in_flight",
                                "Generation requests open in the frontend processes", registry=r,
                                multiprocess_mode="livesum")
+        self._token_hists: Optional[tuple[Histogram, Histogram, Histogram, Histogram]] = None
+        self.token_histograms()  # now if the context limit is known (their bounds depend on it)
         for reason in FINISH_REASONS:  # expose zeros from the start
             self.requests.labels(reason)
         for reason in ("bad_request", "draining", "overloaded", "unavailable"):
             self.rejected.labels(reason)
-        path = multiprocess_dir()
-        if path is None:
-            self._exposed = r
-        else:  # this process's values are files in `path`; expose every process's files
-            from prometheus_client.multiprocess import MultiProcessCollector
+        self._exposed = CollectorRegistry(auto_describe=False)
+        self._exposed.register(_Exposition(self, multiprocess_dir()))
 
-            self._exposed = CollectorRegistry()
-            MultiProcessCollector(self._exposed, path=path)
-        self._exposed.register(self.engine)
+    def _max_model_len(self) -> int:
+        return int(getattr(self._engine, "max_model_len", 0) or 0)
+
+    def token_histograms(self) -> Optional[tuple[Histogram, Histogram, Histogram, Histogram]]:
+        """(prompt tokens, generation tokens, max generation tokens of a prompt's choices,
+        max_tokens) per request, over vLLM's 1-2-5 bounds up to the context limit: made once
+        that limit is known (None before)."""
+        if self._token_hists is None and (n := self._max_model_len()):
+            b, r = token_count_buckets(n), self.registry
+            self._token_hists = (
+                Histogram("enginecore_request_prompt_tokens", "Prompt tokens of a request",
+                          buckets=b, registry=r),
+                Histogram("enginecore_request_generation_tokens", "Tokens a request generated",
+                          buckets=b, registry=r),
+                Histogram("enginecore_request_max_num_generation_tokens", "The most tokens one "
+                          "choice of a prompt generated (once per prompt of a request)",
+                          buckets=b, registry=r),
+                Histogram("enginecore_request_params_max_tokens", "The max_tokens a request "
+                          "ran with (the default where it gave none)", buckets=b, registry=r))
+        return self._token_hists
 
     def set_health(self, h) -> None:
         self.engine.update(h)
@@ -181,23 +145,67 @@ class Metrics:
         self.engine.unreachable()
 
     def render(self) -> tuple[bytes, str]:
+        self.token_histograms()
         return generate_latest(self._exposed), CONTENT_TYPE_LATEST
 
-    def tracker(self, arrival: float) -> "RequestTracker":
-        return RequestTracker(self, arrival)
+    def tracker(self, arrival: float, max_tokens: int = 0,
+                group: Optional["_PromptGroup"] = None) -> "RequestTracker":
+        return RequestTracker(self, arrival, max_tokens, group)
+
+    def trackers(self, arrival: float, jobs: Sequence[Any]) -> list["RequestTracker"]:
+        """One tracker per job (``.prompt_index``, ``.params``) of one HTTP request; the jobs of
+        one prompt (its ``n`` choices) share a group, observed once when all have ended."""
+        groups: dict[int, _PromptGroup] = {}
+        for j in jobs:
+            g = groups.get(j.prompt_index)
+            if g is None:
+                g = groups[j.prompt_index] = _PromptGroup(self)
+            g.n += 1
+        return [RequestTracker(self, arrival, j.params.max_tokens, groups[j.prompt_index])
+                for j in jobs]
+
+
+class _PromptGroup:
+    """The choices of one prompt: ``n``, and the most tokens one of them generated."""
+
+    __slots__ = ("m", "n", "open", "max_tokens", "finished")
+
+    def __init__(self, m: Metrics) -> None:
+        self.m, self.n, self.open, self.max_tokens, self.finished = m, 0, 0, 0, False
+
+    def ended(self, tokens: Optional[int]) -> None:
+        """A choice ended (``tokens`` generated; None: refused before it started)."""
+        self.open += 1
+        if tokens is not None:
+            self.finished = True
+            self.max_tokens = max(self.max_tokens, tokens)
+        if self.open == self.n and self.finished:
+            self.m.params_n.observe(self.n)
+            hists = self.m.token_histograms()
+            if hists is not None:
+                hists[2].observe(self.max_tokens)
 
 
 class RequestTracker:
     """Feeds one request's outputs into the metrics; ``finish`` exactly once."""
 
-    __slots__ = ("m", "arrival", "last", "prompt_seen", "done")
+    __slots__ = ("m", "arrival", "first", "last", "tokens", "prompt_seen", "done", "max_tokens",
+                 "group")
 
-    def __init__(self, m: Metrics, arrival: float) -> None:
+    def __init__(self, m: Metrics, arrival: float, max_tokens: int = 0,
+                 group: Optional[_PromptGroup] = None) -> None:
         self.m = m
         self.arrival = arrival
+        self.first: Optional[float] = None
         self.last: Optional[float] = None
+        self.tokens = 0
         self.prompt_seen = False
         self.done = False
+        self.max_tokens = max_tokens
+        if group is None:
+            group = _PromptGroup(m)
+            group.n = 1
+        self.group = group
         m.in_flight.inc()
 
     def output(self, out) -> None:
@@ -206,11 +214,16 @@ class RequestTracker:
         if not self.prompt_seen and out.num_prompt_tokens:
             self.prompt_seen = True
             m.prompt_tokens.inc(out.num_prompt_tokens)
+            hists = m.token_histograms()
+            if hists is not None:
+                hists[0].observe(out.num_prompt_tokens)
         k = len(out.token_ids)
         if k:
             m.generation_tokens.inc(k)
+            self.tokens += k
             if self.last is None:
                 m.ttft.observe(t - self.arrival)
+                self.first = t
             else:  # k tokens arrived together (speculation): spread the gap over them
                 gap = (t - self.last) / k
                 for _ in range(k):
@@ -227,13 +240,22 @@ class RequestTracker:
         m.in_flight.dec()
         m.requests.labels(reason if reason in FINISH_REASONS else "error").inc()
         m.e2e.observe(time.monotonic() - self.arrival)
+        if self.tokens >= 2:
+            m.tpot.observe((self.last - self.first) / (self.tokens - 1))
+        hists = m.token_histograms()
+        if hists is not None:
+            hists[1].observe(self.tokens)
+            if self.max_tokens:
+                hists[3].observe(self.max_tokens)
+        self.group.ended(self.tokens)
 
     def discard(self) -> None:
         """The request never started (refused): only the in-flight gauge is undone."""
         if not self.done:
             self.done = True
             self.m.in_flight.dec()
+            self.group.ended(None)
 
 
 __all__ = ["Metrics", "RequestTracker", "EngineCollector", "CONTENT_TYPE_LATEST", "cache_info",
-           "MULTIPROC_ENV"]
+           "MULTIPROC_ENV", "STATES", "FINISH_REASONS"]

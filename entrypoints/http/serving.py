@@ -161,8 +161,8 @@ class _Request:
         self.jobs = jobs
         self.kind = kind
         single = len(jobs) == 1
-        self.runs = [_Run(fe, fe.metrics.tracker(arrival),
-                          kind.rid if single else f"{kind.rid}-{j.index}", client) for j in jobs]
+        self.runs = [_Run(fe, t, kind.rid if single else f"{kind.rid}-{j.index}", client)
+                     for t, j in zip(fe.metrics.trackers(arrival, jobs), jobs)]
         self.states = [ChoiceState(kind.chat, j, echo, want_prompt_lps, kind.tools) for j in jobs]
 
     async def start(self) -> None:

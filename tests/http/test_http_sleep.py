@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,6 +57,10 @@ async def test_asleep_requests_get_503_retry_after_and_health_says_sleeping(via)
         metrics = (await c.get("/metrics")).text
         assert 'enginecore_requests_rejected_total{reason="sleeping"} 2.0' in metrics
         assert 'enginecore_engine_state{state="sleeping"} 1.0' in metrics
+        assert "enginecore_engine_sleep_level 2.0" in metrics
+        for state, value in (("awake", 0), ("weights_offloaded", 0), ("discard_all", 1)):
+            assert re.search(rf'vllm:engine_sleep_state{{[^}}]*sleep_state="{state}"}} {value}\.0',
+                             metrics), state
         r = await c.post("/sleep", json={})  # already asleep
         assert r.status_code == 409 and "SLEEPING" in r.json()["error"]["message"]
         r = await c.post("/wake_up", json={"tags": ["weights"]})
@@ -65,6 +70,8 @@ async def test_asleep_requests_get_503_retry_after_and_health_says_sleeping(via)
         assert (await c.get("/is_sleeping")).json() == {"is_sleeping": False}
         assert (await c.post("/v1/completions", json=BODY)).status_code == 200
         assert (await c.get("/health")).json()["ready"] is True
+        metrics = (await c.get("/metrics")).text
+        assert re.search(r'vllm:engine_sleep_state{[^}]*sleep_state="awake"} 1\.0', metrics)
 
 
 BAD_SLEEPS = [  # query parameters: none is taken, not even a valid one
