@@ -39,7 +39,8 @@ async def test_asleep_requests_get_503_retry_after_and_health_says_sleeping(via)
         assert r.status_code == 409 and r.json()["error"]["code"] == "invalid_state"
         r = await c.post("/sleep", json={"level": 2})
         assert r.status_code == 200, r.text
-        assert r.json() == {"status": "ok", "state": "sleeping", "is_sleeping": True}
+        assert r.json() == {"status": "ok", "state": "sleeping", "is_sleeping": True,
+                            "is_paused": False}
         assert s.engine.state is State.SLEEPING
         assert (await c.get("/is_sleeping")).json() == {"is_sleeping": True}
         for path, body in (("/v1/completions", BODY),
