@@ -110,11 +110,18 @@ def test_an_ambiguous_grammar_does_not_starve_the_others():
                                                       SamplingParams(max_tokens=8))]
                 assert outs[-1].finish_reason == "length" and len(outs[-1].text) or outs
                 tg.cancel_scope.cancel()
+            # nobody left: the engine idles (no grammar work left burning CPU) within 5 s
+            for _ in range(5):
+                cpu0 = time.process_time()
+                await anyio.sleep(1.0)
+                busy = time.process_time() - cpu0
+                if busy < 0.2:
+                    break
             health = await eng.health()
             budget = eng.core.runner.grammar_budget
-            return windows, after, ends, healthy, health, budget, rss0, _rss()
+            return windows, after, ends, healthy, health, budget, rss0, _rss(), busy
 
-    windows, after, ends, healthy, health, budget, rss0, rss1 = anyio.run(main)
+    windows, after, ends, healthy, health, budget, rss0, rss1, busy = anyio.run(main)
     quiet, attacked = (statistics.median(windows[k]) for k in ("quiet", "attacked"))
     times = [round(e[0], 2) for e in ends]
     print(f"\nvictim tok/s quiet {windows['quiet']} attacked {windows['attacked']} "
@@ -132,3 +139,4 @@ def test_an_ambiguous_grammar_does_not_starve_the_others():
     assert all(healthy) and health.ready
     assert after >= 0.5 * quiet, (windows, after)
     assert rss1 <= rss0 * 1.1 + 2**20, (rss0, rss1)
+    assert busy < 0.2, f"{busy:.2f} s of CPU a second, 5 s after the attack"
