@@ -273,6 +273,23 @@ async def wait_ready(client, proc, timeout: float) -> str:
     return (await client.get("/v1/models")).json()["data"][0]["id"]
 
 
+def models_and_results(args, cuda_models: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
+    """The models a multi-model benchmark runs (``--models``; on cuda with the default model:
+    ``cuda_models``) and its results' head (environment, arguments, an empty ``models`` list);
+    on cuda the device context is created first (it is not the engine's)."""
+    if getattr(args, "models", None):
+        models = args.models.split(",")
+    elif args.device == "cuda" and args.model == args._default_cuda_model:
+        models = list(cuda_models)
+    else:
+        models = [args.model]
+    if args.device == "cuda":
+        torch.cuda.init()
+        torch.empty(1, device="cuda")
+    return models, {"environment": environment(args.device), "args": {
+        k: v for k, v in vars(args).items() if not k.startswith("_") and k != "out"}, "models": []}
+
+
 def engine_config(args, **overrides):
     """An EngineConfig for ``args`` (model/device/dtype/seed) plus ``overrides``."""
     from engine import EngineConfig

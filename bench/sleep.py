@@ -195,15 +195,7 @@ def main(argv=None) -> int:
         args.cycles = 50 if args.device == "cuda" else 10
     if args.kv_cache_bytes is None:
         args.kv_cache_bytes = 8 * 2**30 if args.device == "cuda" else 64 * 2**20
-    if args.models:
-        models = args.models.split(",")
-    else:
-        models = list(CUDA_MODELS) if args.device == "cuda" and args.model == args._default_cuda_model else [args.model]
-    if args.device == "cuda":
-        torch.cuda.init()
-        torch.empty(1, device="cuda")  # the context is not the engine's
-    results = {"environment": common.environment(args.device), "args": {
-        k: v for k, v in vars(args).items() if not k.startswith("_") and k != "out"}, "models": []}
+    models, results = common.models_and_results(args, CUDA_MODELS)
     ok = True
     for model in models:
         res = anyio.run(bench_model, args, model)

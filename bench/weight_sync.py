@@ -185,17 +185,7 @@ def main(argv=None) -> int:
     args = common.finish_common_args(ap.parse_args(argv), "weight_sync")
     if args.kv_cache_bytes is None:
         args.kv_cache_bytes = 4 * 2**30 if args.device == "cuda" else 64 * 2**20
-    if args.models:
-        models = args.models.split(",")
-    elif args.device == "cuda" and args.model == args._default_cuda_model:
-        models = list(CUDA_MODELS)
-    else:
-        models = [args.model]
-    if args.device == "cuda":
-        torch.cuda.init()
-        torch.empty(1, device="cuda")  # the context is not the engine's
-    results = {"environment": common.environment(args.device), "args": {
-        k: v for k, v in vars(args).items() if not k.startswith("_") and k != "out"}, "models": []}
+    models, results = common.models_and_results(args, CUDA_MODELS)
     ok = True
     for model in models:
         res = anyio.run(bench_model, args, model)
