@@ -88,7 +88,7 @@ def _call_for_template(call, param: str) -> dict:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):  # (nesting past the parser's depth: not JSON here)
             raise RequestError("a tool call's arguments must be JSON", param=f"{param}.function."
                                "arguments") from None
     return {**call, "function": {**fn, "arguments": args}}

@@ -104,30 +104,45 @@ async def test_beam_search_is_refused_naming_the_field():
 
 # --------------------------------------------------------------------------- the chat template
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}}}},
+    {"type": "function", "function": {"name": "get_time"}}]
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("via", ["engine", "client"])
-async def test_tools_documents_kwargs_and_names_reach_the_template(via):
+async def test_tools_and_message_names_reach_the_template(via):
     msgs = [{"role": "system", "content": "be brief", "name": "rules"},
             {"role": "user", "content": "weather?", "name": "ann"},
             {"role": "assistant", "content": "", "tool_calls": [
                 {"id": "c1", "type": "function",
                  "function": {"name": "get_weather", "arguments": "{\"x\": 7}"}}]},
             {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"x": {"type": "integer"}}}}},
-        {"type": "function", "function": {"name": "get_time"}}]
     async with tiny(via, TEMPLATE) as s:
-        await post(s, "/v1/chat/completions", chat(
-            msgs, tools=tools, tool_choice="none", documents=[{"title": "A", "text": "a"}],
-            chat_template_kwargs={"mood": "calm"}))
+        await post(s, "/v1/chat/completions", chat(msgs, tools=TOOLS, tool_choice="none"))
         assert s.prompts[-1] == (
             "<system name=rules>be brief</system><user name=ann>weather?</user>"
             "<assistant>[call get_weather x=7]</assistant><tool id=c1>sunny</tool>"
-            "[tools:get_weather;get_time;][docs:A;][mood:calm]<assistant>")
+            "[tools:get_weather;get_time;]<assistant>")
         # a forced call: the model sees the tool it is to call
         await post(s, "/v1/chat/completions", chat(
-            USER, tools=tools, tool_choice={"type": "function", "function": {"name": "get_time"}}))
+            USER, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}))
         assert s.prompts[-1] == "<user>hi</user>[tools:get_weather;get_time;]<assistant>"
+        n = len(s.prompts)
+        bad_call = [{"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": "{nope"}}]}]
+        await refused(s, "/v1/chat/completions", chat(bad_call),
+                      "messages.[0].tool_calls.[0].function.arguments")
+        assert len(s.prompts) == n
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("via", ["engine", "client"])
+async def test_chat_template_kwargs_and_documents_reach_the_template(via):
+    async with tiny(via, TEMPLATE) as s:
+        await post(s, "/v1/chat/completions", chat(
+            documents=[{"title": "A", "text": "a"}], chat_template_kwargs={"mood": "calm"}))
+        assert s.prompts[-1] == "<user>hi</user>[docs:A;][mood:calm]<assistant>"
         # /tokenize renders the same way
         r = await post(s, "/tokenize", {"messages": USER, "chat_template_kwargs": {"mood": "x"}})
         assert bytes(r["tokens"]).decode() == "<user>hi</user>[mood:x]<assistant>"
@@ -135,11 +150,34 @@ async def test_tools_documents_kwargs_and_names_reach_the_template(via):
         await refused(s, "/v1/chat/completions", chat(chat_template_kwargs={"messages": []}),
                       "chat_template_kwargs.messages")
         await refused(s, "/v1/chat/completions", chat(chat_template="{{ 1 }}"), "chat_template")
-        bad_call = [{"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "f", "arguments": "{nope"}}]}]
-        await refused(s, "/v1/chat/completions", chat(bad_call),
-                      "messages.[0].tool_calls.[0].function.arguments")
         assert len(s.prompts) == n
+
+
+def test_the_renderer_matches_transformers():
+    """continue_final_message, tools, documents and template arguments rendered as
+    transformers' ``apply_chat_template`` renders them (the default model's template, and one
+    that reads them all); vocabulary strings as its ``convert_ids_to_tokens``."""
+    from transformers import AutoTokenizer
+
+    from engine.loader.gguf_loader import default_model_path, load_gguf
+    from engine.loader.tokenizer import render_chat_template
+
+    path = default_model_path()
+    ours, hf = load_gguf(path)[2], AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for final in ("The capital of France is", "The capital of France is ", "  Sure  ", "x\n"):
+        msgs = [{"role": "user", "content": "Capital?"}, {"role": "assistant", "content": final}]
+        assert ours.apply_chat_template(msgs, False, continue_final_message=True) == \
+            hf.apply_chat_template(msgs, tokenize=False, continue_final_message=True)
+    msgs = [{"role": "user", "content": "hi", "name": "ann"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "get_time", "arguments": {"x": 1}}}]}]
+    docs = [{"title": "A", "text": "a"}]
+    assert render_chat_template(TEMPLATE, msgs, None, None, tools=TOOLS, documents=docs,
+                                template_kwargs={"mood": "calm"}) == \
+        hf.apply_chat_template(msgs, chat_template=TEMPLATE, tools=TOOLS, documents=docs,
+                               mood="calm", tokenize=False, add_generation_prompt=True)
+    ids = ours.encode("hello world, héllo 世界")
+    assert ours.token_strings(ids) == hf.convert_ids_to_tokens(ids)
 
 
 @pytest.mark.asyncio
