@@ -153,8 +153,12 @@ class Engine(Protocol):
 
     async def shutdown(self) -> None: ...
 
-    async def apply_chat_template(self, messages: list[dict],
-                                  add_generation_prompt: bool = True) -> str: ...
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                                  **options) -> str:
+        """``messages`` rendered with the model's chat template; ``options``: ``tools``,
+        ``documents``, ``continue_final_message``, ``template_kwargs``
+        (``engine.loader.tokenizer.render_chat_template``)."""
+        ...
 
     def tokenizer_info(self) -> TokenizerInfo:
         """The tokenizer's description (all unknown until the model is loaded)."""
@@ -164,8 +168,10 @@ class Engine(Protocol):
         """``text``'s token ids, as a prompt would have them."""
         ...
 
-    async def detokenize(self, ids: list[int], each: bool = False) -> list[str]:
-        """``[the text of ids]``, or with ``each`` one string per token."""
+    async def detokenize(self, ids: list[int], each: bool = False,
+                         tokens: bool = False) -> list[str]:
+        """``[the text of ids]``, or with ``each`` one string per token, or with ``tokens`` each
+        id's vocabulary entry (as the tokenizer spells it, e.g. "Ġhello")."""
         ...
 
     async def token_bytes(self) -> list[bytes]:

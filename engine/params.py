@@ -67,13 +67,22 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     allowed_token_ids: list[int] = []
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    truncate_prompt_tokens: Optional[int] = None  # keep only the prompt's last k tokens
+    truncate_prompt_tokens: Optional[int] = None  # keep only k tokens (truncation_side)
     bad_words: list[str] = []  # never in the output (engine.sample.bad_words)
     #: the output's one constraint (JSON schema, JSON object, regex, choice or grammar)
     structured: Optional[StructuredOutputs] = None
     #: "raw": logprobs of the model's distribution; "processed": of the one sampled from
     #: (after penalties, biases, grammar masks, temperature, top-k/p, min-p)
     logprobs_mode: str = "raw"
+    #: which end ``truncate_prompt_tokens`` keeps: "left" drops the prompt's first tokens
+    #: (keeps the last k), "right" drops its last ones (keeps the first k)
+    truncation_side: str = "left"
+    #: True: a prompt whose tokens plus ``max_tokens`` exceed the context is refused
+    #: (``BadRequestError`` naming max_tokens), as OpenAI servers answer an explicit max_tokens;
+    #: False: the output stops at the context limit (finish_reason "length")
+    max_tokens_within_context: bool = False
+    #: the first output carries the prompt's token ids (``RequestOutput.prompt_token_ids``)
+    return_prompt_token_ids: bool = False
 
     def validate(self) -> "SamplingParams":
         """Raise :class:`BadRequestError` naming the first invalid field; return self."""
@@ -144,6 +153,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
                       f"characters, not only spaces")
         if self.logprobs_mode not in ("raw", "processed"):
             raise bad(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
+        if self.truncation_side not in ("left", "right"):
+            raise bad(f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}")
+        if any(type(v) is not bool for v in (self.max_tokens_within_context,
+                                             self.return_prompt_token_ids)):
+            raise bad("max_tokens_within_context and return_prompt_token_ids must be booleans")
         st = self.structured
         if st is not None:
             if not isinstance(st, StructuredOutputs):
@@ -211,6 +225,11 @@ class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     prompt_text: Optional[str] = None
     #: the version of the weights that produced these tokens (``update_weights*``; 0: as loaded)
     weight_version: int = 0
+    #: on the first output only: prompt tokens whose K/V came from the prefix cache
+    num_cached_tokens: int = 0
+    #: with ``params.return_prompt_token_ids``, on the first output only: the prompt's token ids
+    #: (as the engine took them: after ``truncate_prompt_tokens``)
+    prompt_token_ids: Optional[list[int]] = None
 
 
 class TokenLogprob(NamedTuple):

@@ -30,7 +30,7 @@ class Request:
         "num_sealed_blocks", "block_hashes", "hash_root", "cache_epoch", "first_scheduled",
         "prompt_lps", "num_prompt_lps", "prompt_sent", "bad_words", "matcher",
         "pending", "pending_row", "hold", "overlappable", "token_limit",
-        "block_epoch", "block_mirror", "client",
+        "block_epoch", "block_mirror", "client", "num_cached_tokens",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -41,6 +41,7 @@ class Request:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # of its prompt, found in the prefix cache when first admitted
         self.block_ids: list[int] = []  # written only by the BlockManager
         # bumped by the BlockManager at every change of block_ids other than blocks added at
         # the end: host_arrays.block_table's int32 mirror of them is current while it holds

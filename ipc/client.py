@@ -220,10 +220,12 @@ class EngineClient(ClientChannel):
             call_id=cid, text=text, add_special_tokens=bool(add_special_tokens)))
         return list(msg.ids)
 
-    async def detokenize(self, ids: list[int], each: bool = False) -> list[str]:
-        """``[the text of ids]``, or with ``each`` one string per token."""
-        msg = await self._call("detokenize", lambda cid: Detokenize(call_id=cid, ids=list(ids),
-                                                                     each=bool(each)))
+    async def detokenize(self, ids: list[int], each: bool = False,
+                         tokens: bool = False) -> list[str]:
+        """``[the text of ids]``, or with ``each`` one string per token, or with ``tokens`` each
+        id's vocabulary entry."""
+        msg = await self._call("detokenize", lambda cid: Detokenize(
+            call_id=cid, ids=list(ids), each=bool(each), tokens=bool(tokens)))
         return list(msg.texts)
 
     async def token_bytes(self) -> list[bytes]:
@@ -318,12 +320,14 @@ class EngineClient(ClientChannel):
     async def close_weight_transfer(self) -> None:
         await self._call("close_weight_transfer", lambda cid: CloseWeightTransfer(call_id=cid))
 
-    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                                  **options) -> str:
         """Render ``messages`` with the model's chat template, client-side (the template came
-        in the handshake), exactly as ``engine.loader.tokenizer.Tokenizer.apply_chat_template``."""
+        in the handshake), exactly as ``engine.loader.tokenizer.Tokenizer.apply_chat_template``
+        (``options``: ``render_chat_template``'s; nothing crosses the wire)."""
         w = self.welcome
         return render_chat_template(w.chat_template, messages, w.bos_token, w.eos_token,
-                                    add_generation_prompt)
+                                    add_generation_prompt, **options)
 
 
     def __repr__(self) -> str:

@@ -41,14 +41,16 @@ Each message is one frame::
   = 0, prompt_logprobs: int | nil, echo: bool, presence_penalty, frequency_penalty: float = 0,
   repetition_penalty: float = 1, min_p: float = 0, logit_bias: {int: float}, allowed_token_ids:
   [int], skip_special_tokens: bool = true, include_stop_str_in_output: bool,
-  truncate_prompt_tokens: int | nil, bad_words: [str], structured: StructuredOutputs | nil}
-  (unknown keys rejected); a StructuredOutputs (engine/structured/spec.py) is a map with exactly
+  truncate_prompt_tokens: int | nil, bad_words: [str], structured: StructuredOutputs | nil,
+  logprobs_mode: "raw" | "processed", truncation_side: "left" | "right",
+  max_tokens_within_context: bool, return_prompt_token_ids: bool} (unknown keys rejected); a StructuredOutputs (engine/structured/spec.py) is a map with exactly
   one of json_schema: str (the schema's JSON text, <= 64 KiB), json_object: true, regex: str
   (<= 16 KiB), choice: [str] (<= 256 of <= 1 KiB), grammar: str (EBNF, <= 16 KiB); RequestOutput {request_id: str,
   token_ids: [int] (new tokens), text: str (new text), num_prompt_tokens: int, num_output_tokens:
   int (cumulative), finished: bool, finish_reason: "stop" | "length" | "abort" | "error" | nil,
   reason: str | nil, logprobs: [float] | nil, token_logprobs: Logprobs | nil,
-  prompt_logprobs: Logprobs | nil, prompt_text: str | nil}; a Logprobs: [k: int (0..1024), rows:
+  prompt_logprobs: Logprobs | nil, prompt_text: str | nil, weight_version: int,
+  num_cached_tokens: int, prompt_token_ids: [int] | nil}; a Logprobs: [k: int (0..1024), rows:
   bin], ``rows`` one row of 3 + 2k little-endian 4-byte words per token: token id (int32), logprob
   (float32; NaN: none), rank (int32; 0: not computed), k top ids (int32), k top logprobs
   (float32). Token ids only: a client that shows tokens as text takes their bytes from
@@ -221,10 +223,12 @@ class Tokenize(_Message, tag="Tokenize"):
 
 
 class Detokenize(_Message, tag="Detokenize"):
-    """Ask for the text of ``ids`` (``each``: one string per token)."""
+    """Ask for the text of ``ids`` (``each``: one string per token; ``tokens``, appended: each
+    id's vocabulary entry, e.g. "Ġhello")."""
     call_id: CallId
     ids: Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKENS)]
     each: bool = False
+    tokens: bool = False
 
 
 class Vocabulary(_Message, tag="Vocabulary"):

@@ -320,7 +320,7 @@ class IPCServer:
             self._call(conn, msg.call_id, self.engine.tokenize, msg.text, msg.add_special_tokens,
                        answer="ids")
         elif t is Detokenize:
-            self._call(conn, msg.call_id, self.engine.detokenize, msg.ids, msg.each, answer="texts")
+            self._call(conn, msg.call_id, self.engine.detokenize, msg.ids, msg.each, msg.tokens, answer="texts")
         elif t is Vocabulary:
             self._call(conn, msg.call_id, self.engine.token_bytes, answer="pieces")
         else:  # a second Hello

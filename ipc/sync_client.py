@@ -16,6 +16,8 @@ call is handed to it and waited for. One client may be used from several threads
 
 from __future__ import annotations
 
+import functools
+
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
@@ -155,8 +157,10 @@ class SyncEngineClient:
     def is_sleeping(self) -> bool:
         return self.client.is_sleeping
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self._portal.call(self.client.apply_chat_template, messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **options) -> str:
+        return self._portal.call(functools.partial(self.client.apply_chat_template, messages,
+                                                   add_generation_prompt, **options))
 
     @property
     def state(self) -> State:

@@ -301,16 +301,20 @@ class EngineCore(LateStep):
         return out
 
     def _first_output(self, req: Request, out: RequestOutput) -> None:
-        """The prompt's logprobs and text go with a request's first output."""
+        """The prompt's cached tokens, logprobs, text and ids go with a request's first output."""
         p = req.params
         req.prompt_sent = True
+        out.num_cached_tokens = req.num_cached_tokens
+        if p.return_prompt_token_ids:
+            out.prompt_token_ids = req.token_ids[: req.num_prompt_tokens]
         if p.prompt_logprobs is not None:
             k = min(p.prompt_logprobs, self.runner.model_config.vocab_size)
             first = Logprobs.first_prompt_token(req.token_ids[0], k)
             rows = Logprobs.join([first, *req.prompt_lps])
             out.prompt_logprobs = rows[: req.num_prompt_tokens]
-        if p.echo:
-            out.prompt_text = self.tokenizer.decode(req.token_ids[: req.num_prompt_tokens])
+        if p.echo:  # the special tokens too: the text the prompt's tokens stand for
+            out.prompt_text = self.tokenizer.decode(req.token_ids[: req.num_prompt_tokens],
+                                                    skip_special_tokens=False)
 
     def _append(self, req: Request, new: list[int], logprobs,
                 verdict: Optional[tuple] = None) -> RequestOutput:
@@ -356,7 +360,7 @@ class EngineCore(LateStep):
         if p.logprobs:  # the accepted tokens' (a prefix of the step's new tokens)
             lps = logprobs or []
             out.logprobs = lps if len(lps) == len(accepted) else lps[: len(accepted)]
-        if not req.prompt_sent and (p.prompt_logprobs is not None or p.echo):
+        if not req.prompt_sent:
             self._first_output(req, out)
         if finish:
             out.text += req.detok.flush()

@@ -104,6 +104,8 @@ class Scheduler:
             if not self.blocks.can_admit(hit, need):
                 break
             self.blocks.admit(req, hit, need)
+            if not req.num_preemptions:  # (a resume re-reads its own prefix)
+                req.num_cached_tokens = start
             waiting.popleft()
             req.status = Status.RUNNING
             req.spec_token_ids = []

@@ -125,6 +125,15 @@ class Tokenizer:
             return sorted(self.special_tokens.values())
         return sorted(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
 
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each id's entry as the vocabulary spells it (e.g. "Ġhello" for a byte-level BPE: not
+        its text); the byte tokenizer spells byte ``b`` as ``chr(b)``. Unknown ids: ""."""
+        if self._backend is None:
+            names = {v: k for k, v in self.special_tokens.items()}
+            return [chr(i) if 0 <= i < 256 else names.get(i, "") for i in ids]
+        to_token = self._backend.id_to_token
+        return [to_token(i) or "" for i in ids]
+
     def token_bytes(self, i: int) -> bytes:
         """The bytes token ``i`` stands for (its UTF-8 text may be a partial character)."""
         table = self.byte_table
@@ -138,10 +147,12 @@ class Tokenizer:
             table = self._token_bytes = _token_byte_table(self)
         return table
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` with the model's chat template (Jinja, sandboxed)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **options) -> str:
+        """Render ``messages`` with the model's chat template (Jinja, sandboxed); ``options``:
+        :func:`render_chat_template`'s keyword arguments."""
         return render_chat_template(self.chat_template, messages, self.bos_token, self.eos_token,
-                                    add_generation_prompt)
+                                    add_generation_prompt, **options)
 
     @property
     def bos_token(self) -> Optional[str]:
@@ -194,26 +205,73 @@ def _token_byte_table(tok: "Tokenizer") -> list[bytes]:
     return out
 
 
+#: the names the renderer itself gives the template: ``template_kwargs`` may not set them
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token",
+                                     "tools", "documents", "raise_exception",
+                                     "continue_final_message"})
+
+
 def render_chat_template(template: Optional[str], messages: list[dict], bos_token: Optional[str],
-                         eos_token: Optional[str], add_generation_prompt: bool = True) -> str:
+                         eos_token: Optional[str], add_generation_prompt: bool = True, *,
+                         continue_final_message: bool = False, tools: Optional[list] = None,
+                         documents: Optional[list] = None,
+                         template_kwargs: Optional[dict] = None) -> str:
     """Render ``messages`` with a chat ``template`` (Jinja, sandboxed) -- shared by
     :meth:`Tokenizer.apply_chat_template` and the IPC client, which gets the template in its
     handshake. Without a template: plain "role: content" lines (so chat works on random presets).
+
+    As transformers' ``apply_chat_template`` renders: ``tools`` and ``documents`` (None when not
+    given) and ``template_kwargs`` (any other names the template reads, e.g. a model's
+    ``enable_thinking``; none of :data:`RESERVED_TEMPLATE_NAMES`) reach the template;
+    ``continue_final_message`` ends the text right after the last message's content, without
+    whatever the template closes a message with, so the model continues that message (not with
+    ``add_generation_prompt``). A bad combination raises ``BadRequestError``.
     """
+    if continue_final_message and add_generation_prompt:
+        raise BadRequestError("continue_final_message and add_generation_prompt cannot both be true")
+    extra = dict(template_kwargs or {})
+    clash = sorted(RESERVED_TEMPLATE_NAMES.intersection(extra))
+    if clash:
+        raise BadRequestError(f"chat template arguments may not set {', '.join(clash)}")
     if not template:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-        return text + ("assistant: " if add_generation_prompt else "")
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+        text += "assistant: " if add_generation_prompt else ""
+    else:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
-    def raise_exception(msg):
-        raise BadRequestError(f"chat template: {msg}")
+        def raise_exception(msg):
+            raise BadRequestError(f"chat template: {msg}")
 
-    env.globals["raise_exception"] = raise_exception
-    tmpl = env.from_string(template)
-    return tmpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                       bos_token=bos_token or "", eos_token=eos_token or "")
+        env.globals["raise_exception"] = raise_exception
+        tmpl = env.from_string(template)
+        text = tmpl.render(**extra, messages=messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=bos_token or "", eos_token=eos_token or "", tools=tools,
+                           documents=documents)
+    return _open_final_message(text, messages) if continue_final_message else text
+
+
+def _open_final_message(text: str, messages: list[dict]) -> str:
+    """``text`` cut right after the last message's content (its last occurrence): what the
+    template adds after a message (an end-of-turn marker, a newline) is dropped. The content's
+    trailing whitespace stays when the template kept it."""
+    final = messages[-1].get("content") if messages else None
+    if isinstance(final, list):  # content parts: the last text part
+        final = next((p.get("text") for p in reversed(final)
+                      if isinstance(p, dict) and isinstance(p.get("text"), str)), None)
+    core = final.strip() if isinstance(final, str) else ""
+    if not core:
+        raise BadRequestError("continue_final_message needs a last message with text content")
+    at = text.rfind(core)
+    if at < 0:
+        raise BadRequestError("continue_final_message: the chat template does not render the "
+                              "last message's content as given")
+    end = at + len(core)
+    tail = final[len(final.rstrip()):]
+    if tail and text.startswith(tail, end):
+        end += len(tail)
+    return text[:end]
 
 
 class _BackendStream:

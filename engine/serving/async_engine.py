@@ -11,6 +11,7 @@ terminal output (finished, aborted with a reason) or, if the engine dies, ``Engi
 
 from __future__ import annotations
 
+
 from collections import deque
 from contextlib import asynccontextmanager
 from functools import partial
@@ -212,12 +213,14 @@ class AsyncEngine(IntakeAPI, EngineLoop, SleepAPI, PauseAPI, TransferAPI):
             return None
         return 1 if self._death is not None else 0
 
-    async def apply_chat_template(self, messages: list[dict],
-                                  add_generation_prompt: bool = True) -> str:
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                                  **options) -> str:
         """Render ``messages`` with the model's chat template (on a worker thread: a large
-        conversation must not stall the event loop)."""
-        return await to_thread.run_sync(self.runner.tokenizer.apply_chat_template, messages,
-                                        add_generation_prompt)
+        conversation must not stall the event loop); ``options``: ``tools``, ``documents``,
+        ``continue_final_message``, ``template_kwargs`` (engine.loader.tokenizer.render_chat_template)."""
+        render = partial(self.runner.tokenizer.apply_chat_template, messages,
+                                   add_generation_prompt, **options)
+        return await to_thread.run_sync(render)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``text``'s token ids (on a worker thread; bounded like a prompt)."""
@@ -225,11 +228,13 @@ class AsyncEngine(IntakeAPI, EngineLoop, SleepAPI, PauseAPI, TransferAPI):
             self._raise_unavailable("tokenize")
         return await self.admission.tokenize_text(text, add_special_tokens)
 
-    async def detokenize(self, ids: list[int], each: bool = False) -> list[str]:
-        """``[the text of ids]``, or with ``each`` one string per token (its bytes as UTF-8)."""
+    async def detokenize(self, ids: list[int], each: bool = False,
+                         tokens: bool = False) -> list[str]:
+        """``[the text of ids]``, or with ``each`` one string per token (its bytes as UTF-8),
+        or with ``tokens`` each id's vocabulary entry (e.g. "Ġhello")."""
         if self.lifecycle.state in (State.INIT, State.SHUTDOWN, State.FAILED):
             self._raise_unavailable("detokenize")
-        return await self.admission.detokenize(ids, each)
+        return await self.admission.detokenize(ids, each, tokens)
 
     async def token_bytes(self) -> list[bytes]:
         """Every token's bytes, by id (the tokenizer's table, built once)."""

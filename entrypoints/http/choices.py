@@ -1,7 +1,13 @@
 """The response bodies: one choice per (prompt, n) pair, as OpenAI and vLLM shape them --
 text or message, ``logprobs`` (completions: ``tokens`` / ``token_logprobs`` / ``top_logprobs`` /
 ``text_offset``; chat: ``content[]`` with ``token`` / ``logprob`` / ``bytes`` /
-``top_logprobs``), vLLM's ``prompt_logprobs`` and ``usage``. Plain dicts, serialised once.
+``top_logprobs``), vLLM's ``prompt_logprobs`` (null when not asked for: on each completion choice,
+once on a chat response), with ``return_token_ids`` vLLM's ``prompt_token_ids`` and ``token_ids``
+(streamed: the prompt's on a choice's first chunk, each chunk's new tokens), and ``usage`` with
+``prompt_tokens_details.cached_tokens`` (prompt tokens the prefix cache held). Chat answers in
+the request's role (``protocol_chat``); ``echo`` puts its echoed text before the answer (streamed:
+one chunk after the role's). A chat chunk carries ``usage`` only with continuous usage stats.
+Plain dicts, serialised once.
 
 Token strings are the tokens' bytes decoded as UTF-8 (a token holding part of a character reads
 as U+FFFD; chat's ``bytes`` carry the exact bytes).
@@ -26,9 +32,10 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class TokenTable:
@@ -118,6 +125,11 @@ class ChoiceState:
         self.offset = 0
         self.num_prompt = 0
         self.num_output = 0
+        self.num_cached = 0
+        #: with return_token_ids: the prompt's ids (from the first output) and the output's
+        self.want_ids = job.params.return_prompt_token_ids
+        self.prompt_ids: Optional[list[int]] = None
+        self.token_ids: list[int] = []
         self.text: list[str] = []
         self.lps: list[dict] = []  # completions: per-piece objects; chat: content entries
         self.prompt_lps: Optional[list] = None
@@ -139,8 +151,12 @@ class ChoiceState:
         entries = out.token_logprobs.entries() if out.token_logprobs is not None else []
         if out.logprobs:
             self.cum_logprob += sum(out.logprobs)
+        if self.want_ids:
+            self.token_ids += out.token_ids
         if self.first:
             self.first = False
+            self.num_cached = out.num_cached_tokens
+            self.prompt_ids = out.prompt_token_ids
             plp = out.prompt_logprobs.entries() if out.prompt_logprobs is not None else None
             if self.echo:
                 prompt = self.job.prompt
@@ -204,34 +220,45 @@ class ChoiceState:
             return "tool_calls"
         return finish
 
-    def whole(self) -> dict:
+    def whole(self, role: str = "assistant", echoed: str = "") -> dict:
         text = "".join(self.text)
         body: dict = {"index": self.index}
         finish = self.finish_reason
         if self.chat:
             split = split_call(self.tools, text) if self.tools is not None else None
             if split is not None:
-                body["message"] = {"role": "assistant", "content": None,
+                body["message"] = {"role": role, "content": echoed or None,
                                    "tool_calls": [self._call(*split)]}
                 body["message"]["tool_calls"][0].pop("index")
             else:
-                body["message"] = {"role": "assistant", "content": text}
+                body["message"] = {"role": role, "content": echoed + text}
                 finish = self.finish or "stop"
         else:
             body["text"] = text
         body["logprobs"] = self.whole_logprobs()
         body["finish_reason"] = finish
-        if self.prompt_lps is not None and not self.chat:
+        if not self.chat:
             body["prompt_logprobs"] = self.prompt_lps
+            if self.want_ids:
+                body["prompt_token_ids"] = self.prompt_ids
+        if self.want_ids:
+            body["token_ids"] = self.token_ids
         return body
 
 
 def total_usage(states: list[ChoiceState]) -> dict:
-    """Prompt tokens once per prompt, completion tokens of every choice."""
+    """Prompt tokens once per prompt, completion tokens of every choice; a prompt's cached
+    tokens as its first choice found them (the others are submitted after it, to hit its
+    blocks: what one request with ``n`` choices would count)."""
     prompts: dict[int, int] = {}
+    cached: dict[int, tuple[int, int]] = {}
     for s in states:
-        prompts[s.job.prompt_index] = max(prompts.get(s.job.prompt_index, 0), s.num_prompt)
-    return usage(sum(prompts.values()), sum(s.num_output for s in states))
+        p = s.job.prompt_index
+        prompts[p] = max(prompts.get(p, 0), s.num_prompt)
+        if p not in cached or s.job.index < cached[p][0]:
+            cached[p] = (s.job.index, s.num_cached)
+    return usage(sum(prompts.values()), sum(s.num_output for s in states),
+                 sum(c for _, c in cached.values()))
 
 
 class Kind:
@@ -244,7 +271,11 @@ class Kind:
         self.model = model
         self.created = now()
         self.include_usage = include_usage
-        self.continuous_usage = continuous_usage
+        self.continuous_usage = continuous_usage and include_usage  # (vLLM: only with both)
+        self.return_ids = False  # return_token_ids
+        self.role = "assistant"  # chat: the answer's role
+        self.echoed = ""  # chat: the text echo puts before the answer
+        self.max_tokens_param = "max_tokens"  # the field a too-large max_tokens came in
         self.best: Optional[tuple[int, bool]] = None
         self.tools: Optional[ToolMode] = None  # chat: the output is a forced tool call
 
@@ -271,17 +302,19 @@ class Kind:
         obj = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
         body = {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
-        if use is not None or (stream and self.include_usage):
+        if use is not None or (stream and self.include_usage and not self.chat):
             body["usage"] = use
         return body
 
     def chunk(self, index: int, text: Optional[str], logprobs, finish: Optional[str],
               role: bool = False, use: Optional[dict] = None, extra: Optional[dict] = None,
-              tool_calls: Optional[list] = None) -> dict:
+              tool_calls: Optional[list] = None, head: Optional[dict] = None) -> dict:
+        """One SSE chunk of choice ``index``; ``extra``: more fields of the choice, ``head``:
+        of the chunk (chat's ``prompt_token_ids``)."""
         if self.chat:
             delta: dict = {}
             if role:
-                delta["role"] = "assistant"
+                delta["role"] = self.role
             if text is not None:
                 delta["content"] = text
             if tool_calls is not None:
@@ -294,16 +327,23 @@ class Kind:
                       "finish_reason": finish}
         if extra:
             choice.update(extra)
-        return self._obj([choice], use if self.continuous_usage else None)
+        body = self._obj([choice], use if self.continuous_usage else None)
+        if head:
+            body.update(head)
+        return body
 
     def usage_chunk(self, use: dict) -> dict:
         return self._obj([], use)
 
     def whole(self, states: list[ChoiceState]) -> dict:
-        body = self._obj([s.whole() for s in self._selected(states)], total_usage(states),
-                         stream=False)
-        if self.chat and any(s.prompt_lps is not None for s in states):
-            body["prompt_logprobs"] = next(s.prompt_lps for s in states if s.prompt_lps is not None)
+        body = self._obj([s.whole(self.role, self.echoed) for s in self._selected(states)],
+                         total_usage(states), stream=False)
+        if self.chat:
+            body["prompt_logprobs"] = next((s.prompt_lps for s in states
+                                            if s.prompt_lps is not None), None)
+            if self.return_ids:
+                body["prompt_token_ids"] = next((s.prompt_ids for s in states
+                                                 if s.prompt_ids is not None), None)
         return body
 
 

@@ -18,7 +18,7 @@ from typing import Mapping, Optional, Sequence, Union
 
 import anyio
 
-from engine.errors import EngineDeadError, EngineError
+from engine.errors import BadRequestError, EngineDeadError, EngineError
 from engine.interface import Engine, Health, RequestStreamLike
 from engine.loader.hf_hub import display_name
 from engine.params import SamplingParams
@@ -114,12 +114,16 @@ class Frontend:
             raise EngineDeadError(self.dead)
         return self.engine.generate(prompt, params, request_id=request_id, client=client)
 
-    async def chat_prompt(self, messages: list[dict]) -> str:
+    async def chat_prompt(self, messages: list[dict], **options) -> str:
+        """``messages`` rendered with the chat template (``options``: the request's
+        ``protocol_chat.ChatTemplateFields.template_options``)."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         try:
-            return await self.engine.apply_chat_template(messages, add_generation_prompt=True)
-        except EngineError:
+            return await self.engine.apply_chat_template(messages, **options)
+        except EngineError as exc:
+            if isinstance(exc, BadRequestError):  # the renderer's refusal of these messages
+                raise P.RequestError(f"chat template failed: {exc}", param="messages") from None
             raise
         except Exception as exc:  # a template that fails on these messages
             raise P.RequestError(f"chat template failed: {exc}", param="messages") from None

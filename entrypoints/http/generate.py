@@ -18,7 +18,9 @@ from .structured import attach
 
 
 def _continuous(body: P._SamplingFields) -> bool:
-    return bool(body.stream_options and body.stream_options.continuous_usage_stats)
+    """Usage on every chunk: with ``include_usage`` and ``continuous_usage_stats`` both (vLLM)."""
+    opts = body.stream_options
+    return bool(opts and opts.include_usage and opts.continuous_usage_stats)
 
 
 async def completions(fe: Frontend, request: Request, parse_body) -> Response:
@@ -27,23 +29,30 @@ async def completions(fe: Frontend, request: Request, parse_body) -> Response:
         body = await parse_body(request, P.CompletionRequest, fe)
         fe.check_model(body.model)
         info = fe.engine.tokenizer_info()
-        prompts = body.check(info.vocab_size, info.max_logprobs)
-        attach(body, chat=False)
         limit = fe.max_model_len
+        prompts = body.check(info.vocab_size, info.max_logprobs, limit or 0)
+        attach(body, chat=False)
+        max_tokens = (body.max_tokens if body.max_tokens is not None
+                      else fe.default_max_tokens(chat=False))
         for p in prompts:
             if isinstance(p, str):
                 fe.check_prompt_chars(len(p), "prompt")
-            elif limit and min(len(p), body.truncate_prompt_tokens or len(p)) >= limit:
+                continue
+            n = min(len(p), body._truncate or len(p))
+            if limit and n >= limit:
                 raise P.RequestError(f"a prompt has {len(p)} tokens; the context limit is {limit}",
                                      param="prompt", code="prompt_too_long")
-        max_tokens = (body.max_tokens if body.max_tokens is not None
-                      else fe.default_max_tokens(chat=False))
+            if limit and n + max_tokens > limit:  # (a text prompt's: the engine's, once tokenized)
+                raise P.RequestError(f"max_tokens is too large: {max_tokens}. This model's context "
+                                     f"is {limit} tokens and a prompt has {n} ({max_tokens} > "
+                                     f"{limit} - {n})", param="max_tokens")
         n = body.num_candidates
         jobs = [Job(i * n + c, i, p, body.engine_params(max_tokens, c))
                 for i, p in enumerate(prompts) for c in range(n)]
     except Exception as exc:
         return error_response(exc, fe.metrics)
     kind = Kind(False, new_id("cmpl"), fe.model, body.include_usage, _continuous(body))
+    kind.return_ids = bool(body.return_token_ids)
     if body.num_candidates > body.num_choices:  # best_of: keep the best n of each prompt
         kind.keep_best(body.num_choices, show_logprobs=body.logprobs is not None)
     return await serve_request(fe, request, body, jobs, kind, arrival, echo=bool(body.echo),
@@ -55,19 +64,24 @@ async def chat_completions(fe: Frontend, request: Request, parse_body) -> Respon
     try:
         body = await parse_body(request, P.ChatCompletionRequest, fe)
         fe.check_model(body.model)
-        fe.check_prompt_chars(sum(m.chars() for m in body.messages), "messages")
+        fe.check_prompt_chars(sum(m.chars() for m in body.messages) + body.template_chars(),
+                              "messages")
         info = fe.engine.tokenizer_info()
-        messages = body.check(info.vocab_size, info.max_logprobs)
+        messages = body.check(info.vocab_size, info.max_logprobs, fe.max_model_len or 0)
+        options = body.template_options(messages)
         attach(body, chat=True)
         n = body.requested_max_tokens
         max_tokens = n if n is not None else fe.default_max_tokens(chat=True)
         jobs = [Job(c, 0, "", body.engine_params(max_tokens, c)) for c in range(body.num_choices)]
-        prompt = await fe.chat_prompt(messages)
+        prompt = await fe.chat_prompt(messages, **options)
         jobs = [j._replace(prompt=prompt) for j in jobs]
     except Exception as exc:
         return error_response(exc, fe.metrics)
     kind = Kind(True, new_id("chatcmpl"), fe.model, body.include_usage, _continuous(body))
     kind.tools = body.tool_mode
+    kind.return_ids = bool(body.return_token_ids)
+    kind.role, kind.echoed = body.role, body.echoed
+    kind.max_tokens_param = body.max_tokens_param
     return await serve_request(fe, request, body, jobs, kind, arrival,
                                want_prompt_lps=body.prompt_logprobs is not None)
 

@@ -16,8 +16,9 @@ through ``msgspec.Raw`` views (no copy), and makes no object per entry past a li
   allocated); a list of numbers is counted by its commas (and holds nothing else);
 * a value's kind is told from its first byte; a model's fields are read as views (unknown
   fields skipped unread), an object of a ``dict`` by its colons;
-* free-form JSON (``Any``: tools, ``tool_choice``, ``response_format.json_schema``,
-  ``structured_outputs``, ``guided_json``), which pydantic makes Python objects of, by bytes.
+* free-form JSON (``Any``: tools, messages' tool calls, ``tool_choice``,
+  ``response_format.json_schema``, ``structured_outputs``, ``guided_json``,
+  ``chat_template_kwargs``' values), which pydantic makes Python objects of, by bytes.
 
 What pydantic still builds is bounded by the body: its JSON tree of fields it ignores (about 30
 bytes a value, freed when the parse ends) and the valid values themselves. A body that is not a
@@ -99,8 +100,9 @@ class _Walk:
         if shape.free:
             self.free += len(raw)
             if self.free > MAX_SCHEMA_BYTES:
-                raise RequestError(f"{path}: the tools and output constraints of a request take at "
-                                   f"most {MAX_SCHEMA_BYTES} bytes of JSON together", param=path)
+                raise RequestError(f"{path}: the free-form JSON of a request (tools, tool calls, "
+                                   f"output constraints, chat template arguments) takes at most "
+                                   f"{MAX_SCHEMA_BYTES} bytes together", param=path)
             return
         kind = KIND_OF.get(memoryview(raw)[0])
         if kind not in shape.kinds:

@@ -21,10 +21,10 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from engine.errors import EngineError, EngineShutdownError
+from engine.errors import BadRequestError, EngineError, EngineShutdownError
 from engine.interface import RequestStreamLike
 from . import protocol as P
-from .choices import ChoiceState, Job, Kind, total_usage
+from .choices import ChoiceState, Job, Kind, total_usage, usage
 from .context import Frontend, client_of
 from .errors import JSONBody, error_response, json_bytes, stream_error
 from .metrics import Metrics, RequestTracker
@@ -32,6 +32,8 @@ from .metrics import Metrics, RequestTracker
 log = logging.getLogger("enginecore.http")
 
 _DONE = b"data: [DONE]\n\n"
+#: how the engine's refusal of a max_tokens past the context begins (engine/serving/admission.py)
+MAX_TOKENS_REFUSAL = "max_tokens is too large"
 
 
 def _sse(obj: dict) -> bytes:
@@ -79,12 +81,18 @@ class _Run:
         self.finished = False
         self.closed = False
 
-    async def start(self, prompt, params) -> "_Run":
-        self.it = self.fe.generate(prompt, params, self.request_id, self.client)
+    async def start(self, prompt, params, max_tokens_param: str = "max_tokens") -> "_Run":
         try:
+            self.it = self.fe.generate(prompt, params, self.request_id, self.client)
             self.first = await self.it.__anext__()
         except StopAsyncIteration:  # pragma: no cover - engines always send a terminal output
             raise EngineShutdownError("the engine ended the request without output") from None
+        except BadRequestError as exc:
+            # the engine's refusal of a max_tokens past the context (engine/serving/admission.py):
+            # a 400 naming the field it came in
+            if str(exc).startswith(MAX_TOKENS_REFUSAL):
+                raise P.RequestError(str(exc), param=max_tokens_param) from None
+            raise
         self._seen(self.first)
         return self
 
@@ -181,7 +189,12 @@ class _Request:
 
     def _starter(self, k: int):
         job = self.jobs[k]
-        return lambda: self.runs[k].start(job.prompt, job.params)
+        return lambda: self.runs[k].start(job.prompt, job.params, self.kind.max_tokens_param)
+
+    def first_usage(self) -> dict:
+        """Usage before any output token (every run has its first output by then)."""
+        first = self.runs[0].first
+        return usage(first.num_prompt_tokens, 0, first.num_cached_tokens)
 
     def refused(self) -> None:
         for run in self.runs:
@@ -261,9 +274,15 @@ class _EventStream(StreamingResponse):
 async def _stream(req: _Request, recv) -> AsyncIterator[bytes]:
     kind, states = req.kind, req.states
     try:
-        if kind.chat:
-            for st in states:
-                yield _sse(kind.chunk(st.job.index, "", None, None, role=True))
+        if kind.chat:  # as vLLM: the role (with the prompt's ids), then what echo repeats
+            use = req.first_usage() if kind.continuous_usage else None
+            for k, st in enumerate(states):
+                head = ({"prompt_token_ids": req.runs[k].first.prompt_token_ids}
+                        if kind.return_ids else None)
+                yield _sse(kind.chunk(st.job.index, "", None, None, role=True, use=use, head=head))
+            if kind.echoed:
+                for st in states:
+                    yield _sse(kind.chunk(st.job.index, kind.echoed, None, None, use=use))
         left = len(states)
         while left:
             k, item = await recv.receive()
@@ -276,26 +295,33 @@ async def _stream(req: _Request, recv) -> AsyncIterator[bytes]:
             st = states[k]
             first = st.first
             text, lps = st.piece(item)
+            ids = {"token_ids": item.token_ids} if st.want_ids else None
             if st.tools is not None:  # a forced tool call: its deltas, not content
                 use = total_usage(states) if kind.continuous_usage else None
                 calls = st.tool_piece(text, item.finished)
                 if calls is not None or lps:
                     yield _sse(kind.chunk(st.job.index, None, lps, None, use=use,
-                                          tool_calls=calls))
+                                          tool_calls=calls, extra=ids))
+                    ids = {"token_ids": []} if ids else None
                 if item.finished:
                     left -= 1
-                    yield _sse(kind.chunk(st.job.index, None, None, st.finish_reason, use=use))
+                    yield _sse(kind.chunk(st.job.index, None, None, st.finish_reason, use=use,
+                                          extra=ids))
                 continue
             extra = ({"prompt_logprobs": st.prompt_lps}
-                     if first and st.prompt_lps is not None else None)
+                     if first and st.prompt_lps is not None else {})
+            if first and st.want_ids and not kind.chat:  # chat: on the role chunk
+                extra["prompt_token_ids"] = st.prompt_ids
+            if ids:
+                extra.update(ids)
             use = total_usage(states) if kind.continuous_usage else None
             if item.finished:
                 left -= 1
                 if kind.chat and (text or lps):
                     yield _sse(kind.chunk(st.job.index, text, lps, None, use=use, extra=extra))
-                    text, lps, extra = None, None, None
+                    text, lps, extra = None, None, ({"token_ids": []} if ids else None)
                 yield _sse(kind.chunk(st.job.index, text, lps, st.finish, use=use, extra=extra))
-            elif text or lps or extra:
+            elif text or lps or (extra and set(extra) != {"token_ids"}) or (ids and item.token_ids):
                 yield _sse(kind.chunk(st.job.index, text, lps, None, use=use, extra=extra))
         if kind.include_usage:
             yield _sse(kind.usage_chunk(total_usage(states)))

@@ -1,5 +1,7 @@
 """vLLM's utility routes: ``POST /tokenize`` (a prompt, or chat messages rendered with the chat
-template; ``add_special_tokens``, ``add_generation_prompt``, ``return_token_strs``),
+template as a chat request renders them: ``add_generation_prompt``, ``continue_final_message``,
+``tools``, ``documents``, ``chat_template_kwargs``; ``add_special_tokens``; ``return_token_strs``:
+the vocabulary's entries, e.g. "Ġhello", as transformers' ``convert_ids_to_tokens``),
 ``POST /detokenize`` and ``GET /version``. The engine's tokenizer answers (in a frontend process,
 over IPC); ids are counted as a generation request's prompt would count them."""
 
@@ -17,12 +19,11 @@ from .context import Frontend
 from .errors import JSONBody, error_response
 
 
-class TokenizeRequest(P._Body):
+class TokenizeRequest(P.ChatTemplateFields):
     model: Optional[P.Name] = None
     prompt: Optional[StrictStr] = None
     messages: Optional[Annotated[list[P.ChatMessage], Field(min_length=1, max_length=P.MAX_MESSAGES)]] = None
     add_special_tokens: StrictBool = True
-    add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False
 
 
@@ -47,10 +48,10 @@ def register(app: FastAPI, fe: Frontend, parse_body) -> None:
             if (body.prompt is None) == (body.messages is None):
                 raise P.RequestError("give exactly one of prompt and messages", param="prompt")
             if body.messages is not None:
-                fe.check_prompt_chars(sum(m.chars() for m in body.messages), "messages")
-                msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-                        for i, m in enumerate(body.messages)]
-                text = await fe.engine.apply_chat_template(msgs, body.add_generation_prompt)
+                fe.check_prompt_chars(sum(m.chars() for m in body.messages)
+                                      + body.template_chars(), "messages")
+                msgs = P.template_messages(body.messages)
+                text = await fe.chat_prompt(msgs, **body.template_options(msgs))
             else:
                 fe.check_prompt_chars(len(body.prompt), "prompt")
                 text = body.prompt
@@ -58,7 +59,7 @@ def register(app: FastAPI, fe: Frontend, parse_body) -> None:
             out = {"count": len(ids), "max_model_len": fe.max_model_len or 0, "tokens": ids,
                    "token_strs": None}
             if body.return_token_strs:
-                out["token_strs"] = await fe.engine.detokenize(ids, each=True)
+                out["token_strs"] = await fe.engine.detokenize(ids, tokens=True)
         except Exception as exc:
             return error_response(exc, fe.metrics)
         return JSONBody(out)

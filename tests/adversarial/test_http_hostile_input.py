@@ -48,7 +48,7 @@ async def ok_completion(c: httpx.AsyncClient) -> None:
 
 # Finding 1: numbers no schema bounded (top_k 2**63 killed the engine), stop lists, stop ids.
 HOSTILE = [
-    ("top_k", 2**63), ("top_k", 2**31), ("top_k", -2), ("seed", 2**64), ("seed", -1),
+    ("top_k", 2**63), ("top_k", 2**31), ("top_k", -2), ("seed", 2**64), ("seed", -(2**63) - 1),
     ("max_tokens", 2**63), ("max_tokens", -(2**63)), ("min_tokens", 2**63), ("min_tokens", -1),
     ("n", 2**63), ("temperature", 1e308), ("temperature", -0.5), ("top_p", 0), ("top_p", 1.5),
     ("logprobs", 2**63), ("best_of", 2**40), ("presence_penalty", 1e9),

@@ -68,20 +68,22 @@ class FakeEngine:
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
-    async def detokenize(self, ids: list[int], each: bool = False) -> list[str]:
-        if each:
+    async def detokenize(self, ids: list[int], each: bool = False,
+                         tokens: bool = False) -> list[str]:
+        if each or tokens:
             return [chr(t) for t in ids]
         return ["".join(chr(t) for t in ids)]
 
     async def token_bytes(self) -> list[bytes]:
         return [bytes([i]) for i in range(256)]
 
-    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                                  **options) -> str:
         from engine.loader.tokenizer import render_chat_template
 
         info = self.tokenizer_info()
         return render_chat_template(info.chat_template, messages, info.bos_token, info.eos_token,
-                                    add_generation_prompt)
+                                    add_generation_prompt, **options)
 
     def generate(self, prompt, params: Optional[SamplingParams] = None,
                  request_id: Optional[str] = None, *, client: str = "") -> RequestStreamLike:
