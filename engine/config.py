@@ -58,8 +58,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     # Structured outputs (engine/structured/): a constraint that does not compile within this
-    # many seconds is refused (400); compiled grammars are cached, bounded in entries and bytes.
+    # many seconds is refused (400) and its compile stopped; compiled grammars are cached,
+    # bounded in entries and bytes.
     grammar_compile_timeout: float = 10.0
+    # at most this many compiles at once, each in a worker process of its own (started on
+    # demand, kept warm: ~280 MB and ~2.5 s of CPU to start each, as xgrammar imports torch)
+    grammar_compile_workers: int = 2
     grammar_cache_entries: int = 256
     grammar_cache_bytes: int = 512 * 2**20
     cuda_graphs: bool = True  # capture decode-only steps as CUDA graphs (CUDA + Triton only)
@@ -129,6 +133,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise BadRequestError("gc_young_threshold must be in [0, 10000000]")
         if not 0 <= self.step_burst_ms <= 10_000:
             raise BadRequestError("step_burst_ms must be in [0, 10000]")
+        if not 1 <= self.grammar_compile_workers <= 64:
+            raise BadRequestError("grammar_compile_workers must be in [1, 64]")
         if self.grammar_cache_entries < 0 or self.grammar_cache_bytes < 0:
             raise BadRequestError("grammar_cache_entries and grammar_cache_bytes must be >= 0")
         self._validate_tp()
