@@ -7,7 +7,8 @@ memory go with it.
 
 * At most ``workers`` compiles run at once: a slot is held from the job's start until its answer
   came back or its process is dead (killed *and* reaped), so the bound counts the compiles that
-  actually run. A process serves one job at a time and is kept, warm, for the next.
+  actually run. A process serves one job at a time and is kept, warm, for the next. A compile's
+  deadline counts its time in the worker only; the wait for a slot has a bound of its own.
 * Processes are started on demand (the first compile, a compile finding none idle, as after a
   kill) with ``sys.executable -m engine.structured.compile_worker``; the engine's tokenizer info
   is handed over once at start (``TokenizerInfo.serialize_json``) and compiled grammars come back
@@ -40,7 +41,7 @@ log = logging.getLogger("enginecore.structured")
 
 #: added to a worker's niceness: compiles (a hostile one too) take the CPU the engine's own
 #: threads leave, so they can only slow themselves (CFS weight 110 against 1024 at nice 0)
-NICE = 10
+NICE = int(os.environ.get("GC_EXP_NICE", "10"))  # EXPERIMENT
 #: how long a worker may take to start (import xgrammar, torch and transformers: 2.5 s on the
 #: 2-core box, 8 s with its cores busy, measured), not counted in a compile's deadline
 START_TIMEOUT = 120.0
@@ -50,6 +51,10 @@ _SECRETS = ("ENGINECORE_TOKEN", "ENGINECORE_TP_TOKEN")
 
 class CompileTimeout(Exception):
     """A compile outlived its deadline; its process was killed."""
+
+
+class SlotTimeout(Exception):
+    """No compile slot came free in time (every worker busy with other compiles)."""
 
 
 class _Worker:
@@ -70,6 +75,7 @@ class _Worker:
         self._idle = threading.Event()  # no thread uses the pipes
         self._idle.set()
         self._jobs = 0
+        self.busy = False  # a job is sent and not answered
 
     def start(self, tokenizer_info: str) -> float:
         """Hand over the vocabulary, wait until the worker is ready; its start's seconds."""
@@ -80,7 +86,11 @@ class _Worker:
 
     def compile(self, kind: str, text: str, timeout: float):
         self._jobs += 1
-        reply = self._call(Job(self._jobs, kind, text), time.monotonic() + timeout)
+        self.busy = True
+        try:
+            reply = self._call(Job(self._jobs, kind, text), time.monotonic() + timeout)
+        finally:
+            self.busy = False
         if not isinstance(reply, (Done, Failed)) or reply.id != self._jobs:
             raise PeerGone(f"answered {type(reply).__name__} to job {self._jobs}")
         return reply
@@ -160,8 +170,12 @@ class CompilePool:
 
     @property
     def running(self) -> int:
-        """Compiles running now (each in a process of its own)."""
+        """Workers not idle: starting, or compiling (each job in a process of its own)."""
         return len(self._all) - len(self._idle)
+
+    def compiling(self) -> list[int]:
+        """The process ids of the workers with a job sent and not answered yet."""
+        return sorted(w.pid for w in self._all if w.busy)
 
     def _vocabulary(self):
         with self._info_lock:
@@ -171,36 +185,30 @@ class CompilePool:
                 self._info = info
         return self._info, self._info_json
 
-    async def compile(self, kind: str, text: str, timeout: float):
+    async def compile(self, kind: str, text: str, timeout: float, wait: float):
         """(the compiled grammar, the compile's seconds in the worker) of a constraint;
-        :class:`CompileTimeout` if waiting for a slot and compiling take over ``timeout``
-        seconds (a worker's start is not counted), :class:`BadRequestError` if it does not
-        compile or its worker died meanwhile."""
+        :class:`CompileTimeout` if the compile takes over ``timeout`` seconds (its process is
+        then killed), :class:`SlotTimeout` if no slot came free within ``wait`` seconds,
+        :class:`BadRequestError` if it does not compile or its worker died meanwhile. A
+        worker's start counts in neither."""
         if self._closed:
             raise EngineShutdownError("the grammar compiler is closed (the engine stopped)")
-        t0 = time.monotonic()
-        with anyio.move_on_after(timeout) as waited:
+        with anyio.move_on_after(wait) as waited:
             await self._slots.acquire()
         if waited.cancelled_caught:
-            raise CompileTimeout
+            raise SlotTimeout
         try:
-            worker, started = await self._worker()
-            left = timeout - (time.monotonic() - t0 - started)
-            if left <= 0:
-                self._idle.append(worker)
-                raise CompileTimeout
-            return await self._run(worker, kind, text, left)
+            return await self._run(await self._worker(), kind, text, timeout)
         finally:
             self._slots.release()
 
-    async def _worker(self) -> tuple[_Worker, float]:
-        """An idle live worker, or a new one: (it, the seconds its start took)."""
+    async def _worker(self) -> _Worker:
+        """An idle live worker, or a new one."""
         while self._idle:
             w = self._idle.pop()
             if w.alive():
-                return w, 0.0
+                return w
             self._forget(w, "died while idle")
-        t0 = time.monotonic()
         w = _Worker()  # (a vfork + exec: no wait for the loop)
         self._all.add(w)
         self.started += 1
@@ -218,7 +226,7 @@ class CompilePool:
                                   f"{START_TIMEOUT:g} s") from None
             raise
         log.info("grammar compile worker %d ready (%.2f s)", w.pid, seconds)
-        return w, time.monotonic() - t0
+        return w
 
     async def _run(self, w: _Worker, kind: str, text: str, timeout: float):
         try:
@@ -290,4 +298,4 @@ def _deserialize(text: str, info):
     return xgr.CompiledGrammar.deserialize_json(text, info)
 
 
-__all__ = ["CompilePool", "CompileTimeout", "NICE", "START_TIMEOUT"]
+__all__ = ["CompilePool", "CompileTimeout", "SlotTimeout", "NICE", "START_TIMEOUT"]

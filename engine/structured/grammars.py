@@ -7,7 +7,8 @@
   (:class:`~engine.structured.compile_pool.CompilePool`) with a deadline: a constraint that does
   not compile, or does not within ``compile_timeout`` seconds, is a :class:`BadRequestError`
   naming the problem. A compile past its deadline is stopped (its process is killed, CPU and
-  memory with it), and at most ``compile_workers`` compiles run at once.
+  memory with it), and at most ``compile_workers`` compiles run at once; one that finds no
+  worker free within :data:`SLOT_WAIT` deadlines is a retryable :class:`EngineOverloadedError`.
 * :class:`GrammarCache` keeps compiled grammars by constraint hash, least recently used first
   out, bounded in entries and in bytes (xgrammar's own ``memory_size_bytes``). Equal constraints
   arriving together share one compile.
@@ -21,11 +22,16 @@ from typing import Callable, Optional
 
 import anyio
 
-from ..errors import BadRequestError
-from .compile_pool import CompilePool, CompileTimeout
+from ..errors import BadRequestError, EngineError, EngineOverloadedError
+from .compile_pool import CompilePool, CompileTimeout, SlotTimeout
 from .spec import StructuredOutputs
 
 log = logging.getLogger("enginecore.structured")
+
+#: how long a compile may wait for a free worker, in compile deadlines: beyond it, the request
+#: gets the retryable EngineOverloadedError (the workers are busy with others' compiles: not the
+#: constraint's fault). A worker's start (seconds: xgrammar imports torch) is not counted.
+SLOT_WAIT = 6
 
 
 def grammar_vocab_size(tokenizer, vocab_size: int) -> int:
@@ -133,18 +139,24 @@ class GrammarService:
         if pending is not None:
             await pending.done.wait()
             err = pending.error
-            if isinstance(err, BadRequestError):
-                raise BadRequestError(str(err))  # (an exception object is raised once)
+            if isinstance(err, EngineError):
+                raise type(err)(str(err))  # (an exception object is raised in one place)
             if err is not None:
                 raise err
             return pending.grammar
         pending = self._pending[key] = _Pending()
         try:
-            grammar, seconds = await self.pool.compile(c.kind, c.text, self.compile_timeout)
+            grammar, seconds = await self.pool.compile(
+                c.kind, c.text, self.compile_timeout, SLOT_WAIT * self.compile_timeout)
         except CompileTimeout:
             pending.error = BadRequestError(
                 f"invalid structured output: the {c.kind} constraint did not compile within "
                 f"{self.compile_timeout:g} s (too large or too complex)")
+            raise pending.error from None
+        except SlotTimeout:
+            pending.error = EngineOverloadedError(
+                f"every grammar compile worker is busy: the {c.kind} constraint waited "
+                f"{SLOT_WAIT * self.compile_timeout:g} s for one; retry later")
             raise pending.error from None
         except BaseException as exc:
             # (cancelled too: whoever waits on this compile gets an error, never no grammar)

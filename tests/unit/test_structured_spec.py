@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from engine.errors import BadRequestError
+from engine.errors import BadRequestError, EngineOverloadedError
 from engine.params import SamplingParams
 from engine.structured.grammars import GrammarCache
 from engine.structured.spec import MAX_CHOICES, MAX_PATTERN_CHARS, MAX_SCHEMA_CHARS, StructuredOutputs
@@ -120,7 +120,7 @@ class _FakePool:
     def __init__(self) -> None:
         self.calls = 0
 
-    async def compile(self, kind: str, text: str, timeout: float):
+    async def compile(self, kind: str, text: str, timeout: float, wait: float):
         import anyio
 
         from engine.structured.compile_pool import CompileTimeout
@@ -130,6 +130,10 @@ class _FakePool:
         if text == "slow":
             await anyio.sleep(timeout)
             raise CompileTimeout
+        if text == "busy":
+            from engine.structured.compile_pool import SlotTimeout
+
+            raise SlotTimeout
         if text == "bad":
             raise BadRequestError("invalid structured output: the regex constraint does not "
                                   "compile: Regex parsing error at position 1")
@@ -177,5 +181,7 @@ def test_grammar_service_deadline_sharing_and_cache():
             await svc.compiled(StructuredOutputs(regex="bad"))
         assert svc.cached(StructuredOutputs(regex="slow")) is None
         assert svc.cached(StructuredOutputs(regex="bad")) is None  # errors are not cached
+        with pytest.raises(EngineOverloadedError, match="every grammar compile worker is busy"):
+            await svc.compiled(StructuredOutputs(regex="busy"))
 
     anyio.run(main)
