@@ -1,10 +1,11 @@
-"""The grammar compile processes (``engine/structured/compile_pool.py``, ``compile_worker.py``,
+"""The grammar compile server (``engine/structured/compile_pool.py``, ``compile_worker.py``,
 ``compile_wire.py``): a compile comes back as the grammar an in-process compile gives; one past its
-deadline is stopped (its process killed and reaped) and the next gets a new process; the bound on
-compiles counts the processes that run; a compile finding no slot free within its wait is told
-so; a process that dies is an error for its own request only; a process ends with its parent,
-even mid-compile; close() leaves no process behind; frames over their bound or not messages are
-refused.
+deadline is stopped (its process killed and reaped) and the next is forked from the same server;
+the bound on compiles counts the processes that run; a compile finding no slot free within its
+wait is told so; a compile process that dies is an error for its own request only, and a server
+that dies for the compiles it ran (the next compile starts a new one); the server and its
+compiles end with the engine's process, even mid-compile; close() leaves no process behind;
+frames over their bound or not messages are refused.
 
 The slow constraint is a JSON schema of strings with ``minLength`` ~1e6: with SmolLM2's vocabulary
 xgrammar takes ~0.8 s a string (~35 s for 40 strings, measured), and cannot be interrupted."""
@@ -24,7 +25,7 @@ import pytest
 
 xgr = pytest.importorskip("xgrammar")
 
-from engine.errors import BadRequestError, EngineShutdownError  # noqa: E402
+from engine.errors import BadRequestError, EngineError, EngineShutdownError  # noqa: E402
 from engine.structured import compile_wire as wire  # noqa: E402
 from engine.structured.compile_pool import CompilePool, CompileTimeout, SlotTimeout  # noqa: E402
 from engine.structured.compiler import compile_constraint  # noqa: E402
@@ -55,22 +56,23 @@ def _pool(vocab, workers: int) -> CompilePool:
     return CompilePool(lambda: tokenizer_info(tok, n), workers)
 
 
-def compile_children(parent: int | None = None) -> list[int]:
-    """The live (not zombie) compile processes whose parent is ``parent`` (this process)."""
-    parent = os.getpid() if parent is None else parent
-    found = []
+def compile_processes(root: int | None = None) -> tuple[list[int], list[int]]:
+    """(the live compile servers whose parent is ``root`` -- this process --, their live
+    children: the compiles)."""
+    root = os.getpid() if root is None else root
+    procs = {}
     for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-            cmd = (d / "cmdline").read_bytes()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[1]) == parent and fields[0] != "Z" and b"compile_worker" in cmd:
-            found.append(int(d.name))
-    return sorted(found)
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+                cmd = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            f = stat[stat.rindex(")") + 2:].split()
+            if f[0] != "Z" and b"compile_worker" in cmd:
+                procs[int(d.name)] = int(f[1])
+    servers = sorted(p for p, parent in procs.items() if parent == root)
+    return servers, sorted(p for p, parent in procs.items() if parent in servers)
 
 
 def _gone(pid: int) -> bool:
@@ -88,7 +90,7 @@ async def _until(cond, seconds: float = 120.0) -> None:
             await anyio.sleep(0.02)
 
 
-def test_a_compile_through_the_process_is_the_in_process_one_and_close_ends_it(vocab):
+def test_a_compile_through_the_server_is_the_in_process_one_and_close_ends_it(vocab):
     pool = _pool(vocab, 2)
     c = StructuredOutputs(json_schema=SCHEMA)
 
@@ -105,18 +107,18 @@ def test_a_compile_through_the_process_is_the_in_process_one_and_close_ends_it(v
     assert g.serialize_json() == want.serialize_json() and seconds > 0
     m = xgr.GrammarMatcher(again)
     assert m.accept_string("abcdx") and not m.accept_string("a")  # the end of the regex
-    assert pool.started == 1 and len(pool.pids()) == 1  # one warm process served all three
-    assert compile_children() == pool.pids()
-    pid = pool.pids()[0]
+    server = pool.server_pid
+    assert pool.started == 1 and compile_processes() == ([server], [])  # no compile left
     pool.close()
-    assert _gone(pid) and compile_children() == [] and pool.pids() == []
+    assert _gone(server) and compile_processes() == ([], [])
     with pytest.raises(EngineShutdownError):
         anyio.run(pool.compile, "regex", "x", 10.0, 10.0)
 
 
 def test_a_compile_past_its_deadline_is_killed_and_the_bound_counts_running_compiles(vocab):
     """One slot: a slow compile holds it until its deadline, then its process is killed; the
-    compile waiting meanwhile gets a new process. At no moment do two compile processes live."""
+    compile waiting meanwhile runs next, forked from the same server. At no moment do two
+    compile processes live."""
     pool = _pool(vocab, 1)
     seen: list[list[int]] = []
     out: dict = {}
@@ -128,8 +130,8 @@ def test_a_compile_past_its_deadline_is_killed_and_the_bound_counts_running_comp
             out["slow"] = "timeout"
 
     async def small():
-        await _until(pool.compiling)  # the slow one holds the slot and compiles
-        out["slow pid"] = pool.compiling()[0]
+        await _until(lambda: compile_processes()[1])  # the slow one holds the slot, compiles
+        out["slow pid"] = compile_processes()[1][0]
         with pytest.raises(SlotTimeout):  # the one slot is taken: a short wait ends first
             await pool.compile("regex", "[a-z]", 300.0, 0.2)
         g, _ = await pool.compile("regex", "[a-z]+", 300.0, 300.0)
@@ -137,7 +139,7 @@ def test_a_compile_past_its_deadline_is_killed_and_the_bound_counts_running_comp
 
     async def watch():
         while "small" not in out:
-            seen.append(compile_children())
+            seen.append(compile_processes()[1])
             await anyio.sleep(0.01)
 
     async def main():
@@ -151,43 +153,70 @@ def test_a_compile_past_its_deadline_is_killed_and_the_bound_counts_running_comp
         assert out["slow"] == "timeout" and out["small"] is not None
         assert _gone(out["slow pid"])  # killed and reaped
         assert max(map(len, seen)) == 1, "two compile processes at once"
-        assert pool.started == 2 and pool.pids() != [out["slow pid"]]
+        assert pool.started == 1 and compile_processes() == ([pool.server_pid], [])
     finally:
         pool.close()
-    assert compile_children() == []
+    assert compile_processes() == ([], [])
 
 
-def test_a_worker_that_dies_fails_its_own_request_only(vocab):
+def test_a_compile_process_that_dies_fails_its_own_request_only(vocab):
     pool = _pool(vocab, 2)
     out: dict = {}
 
     async def victim():
-        with pytest.raises(BadRequestError, match=r"ended the grammar compiler's process "
-                                                  r"\(killed by SIGKILL\)"):
+        with pytest.raises(BadRequestError, match=r"compiling the json_schema constraint ended "
+                                                  r"its process \(killed by SIGKILL\)"):
             await pool.compile(SLOW.kind, SLOW.text, 300.0, 300.0)
         out["victim"] = "failed"
 
     async def main():
         async with anyio.create_task_group() as tg:
             tg.start_soon(victim)
-            await _until(pool.compiling)
-            pid = pool.compiling()[0]
-            out["other"] = await pool.compile("regex", "[0-9]+", 300.0, 300.0)  # beside it: fine
+            await _until(lambda: compile_processes()[1])
+            pid = compile_processes()[1][0]
+            out["other"] = await pool.compile("regex", "[0-9]+", 300.0, 300.0)  # beside it
             os.kill(pid, signal.SIGKILL)  # as the OOM killer would
         out["next"] = await pool.compile("json_object", "", 300.0, 300.0)
 
     try:
         anyio.run(main)
         assert out["victim"] == "failed" and out["other"][0] is not None
-        assert out["next"][0] is not None
-        assert pool.started == 2 and len(pool.pids()) == 1  # the next reused the other's
+        assert out["next"][0] is not None and pool.started == 1
     finally:
         pool.close()
-    assert compile_children() == []
+    assert compile_processes() == ([], [])
+
+
+def test_a_server_that_dies_fails_its_compiles_and_the_next_starts_a_new_one(vocab):
+    pool = _pool(vocab, 2)
+    out: dict = {}
+
+    async def victim():
+        with pytest.raises(EngineError, match="the grammar compile server ended"):
+            await pool.compile(SLOW.kind, SLOW.text, 300.0, 300.0)
+        out["victim"] = "failed"
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(victim)
+            await _until(lambda: compile_processes()[1])
+            out["first"] = pool.server_pid
+            os.kill(pool.server_pid, signal.SIGKILL)
+        out["next"] = await pool.compile("regex", "[0-9]+", 300.0, 300.0)
+
+    try:
+        anyio.run(main)
+        assert out["victim"] == "failed" and out["next"][0] is not None
+        assert pool.started == 2 and pool.server_pid != out["first"]
+        assert compile_processes() == ([pool.server_pid], [])  # its compile died with it
+    finally:
+        pool.close()
+    assert compile_processes() == ([], [])
 
 
 _ORPHAN = textwrap.dedent("""
     import os, sys, anyio
+    from pathlib import Path
     from engine.structured.compile_pool import CompilePool
     from engine.structured.grammars import tokenizer_info
     from engine.loader.checkpoint import resolve_source
@@ -196,20 +225,31 @@ _ORPHAN = textwrap.dedent("""
     pool = CompilePool(lambda: tokenizer_info(tok, cfg.vocab_size), 1)
     kind, text = sys.argv[1], sys.argv[2]
 
+    def children(pid):
+        out = []
+        for d in Path("/proc").iterdir():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if d.name.isdigit() and int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+                out.append(int(d.name))
+        return out
+
     async def main():
         async with anyio.create_task_group() as tg:
             tg.start_soon(pool.compile, kind, text, 600.0, 600.0)
-            while not pool.compiling():
+            while not pool.compiling() or not children(pool.server_pid):
                 await anyio.sleep(0.01)
-            await anyio.sleep(1.0)  # the worker is inside xgrammar's compile
-            print(pool.compiling()[0], flush=True)
+            await anyio.sleep(1.0)  # its child is inside xgrammar's compile
+            print(pool.server_pid, *children(pool.server_pid), flush=True)
             os.kill(os.getpid(), 9)  # the engine dies without closing anything
 
     anyio.run(main)
 """)
 
 
-def test_a_worker_ends_with_its_parent_even_mid_compile(vocab):
+def test_the_server_and_its_compiles_end_with_the_engine_even_mid_compile(vocab):
     with subprocess.Popen([sys.executable, "-c", _ORPHAN, SLOW.kind, SLOW.text],
                           stdout=subprocess.PIPE, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}) as proc:
@@ -218,11 +258,12 @@ def test_a_worker_ends_with_its_parent_even_mid_compile(vocab):
             assert proc.wait(120) == -signal.SIGKILL
         finally:
             proc.kill()
-    pid = int(line)
+    pids = [int(p) for p in line.split()]
+    assert len(pids) == 2  # the server, its compile
     end = time.monotonic() + 30
-    while not _gone(pid) and time.monotonic() < end:  # (reaped by init once it exits)
+    while not all(map(_gone, pids)) and time.monotonic() < end:  # (init reaps them)
         time.sleep(0.05)
-    assert _gone(pid), "the compile process outlived its parent"
+    assert all(map(_gone, pids)), "a compile process outlived the engine"
 
 
 def test_frames_over_their_bound_or_not_messages_are_refused():
@@ -248,15 +289,20 @@ def test_frames_over_their_bound_or_not_messages_are_refused():
         os.close(r)
         if w >= 0:
             os.close(w)
+    buf = wire.FrameBuffer(limit=64)
+    one = wire.frame(wire.Cancel(3))
+    assert buf.feed(one[:2]) == [] and buf.feed(one[2:] + one) == [one[4:]] * 2 and len(buf) == 0
+    with pytest.raises(wire.PeerGone, match="over the bound of 64"):
+        buf.feed((65).to_bytes(4, "big"))
 
 
-def test_a_worker_fed_a_frame_over_its_bound_exits():
+def test_a_server_fed_a_frame_over_its_bound_exits():
     with subprocess.Popen([sys.executable, "-m", "engine.structured.compile_worker"],
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}) as proc:
         try:
             proc.stdin.write((wire.MAX_TO_WORKER + 1).to_bytes(4, "big"))
             proc.stdin.flush()
-            assert proc.wait(120) == 0 and proc.stdout.read() == b""  # no answer, gone
+            assert proc.wait(120) == 2 and proc.stdout.read() == b""  # no answer, gone
         finally:
             proc.kill()

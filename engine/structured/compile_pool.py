@@ -1,32 +1,35 @@
-"""``CompilePool``: grammar compiles in worker processes (``compile_worker.py``) that can be killed.
+"""``CompilePool``: grammar compiles in processes that can be killed (``compile_worker.py``).
 
 xgrammar cannot interrupt a compile, and a thread cannot be stopped: a compile past its deadline
 on a thread keeps its core busy and its memory held until it ends (minutes, for a hostile
-schema). In a process of its own it is stopped: the pool kills the process, and the CPU and the
+schema). In a process of its own it is stopped: the process is killed, and the CPU and the
 memory go with it.
 
-* At most ``workers`` compiles run at once: a slot is held from the job's start until its answer
-  came back or its process is dead (killed *and* reaped), so the bound counts the compiles that
-  actually run. A process serves one job at a time and is kept, warm, for the next. A compile's
-  deadline counts its time in the worker only; the wait for a slot has a bound of its own.
-* Processes are started on demand (the first compile, a compile finding none idle, as after a
-  kill) with ``sys.executable -m engine.structured.compile_worker``; the engine's tokenizer info
-  is handed over once at start (``TokenizerInfo.serialize_json``) and compiled grammars come back
-  serialized (``CompiledGrammar.serialize_json``), deserialized here against the same info. The
-  wire is msgspec frames over the pipes (``compile_wire.py``), bounded before decoding.
-* :meth:`CompilePool.close` kills and reaps every process (the engine's release calls it); a
-  worker also ends by itself when the engine's end of its stdin closes (``compile_worker.py``).
+* One compile server per pool, started on the first compile (``sys.executable -m
+  engine.structured.compile_worker``): it imports xgrammar once, gets the engine's tokenizer
+  info once (``TokenizerInfo.serialize_json``), and forks a child per compile. A compiled grammar
+  comes back serialized (``CompiledGrammar.serialize_json``) and is deserialized here against the
+  same info. The wire is msgspec frames over the server's pipes (``compile_wire.py``), bounded
+  before decoding; a thread here reads the server's answers and hands each to its job.
+* At most ``workers`` compiles run at once: a slot is held from the job's start until its answer,
+  or, past its deadline, until the server reports its child killed *and* reaped -- the bound
+  counts the compiles that run. A compile's deadline counts its time in its child only; the wait
+  for a slot has a bound of its own; the server's start counts in neither.
+* :meth:`CompilePool.close` closes the server's stdin: it kills and reaps its children and exits
+  (killed after :data:`CLOSE_TIMEOUT`); the engine's release calls it. The server also ends when
+  the engine dies (the end of its stdin), and its children with it.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
 import threading
-import time
 import weakref
 from typing import Callable, Optional
 
@@ -34,19 +37,26 @@ import anyio
 from anyio import to_thread
 
 from ..errors import BadRequestError, EngineError, EngineShutdownError
-from .compile_wire import (MAX_FROM_WORKER, Done, Failed, FrameReader, FromWorker, Job,
-                           PeerGone, Ready, Start, write_frame)
+from .compile_wire import (MAX_FROM_WORKER, Cancel, Cancelled, Done, Ended, Failed,
+                           FrameReader, FromWorker, Job, PeerGone, Ready, Start, write_frame)
 
 log = logging.getLogger("enginecore.structured")
 
-#: added to a worker's niceness: compiles (a hostile one too) take the CPU the engine's own
-#: threads leave, so they can only slow themselves (CFS weight 110 against 1024 at nice 0)
-NICE = int(os.environ.get("GC_EXP_NICE", "10"))  # EXPERIMENT
-#: how long a worker may take to start (import xgrammar, torch and transformers: 2.5 s on the
-#: 2-core box, 8 s with its cores busy, measured), not counted in a compile's deadline
+#: added to each compile's niceness: compiles (a hostile one too) take the CPU the engine's
+#: own threads leave, so they can only slow themselves (CFS weight 110 against 1024 at nice 0).
+#: The server itself (its start, its relaying) runs at the engine's priority.
+NICE = 10
+#: how long the server may take to start (import xgrammar, torch and transformers: 2.5 s on
+#: the 2-core box, 8 s with its cores busy, measured)
 START_TIMEOUT = 120.0
-#: the environment a worker does not get (secrets)
+#: how long the server may take to kill and reap a child, or to end at close()
+CLOSE_TIMEOUT = 10.0
+#: the environment the server does not get (secrets)
 _SECRETS = ("ENGINECORE_TOKEN", "ENGINECORE_TP_TOKEN")
+#: its thread pools held to one thread: the server forks, so it must stay single-threaded
+#: (numpy's OpenBLAS, imported with xgrammar, starts a pool thread otherwise)
+_ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+_CLOSED = "the grammar compiler is closed (the engine stopped)"
 
 
 class CompileTimeout(Exception):
@@ -54,98 +64,100 @@ class CompileTimeout(Exception):
 
 
 class SlotTimeout(Exception):
-    """No compile slot came free in time (every worker busy with other compiles)."""
+    """No compile slot came free in time (every slot busy with other compiles)."""
 
 
-class _Worker:
-    """One compile process. Its blocking methods run on a worker thread, one call at a time;
-    :meth:`kill` may be called from any thread."""
+class _Server:
+    """The compile server's process, and the thread that reads its answers into job boxes."""
 
-    def __init__(self) -> None:
+    def __init__(self, workers: int) -> None:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = {k: v for k, v in os.environ.items() if k not in _SECRETS}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        env["OMP_NUM_THREADS"] = "1"  # its torch (imported by xgrammar) computes nothing
+        env.update(dict.fromkeys(_ONE_THREAD, "1"))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.structured.compile_worker", "--nice", str(NICE)],
+            [sys.executable, "-m", "engine.structured.compile_worker", "--nice", str(NICE),
+             "--max-jobs", str(workers)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
         self.pid = self.proc.pid
-        self._in, self._out = self.proc.stdin.fileno(), self.proc.stdout.fileno()
-        self._reader = FrameReader(self._out, FromWorker, MAX_FROM_WORKER)
-        self._idle = threading.Event()  # no thread uses the pipes
-        self._idle.set()
-        self._jobs = 0
-        self.busy = False  # a job is sent and not answered
+        self._boxes: dict[int, queue.SimpleQueue] = {0: queue.SimpleQueue()}  # 0: Ready's
+        self._lock = threading.Lock()  # the boxes, gone
+        self._send_lock = threading.Lock()
+        self.gone: Optional[str] = None  # why its answers ended
+        self._reader = threading.Thread(target=self._read, name=f"compile-server-{self.pid}",
+                                        daemon=True)
+        self._reader.start()
 
-    def start(self, tokenizer_info: str) -> float:
-        """Hand over the vocabulary, wait until the worker is ready; its start's seconds."""
-        reply = self._call(Start(tokenizer_info), time.monotonic() + START_TIMEOUT)
-        if not isinstance(reply, Ready):
-            raise PeerGone(f"answered {type(reply).__name__} to the start")
-        return reply.seconds
-
-    def compile(self, kind: str, text: str, timeout: float):
-        self._jobs += 1
-        self.busy = True
+    def _read(self) -> None:
+        reader = FrameReader(self.proc.stdout.fileno(), FromWorker, MAX_FROM_WORKER)
+        why = "ended"
         try:
-            reply = self._call(Job(self._jobs, kind, text), time.monotonic() + timeout)
+            while True:
+                msg = reader.read()
+                box = self._boxes.get(0 if isinstance(msg, Ready) else msg.id)
+                if box is not None:  # (an answer to a job no one waits for is dropped)
+                    box.put(msg)
+        except PeerGone as exc:
+            why = str(exc)
         finally:
-            self.busy = False
-        if not isinstance(reply, (Done, Failed)) or reply.id != self._jobs:
-            raise PeerGone(f"answered {type(reply).__name__} to job {self._jobs}")
-        return reply
+            with self._lock:
+                self.gone = why
+                for box in self._boxes.values():
+                    box.put(None)
 
-    def _call(self, msg, deadline: float):
-        self._idle.clear()
-        try:
-            write_frame(self._in, msg)
-            return self._reader.read(deadline)
-        finally:
-            self._idle.set()
+    def box(self, job: int) -> queue.SimpleQueue:
+        with self._lock:
+            if self.gone is not None:
+                raise PeerGone(self.gone)
+            box = self._boxes[job] = queue.SimpleQueue()
+            return box
 
-    def alive(self) -> bool:
-        return self.proc.poll() is None
+    def drop(self, job: int) -> None:
+        with self._lock:
+            self._boxes.pop(job, None)
 
-    def kill(self) -> None:
-        """SIGKILL (the pipes stay open: a thread may be reading them; :meth:`reap` closes)."""
-        if self.proc.returncode is None:
+    def send(self, msg) -> None:
+        with self._send_lock:
+            if self.proc.stdin.closed:
+                raise PeerGone("closed")
+            write_frame(self.proc.stdin.fileno(), msg)
+
+    def usable(self) -> bool:
+        return self.gone is None and self.proc.poll() is None
+
+    def close(self) -> Optional[int]:
+        """End the server (its stdin closed: it kills its children and exits; killed if it
+        does not in time), wait for it and its reader; its exit status."""
+        if self._send_lock.acquire(timeout=CLOSE_TIMEOUT):  # (no sender is mid-frame)
             try:
-                self.proc.send_signal(signal.SIGKILL)
+                self.proc.stdin.close()
             except OSError:
                 pass
-
-    def reap(self) -> Optional[int]:
-        """Kill, wait for the process's end and for the thread using its pipes, then close
-        them; its exit status (negative: the signal)."""
-        self.kill()
+            finally:
+                self._send_lock.release()
         try:
-            code = self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # not expected after SIGKILL
-            log.error("grammar compile worker %d did not end after SIGKILL", self.pid)
-            return None
-        # a pipe is closed only once no thread reads it (its fd could be reused meanwhile)
-        if self._idle.wait(10):
-            for f in (self.proc.stdin, self.proc.stdout):
-                try:
-                    f.close()
-                except OSError:
-                    pass
+            code = self.proc.wait(CLOSE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            log.error("the grammar compile server %d did not end; killing it", self.pid)
+            self.proc.kill()
+            code = self.proc.wait()
+        self._reader.join(CLOSE_TIMEOUT)
+        if not self._reader.is_alive():  # (a pipe is closed once no thread reads it)
+            self.proc.stdout.close()
         return code
 
 
-def _ended(code: Optional[int]) -> str:
-    if code is None:
-        return "did not end"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
+def _get(box: queue.SimpleQueue, timeout: float):
+    """The next answer in ``box``; None once the server is gone; ``TimeoutError`` past
+    ``timeout`` seconds."""
+    try:
+        return box.get(timeout=timeout)
+    except queue.Empty:
+        raise TimeoutError from None
 
 
 class CompilePool:
-    """Up to ``workers`` compile processes; :meth:`compile` runs one job on one of them."""
+    """Compiles in a compile server's children, ``workers`` at once at most."""
 
     def __init__(self, tokenizer_info: Callable[[], object], workers: int = 2) -> None:
         if workers < 1:
@@ -153,143 +165,159 @@ class CompilePool:
         self._make_info = tokenizer_info  # -> xgrammar.TokenizerInfo (called once, on a thread)
         self._info = None
         self._info_json: Optional[str] = None
-        self._info_lock = threading.Lock()
         self._slots = anyio.Semaphore(workers)
         self.workers = workers
-        self._idle: list[_Worker] = []
-        self._all: set[_Worker] = set()  # started and not reaped
+        self._server: Optional[_Server] = None
+        self._starting = anyio.Lock()
+        self._ids = itertools.count(1)
+        self._jobs: set[int] = set()  # sent, not answered
         self._closed = False
-        self.started = 0  # processes started, ever (the tests read it)
-        # a pool dropped without close() (a test's) still ends its processes: when collected,
+        self.started = 0  # servers started, ever (the tests read it)
+        # a pool dropped without close() (a test's) still ends its server: when collected,
         # or at the interpreter's exit
-        self._finalizer = weakref.finalize(self, _end_all, self._all)
-
-    def pids(self) -> list[int]:
-        """The live workers' process ids."""
-        return sorted(w.pid for w in self._all)
+        self._servers: list[_Server] = []
+        self._finalizer = weakref.finalize(self, _close_all, self._servers)
 
     @property
-    def running(self) -> int:
-        """Workers not idle: starting, or compiling (each job in a process of its own)."""
-        return len(self._all) - len(self._idle)
+    def server_pid(self) -> Optional[int]:
+        s = self._server
+        return s.pid if s is not None and s.usable() else None
 
-    def compiling(self) -> list[int]:
-        """The process ids of the workers with a job sent and not answered yet."""
-        return sorted(w.pid for w in self._all if w.busy)
-
-    def _vocabulary(self):
-        with self._info_lock:
-            if self._info is None:
-                info = self._make_info()
-                self._info_json = info.serialize_json()
-                self._info = info
-        return self._info, self._info_json
+    def compiling(self) -> int:
+        """Jobs sent to the server and not answered yet."""
+        return len(self._jobs)
 
     async def compile(self, kind: str, text: str, timeout: float, wait: float):
-        """(the compiled grammar, the compile's seconds in the worker) of a constraint;
-        :class:`CompileTimeout` if the compile takes over ``timeout`` seconds (its process is
-        then killed), :class:`SlotTimeout` if no slot came free within ``wait`` seconds,
-        :class:`BadRequestError` if it does not compile or its worker died meanwhile. A
-        worker's start counts in neither."""
+        """(the compiled grammar, the compile's seconds) of a constraint; :class:`CompileTimeout`
+        if the compile takes over ``timeout`` seconds (its process is then killed),
+        :class:`SlotTimeout` if no slot came free within ``wait`` seconds,
+        :class:`BadRequestError` if it does not compile or its process died meanwhile."""
         if self._closed:
-            raise EngineShutdownError("the grammar compiler is closed (the engine stopped)")
+            raise EngineShutdownError(_CLOSED)
         with anyio.move_on_after(wait) as waited:
             await self._slots.acquire()
         if waited.cancelled_caught:
             raise SlotTimeout
         try:
-            return await self._run(await self._worker(), kind, text, timeout)
+            return await self._run(await self._server_now(), kind, text, timeout)
         finally:
             self._slots.release()
 
-    async def _worker(self) -> _Worker:
-        """An idle live worker, or a new one."""
-        while self._idle:
-            w = self._idle.pop()
-            if w.alive():
-                return w
-            self._forget(w, "died while idle")
-        w = _Worker()  # (a vfork + exec: no wait for the loop)
-        self._all.add(w)
-        self.started += 1
-        try:
-            info_json = (await to_thread.run_sync(self._vocabulary))[1]
+    async def _server_now(self) -> _Server:
+        async with self._starting:
+            s = self._server
+            if s is not None and s.usable():
+                return s
+            if s is not None:  # it died: say why, and reap it
+                await self._end(s, "ended")
             if self._closed:
-                raise EngineShutdownError("the grammar compiler is closed (the engine stopped)")
-            seconds = await self._blocking(w, w.start, info_json)
-        except BaseException as exc:
-            await self._reap(w)
-            if isinstance(exc, PeerGone):
-                raise EngineError(f"the grammar compiler did not start: {exc}") from None
-            if isinstance(exc, TimeoutError):
-                raise EngineError(f"the grammar compiler did not start within "
-                                  f"{START_TIMEOUT:g} s") from None
-            raise
-        log.info("grammar compile worker %d ready (%.2f s)", w.pid, seconds)
-        return w
+                raise EngineShutdownError(_CLOSED)
+            s = self._server = _Server(self.workers)  # (a vfork + exec: no wait for the loop)
+            self._servers.append(s)
+            self.started += 1
+            try:
+                info_json = (await to_thread.run_sync(self._vocabulary))[1]
+                await to_thread.run_sync(s.send, Start(info_json))
+                ready = await to_thread.run_sync(_get, s._boxes[0], START_TIMEOUT,
+                                                 abandon_on_cancel=True)
+                if not isinstance(ready, Ready):
+                    raise PeerGone(s.gone or "no ready frame")
+            except BaseException as exc:
+                await self._end(s, "did not start")
+                if isinstance(exc, (PeerGone, TimeoutError)):
+                    raise EngineError(f"the grammar compiler did not start: "
+                                      f"{exc or 'timed out'}") from None
+                raise
+            log.info("grammar compile server %d ready (%.2f s)", s.pid, ready.seconds)
+            return s
 
-    async def _run(self, w: _Worker, kind: str, text: str, timeout: float):
+    def _vocabulary(self):
+        if self._info is None:  # (under _starting: built once)
+            info = self._make_info()
+            self._info_json = info.serialize_json()
+            self._info = info
+        return self._info, self._info_json
+
+    async def _run(self, s: _Server, kind: str, text: str, timeout: float):
+        job = next(self._ids)
         try:
-            reply = await self._blocking(w, w.compile, kind, text, timeout)
-        except TimeoutError:
-            await self._reap(w)
-            raise CompileTimeout from None
-        except PeerGone as exc:
-            code = await self._reap(w)
+            box = s.box(job)
+        except PeerGone:
+            raise EngineError("the grammar compile server ended") from None
+        self._jobs.add(job)
+        try:
+            try:
+                await to_thread.run_sync(s.send, Job(job, kind, text))
+                reply = await to_thread.run_sync(_get, box, timeout, abandon_on_cancel=True)
+            except PeerGone:
+                raise
+            except TimeoutError:
+                await self._cancel(s, job, box)
+                raise CompileTimeout from None
+            except BaseException:  # cancelled (the engine stopping): the compile is stopped too
+                await self._cancel(s, job, box)
+                raise
+        except PeerGone:
+            reply = None
+        finally:
+            self._jobs.discard(job)
+            s.drop(job)
+        if reply is None:  # the server ended meanwhile
             if self._closed:
-                raise EngineShutdownError("the grammar compiler is closed (the engine "
-                                          "stopped)") from None
-            log.warning("grammar compile worker %d failed on a %s constraint (%s; %s)",
-                        w.pid, kind, _ended(code), exc)
-            raise BadRequestError(f"invalid structured output: compiling the {kind} constraint "
-                                  f"ended the grammar compiler's process ({_ended(code)})") from None
-        except BaseException:  # cancelled (the engine stopping): the compile is stopped too
-            await self._reap(w)
-            raise
-        self._idle.append(w)
+                raise EngineShutdownError(_CLOSED)
+            raise EngineError(f"the grammar compile server ended during a compile ({s.gone})")
         if isinstance(reply, Failed):
             raise BadRequestError(reply.message)
+        if isinstance(reply, Ended):
+            log.warning("a grammar compile of a %s constraint died (%s)", kind, reply.status)
+            raise BadRequestError(f"invalid structured output: compiling the {kind} constraint "
+                                  f"ended its process ({reply.status})")
+        if not isinstance(reply, Done):
+            raise EngineError(f"the grammar compile server answered {type(reply).__name__}")
         grammar = await to_thread.run_sync(_deserialize, reply.grammar, self._info)
         return grammar, reply.seconds
 
-    @staticmethod
-    async def _blocking(w: _Worker, fn, *args):
-        """``fn(*args)`` on a thread; if the wait is cancelled, ``w`` is killed (its thread then
-        sees the end of the pipe and returns)."""
-        try:
-            return await to_thread.run_sync(fn, *args, abandon_on_cancel=True)
-        except BaseException:
-            w.kill()
-            raise
-
-    async def _reap(self, w: _Worker) -> Optional[int]:
-        """Kill ``w`` and wait for its end (shielded: the slot it holds is given back only once
-        the process is gone)."""
-        w.kill()
+    async def _cancel(self, s: _Server, job: int, box: queue.SimpleQueue) -> None:
+        """Have the server kill job ``job``'s child and wait until it reports it reaped
+        (shielded: the job's slot is given back once its process is gone). A server that does
+        not answer in time is ended, its children with it."""
         with anyio.CancelScope(shield=True):
-            code = await to_thread.run_sync(w.reap)
-        self._all.discard(w)
-        return code
+            try:
+                await to_thread.run_sync(s.send, Cancel(job))
+                while True:  # (its answer may have crossed the cancel: any last word ends it)
+                    reply = await to_thread.run_sync(_get, box, CLOSE_TIMEOUT)
+                    if reply is None or isinstance(reply, (Cancelled, Done, Failed, Ended)):
+                        return
+            except PeerGone:
+                return  # the server is gone, and its children with it
+            except TimeoutError:
+                log.error("the grammar compile server did not stop a compile within %g s; "
+                          "ending it", CLOSE_TIMEOUT)
+                await self._end(s, "did not stop a compile")
 
-    def _forget(self, w: _Worker, why: str) -> None:
-        code = w.reap()
-        self._all.discard(w)
-        log.warning("grammar compile worker %d %s (%s)", w.pid, why, _ended(code))
+    async def _end(self, s: _Server, why: str) -> None:
+        """End ``s`` and wait for it (shielded)."""
+        with anyio.CancelScope(shield=True):
+            code = await to_thread.run_sync(s.close)
+        if not self._closed:
+            log.warning("grammar compile server %d %s (exit status %s)", s.pid, why, code)
+        if self._server is s:
+            self._server = None
+        if s in self._servers:
+            self._servers.remove(s)
 
     def close(self) -> None:
-        """Kill every worker and wait for their end; later compiles raise
+        """End the server and its compiles (waits for their end); later compiles raise
         :class:`EngineShutdownError`."""
         self._closed = True
         self._finalizer()
-        self._idle.clear()
+        self._server = None
 
 
-def _end_all(workers: set) -> None:
-    for w in workers:
-        w.kill()
-    for w in list(workers):
-        w.reap()
-    workers.clear()
+def _close_all(servers: list) -> None:
+    for s in list(servers):
+        s.close()
+    servers.clear()
 
 
 def _deserialize(text: str, info):

@@ -1,12 +1,13 @@
-"""The wire between the engine and a compile process (``compile_worker.py``): msgspec msgpack
-messages in length-prefixed frames over the process's stdin and stdout pipes.
+"""The wire between the engine and its compile server (``compile_worker.py``): msgspec msgpack
+messages in length-prefixed frames over the server's stdin and stdout pipes.
 
-A frame is a 4-byte big-endian length then that many bytes of one message. The reader checks
-the length against its bound before it reads the body (a frame over it is a broken peer), and
-the body must decode as one of the messages it expects. The engine writes :class:`Start` once,
-then a :class:`Job` at a time; the worker answers :class:`Ready` once, then :class:`Done` or
-:class:`Failed` for each job. NOTE: written here (not ``ipc/``'s framing, a layer above the
-engine, over sockets and anyio streams): a blocking reader over a raw pipe fd with a deadline.
+A frame is a 4-byte big-endian length then that many bytes of one message. A reader checks the
+length against its bound before it takes the body (a frame over it is a broken peer), and the body
+must decode as one of the messages it expects. The engine writes :class:`Start` once, then
+:class:`Job` and :class:`Cancel` frames; the server answers :class:`Ready` once, then for each job
+one of :class:`Done`, :class:`Failed`, :class:`Ended` (its process died) or :class:`Cancelled`.
+NOTE: written here, not ``ipc/``'s framing (a layer above the engine, over sockets and anyio
+streams): a blocking reader over a pipe, and an incremental one for the server's poll loop.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ from typing import Optional, Union
 
 import msgspec
 
-#: the largest frame the worker reads: a job is at most a 64 K-character schema; the start
+#: the largest frame the server reads: a job is at most a 64 K-character schema; the start
 #: frame carries the vocabulary's tokenizer info (1.6 MB of JSON for SmolLM2's 49,152 ids)
 MAX_TO_WORKER = 64 * 2**20
 #: the largest frame the engine reads: a compiled grammar as JSON (~3x its memory size:
-#: 0.6 MB for a 200 KB schema grammar with SmolLM2's vocabulary); the worker refuses to send
-#: a larger one (the request gets a 400)
+#: 0.6 MB for a 200 KB schema grammar with SmolLM2's vocabulary); a larger one is refused
+#: (the request gets a 400)
 MAX_FROM_WORKER = 256 * 2**20
-_HEADER = struct.Struct(">I")
+HEADER = struct.Struct(">I")
 
 
 class Start(msgspec.Struct, tag="start", forbid_unknown_fields=True):
@@ -41,6 +42,11 @@ class Job(msgspec.Struct, tag="job", forbid_unknown_fields=True):
     text: str  # StructuredOutputs.text
 
 
+class Cancel(msgspec.Struct, tag="cancel", forbid_unknown_fields=True):
+    """Stop job ``id`` (its process is killed and reaped, then :class:`Cancelled` answers)."""
+    id: int
+
+
 class Ready(msgspec.Struct, tag="ready", forbid_unknown_fields=True):
     pid: int
     seconds: float  # from the process's start to its compiler's
@@ -49,7 +55,7 @@ class Ready(msgspec.Struct, tag="ready", forbid_unknown_fields=True):
 class Done(msgspec.Struct, tag="done", forbid_unknown_fields=True):
     id: int
     grammar: str  # CompiledGrammar.serialize_json()
-    seconds: float  # the compile's, in the worker
+    seconds: float  # the compile's
 
 
 class Failed(msgspec.Struct, tag="failed", forbid_unknown_fields=True):
@@ -57,8 +63,18 @@ class Failed(msgspec.Struct, tag="failed", forbid_unknown_fields=True):
     message: str  # for the client: names the problem
 
 
-ToWorker = Union[Start, Job]
-FromWorker = Union[Ready, Done, Failed]
+class Ended(msgspec.Struct, tag="ended", forbid_unknown_fields=True):
+    """Job ``id``'s process died before it answered (``status``: as ``waitpid`` says)."""
+    id: int
+    status: str
+
+
+class Cancelled(msgspec.Struct, tag="cancelled", forbid_unknown_fields=True):
+    id: int
+
+
+ToWorker = Union[Start, Job, Cancel]
+FromWorker = Union[Ready, Done, Failed, Ended, Cancelled]
 
 
 class PeerGone(Exception):
@@ -68,16 +84,23 @@ class PeerGone(Exception):
 _encoder = msgspec.msgpack.Encoder()
 
 
-def write_frame(fd: int, msg: msgspec.Struct) -> None:
-    """Write ``msg`` as one frame to the blocking pipe ``fd``; :class:`PeerGone` if the reader
-    is gone."""
+def frame(msg: msgspec.Struct) -> bytes:
     body = _encoder.encode(msg)
-    data = memoryview(_HEADER.pack(len(body)) + body)
+    return HEADER.pack(len(body)) + body
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write ``data`` to the blocking pipe ``fd``; :class:`PeerGone` if its reader is gone."""
+    view = memoryview(data)
     try:
-        while data:
-            data = data[os.write(fd, data):]
-    except (BrokenPipeError, OSError) as exc:
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as exc:  # BrokenPipeError included
         raise PeerGone(f"pipe closed ({exc.strerror or exc})") from None
+
+
+def write_frame(fd: int, msg: msgspec.Struct) -> None:
+    write_all(fd, frame(msg))
 
 
 class FrameReader:
@@ -92,7 +115,7 @@ class FrameReader:
     def read(self, deadline: Optional[float] = None):
         """The next message; ``TimeoutError`` past ``deadline`` (``time.monotonic()``; None:
         none), :class:`PeerGone` at the end of the pipe or on a frame that is not one."""
-        (n,) = _HEADER.unpack(self._exact(_HEADER.size, deadline))
+        (n,) = HEADER.unpack(self._exact(HEADER.size, deadline))
         if n > self.limit:
             raise PeerGone(f"a frame of {n} bytes, over the bound of {self.limit}")
         try:
@@ -124,5 +147,33 @@ class FrameReader:
         return buf
 
 
-__all__ = ["Start", "Job", "Ready", "Done", "Failed", "ToWorker", "FromWorker", "PeerGone",
-           "FrameReader", "write_frame", "MAX_TO_WORKER", "MAX_FROM_WORKER"]
+class FrameBuffer:
+    """Frames out of bytes as they arrive (a poll loop's non-blocking reads), each at most
+    ``limit`` bytes: :meth:`feed` returns the complete frames' bodies, undecoded;
+    :class:`PeerGone` once a frame's length is over the bound (nothing of it is kept)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        out = []
+        while len(self._buf) >= HEADER.size:
+            (n,) = HEADER.unpack_from(self._buf)
+            if n > self.limit:
+                self._buf.clear()
+                raise PeerGone(f"a frame of {n} bytes, over the bound of {self.limit}")
+            if len(self._buf) < HEADER.size + n:
+                break
+            out.append(bytes(self._buf[HEADER.size:HEADER.size + n]))
+            del self._buf[:HEADER.size + n]
+        return out
+
+    def __len__(self) -> int:
+        return len(self._buf)
+
+
+__all__ = ["Start", "Job", "Cancel", "Ready", "Done", "Failed", "Ended", "Cancelled",
+           "ToWorker", "FromWorker", "PeerGone", "FrameReader", "FrameBuffer", "frame",
+           "write_all", "write_frame", "MAX_TO_WORKER", "MAX_FROM_WORKER"]
