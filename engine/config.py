@@ -61,11 +61,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # many seconds is refused (400) and its compile stopped; compiled grammars are cached,
     # bounded in entries and bytes.
     grammar_compile_timeout: float = 10.0
-    # at most this many compiles at once, each in a worker process of its own (started on
-    # demand, kept warm: ~280 MB and ~2.5 s of CPU to start each, as xgrammar imports torch)
-    grammar_compile_workers: int = 2
     grammar_cache_entries: int = 256
     grammar_cache_bytes: int = 512 * 2**20
+    # At most this many grammar compiles at once, each a process forked from the compile
+    # server (engine/structured/compile_worker.py: started on the first compile, ~280 MB).
+    grammar_compile_workers: int = 2
     cuda_graphs: bool = True  # capture decode-only steps as CUDA graphs (CUDA + Triton only)
     # with cuda_graphs, steps with prompt tokens too: a graph per row count up to
     # max_num_batched_tokens, captured at load (an eager prompt step costs the host ~300

@@ -36,6 +36,7 @@ from typing import Callable, Optional
 import anyio
 from anyio import to_thread
 
+from .. import envs
 from ..errors import BadRequestError, EngineError, EngineShutdownError
 from .compile_wire import (MAX_FROM_WORKER, Cancel, Cancelled, Done, Ended, Failed,
                            FrameReader, FromWorker, Job, PeerGone, Ready, Start, write_frame)
@@ -52,7 +53,7 @@ START_TIMEOUT = 120.0
 #: how long the server may take to kill and reap a child, or to end at close()
 CLOSE_TIMEOUT = 10.0
 #: the environment the server does not get (secrets)
-_SECRETS = ("ENGINECORE_TOKEN", "ENGINECORE_TP_TOKEN")
+_SECRETS = frozenset(v.name for v in envs.VARIABLES if v.kind == "secret")
 #: its thread pools held to one thread: the server forks, so it must stay single-threaded
 #: (numpy's OpenBLAS, imported with xgrammar, starts a pool thread otherwise)
 _ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
