@@ -27,7 +27,8 @@ xgr = pytest.importorskip("xgrammar")
 
 from engine.errors import BadRequestError, EngineError, EngineShutdownError  # noqa: E402
 from engine.structured import compile_wire as wire  # noqa: E402
-from engine.structured.compile_pool import CompilePool, CompileTimeout, SlotTimeout  # noqa: E402
+from engine.structured.compile_pool import (  # noqa: E402
+    NICE, CompilePool, CompileTimeout, SlotTimeout)
 from engine.structured.compiler import compile_constraint  # noqa: E402
 from engine.structured.grammars import tokenizer_info  # noqa: E402
 from engine.structured.spec import StructuredOutputs  # noqa: E402
@@ -73,6 +74,11 @@ def compile_processes(root: int | None = None) -> tuple[list[int], list[int]]:
                 procs[int(d.name)] = int(f[1])
     servers = sorted(p for p, parent in procs.items() if parent == root)
     return servers, sorted(p for p, parent in procs.items() if parent in servers)
+
+
+def _niceness(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[16])
 
 
 def _gone(pid: int) -> bool:
@@ -131,7 +137,8 @@ def test_a_compile_past_its_deadline_is_killed_and_the_bound_counts_running_comp
 
     async def small():
         await _until(lambda: compile_processes()[1])  # the slow one holds the slot, compiles
-        out["slow pid"] = compile_processes()[1][0]
+        out["slow pid"] = pid = compile_processes()[1][0]
+        await _until(lambda: _niceness(pid) >= NICE)  # a long compile: deprioritized
         with pytest.raises(SlotTimeout):  # the one slot is taken: a short wait ends first
             await pool.compile("regex", "[a-z]", 300.0, 0.2)
         g, _ = await pool.compile("regex", "[a-z]+", 300.0, 300.0)
@@ -157,6 +164,26 @@ def test_a_compile_past_its_deadline_is_killed_and_the_bound_counts_running_comp
     finally:
         pool.close()
     assert compile_processes() == ([], [])
+
+
+def test_a_cancelled_compile_is_stopped_and_the_server_serves_on(vocab):
+    pool = _pool(vocab, 1)
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.compile, SLOW.kind, SLOW.text, 300.0, 300.0)
+            await _until(lambda: compile_processes()[1])
+            pid = compile_processes()[1][0]
+            tg.cancel_scope.cancel()  # as the engine's stop cancels its tasks
+        assert _gone(pid) and pool.compiling() == 0  # stopped before the cancel returned
+        with anyio.fail_after(120):
+            return await pool.compile("regex", "[a-z]+", 300.0, 300.0)
+
+    try:
+        g, _ = anyio.run(main)
+        assert g is not None and pool.started == 1
+    finally:
+        pool.close()
 
 
 def test_a_compile_process_that_dies_fails_its_own_request_only(vocab):

@@ -43,10 +43,13 @@ from .compile_wire import (MAX_FROM_WORKER, Cancel, Cancelled, Done, Ended, Fail
 
 log = logging.getLogger("enginecore.structured")
 
-#: added to each compile's niceness: compiles (a hostile one too) take the CPU the engine's
-#: own threads leave, so they can only slow themselves (CFS weight 110 against 1024 at nice 0).
+#: added to a compile's niceness once it has run for GRACE seconds: long compiles (a hostile
+#: one too) take the CPU the engine's own threads leave, so they can only slow themselves (CFS
+#: weight 110 against 1024 at nice 0), while the usual compile (0.2-0.5 s for a JSON schema
+#: with SmolLM2's vocabulary, measured) runs at the engine's priority, however busy the host.
 #: The server itself (its start, its relaying) runs at the engine's priority.
 NICE = 10
+GRACE = 0.5
 #: how long the server may take to start (import xgrammar, torch and transformers: 2.5 s on
 #: the 2-core box, 8 s with its cores busy, measured)
 START_TIMEOUT = 120.0
@@ -78,7 +81,7 @@ class _Server:
         env.update(dict.fromkeys(_ONE_THREAD, "1"))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "engine.structured.compile_worker", "--nice", str(NICE),
-             "--max-jobs", str(workers)],
+             "--grace", str(GRACE), "--max-jobs", str(workers)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
         self.pid = self.proc.pid
         self._boxes: dict[int, queue.SimpleQueue] = {0: queue.SimpleQueue()}  # 0: Ready's
@@ -284,6 +287,10 @@ class CompilePool:
         not answer in time is ended, its children with it."""
         with anyio.CancelScope(shield=True):
             try:
+                # a fresh box: a wait abandoned by a cancellation would take the answer from the
+                # old one (it is woken, and returns)
+                box.put(None)
+                box = s.box(job)
                 await to_thread.run_sync(s.send, Cancel(job))
                 while True:  # (its answer may have crossed the cancel: any last word ends it)
                     reply = await to_thread.run_sync(_get, box, CLOSE_TIMEOUT)
@@ -327,4 +334,4 @@ def _deserialize(text: str, info):
     return xgr.CompiledGrammar.deserialize_json(text, info)
 
 
-__all__ = ["CompilePool", "CompileTimeout", "SlotTimeout", "NICE", "START_TIMEOUT"]
+__all__ = ["CompilePool", "CompileTimeout", "SlotTimeout", "NICE", "GRACE", "START_TIMEOUT"]

@@ -12,7 +12,8 @@ process is what stops it, and its memory goes with it. A fork costs milliseconds
 process would import xgrammar again; the server stays single-threaded (one poll loop; BLAS and
 OpenMP pools held to one thread by the engine's environment), so forking it is safe.
 
-Children run at a lower CPU priority (``--nice``): a compile, a hostile one too, takes only the
+A compile that outlives its grace (``--grace`` seconds: the usual compile is done by then) goes
+on at a lower CPU priority (``--nice``): a long compile, a hostile one too, then takes only the
 CPU the engine's own threads leave. The server dies with the engine: the end of its stdin (the
 engine closed it, or died) kills every child and ends the server; a child dies with the server
 (``PR_SET_PDEATHSIG`` on Linux).
@@ -75,13 +76,11 @@ def _die_with_parent(parent: int) -> None:
         os._exit(0)
 
 
-def _child(compiler, job: Job, w: int, nice: int, server: int) -> None:
+def _child(compiler, job: Job, w: int, server: int) -> None:
     """In the forked child: compile ``job``, write its answer to ``w``, exit."""
     code = 0
     try:
         _die_with_parent(server)
-        if nice > 0:
-            os.nice(nice)
         os.closerange(0, 2)  # stdin, stdout: the server's
         os.closerange(3, w)  # the server's other pipes
         os.closerange(w + 1, 1 << 16)
@@ -103,12 +102,31 @@ def _status(status: int) -> str:
 
 
 class Server:
-    def __init__(self, out: int, nice: int, max_jobs: int) -> None:
-        self.out, self.nice, self.max_jobs = out, nice, max_jobs
+    def __init__(self, out: int, nice: int, grace: float, max_jobs: int) -> None:
+        self.out, self.max_jobs = out, max_jobs
+        # a long compile's niceness
+        self.niceness = min(19, os.getpriority(os.PRIO_PROCESS, 0) + max(0, nice))
+        self.grace = grace
         self.compiler = None
         self.poller = select.poll()
         self.children: dict[int, tuple[int, int, bytearray]] = {}  # job -> (pid, fd, bytes)
         self.by_fd: dict[int, int] = {}  # a child's pipe -> its job
+        self.lower: dict[int, float] = {}  # the children still at our priority -> when not
+
+    def deprioritize(self) -> float:
+        """Lower the priority of the children that compile past their grace; the seconds to
+        the next one's end of grace (1 at most)."""
+        now, wait = time.monotonic(), 1.0
+        for pid, at in list(self.lower.items()):
+            if at <= now:
+                del self.lower[pid]
+                try:
+                    os.setpriority(os.PRIO_PROCESS, pid, self.niceness)
+                except OSError:  # (it just ended)
+                    pass
+            else:
+                wait = min(wait, at - now)
+        return wait
 
     def handle(self, msg, t0: float) -> None:
         if isinstance(msg, Start):
@@ -136,8 +154,9 @@ class Server:
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            _child(self.compiler, job, w, self.nice, os.getppid())
+            _child(self.compiler, job, w, os.getppid())
         os.close(w)
+        self.lower[pid] = time.monotonic() + self.grace
         os.set_blocking(r, False)
         self.children[job.id] = (pid, r, bytearray())
         self.by_fd[r] = job.id
@@ -146,6 +165,7 @@ class Server:
     def end(self, job: int, kill: bool) -> str:
         """Reap job ``job``'s child (killed first if ``kill``); how it ended."""
         pid, fd, _ = self.children.pop(job)
+        self.lower.pop(pid, None)
         if kill:
             os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
@@ -182,13 +202,16 @@ class Server:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="grammar compile server (started by the engine)")
-    ap.add_argument("--nice", type=int, default=0, help="added to each compile's niceness")
+    ap.add_argument("--nice", type=int, default=0,
+                    help="added to a compile's niceness once it outlives its grace")
+    ap.add_argument("--grace", type=float, default=0.0,
+                    help="seconds a compile runs at the server's priority")
     ap.add_argument("--max-jobs", type=int, default=2, help="compiles at once, at most")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     parent = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when a compile ends
-    server = Server(_take_stdout(), args.nice, args.max_jobs)
+    server = Server(_take_stdout(), args.nice, args.grace, args.max_jobs)
     import xgrammar  # noqa: F401  (before the start frame: while the engine builds it)
 
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
@@ -201,7 +224,7 @@ def main(argv=None) -> int:
     server.poller.register(0, select.POLLIN)
     try:
         while True:
-            events = server.poller.poll(1000)
+            events = server.poller.poll(int(1e3 * server.deprioritize()) + 1)
             if not events and os.getppid() != parent:
                 return 0  # the engine died; a pipe end lives on elsewhere
             for fd, _ in events:
