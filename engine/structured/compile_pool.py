@@ -7,17 +7,18 @@ memory go with it.
 
 * One compile server per pool, started on the first compile (``sys.executable -m
   engine.structured.compile_worker``): it imports xgrammar once, gets the engine's tokenizer
-  info once (``TokenizerInfo.serialize_json``), and forks a child per compile. A compiled grammar
-  comes back serialized (``CompiledGrammar.serialize_json``) and is deserialized here against the
-  same info. The wire is msgspec frames over the server's pipes (``compile_wire.py``), bounded
-  before decoding; a thread here reads the server's answers and hands each to its job.
+  info once (``TokenizerInfo.serialize_json``), and forks its compile workers from itself (a
+  killed one is replaced by a fork: milliseconds). A compiled grammar comes back serialized
+  (``CompiledGrammar.serialize_json``) and is deserialized here against the same info. The wire
+  is msgspec frames over the server's pipes (``compile_wire.py``), bounded before decoding; a
+  thread here reads the server's answers and hands each to its job.
 * At most ``workers`` compiles run at once: a slot is held from the job's start until its answer,
-  or, past its deadline, until the server reports its child killed *and* reaped -- the bound
-  counts the compiles that run. A compile's deadline counts its time in its child only; the wait
+  or, past its deadline, until the server reports its worker killed *and* reaped -- the bound
+  counts the compiles that run. A compile's deadline counts its time in the server only; the wait
   for a slot has a bound of its own; the server's start counts in neither.
-* :meth:`CompilePool.close` closes the server's stdin: it kills and reaps its children and exits
+* :meth:`CompilePool.close` closes the server's stdin: it kills and reaps its workers and exits
   (killed after :data:`CLOSE_TIMEOUT`); the engine's release calls it. The server also ends when
-  the engine dies (the end of its stdin), and its children with it.
+  the engine dies (the end of its stdin), and its workers with it.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ GRACE = 0.5
 #: how long the server may take to start (import xgrammar, torch and transformers: 2.5 s on
 #: the 2-core box, 8 s with its cores busy, measured)
 START_TIMEOUT = 120.0
-#: how long the server may take to kill and reap a child, or to end at close()
+#: how long the server may take to kill and reap a worker, or to end at close()
 CLOSE_TIMEOUT = 10.0
 #: the environment the server does not get (secrets)
 _SECRETS = frozenset(v.name for v in envs.VARIABLES if v.kind == "secret")
@@ -130,7 +131,7 @@ class _Server:
         return self.gone is None and self.proc.poll() is None
 
     def close(self) -> Optional[int]:
-        """End the server (its stdin closed: it kills its children and exits; killed if it
+        """End the server (its stdin closed: it kills its workers and exits; killed if it
         does not in time), wait for it and its reader; its exit status."""
         if self._send_lock.acquire(timeout=CLOSE_TIMEOUT):  # (no sender is mid-frame)
             try:
@@ -161,7 +162,7 @@ def _get(box: queue.SimpleQueue, timeout: float):
 
 
 class CompilePool:
-    """Compiles in a compile server's children, ``workers`` at once at most."""
+    """Compiles in a compile server's workers, ``workers`` at once at most."""
 
     def __init__(self, tokenizer_info: Callable[[], object], workers: int = 2) -> None:
         if workers < 1:
@@ -282,9 +283,9 @@ class CompilePool:
         return grammar, reply.seconds
 
     async def _cancel(self, s: _Server, job: int, box: queue.SimpleQueue) -> None:
-        """Have the server kill job ``job``'s child and wait until it reports it reaped
+        """Have the server kill job ``job``'s worker and wait until it reports it reaped
         (shielded: the job's slot is given back once its process is gone). A server that does
-        not answer in time is ended, its children with it."""
+        not answer in time is ended, its workers with it."""
         with anyio.CancelScope(shield=True):
             try:
                 # a fresh box: a wait abandoned by a cancellation would take the answer from the
@@ -297,7 +298,7 @@ class CompilePool:
                     if reply is None or isinstance(reply, (Cancelled, Done, Failed, Ended)):
                         return
             except PeerGone:
-                return  # the server is gone, and its children with it
+                return  # the server is gone, and its workers with it
             except TimeoutError:
                 log.error("the grammar compile server did not stop a compile within %g s; "
                           "ending it", CLOSE_TIMEOUT)

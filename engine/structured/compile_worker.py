@@ -2,20 +2,23 @@
 engine's :class:`~engine.structured.compile_pool.CompilePool`.
 
 It imports xgrammar once (seconds: xgrammar imports torch and transformers), takes the
-vocabulary once (:class:`Start`: ``TokenizerInfo.serialize_json()``), then forks one child per
-:class:`Job`: the child compiles (``compiler.compile_constraint``), writes its answer -- the
-compiled grammar serialized (:class:`Done`) or the problem (:class:`Failed`) -- to a pipe of its
-own and exits; the server relays that frame to the engine, or :class:`Ended` if the child died
-first. A :class:`Cancel` kills the child and reaps it before :class:`Cancelled` answers, so
-the engine counts only compiles that run. xgrammar cannot interrupt a compile: killing its
-process is what stops it, and its memory goes with it. A fork costs milliseconds, where a fresh
-process would import xgrammar again; the server stays single-threaded (one poll loop; BLAS and
-OpenMP pools held to one thread by the engine's environment), so forking it is safe.
+vocabulary once (:class:`Start`: ``TokenizerInfo.serialize_json()``), and forks its compile
+workers from itself: up to ``--max-jobs`` processes, each compiling one :class:`Job` at a time
+(``compiler.compile_constraint``) and answering with the compiled grammar serialized
+(:class:`Done`) or the problem (:class:`Failed`), which the server relays to the engine, or
+:class:`Ended` if the worker died first. A :class:`Cancel` kills the job's worker and reaps it
+before :class:`Cancelled` answers, so the engine counts only compiles that run. xgrammar cannot
+interrupt a compile: killing its process is what stops it, and its memory goes with it. A new
+worker is a fork (milliseconds), where a fresh process would import xgrammar again; a worker
+is kept for the next job (a first compile in a fresh fork ran ~3x slower for a small regex: its
+heap's pages are new). The server stays single-threaded (one poll loop; BLAS and OpenMP pools
+held to one thread by the engine's environment), so forking it is safe.
 
 A compile that outlives its grace (``--grace`` seconds: the usual compile is done by then) goes
 on at a lower CPU priority (``--nice``): a long compile, a hostile one too, then takes only the
-CPU the engine's own threads leave. The server dies with the engine: the end of its stdin (the
-engine closed it, or died) kills every child and ends the server; a child dies with the server
+CPU the engine's own threads leave; its worker is retired after it (its priority cannot be
+raised again), as is a worker whose heap grew by :data:`RETIRE_GROWTH`. The server dies with the engine: the end of its stdin (the
+engine closed it, or died) kills every worker and ends the server; a worker dies with the server
 (``PR_SET_PDEATHSIG`` on Linux).
 """
 
@@ -27,14 +30,18 @@ import select
 import signal
 import sys
 import time
+from typing import Optional
 
 import msgspec
 
 from .compile_wire import (HEADER, MAX_FROM_WORKER, MAX_TO_WORKER, Cancel, Cancelled, Done,
-                           Ended, Failed, FrameBuffer, Job, PeerGone, Ready, Start, ToWorker,
-                           frame, write_all)
+                           Ended, Failed, FrameBuffer, FrameReader, Job, PeerGone, Ready, Start,
+                           ToWorker, frame, write_all)
 
 _READ = 1 << 20
+#: a worker whose resident memory grew past the server's by this much is retired after its job
+#: (its heap keeps what a large compile took; a new fork starts from the server's pages)
+RETIRE_GROWTH = 512 * 2**20
 
 
 def _take_stdout() -> int:
@@ -65,7 +72,7 @@ def _answer(compiler, job: Job):
 
 
 def _die_with_parent(parent: int) -> None:
-    """SIGKILL when the server ends (Linux; elsewhere a child ends when its compile does)."""
+    """SIGKILL when the server ends (Linux; elsewhere a worker ends at its next read)."""
     try:
         import ctypes
 
@@ -76,15 +83,22 @@ def _die_with_parent(parent: int) -> None:
         os._exit(0)
 
 
-def _child(compiler, job: Job, w: int, server: int) -> None:
-    """In the forked child: compile ``job``, write its answer to ``w``, exit."""
+def _worker(compiler, jobs: int, answers: int, server: int) -> None:
+    """In a forked worker: compile the jobs read from ``jobs``, answer each on ``answers``;
+    exit at the end of ``jobs``."""
     code = 0
     try:
         _die_with_parent(server)
-        os.closerange(0, 2)  # stdin, stdout: the server's
-        os.closerange(3, w)  # the server's other pipes
-        os.closerange(w + 1, 1 << 16)
-        write_all(w, frame(_answer(compiler, job)))
+        keep = sorted((2, jobs, answers))  # stderr, our pipes: not the server's others
+        for lo, hi in zip([-1] + keep, keep + [1 << 16]):
+            os.closerange(lo + 1, hi)
+        reader = FrameReader(jobs, Job, MAX_TO_WORKER)
+        while True:
+            try:
+                job = reader.read()
+            except PeerGone:
+                break
+            write_all(answers, frame(_answer(compiler, job)))
     except BaseException:  # noqa: BLE001 - nothing may escape into the server's loop
         code = 1
     finally:
@@ -101,31 +115,52 @@ def _status(status: int) -> str:
     return f"exit status {os.waitstatus_to_exitcode(status)}"
 
 
+def _rss(pid: int) -> int:
+    """``pid``'s resident bytes (0 where ``/proc`` does not say)."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class _Proc:
+    """A worker, seen from the server."""
+
+    def __init__(self, pid: int, jobs: int, answers: int) -> None:
+        self.pid, self.jobs, self.answers = pid, jobs, answers
+        self.inbox = FrameBuffer(MAX_FROM_WORKER)
+        self.job: Optional[int] = None  # the job it compiles
+        self.grace_ends = 0.0  # when its job goes on at a lower priority
+        self.niced = False  # retired after its job
+
+
 class Server:
     def __init__(self, out: int, nice: int, grace: float, max_jobs: int) -> None:
         self.out, self.max_jobs = out, max_jobs
+        self.max_rss = 0  # a worker resident beyond it after a job is retired
         # a long compile's niceness
         self.niceness = min(19, os.getpriority(os.PRIO_PROCESS, 0) + max(0, nice))
         self.grace = grace
         self.compiler = None
         self.poller = select.poll()
-        self.children: dict[int, tuple[int, int, bytearray]] = {}  # job -> (pid, fd, bytes)
-        self.by_fd: dict[int, int] = {}  # a child's pipe -> its job
-        self.lower: dict[int, float] = {}  # the children still at our priority -> when not
+        self.procs: dict[int, _Proc] = {}  # by its answers pipe
 
     def deprioritize(self) -> float:
-        """Lower the priority of the children that compile past their grace; the seconds to
-        the next one's end of grace (1 at most)."""
+        """Lower the priority of the workers whose job outlived its grace; the seconds to the
+        next one's end of grace (1 at most)."""
         now, wait = time.monotonic(), 1.0
-        for pid, at in list(self.lower.items()):
-            if at <= now:
-                del self.lower[pid]
+        for p in self.procs.values():
+            if p.job is None or p.niced:
+                continue
+            if p.grace_ends <= now:
+                p.niced = True
                 try:
-                    os.setpriority(os.PRIO_PROCESS, pid, self.niceness)
+                    os.setpriority(os.PRIO_PROCESS, p.pid, self.niceness)
                 except OSError:  # (it just ended)
                     pass
             else:
-                wait = min(wait, at - now)
+                wait = min(wait, p.grace_ends - now)
         return wait
 
     def handle(self, msg, t0: float) -> None:
@@ -138,66 +173,83 @@ class Server:
             # its own cache is off: the engine's is keyed by the constraint, bounded in
             # entries and bytes
             self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            self.max_rss = _rss(os.getpid()) + RETIRE_GROWTH
+            self.fork()  # one worker ready before the first job
             write_all(self.out, frame(Ready(os.getpid(), time.monotonic() - t0)))
         elif self.compiler is None:
             raise PeerGone("a job before the start frame")
         elif isinstance(msg, Job):
-            if msg.id in self.children or len(self.children) >= self.max_jobs:
+            busy = [p for p in self.procs.values() if p.job is not None]
+            idle = [p for p in self.procs.values() if p.job is None]
+            if msg.id in (p.job for p in busy) or (not idle and len(busy) >= self.max_jobs):
                 write_all(self.out, frame(Failed(msg.id, "the grammar compile server is busy")))
                 return
-            self.fork(msg)
-        elif isinstance(msg, Cancel) and msg.id in self.children:
-            self.end(msg.id, kill=True)
-            write_all(self.out, frame(Cancelled(msg.id)))
+            p = idle[0] if idle else self.fork()
+            p.job, p.grace_ends = msg.id, time.monotonic() + self.grace
+            try:
+                write_all(p.jobs, frame(msg))
+            except PeerGone:  # it died while idle: its end is reported as this job's
+                pass
+        elif isinstance(msg, Cancel):
+            p = next((p for p in self.procs.values() if p.job == msg.id), None)
+            if p is not None:
+                self.end(p, kill=True)
+                write_all(self.out, frame(Cancelled(msg.id)))
 
-    def fork(self, job: Job) -> None:
-        r, w = os.pipe()
+    def fork(self) -> _Proc:
+        jobs_r, jobs_w = os.pipe()
+        answers_r, answers_w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            _child(self.compiler, job, w, os.getppid())
-        os.close(w)
-        self.lower[pid] = time.monotonic() + self.grace
-        os.set_blocking(r, False)
-        self.children[job.id] = (pid, r, bytearray())
-        self.by_fd[r] = job.id
-        self.poller.register(r, select.POLLIN)
+            _worker(self.compiler, jobs_r, answers_w, os.getppid())
+        os.close(jobs_r)
+        os.close(answers_w)
+        os.set_blocking(answers_r, False)
+        p = self.procs[answers_r] = _Proc(pid, jobs_w, answers_r)
+        self.poller.register(answers_r, select.POLLIN)
+        return p
 
-    def end(self, job: int, kill: bool) -> str:
-        """Reap job ``job``'s child (killed first if ``kill``); how it ended."""
-        pid, fd, _ = self.children.pop(job)
-        self.lower.pop(pid, None)
+    def end(self, p: _Proc, kill: bool) -> str:
+        """Reap worker ``p`` (killed first if ``kill``, else its jobs pipe closed: it exits);
+        how it ended."""
         if kill:
-            os.kill(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
-        self.poller.unregister(fd)
-        del self.by_fd[fd]
-        os.close(fd)
+            os.kill(p.pid, signal.SIGKILL)
+        os.close(p.jobs)
+        _, status = os.waitpid(p.pid, 0)
+        self.poller.unregister(p.answers)
+        del self.procs[p.answers]
+        os.close(p.answers)
         return _status(status)
 
-    def from_child(self, fd: int) -> None:
-        job = self.by_fd[fd]
-        buf = self.children[job][2]
+    def from_worker(self, fd: int) -> None:
+        p = self.procs[fd]
         try:
             data = os.read(fd, _READ)
         except BlockingIOError:
             return
-        if data:
-            buf += data
-            if len(buf) <= HEADER.size + MAX_FROM_WORKER:
-                return
-            self.end(job, kill=True)
-            answer = frame(Failed(job, "invalid structured output: the compiled grammar is "
-                                       "too large"))
-        else:  # the child closed its pipe: it wrote its answer, or died
-            n = HEADER.unpack_from(buf)[0] if len(buf) >= HEADER.size else -1
-            whole = len(buf) == HEADER.size + n
-            status = self.end(job, kill=False)
-            answer = bytes(buf) if whole else frame(Ended(job, status))
-        write_all(self.out, answer)
+        if not data:  # it died
+            job, status = p.job, self.end(p, kill=False)
+            if job is not None:
+                write_all(self.out, frame(Ended(job, status)))
+            return
+        try:
+            bodies = p.inbox.feed(data)
+        except PeerGone:  # over the bound
+            job = p.job
+            self.end(p, kill=True)
+            write_all(self.out, frame(Failed(job or 0, "invalid structured output: the "
+                                                       "compiled grammar is too large")))
+            return
+        for body in bodies:
+            write_all(self.out, HEADER.pack(len(body)) + body)
+            p.job = None
+        if p.job is None and (p.niced or _rss(p.pid) > self.max_rss):
+            # retired: it would compile at a low priority from now on, or its heap grew
+            self.end(p, kill=True)
 
     def stop(self) -> None:
-        for job in list(self.children):
-            self.end(job, kill=True)
+        for p in list(self.procs.values()):
+            self.end(p, kill=True)
 
 
 def main(argv=None) -> int:
@@ -206,13 +258,18 @@ def main(argv=None) -> int:
                     help="added to a compile's niceness once it outlives its grace")
     ap.add_argument("--grace", type=float, default=0.0,
                     help="seconds a compile runs at the server's priority")
-    ap.add_argument("--max-jobs", type=int, default=2, help="compiles at once, at most")
+    ap.add_argument("--max-jobs", type=int, default=2, help="workers (compiles at once), at most")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     parent = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when a compile ends
     server = Server(_take_stdout(), args.nice, args.grace, args.max_jobs)
     import xgrammar  # noqa: F401  (before the start frame: while the engine builds it)
+
+    # what each worker needs, imported once here (ctypes alone took 11 ms a process)
+    import ctypes  # noqa: F401
+
+    from . import compiler  # noqa: F401
 
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
     if threads > 1:
@@ -229,7 +286,7 @@ def main(argv=None) -> int:
                 return 0  # the engine died; a pipe end lives on elsewhere
             for fd, _ in events:
                 if fd != 0:
-                    server.from_child(fd)
+                    server.from_worker(fd)
                     continue
                 try:
                     data = os.read(0, _READ)
