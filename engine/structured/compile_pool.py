@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -72,6 +71,35 @@ class SlotTimeout(Exception):
     """No compile slot came free in time (every slot busy with other compiles)."""
 
 
+class _Box:
+    """What the server said about one job, as the reader thread hands it over. Nothing is taken
+    out: a wait abandoned by a cancellation cannot take the answer its cancel waits for."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.items: list = []  # None: the server is gone
+        self._woken = False
+
+    def put(self, item) -> None:
+        with self._cond:
+            self.items.append(item)
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """End the waits of :meth:`first` (an abandoned one returns)."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
+
+    def first(self, timeout: float, wake: bool = True):
+        """The first thing said (None: the server is gone), waiting up to ``timeout`` seconds
+        (``TimeoutError``); with ``wake``, None once :meth:`wake` was called."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.items or (wake and self._woken), timeout):
+                raise TimeoutError
+            return self.items[0] if self.items else None
+
+
 class _Server:
     """The compile server's process, and the thread that reads its answers into job boxes."""
 
@@ -85,7 +113,7 @@ class _Server:
              "--grace", str(GRACE), "--max-jobs", str(workers)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
         self.pid = self.proc.pid
-        self._boxes: dict[int, queue.SimpleQueue] = {0: queue.SimpleQueue()}  # 0: Ready's
+        self._boxes: dict[int, _Box] = {0: _Box()}  # 0: Ready's
         self._lock = threading.Lock()  # the boxes, gone
         self._send_lock = threading.Lock()
         self.gone: Optional[str] = None  # why its answers ended
@@ -110,11 +138,11 @@ class _Server:
                 for box in self._boxes.values():
                     box.put(None)
 
-    def box(self, job: int) -> queue.SimpleQueue:
+    def box(self, job: int) -> _Box:
         with self._lock:
             if self.gone is not None:
                 raise PeerGone(self.gone)
-            box = self._boxes[job] = queue.SimpleQueue()
+            box = self._boxes[job] = _Box()
             return box
 
     def drop(self, job: int) -> None:
@@ -150,15 +178,6 @@ class _Server:
         if not self._reader.is_alive():  # (a pipe is closed once no thread reads it)
             self.proc.stdout.close()
         return code
-
-
-def _get(box: queue.SimpleQueue, timeout: float):
-    """The next answer in ``box``; None once the server is gone; ``TimeoutError`` past
-    ``timeout`` seconds."""
-    try:
-        return box.get(timeout=timeout)
-    except queue.Empty:
-        raise TimeoutError from None
 
 
 class CompilePool:
@@ -223,7 +242,7 @@ class CompilePool:
             try:
                 info_json = (await to_thread.run_sync(self._vocabulary))[1]
                 await to_thread.run_sync(s.send, Start(info_json))
-                ready = await to_thread.run_sync(_get, s._boxes[0], START_TIMEOUT,
+                ready = await to_thread.run_sync(s._boxes[0].first, START_TIMEOUT,
                                                  abandon_on_cancel=True)
                 if not isinstance(ready, Ready):
                     raise PeerGone(s.gone or "no ready frame")
@@ -253,7 +272,7 @@ class CompilePool:
         try:
             try:
                 await to_thread.run_sync(s.send, Job(job, kind, text))
-                reply = await to_thread.run_sync(_get, box, timeout, abandon_on_cancel=True)
+                reply = await to_thread.run_sync(box.first, timeout, abandon_on_cancel=True)
             except PeerGone:
                 raise
             except TimeoutError:
@@ -282,21 +301,16 @@ class CompilePool:
         grammar = await to_thread.run_sync(_deserialize, reply.grammar, self._info)
         return grammar, reply.seconds
 
-    async def _cancel(self, s: _Server, job: int, box: queue.SimpleQueue) -> None:
+    async def _cancel(self, s: _Server, job: int, box: _Box) -> None:
         """Have the server kill job ``job``'s worker and wait until it reports it reaped
         (shielded: the job's slot is given back once its process is gone). A server that does
         not answer in time is ended, its workers with it."""
         with anyio.CancelScope(shield=True):
+            box.wake()  # (a wait abandoned by the cancellation returns)
             try:
-                # a fresh box: a wait abandoned by a cancellation would take the answer from the
-                # old one (it is woken, and returns)
-                box.put(None)
-                box = s.box(job)
                 await to_thread.run_sync(s.send, Cancel(job))
-                while True:  # (its answer may have crossed the cancel: any last word ends it)
-                    reply = await to_thread.run_sync(_get, box, CLOSE_TIMEOUT)
-                    if reply is None or isinstance(reply, (Cancelled, Done, Failed, Ended)):
-                        return
+                # Cancelled, or the answer that crossed the cancel, or None: the server is gone
+                await to_thread.run_sync(box.first, CLOSE_TIMEOUT, False)
             except PeerGone:
                 return  # the server is gone, and its workers with it
             except TimeoutError:

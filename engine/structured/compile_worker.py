@@ -17,9 +17,9 @@ held to one thread by the engine's environment), so forking it is safe.
 A compile that outlives its grace (``--grace`` seconds: the usual compile is done by then) goes
 on at a lower CPU priority (``--nice``): a long compile, a hostile one too, then takes only the
 CPU the engine's own threads leave; its worker is retired after it (its priority cannot be
-raised again), as is a worker whose heap grew by :data:`RETIRE_GROWTH`. The server dies with the engine: the end of its stdin (the
-engine closed it, or died) kills every worker and ends the server; a worker dies with the server
-(``PR_SET_PDEATHSIG`` on Linux).
+raised again), as is a worker whose heap grew by :data:`RETIRE_GROWTH`. The server dies with
+the engine: the end of its stdin (the engine closed it, or died) kills every worker and ends the
+server; a worker dies with the server (``PR_SET_PDEATHSIG`` on Linux).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``GrammarService``: constraints compiled into xgrammar grammars, off the engine's process, cached.
+"""``GrammarService``: constraints compiled into xgrammar grammars, out of the engine's process,
+cached.
 
 * The vocabulary xgrammar masks over is built once, lazily (on the first constrained request),
   from our own tokenizer's byte table (:func:`tokenizer_info`): every token's exact bytes, so
@@ -130,7 +131,8 @@ class GrammarService:
         return self.cache.get(c.key)
 
     async def compiled(self, c: StructuredOutputs):
-        """The compiled grammar of ``c``; :class:`BadRequestError` if it does not compile in time."""
+        """The compiled grammar of ``c``; :class:`BadRequestError` if it does not compile in
+        time."""
         key = c.key
         grammar = self.cache.get(key)
         if grammar is not None:
