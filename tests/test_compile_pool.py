@@ -97,6 +97,7 @@ async def _until(cond, seconds: float = 120.0) -> None:
 
 
 def test_a_compile_through_the_server_is_the_in_process_one_and_close_ends_it(vocab):
+    """Also: a SIGTERM or SIGINT sent to the process group leaves the server and workers be."""
     pool = _pool(vocab, 2)
     c = StructuredOutputs(json_schema=SCHEMA)
 
@@ -109,6 +110,9 @@ def test_a_compile_through_the_server_is_the_in_process_one_and_close_ends_it(vo
         return g, seconds, again
 
     g, seconds, again = anyio.run(main)
+    os.kill(pool.server_pid, signal.SIGTERM)  # the process group's: the engine's to act on
+    os.kill(compile_processes()[1][0], signal.SIGINT)
+    assert anyio.run(pool.compile, "regex", "[a-z]", 60.0, 60.0)[0] is not None
     want = compile_constraint(vocab[2], c.kind, c.text)
     assert g.serialize_json() == want.serialize_json() and seconds > 0
     m = xgr.GrammarMatcher(again)

@@ -262,7 +262,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     parent = os.getppid()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when a compile ends
+    # a SIGTERM or Ctrl-C to the process group (Kubernetes sends one) is the engine's to act on:
+    # it drains, its compiles in flight finish, then it closes us (the workers inherit this)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     server = Server(_take_stdout(), args.nice, args.grace, args.max_jobs)
     import xgrammar  # noqa: F401  (before the start frame: while the engine builds it)
 
