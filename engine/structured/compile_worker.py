@@ -199,9 +199,10 @@ class Server:
     def fork(self) -> _Proc:
         jobs_r, jobs_w = os.pipe()
         answers_r, answers_w = os.pipe()
+        server = os.getpid()
         pid = os.fork()
         if pid == 0:
-            _worker(self.compiler, jobs_r, answers_w, os.getppid())
+            _worker(self.compiler, jobs_r, answers_w, server)
         os.close(jobs_r)
         os.close(answers_w)
         os.set_blocking(answers_r, False)
