@@ -79,8 +79,8 @@ def _compile_json_schema(compiler, schema):
 # or its library's messages), and CFG ambiguity is undecidable in general. The one sound cheap
 # check, a cyclic grammar (a rule deriving itself, A =>+ A: infinitely ambiguous, and never
 # needed for a language), misses the costly cases and hits harmless ones: with SmolLM2's
-# vocabulary a mask fill for ``s ::= "" | s s | [a-z]`` took 2.3 s by step 20, but the same
-# without ``""`` (not cyclic) 2.7 s, and ``([a-z]*[a-z]*){10}`` grows too (0.3 s by step 25),
+# vocabulary a mask fill for ``s ::= "" | s s | [a-z]`` took over 2 s by step 13, the same
+# without ``""`` (not cyclic) 2.7 s by step 20, and ``([a-z]*[a-z]*){10}`` 0.3 s by step 25,
 # while ``("a"*)*``, cyclic once xgrammar writes the stars as rules, stays under 1 ms (measured).
 # A grammar's per-step cost is for the step loop to bound, not for a heuristic here.
 
