@@ -185,11 +185,13 @@ class Server:
                 write_all(self.out, frame(Failed(msg.id, "the grammar compile server is busy")))
                 return
             p = idle[0] if idle else self.fork()
-            p.job, p.grace_ends = msg.id, time.monotonic() + self.grace
             try:
                 write_all(p.jobs, frame(msg))
-            except PeerGone:  # it died while idle: its end is reported as this job's
-                pass
+            except PeerGone:  # it died while idle: a new one takes the job
+                self.end(p, kill=True)
+                p = self.fork()
+                write_all(p.jobs, frame(msg))  # (a fresh fork reads it; else the server fails)
+            p.job, p.grace_ends = msg.id, time.monotonic() + self.grace
         elif isinstance(msg, Cancel):
             p = next((p for p in self.procs.values() if p.job == msg.id), None)
             if p is not None:
