@@ -66,7 +66,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     # Structured outputs (engine/structured/): a constraint that does not compile within this
-    # many seconds is refused (400); compiled grammars are cached, bounded in entries and bytes.
+    # many seconds is refused (400) and its compile stopped; compiled grammars are cached,
+    # bounded in entries and bytes.
     grammar_compile_timeout: float = 10.0
     grammar_cache_entries: int = 256
     grammar_cache_bytes: int = 512 * 2**20
@@ -78,6 +79,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # (random trajectories, mean 25-60 us); an ambiguous grammar 9 ms by its 5th token, 14 ms
     # by its 6th and 2 s by its 31st. 0: no limit.
     grammar_row_budget_ms: float = 10.0
+    # At most this many grammar compiles at once, each a process forked from the compile
+    # server (engine/structured/compile_worker.py: started on the first compile, ~280 MB).
+    grammar_compile_workers: int = 2
     cuda_graphs: bool = True  # capture decode-only steps as CUDA graphs (CUDA + Triton only)
     # with cuda_graphs, steps with prompt tokens too: a graph per row count up to
     # max_num_batched_tokens, captured at load (an eager prompt step costs the host ~300
@@ -149,6 +153,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise BadRequestError("step_burst_ms must be in [0, 10000]")
         if not 0 <= self.grammar_row_budget_ms <= 60_000:
             raise BadRequestError("grammar_row_budget_ms must be in [0, 60000]")
+        if not 1 <= self.grammar_compile_workers <= 64:
+            raise BadRequestError("grammar_compile_workers must be in [1, 64]")
         if self.grammar_cache_entries < 0 or self.grammar_cache_bytes < 0:
             raise BadRequestError("grammar_cache_entries and grammar_cache_bytes must be >= 0")
         self._validate_tp()

@@ -24,7 +24,8 @@ torch = pytest.importorskip("torch")
 from engine.loader.tokenizer import Tokenizer  # noqa: E402
 from engine.structured import native  # noqa: E402
 from engine.structured.bitmask import TokenBitmask  # noqa: E402
-from engine.structured.grammars import _SEPARATORS, grammar_vocab_size, tokenizer_info  # noqa: E402
+from engine.structured.compiler import _SEPARATORS  # noqa: E402
+from engine.structured.grammars import grammar_vocab_size, tokenizer_info  # noqa: E402
 from engine.structured.matcher import advance_all, new_matcher  # noqa: E402
 
 V = 512

@@ -142,13 +142,15 @@ async def scenario(hooks, burst_ms, n=6, max_tokens=None, after=None, params=Non
     try:
         async with anyio.create_task_group() as tg:
             await eng.start(tg)
-            for i in range(n):
+            ps = [params(i) if params else SamplingParams(
+                max_tokens=max_tokens[i] if max_tokens else 30, ignore_eos=True)
+                for i in range(n)]
+            for p in ps:  # every constraint compiled first: no add is delayed
+                if p.structured is not None:
+                    await eng.grammars.compiled(p.structured)
+            for i, p in enumerate(ps):
                 rid = f"r{i}"
                 recs[rid] = Rec()
-                mt = max_tokens[i] if max_tokens else 30
-                p = params(i) if params else SamplingParams(max_tokens=mt, ignore_eos=True)
-                if p.structured is not None:  # compiled first: the add is not delayed
-                    await eng.grammars.compiled(p.structured)
                 eng.submit(PROMPTS[i], p, rid, recs[rid])
             with anyio.fail_after(18):
                 for r in list(recs.values()):

@@ -13,7 +13,7 @@ each ``--fill-threads`` count, and the tokens taken one ``accept_token`` call pe
 Python (``structured.matcher.advance``) against one ``batch_accept_token`` call
 (``structured.matcher.advance_all``). Setups (``--setups``): ``engine``, what the engine does
 (``grammars.tokenizer_info``: the ids up to the last one with text or an EOS id; the schema's
-bounded strings counted by ``grammars.count_bounded_strings``); ``uncounted``, the same
+bounded strings counted by ``compiler.count_bounded_strings``); ``uncounted``, the same
 vocabulary with xgrammar's own ``compile_json_schema``; ``padded``, every id of the model's
 vocabulary (the padding as empty special entries) with ``compile_json_schema``: what the engine
 did before. The setups draw the same random numbers, so equal masks give equal trajectories:
@@ -82,7 +82,8 @@ def compile_setup(setup: str, tokenizer, vocab_size: int, grammar_json: dict):
     """(compiled grammar, its vocabulary's size, compile ms) of ``setup``."""
     import xgrammar as xgr
 
-    from engine.structured.grammars import _SEPARATORS, _compile_json_schema, tokenizer_info
+    from engine.structured.compiler import _SEPARATORS, _compile_json_schema
+    from engine.structured.grammars import tokenizer_info
 
     info = (padded_info if setup == "padded" else tokenizer_info)(tokenizer, vocab_size)
     comp = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)

@@ -87,6 +87,7 @@ class AsyncEngine(IntakeAPI, EngineLoop, SleepAPI, PauseAPI, TransferAPI):
         self.grammars = GrammarService(
             lambda: self.runner.tokenizer, lambda: self.runner.model_config.vocab_size,
             compile_timeout=config.grammar_compile_timeout,
+            compile_workers=config.grammar_compile_workers,
             cache=GrammarCache(config.grammar_cache_entries, config.grammar_cache_bytes))
         self.lifecycle.describe_in_flight(self._in_flight)  # for the transition's log line
 

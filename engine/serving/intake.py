@@ -6,8 +6,8 @@ A mixin, like :class:`engine.serving.sleep.SleepAPI`: it uses the engine's ``lif
 (accepted requests whose long prompt is tokenized on a worker thread -> abort reason),
 ``_tg``, ``_loop_thread``, ``grammars``, ``_wake()`` and ``_dispatch()`` (``loop.py``).
 
-A request with an output constraint whose grammar is not cached waits for its compile (on a
-worker thread, :class:`engine.structured.grammars.GrammarService`) *before* it reaches the
+A request with an output constraint whose grammar is not cached waits for its compile (in the
+compile server's process, :class:`engine.structured.grammars.GrammarService`) *before* it reaches the
 core: it holds no batch slot meanwhile, and requests without constraints never wait for it.
 
 Producers (API calls, on the event loop or, for aborts, any thread) only append to the inbox;

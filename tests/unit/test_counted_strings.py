@@ -1,5 +1,5 @@
 """A schema's bounded strings (``minLength`` / ``maxLength``) compiled as rules that count the
-characters left (``grammars.count_bounded_strings``) keep xgrammar's language exactly: along
+characters left (``compiler.count_bounded_strings``) keep xgrammar's language exactly: along
 random trajectories over a vocabulary of multi-character tokens (some longer than the bounds,
 some closing the string and going on), every mask is the one ``compile_json_schema`` gives, bit
 for bit, and every token gets the same verdict."""
@@ -14,7 +14,7 @@ import torch
 
 xgr = pytest.importorskip("xgrammar")
 
-from engine.structured.grammars import (  # noqa: E402
+from engine.structured.compiler import (  # noqa: E402
     MAX_COUNTED, _SEPARATORS, _compile_json_schema, count_bounded_strings)
 from engine.structured.matcher import advance  # noqa: E402
 
@@ -97,9 +97,9 @@ def test_what_is_not_counted_stays():
 
 
 def test_a_counted_grammar_that_does_not_compile_falls_back(monkeypatch, caplog):
-    from engine.structured import grammars
+    from engine.structured import compiler
 
-    monkeypatch.setattr(grammars, "count_bounded_strings", lambda e: e + "\nbroken ::= (")
+    monkeypatch.setattr(compiler, "count_bounded_strings", lambda e: e + "\nbroken ::= (")
     vocab = _vocab()
     info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=len(vocab),
                              stop_token_ids=[len(vocab) - 1])

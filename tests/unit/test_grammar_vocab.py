@@ -15,7 +15,8 @@ xgr = pytest.importorskip("xgrammar")
 
 from engine.loader.tokenizer import Tokenizer  # noqa: E402
 from engine.structured.bitmask import TokenBitmask  # noqa: E402
-from engine.structured.grammars import _SEPARATORS, grammar_vocab_size, tokenizer_info  # noqa: E402
+from engine.structured.compiler import _SEPARATORS  # noqa: E402
+from engine.structured.grammars import grammar_vocab_size, tokenizer_info  # noqa: E402
 from engine.structured.matcher import advance, advance_all  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from engine.errors import BadRequestError
+from engine.errors import BadRequestError, EngineOverloadedError
 from engine.params import SamplingParams
 from engine.structured.grammars import GrammarCache
 from engine.structured.spec import MAX_CHOICES, MAX_PATTERN_CHARS, MAX_SCHEMA_CHARS, StructuredOutputs
@@ -93,31 +93,63 @@ class _FakeGrammar:
 
 
 class _FakeCompiler:
-    """Stands in for xgrammar's compiler: ``regex`` "slow" takes a second, "bad" fails."""
-
-    def __init__(self) -> None:
-        self.calls = 0
+    """Stands in for xgrammar's compiler: ``regex`` "bad" fails as xgrammar does."""
 
     def compile_regex(self, rx: str):
-        import time
-
-        self.calls += 1
-        if rx == "slow":
-            time.sleep(1.0)
         if rx == "bad":
             raise RuntimeError("[01:02:03] /project/cpp/regex_converter.cc:83: Regex parsing "
                                "error at position 1\nmore detail")
         return _FakeGrammar()
 
 
-def test_grammar_service_deadline_sharing_and_cache(monkeypatch):
+def test_a_compile_error_names_the_problem_without_xgrammar_s_source_lines():
+    from engine.structured.compiler import compile_constraint
+
+    assert isinstance(compile_constraint(_FakeCompiler(), "regex", "ok"), _FakeGrammar)
+    with pytest.raises(BadRequestError, match=r"the regex constraint does not compile: Regex "
+                                              r"parsing error at position 1$"):
+        compile_constraint(_FakeCompiler(), "regex", "bad")
+    with pytest.raises(BadRequestError, match="unknown kind"):
+        compile_constraint(_FakeCompiler(), "python", "1")
+
+
+class _FakePool:
+    """Stands in for the compile processes: ``regex`` "slow" outlives any deadline, "bad" does
+    not compile; counts the compiles it was asked for."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def compile(self, kind: str, text: str, timeout: float, wait: float):
+        import anyio
+
+        from engine.structured.compile_pool import CompileTimeout
+
+        self.calls += 1
+        await anyio.sleep(0.05)
+        if text == "slow":
+            await anyio.sleep(timeout)
+            raise CompileTimeout
+        if text == "busy":
+            from engine.structured.compile_pool import SlotTimeout
+
+            raise SlotTimeout
+        if text == "bad":
+            raise BadRequestError("invalid structured output: the regex constraint does not "
+                                  "compile: Regex parsing error at position 1")
+        return _FakeGrammar(), 0.05
+
+    def close(self) -> None:
+        pass
+
+
+def test_grammar_service_deadline_sharing_and_cache():
     import anyio
 
     from engine.structured import grammars
 
-    fake = _FakeCompiler()
-    monkeypatch.setattr(grammars, "_new_compiler", lambda tok, vocab: fake)
     svc = grammars.GrammarService(lambda: None, lambda: 0, compile_timeout=0.2)
+    fake = svc.pool = _FakePool()
 
     async def main():
         c = StructuredOutputs(regex="ok")
@@ -131,13 +163,25 @@ def test_grammar_service_deadline_sharing_and_cache(monkeypatch):
                 tg.start_soon(one)
         assert fake.calls == 1 and len({id(g) for g in got}) == 1  # one compile, shared
         assert svc.cached(c) is got[0] and await svc.compiled(c) is got[0]
-        with anyio.fail_after(0.9):  # the deadline, not the compile's second, bounds the wait
-            with pytest.raises(BadRequestError, match="did not compile within 0.2 s"):
+        errors = []
+
+        async def slow():
+            try:
                 await svc.compiled(StructuredOutputs(regex="slow"))
+            except BadRequestError as exc:
+                errors.append(str(exc))
+
+        async with anyio.create_task_group() as tg:  # the waiter shares the first's error
+            tg.start_soon(slow)
+            tg.start_soon(slow)
+        assert errors == ["invalid structured output: the regex constraint did not compile "
+                          "within 0.2 s (too large or too complex)"] * 2 and fake.calls == 2
         with pytest.raises(BadRequestError, match=r"does not compile: Regex parsing error at "
                                                   r"position 1$"):
             await svc.compiled(StructuredOutputs(regex="bad"))
         assert svc.cached(StructuredOutputs(regex="slow")) is None
-        await anyio.sleep(1.0)  # let the abandoned compile's thread finish
+        assert svc.cached(StructuredOutputs(regex="bad")) is None  # errors are not cached
+        with pytest.raises(EngineOverloadedError, match="every grammar compile worker is busy"):
+            await svc.compiled(StructuredOutputs(regex="busy"))
 
     anyio.run(main)
