@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -38,7 +37,7 @@ from anyio import to_thread
 
 from .. import envs
 from ..errors import BadRequestError, EngineError, EngineShutdownError
-from .compile_wire import (MAX_FROM_WORKER, Cancel, Cancelled, Done, Ended, Failed,
+from .compile_wire import (MAX_FROM_WORKER, Cancel, Done, Ended, Failed,
                            FrameReader, FromWorker, Job, PeerGone, Ready, Start, write_frame)
 
 log = logging.getLogger("enginecore.structured")
