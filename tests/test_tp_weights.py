@@ -275,7 +275,7 @@ def _free_port() -> int:
 
 
 async def test_default_model_tp3_pause_update_sleep_wake() -> None:
-    """The issue's check on the embedded model: TP=3 paused, updated (a subset, then a full
+    """The embedded model: TP=3 paused, updated (a subset, then a full
     set: greedy outputs equal TP=1's), asleep and woken (level 1, the KV cache alone) on every
     rank, 0 tensors alive on every rank after the release."""
     kw = dict(model="default", dtype="float32", max_model_len=256, kv_cache_bytes=8 << 20,
