@@ -77,9 +77,14 @@ def test_a_signal_while_startup_is_still_importing_exits_128_plus_n(tmp_path) ->
             elapsed = time.monotonic() - t
         finally:
             sp.kill()
-        landed.append((delay, sig.name, torch_mapped, code, round(elapsed, 2)))
+        after = "serving " in sp.log  # the signal landed once startup was over (a fast load)
+        landed.append((delay, sig.name, torch_mapped, code, round(elapsed, 2), after))
+        if after:  # then it is a drain: exit 0, the documented code for a clean stop
+            assert code == 0, (landed, sp.log)
+            continue
         assert code == 128 + sig, (landed, sp.log)
-        assert "during startup" in sp.log and "serving " not in sp.log, sp.log
+        assert "during startup" in sp.log, sp.log
         assert not sp.sock.exists()
     print(landed)
-    assert any(not mapped for _, _, mapped, _, _ in landed), landed  # one landed before torch
+    assert sum(not after for *_, after in landed) >= 3, landed  # most landed in startup
+    assert any(not mapped for _, _, mapped, *_ in landed), landed  # one landed before torch
