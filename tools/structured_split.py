@@ -31,10 +31,10 @@ a = ap.parse_args()
 import torch  # noqa: E402
 
 import engine.core.engine_core as core_mod  # noqa: E402
-import engine.core.late_step as late_mod  # noqa: E402
 import engine.runner.launched as launched_mod  # noqa: E402
 import engine.runner.model_runner as rmod  # noqa: E402
 import engine.structured.bitmask as bm  # noqa: E402
+import engine.structured.budget as budget_mod  # noqa: E402
 
 if a.fill_threads is not None:
     bm._fill_threads = lambda: a.fill_threads
@@ -58,7 +58,7 @@ def timed(name, fn):
     return w
 
 
-late_mod.advance_all = timed("accept", late_mod.advance_all)
+budget_mod.GrammarBudget.advance_all = timed("accept", budget_mod.GrammarBudget.advance_all)
 rmod.ModelRunner.fill_masks = timed("fill_masks", rmod.ModelRunner.fill_masks)
 rmod.ModelRunner.forward = timed("forward", rmod.ModelRunner.forward)
 rmod.ModelRunner.sample_step = timed("sample_step", rmod.ModelRunner.sample_step)

@@ -143,7 +143,7 @@ async def _main(a: argparse.Namespace) -> int:
         except (OSError, TimeoutError, EngineError) as exc:
             print(f"enginecore frontend {a.index}: cannot connect to {a.connect}: {exc}",
                   file=sys.stderr)
-            return EXIT_STARTUP
+            return EXIT_ENGINE_DIED if await _orphaned(a.parent_pid) else EXIT_STARTUP
         import msgspec
 
         cache_info = msgspec.json.decode(a.cache_info, type=dict[str, str]) if a.cache_info else None
@@ -157,6 +157,18 @@ async def _main(a: argparse.Namespace) -> int:
                                         admin_token=token if a.admin_auth else None)
             tg.cancel_scope.cancel()
         return code
+
+
+async def _orphaned(parent_pid: Optional[int], within: float = 1.0) -> bool:
+    """Whether the engine process (our parent) is gone: a handshake it broke off by dying is
+    "the engine died" (3), not a startup failure (2). A killed process closes its sockets a
+    moment before its children are re-parented, hence the short wait."""
+    if parent_pid is None:
+        return False
+    with anyio.move_on_after(within):
+        while os.getppid() == parent_pid:
+            await anyio.sleep(0.02)
+    return os.getppid() != parent_pid
 
 
 def main(argv: Optional[list[str]] = None) -> int:
