@@ -20,7 +20,7 @@ from engine.sample.sampler import SamplingBatch, sample, one_pass as _one_pass
 torch.manual_seed(0)
 out = {}
 p = torch.tensor([0.1, 0.2, 0.3, 0.4])
-rows = 1500
+rows = 400
 logits = p.log()[None, :].repeat(rows, 1).float()
 for t in (1.0, 0.5):
     toks = fused_sample.sample(logits, torch.full((rows,), t), 12345)
@@ -37,12 +37,12 @@ out["splits"] = fused_sample.splits_for(6, 5000)
 out["greedy_rows"] = [got[i].item() for i in (0, 2, 3, 5)]
 out["greedy_want"] = [l.argmax(-1)[i].item() for i in (0, 2, 3, 5)]
 # refused tokens are never drawn; same seed, same tokens; another seed, others
-m = torch.zeros(128, 300)
+m = torch.zeros(32, 300)
 m[:, ::2] = float("-inf")
-a = fused_sample.sample(m, torch.ones(128), 9)
+a = fused_sample.sample(m, torch.ones(32), 9)
 out["refused_drawn"] = int((a % 2 == 0).sum())
-out["same_seed"] = torch.equal(a, fused_sample.sample(m, torch.ones(128), 9))
-out["other_seed_differs"] = not torch.equal(a, fused_sample.sample(m, torch.ones(128), 10))
+out["same_seed"] = torch.equal(a, fused_sample.sample(m, torch.ones(32), 9))
+out["other_seed_differs"] = not torch.equal(a, fused_sample.sample(m, torch.ones(32), 10))
 # engine.sample.sampler.sample: the one pass for temperature alone, the torch path otherwise
 def batch(**kw):
     base = dict(temperature=torch.ones(2), top_k=torch.zeros(2, dtype=torch.long), top_p=torch.ones(2),
@@ -70,12 +70,12 @@ out["grammar_ok"] = torch.equal(sample(x, batch(), rows)[0], fused_sample.sample
 out["sampled_same_as_kernel"] = torch.equal(sample(x, batch())[0], fused_sample.sample(x, torch.ones(2), 3))
 # greedy=True (no noise drawn) gives what zero temperatures give, split (6 rows) or one program
 # a row writing the tokens itself (130 rows), with ties, a row of -inf and grammar masks
-out["greedy_splits"] = [fused_sample.splits_for(6, 5000, True), fused_sample.splits_for(130, 5000, True),
-                        fused_sample.splits_for(130, 5000)]
-g = torch.randn(130, 5000)
-g[:, 7] = g[:, 4250] = 9.0
+out["greedy_splits"] = [fused_sample.splits_for(6, 5000, True), fused_sample.splits_for(130, 2100, True),
+                        fused_sample.splits_for(130, 2100)]
+g = torch.randn(130, 2100)
+g[:, 7] = g[:, 2060] = 9.0  # a tie across the two blocks
 g[5] = float("-inf")
-words = torch.randint(-2**31, 2**31 - 1, (130, 157), dtype=torch.int64).to(torch.int32)
+words = torch.randint(-2**31, 2**31 - 1, (130, 157), dtype=torch.int64).to(torch.int32)  # 157 words: 5000 ids
 words[:, 0] |= 1 << 7  # id 7 allowed everywhere: the tie's first column
 words[3] = 0  # a row that allows nothing: its first column, as a row of -inf
 flags = (torch.arange(130) % 3 == 0).to(torch.int8)
@@ -88,18 +88,18 @@ for lg in (l, g):
         same.append(bool(torch.equal(a, b)) and a.dtype == torch.long and a.shape == (lg.shape[0],))
 out["greedy_same"] = same
 masked = g.clone()
-allow = ((words.to(torch.int64)[:, torch.arange(5000) // 32] >> (torch.arange(5000) % 32)) & 1).bool()
+allow = ((words.to(torch.int64)[:, torch.arange(2100) // 32] >> (torch.arange(2100) % 32)) & 1).bool()
 masked[~allow] = float("-inf")
 got = fused_sample.sample(g, torch.zeros(130), 4, GrammarRows(words, None), greedy=True)
 out["greedy_masked_argmax"] = [got[i].item() == (masked[i].argmax().item() if i != 5 else 0) for i in range(130)].count(False)
 # the sampler passes greedy for an all-greedy batch with grammar rows
 out["sampler_greedy"] = torch.equal(sample(g, batch(temperature=torch.zeros(130), generators=[None] * 130,
                                                all_greedy=True), GrammarRows(words, None))[0], got)
-# 600 sampled rows: one program a row at any temperature too (refused ids never drawn)
-big = torch.zeros(600, 300)
+# 200 sampled rows: one program a row at any temperature too (refused ids never drawn)
+big = torch.zeros(200, 300)
 big[:, ::2] = float("-inf")
-d = fused_sample.sample(big, torch.ones(600), 11)
-out["one_sampled"] = [fused_sample.splits_for(600, 300), int((d % 2 == 0).sum()), str(d.dtype)]
+d = fused_sample.sample(big, torch.ones(200), 11)
+out["one_sampled"] = [fused_sample.splits_for(200, 300), int((d % 2 == 0).sum()), str(d.dtype)]
 print(json.dumps(out))
 '''
 
@@ -111,8 +111,8 @@ def test_one_pass_sampler_in_the_interpreter():
                        timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    for t in ("1.0", "0.5"):  # 1,500 draws: each frequency within 0.05 (4 sigma) of its probability
-        assert max(abs(a - b) for a, b in zip(r[f"freq_{t}"], r[f"want_{t}"])) < 0.05, r
+    for t in ("1.0", "0.5"):  # 400 draws: each frequency within 0.1 (4 sigma) of its probability
+        assert max(abs(a - b) for a, b in zip(r[f"freq_{t}"], r[f"want_{t}"])) < 0.1, r
     assert r["splits"] == 3
     assert r["greedy_rows"] == r["greedy_want"] == [100, 100, 0, 100]  # first max; -inf row: 0
     assert r["refused_drawn"] == 0 and r["same_seed"] and r["other_seed_differs"]
@@ -121,7 +121,7 @@ def test_one_pass_sampler_in_the_interpreter():
     # all-allowing grammar rows draw what no rows draw; a batch the one pass does not draw
     # (top-k, a seeded row, logprobs) refuses them
     assert r["grammar_ok"] and r["grammar_refused"] == [True, True, True]
-    assert r["greedy_splits"] == [3, 1, 3]
+    assert r["greedy_splits"] == [3, 1, 2]
     assert r["greedy_same"] == [True] * 6
     assert r["greedy_masked_argmax"] == 0 and r["sampler_greedy"]
     assert r["one_sampled"] == [1, 0, "torch.int64"]
