@@ -20,7 +20,8 @@ class RemoteStream:
     """Async iterator of one request's outputs (like :class:`engine.serving.request_stream.RequestStream`).
 
     Errors the engine reports for the request are raised by ``__anext__``. Leaving it early
-    (``break`` and dropping it, ``aclose()``, ``cancel()``) aborts the request."""
+    (``break`` and dropping it, ``aclose()``, ``cancel()``, a cancellation while it waits)
+    aborts the request."""
 
     __slots__ = ("request_id", "_abandon", "_ch", "_done", "__weakref__")
 
@@ -47,7 +48,11 @@ class RemoteStream:
                 self._done = True
                 err, ch.error = ch.error, None
                 raise err
-            await ch.wait()
+            try:
+                await ch.wait()
+            except BaseException:  # cancelled while waiting: the consumer left (as ``break``)
+                self.cancel()
+                raise
 
     @property
     def finished(self) -> bool:

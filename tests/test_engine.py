@@ -125,6 +125,34 @@ async def test_drain_deadline_aborts_with_reason() -> None:
     assert eng.state is State.SHUTDOWN
 
 
+async def test_a_consumer_cancelled_while_waiting_aborts_its_request() -> None:
+    """A task reading a stream cancelled (a task group's cancel, a timeout) aborts the request
+    at once -- not a request decoding on unread until the stream happens to be collected (the
+    cancelled task's traceback kept it alive: the step thread ran on at a full core)."""
+    params = SamplingParams(max_tokens=100_000, ignore_eos=True)
+    async with AsyncEngine.open(EngineConfig(model=TINY)) as eng:
+        core = eng.core
+        kept = []
+
+        async def reader(rid):
+            stream = eng.generate(prompts(1)[0], params, request_id=rid)
+            kept.append(stream)  # held elsewhere: only the cancellation can abort it
+            async for _ in stream:
+                pass
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reader, "tg")
+            while "tg" not in core.requests:
+                await anyio.sleep(0.001)
+            tg.cancel_scope.cancel()
+        with anyio.move_on_after(0.05):
+            await reader("timeout")
+        with anyio.fail_after(2):
+            while core.requests or eng._inbox:
+                await anyio.sleep(0.001)
+        assert core.blocks.num_free == core.blocks.num_blocks and len(kept) == 2
+
+
 async def test_abort_and_break_free_blocks_within_one_step() -> None:
     params = SamplingParams(max_tokens=1000, ignore_eos=True)
     async with AsyncEngine.open(EngineConfig(model=TINY)) as eng:

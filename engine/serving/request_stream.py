@@ -16,8 +16,8 @@ Sink = Callable[[Union[RequestOutput, BaseException]], None]
 
 
 class RequestStream:
-    """Async iterator of one request's outputs. Leaving it early (``break``, ``aclose()``, or
-    dropping it) aborts the request and frees its blocks.
+    """Async iterator of one request's outputs. Leaving it early (``break``, ``aclose()``, a
+    cancellation while it waits, or dropping it) aborts the request and frees its blocks.
 
     A consumer that fell behind gets what is pending as one piece (:func:`merge_outputs`): the
     same tokens and text in the same order, in fewer pieces; the terminal one is always last."""
@@ -45,11 +45,15 @@ class RequestStream:
         items = box.items
         while not items:  # the engine always sends a terminal item or an error
             try:
-                future = box._waiter = get_running_loop().create_future()
-            except RuntimeError:  # pragma: no cover - not asyncio (trio)
-                await box.wait()
-            else:
-                await future
+                try:
+                    future = box._waiter = get_running_loop().create_future()
+                except RuntimeError:  # pragma: no cover - not asyncio (trio)
+                    await box.wait()
+                else:
+                    await future
+            except BaseException:  # cancelled while waiting (a task group, a timeout): the
+                self.cancel()  # consumer has left, as with ``break`` -- not a request running on
+                raise  # unread until the stream object happens to be collected
         item = items.popleft()
         if isinstance(item, BaseException):
             self._close()

@@ -145,6 +145,23 @@ async def test_leaving_a_stream_aborts_it():
         assert len(await collect(c.generate([1], SamplingParams(max_tokens=3), request_id="r"))) == 3
 
 
+async def test_a_reader_cancelled_while_waiting_aborts_its_request():
+    async with serving() as (eng, server, addr), EngineClient.connect(addr) as c:
+        s = c.generate([1], SamplingParams(max_tokens=100_000), request_id="r")
+        await s.__anext__()
+        eng.paused = True  # nothing more comes: the reader waits
+
+        async def read():
+            async for _ in s:
+                pass
+
+        with anyio.move_on_after(0.1):
+            await read()
+        await wait_for(lambda: eng.aborted)
+        assert eng.aborted[-1][1] == "aborted by client" and s.finished
+        eng.paused = False
+
+
 async def test_reusing_an_id_while_its_abort_is_pending():
     async with serving() as (eng, server, addr), EngineClient.connect(addr) as c:
         eng.paused = True
