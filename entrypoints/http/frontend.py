@@ -126,6 +126,8 @@ async def serve_frontend(engine, sock: socket.socket, *, limits: HttpLimits = Ht
 
 #: How often a frontend process gives its freed heap back (entrypoints.malloc.trim_every).
 TRIM_EVERY_S = 10.0
+#: The collector's youngest generation threshold while a frontend serves (the engine's default).
+GC_YOUNG_THRESHOLD = 2_000
 
 
 async def _main(a: argparse.Namespace) -> int:
@@ -149,6 +151,14 @@ async def _main(a: argparse.Namespace) -> int:
         cache_info = msgspec.json.decode(a.cache_info, type=dict[str, str]) if a.cache_info else None
         from ..malloc import trim_every
 
+        from engine.runner import gc_freeze
+
+        # What a frontend allocates per token and per request is freed by reference counting;
+        # the collector walking the startup heap (FastAPI, pydantic, the schemas) and collecting
+        # the young generation every 700 allocations cost ~10 % of its CPU under a burst of
+        # 256 streams (bench.serve). The engine's own settings, for the same reasons
+        # (engine/runner/gc_freeze.py).
+        gc_freeze.hold(GC_YOUNG_THRESHOLD)
         async with anyio.create_task_group() as tg:
             tg.start_soon(trim_every, TRIM_EVERY_S)
             code = await serve_frontend(client, sock, limits=a.limits, parent_pid=a.parent_pid,
