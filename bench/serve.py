@@ -184,7 +184,7 @@ def _spy(pids: list[int], out_dir: Optional[Path], tag: str) -> list[subprocess.
         return []
     exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [subprocess.Popen([exe, "record", "-r", "200", "-f", "raw", "-o",
+    return [subprocess.Popen([exe, "record", "-r", "200", "-f", "raw", "--threads", "-o",
                               str(out_dir / f"frontend{k}-{tag}.txt"), "--pid", str(pid)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for k, pid in enumerate(pids)]

@@ -450,3 +450,28 @@ def test_weight_sync_bench_runs_on_cpu(tmp_path) -> None:
     res = json.loads(out.read_text())["models"][0]
     assert set(res["paths"]) == {"tensors", "distributed", "sleep"}
     assert res["paths"]["tensors"]["kept_stream_tokens"] == 64
+
+
+def test_serve_bench_drives_the_real_server_and_the_in_process_run(tmp_path):
+    """bench.serve: the real ``enginecore serve --http`` from two client processes, two load
+    points, every token counted (the usage agrees), and the in-process figure beside it."""
+    out = tmp_path / "s.json"
+    p = _bench("serve", "--device", "cpu", "--no-progress", "--num-requests", "6", "--min-input", "8",
+               "--max-input", "24", "--min-output", "4", "--max-output", "12", "--warmup", "0",
+               "--concurrency", "2,6", "--clients", "2", "--out", str(out), timeout=120)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    expected = res["workload"]["output_tokens"]
+    (rnd,) = res["rounds"]
+    assert [pt["concurrency"] for pt in rnd["points"]] == [2, 6]
+    for pt in rnd["points"]:
+        assert pt["errors"] == 0 and pt["requests"] == 6, pt
+        assert pt["output_tokens"] == expected and pt["usage_disagrees"] == 0, pt
+        assert pt["output_tok_s"] > 0 and pt["ttft_p50_ms"] > 0 and pt["itl_p99_ms"] is not None
+        assert pt["e2e_p99_ms"] >= pt["ttft_p99_ms"] > 0
+    assert rnd["inproc"]["output_tokens"] == expected
+    assert set(rnd["ratios"]) >= {"out_tok_s", "ttft_p50"}
+    assert res["server"]["api_servers"] == 1 and res["server_exit_code"] == 0
+    assert "HTTP / in-process at the burst" in p.stdout
+    # no matplotlib here: the plot is skipped with a note (a PNG where it is installed)
+    assert out.with_suffix(".png").exists() or any("matplotlib" in n for n in res["notes"])
