@@ -226,7 +226,7 @@ def _serve_http(a, config) -> int:
     process exits after them."""
     import secrets
 
-    from .http.frontend import Frontends, bind_http, default_api_servers, is_loopback_http
+    from .http.supervisor import Frontends, bind_http, default_api_servers, is_loopback_http
     from .http.limits import limits_from_args
 
     if a.api_servers is None:
