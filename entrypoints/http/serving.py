@@ -170,6 +170,8 @@ class _Request:
     async def start(self) -> None:
         if any(st.needs_table for st in self.states):
             table = await self.fe.token_table()
+            if self.kind.ids_as_tokens:
+                table = table.as_ids()
             for st in self.states:
                 st.table = table
         firsts = [k for k, j in enumerate(self.jobs) if j.index == self._first_of(j)]
@@ -183,7 +185,8 @@ class _Request:
 
     def _starter(self, k: int):
         job = self.jobs[k]
-        return lambda: self.runs[k].start(job.prompt, job.params, self.kind.max_tokens_param)
+        prompt = job.prompt if job.submit is None else job.submit
+        return lambda: self.runs[k].start(prompt, job.params, self.kind.max_tokens_param)
 
     def first_usage(self) -> dict:
         """Usage before any output token (every run has its first output by then)."""
