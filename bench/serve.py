@@ -117,9 +117,12 @@ class Server:
                      *(["--api-servers", str(args.api_servers)] if args.api_servers else []),
                      *(["--threads", str(args.threads)] if args.threads else []), *args.serve_arg]
         self.log_path = Path(self.tmp) / "server.log"
+        root = args.server_root or ROOT  # another checkout's server: an A/B against it
+        env = dict(os.environ, PYTHONPATH=str(root))
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(self.argv, cwd=root, env=env, stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
         self.frontends: list[int] = []
 
     def wait_ready(self, timeout: float) -> str:
@@ -203,7 +206,7 @@ def run_point(server: Server, args, payloads: list[bytes], offsets: list[float],
         for w, proc in enumerate(workers):
             items = [Item(i, msgspec.Raw(payloads[i]), offsets[i]) for i in range(w, len(payloads), k)]
             proc.stdin.write(msgspec.json.encode(Job(server.base_url, path, items, shares[w],
-                                                     args.request_timeout)) + b"\n")
+                                                     args.request_timeout, args.client)) + b"\n")
             proc.stdin.flush()
         for proc in workers:
             if json.loads(proc.stdout.readline() or b"{}").get("ready") is not True:
@@ -272,8 +275,14 @@ def parse_args(argv: Optional[list[str]]):
                     help="Poisson arrivals, requests a second (default inf: all at t=0)")
     ap.add_argument("--clients", type=int, default=min(12, max(2, (os.cpu_count() or 2) - 2)),
                     help="client processes (default: CPUs - 2, at least 2, at most 12)")
+    ap.add_argument("--client", choices=["httpx", "raw"], default="httpx",
+                    help="how the clients read the streams: httpx, or a plain HTTP/1.1 reader "
+                         "(a fraction of httpx's CPU per token: for small machines)")
     ap.add_argument("--api-servers", type=int, default=None, help="default: the server's own")
     ap.add_argument("--serve-arg", action="append", default=[], help="more serve flags (repeatable)")
+    ap.add_argument("--server-root", type=Path, default=None, metavar="DIR",
+                    help="run the server from this source tree (e.g. an unpacked older commit: "
+                         "before / after on the same machine); default: this one")
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=None, help="default: max input + max output")
@@ -317,7 +326,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "output_len": [args.min_output, args.max_output], "temperature": args.temperature,
                      "request_rate": args.request_rate, "ignore_eos": True, "seed": args.seed,
                      "prompt_tokens": sum(len(p) for p, _ in work), "output_tokens": expected},
-        "engine_config": msgspec.to_builtins(config), "clients": args.clients,
+        "engine_config": msgspec.to_builtins(config), "clients": args.clients, "client": args.client,
         "rounds": [], "notes": []}
     inproc = args.inproc and args.workload == "nano"
     if args.inproc and not inproc:

@@ -13,7 +13,8 @@ The conversation is msgspec JSON lines over the pipes (no pickle):
 4. stdout, after the last request: one :class:`Result` per request, then a :class:`Done` with this
    process's CPU seconds from the start to the last response. Nothing is written while requests run (no I/O of ours competes with them).
 
-Each request is streamed (SSE). A token is counted from the chunk's logprobs (``logprobs: 0`` on
+Each request is streamed (SSE), through httpx (``client: "httpx"``) or a plain HTTP/1.1 reader of
+its own (``"raw"``, :func:`one_raw`). A token is counted from the chunk's logprobs (``logprobs: 0`` on
 completions, ``logprobs: true, top_logprobs: 0`` on chat): a chunk carrying k tokens counts k
 (its inter-token gap split into k equal gaps, as ``bench.recorder`` does). Arrival times are
 taken as the bytes arrive, before the JSON is decoded.
@@ -43,6 +44,7 @@ class Job(msgspec.Struct):
     items: list[Item]
     concurrency: int
     timeout: float = 600.0
+    client: str = "httpx"  # or "raw" (one_raw)
 
 
 class Start(msgspec.Struct):
@@ -114,12 +116,45 @@ def _count(chunk: _Chunk) -> tuple[int, Optional[str]]:
     return k, finish
 
 
+class _Reader:
+    """A response body's SSE events into ``res``: tokens counted, first-token and inter-token
+    times (``t``: when the bytes arrived, before any decoding)."""
+
+    def __init__(self, res: Result) -> None:
+        self.res = res
+        self.last = res.submit
+        self.buf = bytearray()
+
+    def feed(self, t: float, data: bytes) -> None:
+        res = self.res
+        self.buf += data
+        for payload in _events(self.buf):
+            if payload == b"[DONE]":
+                continue
+            chunk = _decode_chunk(payload)
+            if chunk.error is not None:
+                res.error = "stream error: " + bytes(chunk.error)[:300].decode("utf-8", "replace")
+                continue
+            if chunk.usage is not None:
+                res.usage_tokens = chunk.usage.completion_tokens
+            k, finish = _count(chunk)
+            if k:
+                if res.first is None:
+                    res.first = t
+                    res.itl.extend([0.0] * (k - 1))
+                else:
+                    res.itl.extend([(t - self.last) / k] * k)
+                self.last = t
+                res.tokens += k
+            res.finish = finish or res.finish
+
+
 async def one(client, path: str, item: Item, res: Result) -> None:
+    """One request through httpx (``client``: an ``httpx.AsyncClient`` of one connection)."""
     import httpx
 
     res.submit = time.monotonic()
-    last = res.submit
-    buf = bytearray()
+    reader = _Reader(res)
     try:
         async with client.stream("POST", path, content=bytes(item.body),
                                  headers={"content-type": "application/json"}) as resp:
@@ -128,42 +163,82 @@ async def one(client, path: str, item: Item, res: Result) -> None:
                 res.error = f"HTTP {resp.status_code}: {text}"
                 return
             async for data in resp.aiter_raw():
-                t = time.monotonic()
-                buf += data
-                for payload in _events(buf):
-                    if payload == b"[DONE]":
-                        continue
-                    chunk = _decode_chunk(payload)
-                    if chunk.error is not None:
-                        res.error = "stream error: " + bytes(chunk.error)[:300].decode("utf-8", "replace")
-                        continue
-                    if chunk.usage is not None:
-                        res.usage_tokens = chunk.usage.completion_tokens
-                    k, finish = _count(chunk)
-                    if k:
-                        if res.first is None:
-                            res.first = t
-                            res.itl.extend([0.0] * (k - 1))
-                        else:
-                            res.itl.extend([(t - last) / k] * k)
-                        last = t
-                        res.tokens += k
-                    res.finish = finish or res.finish
+                reader.feed(time.monotonic(), data)
     except (httpx.HTTPError, msgspec.DecodeError, OSError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"[:300]
     finally:  # (also when the request's timeout cancels it)
         res.end = time.monotonic()
 
 
+async def one_raw(address: tuple[str, int], path: str, item: Item, res: Result) -> None:
+    """One request on a connection of its own, HTTP/1.1 read by hand: the status line and
+    headers, then the chunked body (``Connection: close``: the server ends it).
+
+    Why by hand: httpx (httpcore + h11 + anyio streams) spent ~170 µs of CPU per streamed token
+    in these processes, twice the server's own, so on a small machine the clients took the CPU
+    the server was being measured on; this reader spends a fraction of that."""
+    import asyncio
+
+    host, port = address
+    body = bytes(item.body)
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    res.submit = time.monotonic()
+    reader = _Reader(res)
+    writer = None
+    try:
+        stream, writer = await asyncio.open_connection(host, port)
+        writer.write(head + body)
+        raw = bytearray()
+        while b"\r\n\r\n" not in raw:
+            data = await stream.read(65536)
+            if not data:
+                raise ConnectionError("closed before the response head")
+            raw += data
+        end = raw.index(b"\r\n\r\n")
+        status_line, *lines = bytes(raw[:end]).decode("latin-1").split("\r\n")
+        del raw[:end + 4]
+        status = int(status_line.split(" ", 2)[1])
+        chunked = any(ln.lower().replace(" ", "") == "transfer-encoding:chunked" for ln in lines)
+        if status != 200 or not chunked:
+            raw += await stream.read()  # (Connection: close: the rest, then EOF)
+            res.error = f"HTTP {status}: {bytes(raw[:300]).decode('utf-8', 'replace')}"
+            return
+        t = time.monotonic()
+        while True:  # chunks: SIZE (hex) CRLF DATA CRLF ... 0 CRLF CRLF
+            eol = raw.find(b"\r\n")
+            if eol >= 0:
+                size = int(bytes(raw[:eol]).split(b";", 1)[0], 16)
+                if size == 0:
+                    break
+                if len(raw) >= eol + 2 + size + 2:
+                    reader.feed(t, bytes(raw[eol + 2:eol + 2 + size]))
+                    del raw[:eol + 2 + size + 2]
+                    continue
+            data = await stream.read(65536)
+            if not data:
+                raise ConnectionError("closed mid-response")
+            t = time.monotonic()
+            raw += data
+    except (OSError, ValueError, IndexError, msgspec.DecodeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"[:300]
+    finally:  # (also when the request's timeout cancels it)
+        res.end = time.monotonic()
+        if writer is not None:
+            writer.close()
+
+
 async def run(job: Job, t0: float, clients: list) -> list[Result]:
     """Every item of ``job``, each sent at ``t0`` + its offset on a free client of ``clients``
-    (one connection each: httpx's pool looks at all its connections on every request and
-    response, which costs more than the request itself with a hundred of them)."""
+    (httpx clients of one connection each -- httpx's pool looks at all its connections on every
+    request and response, which costs more than the request itself with a hundred of them --
+    or, for the raw client, the server's address once per concurrency slot)."""
     import anyio
 
     results = [Result(i=it.i) for it in job.items]
     free = list(clients)
     slots = anyio.Semaphore(len(free))
+    send = one if job.client == "httpx" else one_raw
 
     async def go(item: Item, res: Result) -> None:
         delay = t0 + item.at - time.monotonic()
@@ -173,7 +248,7 @@ async def run(job: Job, t0: float, clients: list) -> list[Result]:
             client = free.pop()
             try:
                 with anyio.move_on_after(job.timeout) as scope:
-                    await one(client, job.path, item, res)
+                    await send(client, job.path, item, res)
                 if scope.cancelled_caught:
                     res.error = f"timeout after {job.timeout:g} s"
             finally:
@@ -202,10 +277,15 @@ async def _main() -> int:
     # no timeout per read (each is a cancel scope more per token): one per request, in run()
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
     tls = ssl.create_default_context()  # unused (plain HTTP), but each client would make its own
+    slots = max(1, min(job.concurrency, len(job.items)))
     async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(httpx.AsyncClient(
-            base_url=job.base_url, limits=limits, timeout=httpx.Timeout(None), verify=tls))
-            for _ in range(max(1, min(job.concurrency, len(job.items))))]
+        if job.client == "httpx":
+            clients = [await stack.enter_async_context(httpx.AsyncClient(
+                base_url=job.base_url, limits=limits, timeout=httpx.Timeout(None), verify=tls))
+                for _ in range(slots)]
+        else:
+            url = httpx.URL(job.base_url)
+            clients = [(url.host, url.port or 80)] * slots
         out.write(b'{"ready": true}\n')
         out.flush()
         line = await anyio.to_thread.run_sync(stdin.readline)
@@ -243,7 +323,7 @@ def main() -> int:
     return anyio.run(_main)
 
 
-__all__ = ["Item", "Job", "Start", "Result", "Done", "poisson_offsets", "run", "one"]
+__all__ = ["Item", "Job", "Start", "Result", "Done", "poisson_offsets", "run", "one", "one_raw"]
 
 if __name__ == "__main__":
     sys.exit(main())
