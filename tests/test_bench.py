@@ -475,3 +475,35 @@ def test_serve_bench_drives_the_real_server_and_the_in_process_run(tmp_path):
     assert "HTTP / in-process at the burst" in p.stdout
     # no matplotlib here: the plot is skipped with a note (a PNG where it is installed)
     assert out.with_suffix(".png").exists() or any("matplotlib" in n for n in res["notes"])
+
+
+@pytest.mark.asyncio
+async def test_serve_bench_raw_client_reads_what_httpx_reads():
+    """bench.serve's two clients count the same tokens of the same stream, and both record a
+    refusal as an error with its status."""
+    import httpx
+    import msgspec
+
+    sys.path.insert(0, str(ROOT / "tests" / "http"))
+    from http_helpers import served
+
+    from bench.serve_client import Item, Result, one, one_raw
+
+    body = {"prompt": [5, 6, 7], "max_tokens": 9, "ignore_eos": True, "temperature": 0,
+            "stream": True, "logprobs": 0, "stream_options": {"include_usage": True}}
+    async with served() as s:
+        url = httpx.URL(s.base_url)
+        async with httpx.AsyncClient(base_url=s.base_url) as client:
+            got = {}
+            for name, send, target in (("raw", one_raw, (url.host, url.port)),
+                                       ("httpx", one, client)):
+                ok, bad = Result(i=0), Result(i=1)
+                good_body = msgspec.Raw(json.dumps(body).encode())
+                bad_body = msgspec.Raw(json.dumps({**body, "max_tokens": -1}).encode())
+                await send(target, "/v1/completions", Item(0, good_body), ok)
+                await send(target, "/v1/completions", Item(1, bad_body), bad)
+                assert ok.error is None and ok.tokens == 9 == ok.usage_tokens, (name, ok)
+                assert ok.finish == "length" and len(ok.itl) == 8 and ok.end >= ok.first >= ok.submit
+                assert bad.error.startswith("HTTP 400") and bad.tokens == 0, (name, bad)
+                got[name] = ok.tokens
+    assert got["raw"] == got["httpx"]
