@@ -91,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_listen_args(s)
     s.add_argument("--drain-timeout", type=float, default=30.0)
     s.add_argument("--http", default=None, help="HOST:PORT for the OpenAI-compatible frontends")
-    s.add_argument("--api-servers", type=int, default=1)
+    s.add_argument("--api-servers", type=int, default=None,
+                   help="HTTP frontend processes sharing the --http socket (default: on an "
+                        "accelerator one per 4 CPUs this process may use, 1 to 4; on the CPU 1)")
     s.add_argument("--enable-sleep-mode", action="store_true",
                    help="HTTP admin endpoints /sleep, /wake_up, /update_weights, /is_sleeping "
                         "(they need the token if one is set; a non-loopback --http needs one). "

@@ -226,9 +226,16 @@ def _serve_http(a, config) -> int:
     process exits after them."""
     import secrets
 
-    from .http.frontend import Frontends, bind_http, is_loopback_http
+    from .http.supervisor import Frontends, bind_http, default_api_servers, is_loopback_http
     from .http.limits import limits_from_args
 
+    if a.api_servers is None:
+        from engine.serving.cpu_threads import cpu_budget
+
+        cpus, why = cpu_budget()
+        a.api_servers = default_api_servers(config.resolved_device().type, cpus)
+        log.info("%d API server process%s (%s; --api-servers to choose)", a.api_servers,
+                 "" if a.api_servers == 1 else "es", why)
     if a.api_servers < 1:
         print("enginecore: bad configuration: --api-servers must be >= 1", file=sys.stderr)
         return EXIT_STARTUP

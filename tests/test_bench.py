@@ -450,3 +450,60 @@ def test_weight_sync_bench_runs_on_cpu(tmp_path) -> None:
     res = json.loads(out.read_text())["models"][0]
     assert set(res["paths"]) == {"tensors", "distributed", "sleep"}
     assert res["paths"]["tensors"]["kept_stream_tokens"] == 64
+
+
+def test_serve_bench_drives_the_real_server_and_the_in_process_run(tmp_path):
+    """bench.serve: the real ``enginecore serve --http`` from two client processes, two load
+    points, every token counted (the usage agrees), and the in-process figure beside it."""
+    out = tmp_path / "s.json"
+    p = _bench("serve", "--device", "cpu", "--no-progress", "--num-requests", "6", "--min-input", "8",
+               "--max-input", "24", "--min-output", "4", "--max-output", "12", "--warmup", "0",
+               "--concurrency", "2,6", "--clients", "2", "--out", str(out), timeout=120)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    expected = res["workload"]["output_tokens"]
+    (rnd,) = res["rounds"]
+    assert [pt["concurrency"] for pt in rnd["points"]] == [2, 6]
+    for pt in rnd["points"]:
+        assert pt["errors"] == 0 and pt["requests"] == 6, pt
+        assert pt["output_tokens"] == expected and pt["usage_disagrees"] == 0, pt
+        assert pt["output_tok_s"] > 0 and pt["ttft_p50_ms"] > 0 and pt["itl_p99_ms"] is not None
+        assert pt["e2e_p99_ms"] >= pt["ttft_p99_ms"] > 0
+    assert rnd["inproc"]["output_tokens"] == expected
+    assert set(rnd["ratios"]) >= {"out_tok_s", "ttft_p50"}
+    assert res["server"]["api_servers"] == 1 and res["server_exit_code"] == 0
+    assert "HTTP / in-process at the burst" in p.stdout
+    # no matplotlib here: the plot is skipped with a note (a PNG where it is installed)
+    assert out.with_suffix(".png").exists() or any("matplotlib" in n for n in res["notes"])
+
+
+@pytest.mark.asyncio
+async def test_serve_bench_raw_client_reads_what_httpx_reads():
+    """bench.serve's two clients count the same tokens of the same stream, and both record a
+    refusal as an error with its status."""
+    import httpx
+    import msgspec
+
+    sys.path.insert(0, str(ROOT / "tests" / "http"))
+    from http_helpers import served
+
+    from bench.serve_client import Item, Result, one, one_raw
+
+    body = {"prompt": [5, 6, 7], "max_tokens": 9, "ignore_eos": True, "temperature": 0,
+            "stream": True, "logprobs": 0, "stream_options": {"include_usage": True}}
+    async with served() as s:
+        url = httpx.URL(s.base_url)
+        async with httpx.AsyncClient(base_url=s.base_url) as client:
+            got = {}
+            for name, send, target in (("raw", one_raw, (url.host, url.port)),
+                                       ("httpx", one, client)):
+                ok, bad = Result(i=0), Result(i=1)
+                good_body = msgspec.Raw(json.dumps(body).encode())
+                bad_body = msgspec.Raw(json.dumps({**body, "max_tokens": -1}).encode())
+                await send(target, "/v1/completions", Item(0, good_body), ok)
+                await send(target, "/v1/completions", Item(1, bad_body), bad)
+                assert ok.error is None and ok.tokens == 9 == ok.usage_tokens, (name, ok)
+                assert ok.finish == "length" and len(ok.itl) == 8 and ok.end >= ok.first >= ok.submit
+                assert bad.error.startswith("HTTP 400") and bad.tokens == 0, (name, bad)
+                got[name] = ok.tokens
+    assert got["raw"] == got["httpx"]

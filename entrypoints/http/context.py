@@ -58,6 +58,7 @@ class Frontend:
         engine.on_state_change(self._on_state_change)
         self._parse_limiter: Optional[anyio.CapacityLimiter] = None
         self._token_table: Optional[TokenTable] = None
+        self._adds_special: Optional[bool] = None
 
     def _on_state_change(self, old: State, new: State) -> None:
         if new is State.FAILED:
@@ -80,6 +81,16 @@ class Frontend:
         if self._token_table is None:
             self._token_table = TokenTable(await self.engine.token_bytes())
         return self._token_table
+
+    async def text_prompt(self, text: str, add_special_tokens: bool) -> Union[str, list[int]]:
+        """What to submit for a text prompt: the text itself (the engine tokenizes it with the
+        tokenizer's special tokens, its BOS), or -- when those are not wanted and the tokenizer
+        has some -- its token ids without them (one call to the engine's tokenizer)."""
+        if add_special_tokens:
+            return text
+        if self._adds_special is None:  # asked once: whether the engine adds any
+            self._adds_special = bool(await self.engine.tokenize("", True))
+        return await self.engine.tokenize(text, False) if self._adds_special else text
 
     @property
     def max_model_len(self) -> Optional[int]:

@@ -34,10 +34,13 @@ async def completions(fe: Frontend, request: Request, parse_body) -> Response:
         attach(body, chat=False)
         max_tokens = (body.max_tokens if body.max_tokens is not None
                       else fe.default_max_tokens(chat=False))
+        submits: list = []
         for p in prompts:
             if isinstance(p, str):
                 fe.check_prompt_chars(len(p), "prompt")
+                submits.append(await fe.text_prompt(p, body.add_special_tokens))
                 continue
+            submits.append(None)
             n = min(len(p), body._truncate or len(p))
             if limit and n >= limit:
                 raise P.RequestError(f"a prompt has {len(p)} tokens; the context limit is {limit}",
@@ -47,12 +50,14 @@ async def completions(fe: Frontend, request: Request, parse_body) -> Response:
                                      f"is {limit} tokens and a prompt has {n} ({max_tokens} > "
                                      f"{limit} - {n})", param="max_tokens")
         n = body.num_candidates
-        jobs = [Job(i * n + c, i, p, body.engine_params(max_tokens, c))
+        jobs = [Job(i * n + c, i, p, body.engine_params(max_tokens, c),
+                    None if isinstance(submits[i], str) else submits[i])
                 for i, p in enumerate(prompts) for c in range(n)]
     except Exception as exc:
         return error_response(exc, fe.metrics)
     kind = Kind(False, new_id("cmpl"), fe.model, body.include_usage, _continuous(body))
     kind.return_ids = bool(body.return_token_ids)
+    kind.ids_as_tokens = bool(body.return_tokens_as_token_ids)
     if body.num_candidates > body.num_choices:  # best_of: keep the best n of each prompt
         kind.keep_best(body.num_choices, show_logprobs=body.logprobs is not None)
     return await serve_request(fe, request, body, jobs, kind, arrival, echo=bool(body.echo),
@@ -74,12 +79,14 @@ async def chat_completions(fe: Frontend, request: Request, parse_body) -> Respon
         max_tokens = n if n is not None else fe.default_max_tokens(chat=True)
         jobs = [Job(c, 0, "", body.engine_params(max_tokens, c)) for c in range(body.num_choices)]
         prompt = await fe.chat_prompt(messages, **options)
-        jobs = [j._replace(prompt=prompt) for j in jobs]
+        submit = await fe.text_prompt(prompt, body.add_special_tokens)
+        jobs = [j._replace(prompt=prompt, submit=None if submit is prompt else submit) for j in jobs]
     except Exception as exc:
         return error_response(exc, fe.metrics)
     kind = Kind(True, new_id("chatcmpl"), fe.model, body.include_usage, _continuous(body))
     kind.tools = body.tool_mode
     kind.return_ids = bool(body.return_token_ids)
+    kind.ids_as_tokens = bool(body.return_tokens_as_token_ids)
     kind.role, kind.echoed = body.role, body.echoed
     kind.max_tokens_param = body.max_tokens_param
     return await serve_request(fe, request, body, jobs, kind, arrival,

@@ -22,6 +22,9 @@ origin cannot read an answer nor send what needs a preflight (a JSON body, an ``
 header). The flags are vLLM's (``--allowed-origins '["https://ui.example"]'``, also
 comma-separated), but vLLM allows every origin by default. ``--allow-credentials`` with ``*``
 is refused: it would grant every site a credentialed request.
+
+And the ``Host`` names served (``allowed_hosts``, against DNS rebinding; ``hosts.py``): when bound
+to a loopback address, or when given, a request naming another host gets 400.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class HttpLimits(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    allowed_hosts: tuple[str, ...] = ()  # empty: loopback names when bound to loopback, else any
 
     def validate(self) -> "HttpLimits":
         for name in ("max_body_bytes", "max_requests_in_flight", "max_connections"):
@@ -63,6 +67,10 @@ class HttpLimits(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
             if not (0 < getattr(self, name) <= 3600):
                 raise ValueError(f"--{name.replace('_', '-')} must be in (0, 3600] seconds")
         self._validate_cors()
+        from .hosts import check_allowed_host
+
+        for host in self.allowed_hosts:
+            check_allowed_host(host)  # ValueError naming it
         return self
 
     def _validate_cors(self) -> None:
@@ -141,6 +149,10 @@ _HELP = {
     "allowed_methods": "with --allowed-origins: the methods a preflight grants (default *)",
     "allowed_headers": "with --allowed-origins: the request headers a preflight grants (default *)",
     "allow_credentials": "with --allowed-origins: let pages send cookies or HTTP auth (not with *)",
+    "allowed_hosts": "the Host names served (against DNS rebinding), as a JSON list or "
+                     "comma-separated: names, addresses, *.example.com, or * for any; loopback "
+                     "names and the bound address are always served. Default: when bound to a "
+                     "loopback address only those; otherwise any",
 }
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import time
+from bisect import bisect_left
 from typing import Any, Mapping, Optional, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
@@ -186,11 +187,41 @@ class _PromptGroup:
                 hists[2].observe(self.max_tokens)
 
 
+#: A request's generated tokens and inter-token gaps are added to the metrics in batches: at
+#: this many tokens, after FLUSH_S seconds, and when it ends (so a scrape lags by at most that).
+FLUSH_TOKENS = 32
+FLUSH_S = 1.0
+
+
+def observe_many(hist: Histogram, values: Sequence[float]) -> None:
+    """``hist.observe(v)`` for every ``v`` of ``values``, with one write per bucket touched.
+
+    Why by hand: prometheus-client observes one value at a time, and in multiprocess mode each
+    observation writes two values into the process's memory-mapped file under a lock; once per
+    streamed token that was a tenth of a frontend's CPU per token (bench.serve). This reads the
+    histogram's own buckets (the same objects ``observe`` updates); a histogram without them
+    (another prometheus-client) is observed one value at a time."""
+    buckets = getattr(hist, "_buckets", None)
+    bounds = getattr(hist, "_upper_bounds", None)
+    total = getattr(hist, "_sum", None)
+    if buckets is None or bounds is None or total is None or len(buckets) != len(bounds):
+        for v in values:
+            hist.observe(v)
+        return
+    counts: dict[int, int] = {}
+    for v in values:  # observe's rule: the first bucket whose bound is >= v (+Inf is last)
+        i = bisect_left(bounds, v)
+        counts[i] = counts.get(i, 0) + 1
+    for i, c in counts.items():
+        buckets[i].inc(c)
+    total.inc(sum(values))
+
+
 class RequestTracker:
     """Feeds one request's outputs into the metrics; ``finish`` exactly once."""
 
     __slots__ = ("m", "arrival", "first", "last", "tokens", "prompt_seen", "done", "max_tokens",
-                 "group")
+                 "group", "gaps", "unflushed", "flushed_at")
 
     def __init__(self, m: Metrics, arrival: float, max_tokens: int = 0,
                  group: Optional[_PromptGroup] = None) -> None:
@@ -206,6 +237,9 @@ class RequestTracker:
             group = _PromptGroup(m)
             group.n = 1
         self.group = group
+        self.gaps: list[float] = []  # inter-token gaps not yet observed
+        self.unflushed = 0  # generated tokens not yet counted
+        self.flushed_at = arrival
         m.in_flight.inc()
 
     def output(self, out) -> None:
@@ -219,24 +253,36 @@ class RequestTracker:
                 hists[0].observe(out.num_prompt_tokens)
         k = len(out.token_ids)
         if k:
-            m.generation_tokens.inc(k)
             self.tokens += k
+            self.unflushed += k
             if self.last is None:
                 m.ttft.observe(t - self.arrival)
                 self.first = t
             else:  # k tokens arrived together (speculation): spread the gap over them
                 gap = (t - self.last) / k
-                for _ in range(k):
-                    m.itl.observe(gap)
+                self.gaps.extend([gap] * k)
             self.last = t
+            if self.unflushed >= FLUSH_TOKENS or t - self.flushed_at >= FLUSH_S:
+                self.flush(t)
         if out.finished:
             self.finish(out.finish_reason or "stop")
+
+    def flush(self, t: float) -> None:
+        """Count the tokens and observe the gaps seen since the last flush."""
+        self.flushed_at = t
+        if self.unflushed:
+            self.m.generation_tokens.inc(self.unflushed)
+            self.unflushed = 0
+        if self.gaps:
+            observe_many(self.m.itl, self.gaps)
+            self.gaps = []
 
     def finish(self, reason: str) -> None:
         if self.done:
             return
         self.done = True
         m = self.m
+        self.flush(time.monotonic())
         m.in_flight.dec()
         m.requests.labels(reason if reason in FINISH_REASONS else "error").inc()
         m.e2e.observe(time.monotonic() - self.arrival)
@@ -257,5 +303,5 @@ class RequestTracker:
             self.group.ended(None)
 
 
-__all__ = ["Metrics", "RequestTracker", "EngineCollector", "CONTENT_TYPE_LATEST", "cache_info",
-           "MULTIPROC_ENV", "STATES", "FINISH_REASONS"]
+__all__ = ["Metrics", "RequestTracker", "observe_many", "EngineCollector", "CONTENT_TYPE_LATEST",
+           "cache_info", "MULTIPROC_ENV", "STATES", "FINISH_REASONS"]

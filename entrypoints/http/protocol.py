@@ -57,6 +57,7 @@ class CompletionRequest(_SamplingFields):
     suffix: Optional[StrictStr] = None
     logprobs: Optional[_int()] = None
     best_of: Optional[_int(ge=1, le=MAX_N)] = None
+    add_special_tokens: StrictBool = True  # a text prompt gets the tokenizer's BOS (vLLM's default)
 
     def check(self, vocab_size: int = 0, max_logprobs: int = 20,
               max_model_len: int = 0) -> list[Union[str, list[int]]]:

@@ -7,7 +7,12 @@ field: this engine does not implement it. ``seed`` takes any 64-bit integer, as 
 negative one maps to a generator seed deterministically). ``truncate_prompt_tokens`` keeps k
 prompt tokens (-1: the context's worth), from ``truncation_side`` ("left", the default: the
 last k; "right": the first k). ``return_token_ids`` adds the prompt's and the output's token ids
-to the response (``choices.py``).
+to the response (``choices.py``); ``return_tokens_as_token_ids`` shows logprobs' tokens as
+``"token_id:N"``. ``priority`` must be 0 (the scheduler has no priorities: vLLM's answer without
+its priority policy); ``spaces_between_special_tokens: false`` is refused unless special tokens
+are skipped anyway (the detokenizer has no such option; with skipped special tokens vLLM ignores
+it too). ``add_special_tokens`` (declared per route: true for completions, false for chat, as
+vLLM) is whether a text prompt gets the tokenizer's special tokens (its BOS).
 """
 
 from __future__ import annotations
@@ -141,6 +146,9 @@ class _SamplingFields(_Body):
     truncate_prompt_tokens: Optional[_int(ge=-1)] = None  # -1: the context's worth
     truncation_side: Optional[Literal["left", "right"]] = None  # None: "left"
     return_token_ids: Optional[StrictBool] = None
+    return_tokens_as_token_ids: Optional[StrictBool] = None  # logprobs' tokens as "token_id:N"
+    spaces_between_special_tokens: StrictBool = True  # (false: refused, see check_common)
+    priority: _int(ge=-2**63, le=2**63 - 1) = 0  # (only 0: no priority scheduling)
     # beam search (vLLM's): refused, see check_common
     use_beam_search: StrictBool = False
     length_penalty: Optional[_num(-1e6, 1e6)] = None
@@ -165,6 +173,14 @@ class _SamplingFields(_Body):
         if self.length_penalty is not None and self.length_penalty != 1.0:
             raise RequestError("length_penalty applies to beam search, which this server does not "
                                "implement", param="length_penalty")
+        if self.priority:
+            raise RequestError("priority scheduling is not enabled on this server (requests are "
+                               "served first come, first served): priority must be 0",
+                               param="priority")
+        if not self.spaces_between_special_tokens and not self.skip_special_tokens:
+            raise RequestError("spaces_between_special_tokens: false is not supported: this "
+                               "server's detokenizer writes special tokens as its tokenizer "
+                               "decodes them", param="spaces_between_special_tokens")
         self._truncate = truncation(self.truncate_prompt_tokens, max_model_len)
         check_logprobs_k("prompt_logprobs", self.prompt_logprobs, max_logprobs)
         for name in ("stop_token_ids", "allowed_token_ids"):

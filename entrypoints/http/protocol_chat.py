@@ -146,6 +146,9 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
     tool_choice: Optional[Opaque] = None
     functions: Optional[Annotated[list[Opaque], Field(max_length=MAX_TOOLS)]] = None
     echo: StrictBool = False
+    #: the tokenizer's special tokens (its BOS) added to the rendered prompt: off, as vLLM, since
+    #: the chat template writes them itself
+    add_special_tokens: StrictBool = False
 
     def check(self, vocab_size: int = 0, max_logprobs: int = 20,
               max_model_len: int = 0) -> list[dict]:

@@ -14,31 +14,25 @@ engine behind it.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import anyio
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
-from engine.errors import BadRequestError, EngineError, EngineShutdownError
+from engine.errors import BadRequestError, EngineShutdownError
 from engine.interface import RequestStreamLike
 from . import protocol as P
-from .choices import ChoiceState, Job, Kind, total_usage, usage
+from .choices import ChoiceState, Job, Kind, usage
 from .context import Frontend, client_of
-from .errors import JSONBody, error_response, json_bytes, stream_error
+from .errors import JSONBody, error_response
 from .metrics import Metrics, RequestTracker
+from .sse import EventStream
 
 log = logging.getLogger("enginecore.http")
 
-_DONE = b"data: [DONE]\n\n"
 #: how the engine's refusal of a max_tokens past the context begins (engine/serving/admission.py)
 MAX_TOKENS_REFUSAL = "max_tokens is too large"
-
-
-def _sse(obj: dict) -> bytes:
-    """One event: its JSON on one line, whatever line ends a reader knows (errors.json_bytes)."""
-    return b"data: " + json_bytes(obj) + b"\n\n"
 
 
 async def _unless_disconnected(request: Request, fn: Callable[[], Awaitable[Any]],
@@ -176,6 +170,8 @@ class _Request:
     async def start(self) -> None:
         if any(st.needs_table for st in self.states):
             table = await self.fe.token_table()
+            if self.kind.ids_as_tokens:
+                table = table.as_ids()
             for st in self.states:
                 st.table = table
         firsts = [k for k, j in enumerate(self.jobs) if j.index == self._first_of(j)]
@@ -189,7 +185,8 @@ class _Request:
 
     def _starter(self, k: int):
         job = self.jobs[k]
-        return lambda: self.runs[k].start(job.prompt, job.params, self.kind.max_tokens_param)
+        prompt = job.prompt if job.submit is None else job.submit
+        return lambda: self.runs[k].start(prompt, job.params, self.kind.max_tokens_param)
 
     def first_usage(self) -> dict:
         """Usage before any output token (every run has its first output by then)."""
@@ -210,124 +207,33 @@ class _Request:
 async def serve_request(fe: Frontend, request: Request, body: P._SamplingFields,
                         jobs: list[Job], kind: Kind, arrival: float, *, echo: bool = False,
                         want_prompt_lps: bool = False) -> Response:
-    """Submit every choice, then answer: one JSON response, or the event stream."""
+    """Submit every choice, then answer: one JSON response, or the event stream (which submits
+    them itself, under its own watch for the client going away)."""
     req = _Request(fe, jobs, kind, arrival, echo, want_prompt_lps, client_of(request))
-
-    how, result = await _unless_disconnected(request, req.start, fe.metrics)
-    if how != "ok":
-        if how == "error":
-            req.refused()
-        await req.close()  # gone: aborts the requests, queued or running
-        return Response(status_code=499) if how == "gone" else result
-
     if body.stream:
-        return _EventStream(req)
+        return EventStream(req)
 
-    def collector(k: int):
-        async def collect():
-            async for out in req.runs[k].outputs():
-                req.states[k].piece(out)
-        return collect
-
-    try:
-        how, result = await _unless_disconnected(
-            request, lambda: _gather([collector(k) for k in range(len(jobs))]), None)
-    finally:
-        await req.close()
-    if how != "ok":
-        return Response(status_code=499) if how == "gone" else result
-    return JSONBody(kind.whole(req.states))
-
-
-class _EventStream(StreamingResponse):
-    """The SSE response: one pump per choice feeds the body's generator; closes (aborts) the
-    requests also when the body never started (the client went away first)."""
-
-    def __init__(self, req: _Request) -> None:
-        self._send, self._recv = anyio.create_memory_object_stream(math.inf)
-        super().__init__(_stream(req, self._recv), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._req = req
-
-    async def _pump(self, k: int) -> None:
+    async def answer() -> Response:
         try:
-            async for out in self._req.runs[k].outputs():
-                self._send.send_nowait((k, out))
+            await req.start()
         except Exception as exc:
-            self._send.send_nowait((k, exc))
+            req.refused()
+            return error_response(exc, fe.metrics)
 
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                for k in range(len(self._req.runs)):
-                    tg.start_soon(self._pump, k)
-                try:
-                    await super().__call__(scope, receive, send)
-                finally:
-                    tg.cancel_scope.cancel()
-        finally:
-            self._send.close()
-            self._recv.close()
-            await self._req.close()
+        def collector(k: int):
+            async def collect():
+                async for out in req.runs[k].outputs():
+                    req.states[k].piece(out)
+            return collect
 
+        await _gather([collector(k) for k in range(len(jobs))])
+        return JSONBody(kind.whole(req.states))
 
-async def _stream(req: _Request, recv) -> AsyncIterator[bytes]:
-    kind, states = req.kind, req.states
     try:
-        if kind.chat:  # as vLLM: the role (with the prompt's ids), then what echo repeats
-            use = req.first_usage() if kind.continuous_usage else None
-            for k, st in enumerate(states):
-                head = ({"prompt_token_ids": req.runs[k].first.prompt_token_ids}
-                        if kind.return_ids else None)
-                yield _sse(kind.chunk(st.job.index, "", None, None, role=True, use=use, head=head))
-            if kind.echoed:
-                for st in states:
-                    yield _sse(kind.chunk(st.job.index, kind.echoed, None, None, use=use))
-        left = len(states)
-        while left:
-            k, item = await recv.receive()
-            if isinstance(item, BaseException):
-                if isinstance(item, EngineError):  # the engine died (or shut down) under us
-                    yield _sse(stream_error(item))
-                    yield _DONE
-                    return
-                raise item
-            st = states[k]
-            first = st.first
-            text, lps = st.piece(item)
-            ids = {"token_ids": item.token_ids} if st.want_ids else None
-            if st.tools is not None:  # a forced tool call: its deltas, not content
-                use = total_usage(states) if kind.continuous_usage else None
-                calls = st.tool_piece(text, item.finished)
-                if calls is not None or lps:
-                    yield _sse(kind.chunk(st.job.index, None, lps, None, use=use,
-                                          tool_calls=calls, extra=ids))
-                    ids = {"token_ids": []} if ids else None
-                if item.finished:
-                    left -= 1
-                    yield _sse(kind.chunk(st.job.index, None, None, st.finish_reason, use=use,
-                                          extra=ids))
-                continue
-            extra = ({"prompt_logprobs": st.prompt_lps}
-                     if first and st.prompt_lps is not None else {})
-            if first and st.want_ids and not kind.chat:  # chat: on the role chunk
-                extra["prompt_token_ids"] = st.prompt_ids
-            if ids:
-                extra.update(ids)
-            use = total_usage(states) if kind.continuous_usage else None
-            if item.finished:
-                left -= 1
-                if kind.chat and (text or lps):
-                    yield _sse(kind.chunk(st.job.index, text, lps, None, use=use, extra=extra))
-                    text, lps, extra = None, None, ({"token_ids": []} if ids else None)
-                yield _sse(kind.chunk(st.job.index, text, lps, st.finish, use=use, extra=extra))
-            elif text or lps or (extra and set(extra) != {"token_ids"}) or (ids and item.token_ids):
-                yield _sse(kind.chunk(st.job.index, text, lps, None, use=use, extra=extra))
-        if kind.include_usage:
-            yield _sse(kind.usage_chunk(total_usage(states)))
-        yield _DONE
+        how, result = await _unless_disconnected(request, answer, None)
     finally:
-        await req.close()
+        await req.close()  # gone: aborts the requests, queued or running
+    return Response(status_code=499) if how == "gone" else result
 
 
 __all__ = ["Kind", "Job", "serve_request"]

@@ -1,6 +1,7 @@
 """vLLM's utility routes: ``POST /tokenize`` (a prompt, or chat messages rendered with the chat
 template as a chat request renders them: ``add_generation_prompt``, ``continue_final_message``,
-``tools``, ``documents``, ``chat_template_kwargs``; ``add_special_tokens``; ``return_token_strs``:
+``tools``, ``documents``, ``chat_template_kwargs``; ``add_special_tokens``, by default true for a
+prompt and false for messages, as the generation routes take them; ``return_token_strs``:
 the vocabulary's entries, e.g. "Ġhello", as transformers' ``convert_ids_to_tokens``),
 ``POST /detokenize`` and ``GET /version``. The engine's tokenizer answers (in a frontend process,
 over IPC); ids are counted as a generation request's prompt would count them."""
@@ -23,7 +24,8 @@ class TokenizeRequest(P.ChatTemplateFields):
     model: Optional[P.Name] = None
     prompt: Optional[StrictStr] = None
     messages: Optional[Annotated[list[P.ChatMessage], Field(min_length=1, max_length=P.MAX_MESSAGES)]] = None
-    add_special_tokens: StrictBool = True
+    #: default: true for a prompt, false for messages (as a chat request counts them; vLLM's)
+    add_special_tokens: Optional[StrictBool] = None
     return_token_strs: StrictBool = False
 
 
@@ -55,7 +57,8 @@ def register(app: FastAPI, fe: Frontend, parse_body) -> None:
             else:
                 fe.check_prompt_chars(len(body.prompt), "prompt")
                 text = body.prompt
-            ids = await fe.engine.tokenize(text, body.add_special_tokens)
+            special = body.add_special_tokens
+            ids = await fe.engine.tokenize(text, body.messages is None if special is None else special)
             out = {"count": len(ids), "max_model_len": fe.max_model_len or 0, "tokens": ids,
                    "token_strs": None}
             if body.return_token_strs:
