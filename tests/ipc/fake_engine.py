@@ -90,7 +90,7 @@ class FakeEngine:
         from engine.serving.request_stream import RequestStream
 
         rid = request_id or f"fake-{len(self.submitted)}"
-        stream = RequestStream(self, rid)
+        stream = RequestStream(rid, self._abort_nowait)
         self.submit(prompt, params or SamplingParams(), rid, stream.sink(), client)
         return stream
 

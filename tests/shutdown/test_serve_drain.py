@@ -55,7 +55,7 @@ async def reference(params, prompts) -> list[list[int]]:
     return out
 
 
-@pytest.mark.alone  # under a busy neighbour it has hung in the full suite (never alone): see below
+@pytest.mark.alone  # its refusals are bounded at 1 s each
 async def test_drain_under_load(tmp_path) -> None:
     with anyio.fail_after(150):  # a hang fails here, naming this test, not at the run's timeout
         await _drain_under_load(tmp_path)
