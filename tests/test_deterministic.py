@@ -74,6 +74,22 @@ def test_the_ops_give_a_row_the_same_bits_whatever_the_rows_beside_it(threads):
         torch.set_num_threads(before)
 
 
+def test_a_row_without_top_p_keeps_its_tail_beside_a_row_with_it():
+    """The sampler's filters leave a row that does not ask for them as it is: a top_p = 1 row's
+    tail tokens were dropped (its rounded mass reached 1.0) only when another row of the step
+    asked for top-p -- 4,826 of 49,152 tokens here, before the fix."""
+    from engine.sample.sampler import SamplingBatch, apply_penalty_free_filters
+
+    def batch(top_p):
+        n = len(top_p)
+        return SamplingBatch(torch.ones(n), torch.zeros(n, dtype=torch.long), torch.tensor(top_p),
+                             [None] * n, False, False, any_top_k=False, any_top_p=min(top_p) < 1)
+
+    x = torch.randn(2, 49152, generator=torch.Generator().manual_seed(0)) * 3
+    alone = apply_penalty_free_filters(x[:1], batch([1.0]))
+    assert torch.equal(apply_penalty_free_filters(x, batch([1.0, 0.5]))[:1], alone)
+
+
 def test_plain_f_linear_changes_a_rows_result_with_the_row_count():
     """Why the invariant linear exists (float32, this CPU's BLAS): if this ever passes
     unchanged, the default path's linears happen to be invariant here."""
@@ -262,6 +278,10 @@ def test_logprobs_equal_a_full_sequence_recomputation(dtype):
     want = lp[torch.arange(n - 1, len(seq) - 1), torch.tensor(out.tokens)]
     assert [t for t, _ in rows] == out.tokens
     assert torch.equal(torch.tensor([v for _, v in rows]), want)
+    # the prompt's too (row j: token j given the ones before; the first has none)
+    words = np.frombuffer(out.prompt_logprobs, dtype="<i4").reshape(n, -1)
+    prompt_lp = torch.from_numpy(words[1:, 1].view("<f4").copy())
+    assert torch.equal(prompt_lp, lp[torch.arange(n - 1), torch.tensor(TARGET[1:])])
     plain = load(EngineConfig(model=MODEL, device="cpu", dtype=dtype, seed=3, num_kv_blocks=64))[0]
     try:
         other = full_sequence_logprobs(plain, seq[:-1])[torch.arange(n - 1, len(seq) - 1),
