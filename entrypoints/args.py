@@ -99,7 +99,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         nnodes=a.nnodes, node_rank=a.node_rank, master_addr=a.master_addr,
         master_port=a.master_port, freeze_gc=a.freeze_gc, gc_young_threshold=a.gc_young_threshold,
         step_burst_ms=a.step_burst_ms, grammar_row_budget_ms=a.grammar_row_budget_ms,
-        deterministic=getattr(a, "deterministic", False),
+        deterministic=a.deterministic,
     )
 
 
