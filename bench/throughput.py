@@ -3,6 +3,7 @@
     python -m bench.throughput --device cpu                       # scaled down, 70-150 s on 2 busy cores
     python -m bench.throughput --device cuda                      # nano-vllm: 256 req, [100, 1024]
     python -m bench.throughput --device cpu --modes bare,inproc --repeat 4 --logprobs-compare 20
+    python -m bench.throughput --device cpu --modes bare --repeat 3 --deterministic-compare
 
 Workload (nano-vllm's bench.py): N requests (default 256), prompt lengths and output lengths
 uniform in [min, max] (cuda default [100, 1024] for both, as nano-vllm; cpu default prompts
@@ -136,6 +137,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--logprobs-compare", type=int, default=None, metavar="K",
                     help="run every engine mode without and with --logprobs K, alternating, "
                          "--repeat rounds; print the per-round ratios and their median")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="every engine mode in deterministic mode (EngineConfig.deterministic)")
+    ap.add_argument("--deterministic-compare", action="store_true",
+                    help="run every engine mode without and with --deterministic, alternating, "
+                         "--repeat rounds; print the per-round ratios and their median")
     ap.add_argument("--timeline", action="store_true",
                     help="time every step and garbage collection of the bare and in-process runs "
                          "(bench/step_timeline.py): where the in-process mode's extra time goes")
@@ -144,6 +150,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.switch_interval is not None:  # a process entry point: its own interpreter's knob
         sys.setswitchinterval(args.switch_interval)
     throughput_modes.LOGPROBS = args.logprobs
+    if args.deterministic:
+        args.engine_config = {**(args.engine_config or {}), "deterministic": True}
     defaults = CUDA_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -186,6 +194,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     hf = None
     runners = RUNNERS
+    if args.deterministic_compare and not args.child:
+        from .throughput_deterministic import run_compare as run_deterministic
+
+        return run_deterministic(args, argv if argv is not None else sys.argv[1:], work, runners,
+                                 [m for m in modes if m in runners], result)
     if args.logprobs_compare is not None and not args.child:
         from .throughput_logprobs import run_compare
 

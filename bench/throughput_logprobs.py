@@ -39,9 +39,10 @@ def child_argv(argv: list[str], k: Optional[int]) -> list[str]:
     return out + (["--logprobs", str(k)] if k is not None else [])
 
 
-def compare(modes: list[str], rounds: int, k: int, run: Callable[[str, Optional[int]], dict],
-            log=print) -> dict[str, Any]:
-    """``run(mode, logprobs)`` -> a result row, for every mode, ``rounds`` times each variant.
+def compare(modes: list[str], rounds: int, k, run: Callable[[str, Optional[int]], dict],
+            log=print, what: str = "logprobs") -> dict[str, Any]:
+    """``run(mode, logprobs)`` -> a result row, for every mode, ``rounds`` times each variant
+    (``k`` the "with" one, None without; ``what`` names it in the progress lines).
     Returns ``{mode: {"without": [tok/s], "with": [tok/s], "ratios": [...], "median_ratio"}}``."""
     res: dict[str, Any] = {m: {"without": [], "with": [], "ratios": [], "cpu_ratios": [],
                                "cpu_s": {"without": [], "with": []}, "errors": []} for m in modes}
@@ -52,7 +53,7 @@ def compare(modes: list[str], rounds: int, k: int, run: Callable[[str, Optional[
             cpu: dict[Optional[int], Optional[float]] = {}
             for v in order:
                 t = time.perf_counter()
-                print(f"[round {r + 1}/{rounds}] {m} {'logprobs ' + str(v) if v is not None else 'without'}",
+                print(f"[round {r + 1}/{rounds}] {m} {f'{what} {v}' if v is not None else 'without'}",
                       file=sys.stderr, flush=True)
                 row = run(m, v)
                 got[v] = row.get("output_tok_s")
@@ -78,8 +79,8 @@ def compare(modes: list[str], rounds: int, k: int, run: Callable[[str, Optional[
     return res
 
 
-def print_table(res: dict[str, Any], k: int) -> None:
-    print(f"\nthroughput with logprobs {k} / without, per round (output tok/s):")
+def print_table(res: dict[str, Any], k, what: str = "logprobs", target: str = ">= 0.90") -> None:
+    print(f"\nthroughput with {what} {k} / without, per round (output tok/s):")
     print(f"{'mode':<8} {'without':<36} {'with':<36} ratios (median)")
     for m, r in res.items():
         def fmt(xs):
@@ -92,7 +93,7 @@ def print_table(res: dict[str, Any], k: int) -> None:
             print(f"{'':<8} tok per CPU s, with / without: {cr} ({r['median_cpu_ratio']:.3f})")
         for e in r["errors"]:
             print(f"  {m}: {e}")
-    print("target: >= 0.90")
+    print(f"target: {target}")
 
 
 def run_compare(args, argv: list[str], work, runners, modes: list[str], result: dict) -> int:

@@ -111,6 +111,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # (AsyncEngine._burst). It bounds how long a cancellation of the loop waits. 0: a round
     # trip after every step.
     step_burst_ms: float = 50.0
+    # deterministic mode (docs/deterministic.md): every op of the forward, the LM head and the
+    # logprobs batch-invariant (engine/model/invariant.py), so a request's tokens and logprobs
+    # are bitwise the same alone or in any batch, with or without a cached prefix, chunked
+    # prefill, preemption or overlap. Float weights only (no packed CPU format), no fused
+    # kernels, no CUDA graphs, a fixed intra-op thread count. Measured on CPU only; costs
+    # throughput (docs/deterministic.md says how much).
+    deterministic: bool = False
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -159,6 +166,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise BadRequestError("grammar_cache_entries and grammar_cache_bytes must be >= 0")
         self._validate_tp()
         self.resolved_dtype()
+        if self.deterministic and self.cpu_weights not in ("auto", "float"):
+            raise BadRequestError(f"deterministic mode runs float weights: cpu_weights "
+                                  f"{self.cpu_weights!r} is not batch-invariant")
         if self.cpu_weights not in CPU_WEIGHT_FORMATS:
             raise BadRequestError(f"unknown cpu_weights {self.cpu_weights!r}; "
                                   f"one of {', '.join(CPU_WEIGHT_FORMATS)}")

@@ -51,8 +51,9 @@ VARIABLES: tuple[EnvVar, ...] = (
            "KV write), fused q/k/v and gate/up linears and the one-pass sampler off; the "
            "attention kernels stay."),
     EnvVar(CPU_EXT, "1", "kill switch",
-           "`0`: the CPU C++ extension (packed 4-bit matmul, the one-call decode step) is "
-           "neither built nor used: torch's kernels and the Python step run."),
+           "`0`: the CPU C++ extensions (packed 4-bit matmul, the one-call decode step, "
+           "deterministic mode's attention) are neither built nor used: torch's kernels and the "
+           "Python step run."),
     EnvVar(GRAMMAR_WORKER, "1", "kill switch",
            "`0`: the native grammar worker is neither built nor used: a constrained step's "
            "grammar work runs on the step thread."),

@@ -78,6 +78,8 @@ class Health(msgspec.Struct, tag_field="t", tag="Health", forbid_unknown_fields=
     spec_accepted_tokens: _Count = 0
     spec_accepted_per_pos: _Counts = []
     sleep_level: Annotated[int, Meta(ge=0, le=2)] = 0
+    # the engine runs in deterministic mode (EngineConfig.deterministic)
+    deterministic: bool = False
 
 
 class TokenizerInfo(NamedTuple):

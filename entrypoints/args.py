@@ -74,6 +74,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-port", type=int, default=0,
                    help="node 0's control port (the process group's store uses PORT+1; 0: any "
                         "free port, one host only)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic mode: a request's tokens and logprobs are bitwise the same "
+                        "whatever the batch, the prefix cache or the schedule (batch-invariant "
+                        "forward; float weights; slower: docs/deterministic.md)")
     p.add_argument("--config-json", default=None, help="a whole EngineConfig as JSON (overrides the flags)")
 
 
@@ -95,6 +99,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         nnodes=a.nnodes, node_rank=a.node_rank, master_addr=a.master_addr,
         master_port=a.master_port, freeze_gc=a.freeze_gc, gc_young_threshold=a.gc_young_threshold,
         step_burst_ms=a.step_burst_ms, grammar_row_budget_ms=a.grammar_row_budget_ms,
+        deterministic=a.deterministic,
     )
 
 

@@ -1,5 +1,6 @@
 """Build the C++ parts ahead, for scripts/setup.sh: the CPU decode step's extension
-(engine/ops/cpu/cpu_ext.py) and the grammar worker (engine/structured/native.py).
+(engine/ops/cpu/cpu_ext.py), deterministic mode's attention kernel
+(engine/ops/cpu/invariant_attention.py) and the grammar worker (engine/structured/native.py).
 
 A part that this machine cannot build is skipped with a note: not Linux, no C++ compiler
 (``$CXX``, else ``c++``), no ``ninja`` (torch's extension builder needs it), no xgrammar or
@@ -59,6 +60,26 @@ def cpu_ext() -> bool:
     return True
 
 
+def invariant_attention() -> bool:
+    """Deterministic mode's attention kernel; False: it could be built here and was not."""
+    from engine.ops.cpu import cpu_ext, invariant_attention as ext
+
+    if not cpu_ext.enabled():
+        return True  # (said once, for the decode step)
+    why = _cannot_build(ninja=True)
+    if why is not None:
+        print(f"setup: deterministic mode's attention kernel cannot be built here: {why}; "
+              "torch's ops run it", file=sys.stderr)
+        return True
+    if ext.module() is None:
+        print("setup: ERROR: deterministic mode's attention kernel (engine/ops/cpu/invariant_csrc/) "
+              "failed to build on a machine that has what it needs; see the error above",
+              file=sys.stderr)
+        return False
+    print("setup: deterministic mode's attention kernel is built")
+    return True
+
+
 def grammar_worker() -> bool:
     """The grammar worker; False: it could be built here and was not."""
     from engine import envs
@@ -94,7 +115,7 @@ def grammar_worker() -> bool:
 
 def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    ok = [part() for part in (cpu_ext, grammar_worker)]
+    ok = [part() for part in (cpu_ext, invariant_attention, grammar_worker)]
     return 0 if all(ok) else 1
 
 

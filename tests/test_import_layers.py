@@ -31,7 +31,7 @@ ENGINE_LAYERS: list[set[str]] = [
     {"spec_decode"},
     {"runner"},
     {"core"},
-    {"serving"},
+    {"serving", "testing"},
     {"__init__"},
 ]
 MAX_LINES = 400

@@ -173,19 +173,21 @@ class EngineStats(NamedTuple):
     uptime_s: float
     step_time: Optional[HistogramSnapshot] = None  # None without a core (before serving, after)
     queue_time: Optional[HistogramSnapshot] = None
+    deterministic: bool = False  # EngineConfig.deterministic (batch-invariant forward)
 
 
 def engine_stats(state: State, core: Any, health: Any, uptime_s: float) -> EngineStats:
     """``EngineStats`` from the engine core (``None`` when there is none) and its ``Health``."""
     cs = core.statistics() if core is not None else None
     h = health
+    det = bool(getattr(h, "deterministic", False))
     if cs is None:
         return EngineStats(state, 0, 0, 0, {}, 0, 0, 0, 0, 0, h.running, h.waiting, h.kv_usage,
-                           uptime_s)
+                           uptime_s, deterministic=det)
     return EngineStats(state, cs.steps, cs.prompt_tokens, cs.generation_tokens, cs.finished,
                        cs.preemptions, cs.spec_proposed, cs.spec_accepted, cs.prefix_cache_queries,
                        cs.prefix_cache_hits, h.running, h.waiting, h.kv_usage, uptime_s,
-                       *core.timings.snapshot())
+                       *core.timings.snapshot(), deterministic=det)
 
 
 def health_figures(core: Any) -> dict:

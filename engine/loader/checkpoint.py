@@ -19,6 +19,7 @@ import torch
 from engine.envs import Switches
 from engine.errors import CheckpointError
 from engine.memory.owner import empty_in_place
+from engine.model.invariant import make_invariant
 from engine.model.llama import CausalLM
 from engine.model.model_config import ModelConfig
 from engine.model.presets import PRESETS
@@ -123,14 +124,17 @@ class LoadStopped(Exception):
 
 
 def create_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 switches: Switches = Switches()) -> CausalLM:
+                 switches: Switches = Switches(), deterministic: bool = False) -> CausalLM:
     """Allocate the model on ``device`` (uninitialised weights, fp32 rope tables); ``switches``:
-    the kernels it may run (engine/envs.py, read when the engine is built)."""
+    the kernels it may run (engine/envs.py, read when the engine is built); ``deterministic``:
+    its batch-invariant forward (engine/model/invariant.py)."""
     with torch.device("meta"):
         model = CausalLM(cfg)
     model.switches = switches
     model = model.to_empty(device=device).to(dtype)
     model.model.rotary.reset(device)
+    if deterministic:
+        make_invariant(model)
     return model.train(False).requires_grad_(False)
 
 

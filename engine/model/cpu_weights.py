@@ -15,6 +15,10 @@ tensor types and the CPU (``torch.backends.cpu.get_cpu_capability()``), and says
   AVX-512 CPUs with AVX512-BF16: on the 2-core Sapphire Rapids box, batch-1 decode took 21.8 ms
   a step against 43.7 ms with fbgemm fp16 and 56.2 ms in fp32 (one thread;
   bench/RESULTS.md); 10.8 ms (one thread) and 6.6 ms (two) with the C++ step and kernel.
+* deterministic mode (``EngineConfig.deterministic``) always gets ``float``: the packed kernels
+  change path with the row count (``DENSE_ROWS``, ``Q4_DENSE_ROWS``; fbgemm's fp16 GEMM gave one
+  result for one row, another for two or three, another for more, measured), and the float
+  linears are made batch-invariant instead (engine/model/invariant.py).
 * ``fbgemm_fp16`` -- fbgemm's fp16-weight GEMM (AVX2, and AVX-512 without BF16), ``auto``'s
   choice there. On an AVX2-only CPU torch's
   weight-only kernels run a scalar fallback: measured on the 2-core AMD EPYC (AVX2) box,
@@ -67,10 +71,13 @@ def is_quantized(gguf_types: Optional[Mapping[str, str]]) -> bool:
 
 
 def choose_format(device: torch.device, dtype_flag: str, cpu_weights: str,
-                  gguf_types: Optional[Mapping[str, str]]) -> tuple[str, str]:
+                  gguf_types: Optional[Mapping[str, str]],
+                  deterministic: bool = False) -> tuple[str, str]:
     """``(format, why)`` for a model on ``device`` (see the module docstring)."""
     if device.type != "cpu":
         return "float", f"{device.type} device"
+    if deterministic:  # the packed kernels pick their path by row count (DENSE_ROWS, ...)
+        return "float", "deterministic mode: float weights through the batch-invariant linears"
     quantized = is_quantized(gguf_types)
     if cpu_weights not in ("auto", "float") and not quantized:
         return "float", f"--cpu-weights {cpu_weights} needs a Q4_0/Q4_1/Q8_0 GGUF checkpoint"

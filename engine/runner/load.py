@@ -62,7 +62,8 @@ class RunnerLoad:
             return
         # Adopt first, fill second: a failed or stopped fill is released like everything else.
         if self._tp is None:
-            model = self._owner.adopt(R.WEIGHTS, create_model(cfg, self.device, self.dtype, self.switches))
+            model = self._owner.adopt(R.WEIGHTS, create_model(cfg, self.device, self.dtype,
+                                                              self.switches, self.config.deterministic))
         else:
             from engine.tp.load import create_shard
 
@@ -92,6 +93,10 @@ class RunnerLoad:
             from engine.spec_decode import build_speculator
 
             self.speculator = build_speculator(self.config, self)
+        if self.config.deterministic:
+            log.info("deterministic mode: on (batch-invariant linears, attention by %s, SiLU and "
+                     "logprobs; float weights, no fused kernels, no CUDA graphs; "
+                     "docs/deterministic.md)", getattr(self._owner[R.WEIGHTS], "attention_name", "?"))
         log.info("loaded %s on %s/%s (%s weights): %d KV blocks of %d tokens (%.1f MiB); CUDA graphs %s",
                  self.config.model, self.device, self.dtype, self.weight_format, self.num_blocks, self.block_size,
                  self._owner[R.KV_CACHE].nbytes / 2**20,
@@ -101,11 +106,13 @@ class RunnerLoad:
         """Keep a quantized GGUF's linears packed on CPU where that is faster (the format and
         why are logged); ``float`` keeps the dequantized weights as they are."""
         types = getattr(tensors, "gguf_types", None)
-        fmt, why = choose_format(self.device, self.config.dtype, self.config.cpu_weights, types)
+        fmt, why = choose_format(self.device, self.config.dtype, self.config.cpu_weights, types,
+                                 self.config.deterministic)
         n = pack_model(model, fmt, types or {})
         self.weight_format = fmt if n else "float"
         log.info("weights: %s, %d linears packed (%s)", self.weight_format, n, why)
-        if not n and self._tp is None and self.switches.fused and fused_ops.AVAILABLE and (
+        fusable = self.switches.fused and fused_ops.AVAILABLE and not self.config.deterministic
+        if not n and self._tp is None and fusable and (
                 self.device.type == "cuda" or fused_ops.INTERPRET):
             log.info("q/k/v and gate/up fused: %d linears", fused_linears.fuse(model))
 
@@ -114,7 +121,8 @@ class RunnerLoad:
         stopped part way. At load, and again when a sleep is woken."""
         cfg = self._shapes
         # NOTE: no CUDA graphs with TP yet: the all-reduces would be captured too (untested)
-        graphs = self._tp is None and cuda_graphs.usable(
+        # deterministic mode: no graphs (its forward reads per-row block tables made each step)
+        graphs = self._tp is None and not self.config.deterministic and cuda_graphs.usable(
             self.device, self.config.cuda_graphs and self.switches.triton, cfg.head_dim,
             self.block_size)
         # with a speculator a decode carries up to k draft rows, each a decode row

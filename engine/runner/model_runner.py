@@ -1,9 +1,9 @@
 """``ModelRunner``: loads a model onto a device, runs one mixed prefill/decode step, releases.
 
-Every device allocation is adopted by ``self._owner`` (a :class:`DeviceOwner`) in creation
-order: weights, KV cache, model state, CUDA graphs (CUDA only), the structured outputs' token
-bitmask, speculator. ``shutdown()`` synchronizes and releases them in reverse. The runner refuses to hold a tensor or module as a
-plain attribute (see ``__setattr__``), so a new device attribute cannot be forgotten at shutdown.
+Every device allocation is adopted by ``self._owner`` (a :class:`DeviceOwner`) in creation order:
+weights, KV cache, model state, CUDA graphs (CUDA only), the structured outputs' token bitmask,
+speculator. ``shutdown()`` synchronizes and releases them in reverse. The runner refuses to hold a
+tensor or module as a plain attribute (``__setattr__``): none can be forgotten at shutdown.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ log = logging.getLogger("enginecore.runner")
 class ModelRunner(RunnerLoad, RunnerSleep):
     def __init__(self, config: EngineConfig, tp=None):
         self.config = config.validate()
-        # tensor parallel (engine/tp/): the driver's DriverGroup, a worker's WorkerLink; None
-        # with one rank -- then nothing below takes a tensor-parallel branch
+        # tensor parallel (engine/tp/): the driver's DriverGroup, a worker's WorkerLink; None with
+        # one rank -- then nothing below takes a tensor-parallel branch
         if tp is None and config.tensor_parallel_size > 1:
             from engine.tp.group import DriverGroup
 
@@ -70,15 +70,15 @@ class ModelRunner(RunnerLoad, RunnerSleep):
         self._gc_frozen = False  # this runner holds a freeze of the heap (engine/runner/gc_freeze.py)
         #: one constrained request's grammar work a step, bounded (engine/structured/budget.py)
         self.grammar_budget = GrammarBudget(config.grammar_row_budget_ms)
+        self._device_rows = (logprobs.device_rows_invariant if config.deterministic  # (docs/
+                             else logprobs.device_rows)  # deterministic.md: logprobs)
 
-    # -- the seed bug, made impossible ------------------------------------------------------
     def __setattr__(self, name: str, value) -> None:
         if name != "_owner" and not isinstance(value, (str, int, float, bool, type(None))):
             if reachable_tensors(value):
                 raise TypeError(
                     f"ModelRunner.{name} would hold a device tensor outside the owner; adopt it "
-                    f"with self._owner.adopt(name, resource) so shutdown() releases it"
-                )
+                    f"with self._owner.adopt(name, resource) so shutdown() releases it")
         object.__setattr__(self, name, value)
 
     # -- lifecycle (loading: engine/runner/load.py) -------------------------------------------
@@ -329,7 +329,7 @@ class ModelRunner(RunnerLoad, RunnerSleep):
 
     def _packed_rows(self, tokens, logits_all, lp_plan: "logprobs.Plan") -> torch.Tensor:
         """The sampled tokens and the step's logprob rows as one int32 device tensor."""
-        rows = logprobs.device_rows(logits_all, lp_plan, self._chosen(tokens, lp_plan))
+        rows = self._device_rows(logits_all, lp_plan, self._chosen(tokens, lp_plan))
         return torch.cat([tokens.int(), rows.flatten()])
 
     def _chosen(self, tokens, lp_plan: "logprobs.Plan") -> torch.Tensor:
@@ -353,7 +353,7 @@ class ModelRunner(RunnerLoad, RunnerSleep):
         else:
             chosen = torch.tensor([t for i, a, _, _ in lp_plan.spans if a < lp_plan.n_out
                                    for t in result.tokens[i]], dtype=torch.long, device=self.device)
-        rows = logprobs.device_rows(logits_all, lp_plan, chosen)
+        rows = self._device_rows(logits_all, lp_plan, chosen)
         # One device->host copy per step for the sampled tokens and every logprob row (a
         # blocking copy: the host reads them at once, so a non_blocking one would be followed
         # by a synchronize anyway); on CPU it copies nothing.

@@ -148,7 +148,8 @@ class RunnerSleep:
         """Weights of this rank's shapes, adopted, uninitialised (to be filled or written)."""
         if self._tp is None:
             return self._owner.adopt(R.WEIGHTS, create_model(
-                self.model_config, self.device, self.dtype, self.switches))
+                self.model_config, self.device, self.dtype, self.switches,
+                self.config.deterministic))
         from engine.tp.load import create_shard
 
         return create_shard(self, self.model_config, None)[0]
@@ -214,7 +215,8 @@ class RunnerSleep:
         if model is not None and is_packed(model):
             # packed kernels' layouts cannot be written in place: new float weights, repacked
             # like the old ones, then the old ones released (the new ones are owned first)
-            fresh = create_model(self.model_config, self.device, self.dtype, self.switches)
+            fresh = create_model(self.model_config, self.device, self.dtype, self.switches,
+                                 self.config.deterministic)
             copy_into(fresh, tensors)
             pack_model(fresh, self.weight_format, packed_types(model))
             self._owner.release(R.WEIGHTS)

@@ -100,6 +100,48 @@ def device_rows(logits: torch.Tensor, p: Plan, sampled: torch.Tensor) -> torch.T
 
     The log-softmax is taken as ``logit - logsumexp``: one pass for the normalizer, one top-k
     over the raw logits (the same order), no [N, V] tensor written."""
+    sel, toks, raw, rank = _selected(logits, p, sampled)
+    lse = sel.logsumexp(-1, keepdim=True)
+    parts = [toks.int()[:, None], (raw - lse).view(torch.int32), rank]
+    if p.k > 0:
+        vals, idx = _topk_cpu(sel, p.k) if sel.device.type == "cpu" else sel.topk(p.k, dim=-1)
+        parts += [idx.int(), (vals - lse).view(torch.int32)]
+    return torch.cat(parts, 1)
+
+
+def device_rows_invariant(logits: torch.Tensor, p: Plan, sampled: torch.Tensor) -> torch.Tensor:
+    """:func:`device_rows` for deterministic mode: each row's logprobs from ``log_softmax``,
+    whose CPU kernel reduces every row alone, in one pass, whatever the rows beside it
+    (``logsumexp`` splits a lone row's sum across the threads but gives several rows one thread
+    each: a row's normalizer then changed with the batch). The values are log_softmax's
+    (``x - max - log(sum)``), as a training-side recomputation with ``log_softmax`` has them."""
+    sel, toks, _, rank = _selected(logits, p, sampled)
+    logp = torch.log_softmax(sel, -1)
+    parts = [toks.int()[:, None], logp.gather(1, toks[:, None]).view(torch.int32), rank]
+    if p.k > 0:
+        idx = _top_ordered(sel, p.k)
+        parts += [idx.int(), logp.gather(1, idx).view(torch.int32)]
+    return torch.cat(parts, 1)
+
+
+def _top_ordered(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of each row's ``k`` largest, largest first, equal values by the lower index,
+    so that a request's top k are the first k of any wider top k (``_topk_cpu``'s selection
+    breaks ties by its pivots, which depend on the k asked: the widest in the step)."""
+    if x.device.type != "cpu":
+        return x.sort(-1, descending=True, stable=True)[1][:, :k]
+    a = x.detach().contiguous().numpy()
+    thr = np.partition(a, a.shape[1] - k, axis=1)[:, a.shape[1] - k]  # each row's k-th largest
+    out = np.empty((a.shape[0], k), dtype=np.int64)
+    for r, row in enumerate(a):
+        above = np.flatnonzero(row > thr[r])
+        chosen = np.concatenate([above, np.flatnonzero(row == thr[r])[: k - above.size]])
+        out[r] = chosen[np.lexsort((chosen, -row[chosen]))]
+    return torch.from_numpy(out)
+
+
+def _selected(logits: torch.Tensor, p: Plan, sampled: torch.Tensor):
+    """The plan's rows (float32), their tokens, the tokens' raw logits and ranks (prompt rows)."""
     dev = logits.device
     rows = p.rows
     # host-to-device index copies are asynchronous: a blocking one would wait for the step in
@@ -109,16 +151,11 @@ def device_rows(logits: torch.Tensor, p: Plan, sampled: torch.Tensor) -> torch.T
     toks = sampled
     if p.prompt_tokens:
         toks = torch.cat([sampled, _to(p.prompt_tokens, dev)])
-    lse = sel.logsumexp(-1, keepdim=True)
     raw = sel.gather(1, toks[:, None])
     rank = torch.zeros((len(rows), 1), dtype=torch.int32, device=dev)
     if p.n_out < len(rows):
         rank[p.n_out:] = ((sel[p.n_out:] > raw[p.n_out:]).sum(-1, keepdim=True) + 1).int()
-    parts = [toks.int()[:, None], (raw - lse).view(torch.int32), rank]
-    if p.k > 0:
-        vals, idx = _topk_cpu(sel, p.k) if sel.device.type == "cpu" else sel.topk(p.k, dim=-1)
-        parts += [idx.int(), (vals - lse).view(torch.int32)]
-    return torch.cat(parts, 1)
+    return sel, toks, raw, rank
 
 
 def _to(values: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -165,4 +202,4 @@ def unpack(words: np.ndarray, p: Plan, num_entries: int) -> tuple[list, dict, li
     return out, prompt, floats
 
 
-__all__ = ["prompt_rows", "Plan", "plan", "source", "device_rows", "unpack"]
+__all__ = ["prompt_rows", "Plan", "plan", "source", "device_rows", "device_rows_invariant", "unpack"]

@@ -97,8 +97,10 @@ def apply_penalty_free_filters(logits: torch.Tensor, batch: SamplingBatch) -> to
         if use_p:
             probs = sorted_logits.softmax(-1)
             cum = probs.cumsum(-1)
-            # drop a token when the mass before it already reaches top_p (always keep the first)
-            drop = (cum - probs) >= batch.top_p[:, None]
+            # drop a token when the mass before it already reaches top_p (always keep the first);
+            # rows without top-p keep all: their rounded mass can reach 1.0 before the tail, which
+            # dropped tail tokens of a row only when another row of the step asked for top-p
+            drop = ((cum - probs) >= batch.top_p[:, None]) & (batch.top_p < 1.0)[:, None]
             drop[:, 0] = False
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter_(1, idx, sorted_logits)

@@ -269,7 +269,7 @@ class AsyncEngine(IntakeAPI, EngineLoop, SleepAPI, PauseAPI, TransferAPI):
                       running=h["running"], waiting=h["waiting"],
                       kv_usage=core.kv_usage if core else 0.0,
                       sleep_level=self._sleep.level if st is State.SLEEPING else 0,
-                      **health_figures(self.core))
+                      deterministic=self.config.deterministic, **health_figures(self.core))
 
     def _in_flight(self) -> dict[str, int]:
         core = self.core if self.lifecycle.state in STEPPING else None

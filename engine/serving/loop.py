@@ -51,7 +51,10 @@ class EngineLoop:
 
         step = partial(core.step, launched) if post is not None else core.step
         runner = self.runner
-        if runner.device.type == "cpu" and not runner.tensor_parallel:
+        # deterministic mode keeps torch's thread count as it is: a BLAS may split a GEMM of
+        # one shape differently at another count (not seen with MKL here, not promised)
+        if (runner.device.type == "cpu" and not runner.tensor_parallel
+                and not self.config.deterministic):
             step = governed(step, self.config.cpu_threads_max)
         if post is not None and self.config.step_burst_ms > 0:
             step = partial(self._burst, step, core, self.config.step_burst_ms * 1e-3)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from engine.memory.owner import Resource as R
 from engine.memory.weights import weight_spec
+from engine.model.invariant import make_invariant
 from engine.model.model_config import ModelConfig
 
 from .layers import create_tp_model
@@ -22,6 +23,8 @@ def create_shard(runner, cfg: ModelConfig, tensors):
     model = runner._owner.adopt(R.WEIGHTS, create_tp_model(
         runner._shapes, tp.rank, tp.world, None, runner.device, runner.dtype))
     model.switches = runner.switches
+    if runner.config.deterministic:  # RowParallelLinear's partial product too (its super())
+        make_invariant(model)
     if tensors is not None:
         full = {n: shape for n, (shape, _) in weight_spec(cfg, runner.dtype).items()}
         tensors = ShardedTensors(tensors, full, tp.rank, tp.world, runner.config.model)

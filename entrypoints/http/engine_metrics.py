@@ -69,6 +69,7 @@ class EngineCollector:
         self._max_model_len = max_model_len
         self.state = State.INIT.value
         self.sleep_level = 0
+        self.deterministic = False
         self.gauges = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
         self.counters = {name: 0 for name in (*COUNTERS, *SPEC_COUNTERS)}
         self.per_pos: Optional[list[int]] = None  # None: no speculator seen
@@ -82,6 +83,7 @@ class EngineCollector:
         state = health.state.value if isinstance(health.state, State) else str(health.state)
         self.state = state if state in STATES else State.FAILED.value
         self.sleep_level = int(getattr(health, "sleep_level", 0) or 0)
+        self.deterministic = bool(getattr(health, "deterministic", False))
         for key in self.gauges:
             self.gauges[key] = float(getattr(health, key, 0.0) or 0.0)
         for name, (key, _) in (*COUNTERS.items(), *SPEC_COUNTERS.items()):
@@ -117,6 +119,8 @@ class EngineCollector:
         yield GaugeMetricFamily("enginecore_engine_sleep_level",
                                 "0 while awake; while asleep the sleep level (1: weights kept in "
                                 "host memory, 2: weights dropped)", value=self.sleep_level)
+        yield GaugeMetricFamily("enginecore_deterministic", "1 if the engine runs in deterministic "
+                                "mode (batch-invariant forward), else 0", value=int(self.deterministic))
         for name, (_, doc) in COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=self.counters[name])
         if self.per_pos is not None:

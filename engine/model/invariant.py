@@ -1,0 +1,168 @@
+"""The batch-invariant forward of deterministic mode (``EngineConfig.deterministic``).
+
+A token's hidden states, logits and logprobs are computed by arithmetic that depends only on the
+token's own row and the K/V of its sequence: not on how many other rows share the step, on where
+the row sits among them, on how its prompt was chunked, on whether its keys were computed this
+step, by an earlier chunk or by another request (a cached prefix), or on the schedule
+(preemption, overlap). :func:`make_invariant` turns a loaded :class:`~engine.model.llama.CausalLM`
+into one, once, at load (a class swap: the parameters and their names stay as they are); the
+default path is not touched.
+
+Op by op (each checked on its own in tests/test_deterministic.py):
+
+* linears (:func:`linear`): the rows in tiles of :data:`TILE_ROWS` (the last padded with zeros),
+  all tiles in one ``bmm`` against the weight, so every GEMM the BLAS runs has the same shape
+  whatever the row count. ``F.linear`` on CPU picks its kernel by row count (MKL: one row, two or
+  three, four and more gave three different results for the same row, measured in float32);
+  within a tile of fixed shape a row's result did not depend on its place nor on the other rows,
+  nor on 1 vs 2 threads (measured).
+* attention: engine/ops/cpu/invariant_attention.py (per query over its own keys, read through its
+  block table; a C++ kernel, or torch ops).
+* SiLU (:func:`silu`): ``x / (1 + exp(-x))``. ``F.silu``'s CPU kernel computes the elements
+  past its last whole pair of vectors with a scalar ``exp`` that rounds differently from the
+  vector one, so an element's value depended on where the tensor ended (measured: 21 of ~1,500
+  elements); ``torch.exp`` runs one routine over every element (MKL's vector math, or a vector
+  map that loads the tail partially).
+* RMSNorm, rotary, the residual adds, the embedding: row-wise already (one reduction per row over
+  the hidden size, exactly rounded elementwise ops); unchanged.
+* the LM head: :func:`linear`; logprobs: engine/sample/logprobs.py ``device_rows_invariant``.
+
+The model runs the plain decoder (no fused kernels, no packed CPU weights, no CUDA graphs:
+engine/runner/load.py). Tensor parallel shards swap the same way: ``RowParallelLinear``'s
+partial product is an invariant linear, then all-reduced (with two ranks one addition, exact in
+either order).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from engine.ops.cpu import invariant_attention
+
+from .attention import AttentionMetadata, write_kv
+from .llama import CausalLM
+
+#: rows per GEMM tile (see the module docstring): a step of fewer rows pays for this many.
+#: Measured (one thread, float32, the default model's q/k/o/gate/down shapes, ms): 1 row 0.28
+#: through F.linear against 0.99 / 1.27 / 2.01 in tiles of 8 / 16 / 32; 2,048 rows 99 against
+#: 182 / 139 / 117 (many small GEMMs run slower than one large one)
+TILE_ROWS = 16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with every row computed in a GEMM of one shape."""
+    k, n = x.shape[-1], weight.shape[0]
+    rows = x.reshape(-1, k)
+    t = rows.shape[0]
+    pad = -t % TILE_ROWS
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, k)])
+    tiles = rows.view(-1, TILE_ROWS, k)
+    y = torch.bmm(tiles, weight.t().expand(tiles.shape[0], k, n)).view(-1, n)[:t]
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], n)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU in float32 through ``torch.exp`` (see the module docstring), in ``x``'s dtype."""
+    xf = x.float()
+    return (xf / (1.0 + torch.exp(-xf))).to(x.dtype)
+
+
+class InvariantLinear(nn.Linear):
+    """An ``nn.Linear`` whose forward is :func:`linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def row_tables(meta: AttentionMetadata, positions: torch.Tensor,
+               block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each packed row's block table ``[T, W]`` and visible key count ``[T]`` (its position + 1),
+    from the step's attention metadata (decode rows, prefill chunks, batched chunks after
+    context): made once per step, read by every layer."""
+    t = positions.shape[0]
+    dev = positions.device
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, their tables)
+    if meta.decode_rows is not None:
+        parts.append((meta.decode_rows, meta.decode_block_tables))
+    for p in meta.prefills:
+        rows = torch.arange(p.start, p.end, device=dev)
+        parts.append((rows, p.block_table[None].expand(p.end - p.start, -1)))
+    for g in meta.context_groups:
+        # a chunk's keys' slots, position by position: its blocks are every block_size-th one's
+        tables = g.kv_slots[:, ::block_size] // block_size  # [B, C / bs]
+        parts.append((g.rows, tables[g.valid // g.q_rows.shape[1]]))
+    if meta.prefill_batch is not None:
+        raise RuntimeError("the paged prefill kernel's metadata has no per-row tables: a "
+                           "deterministic model runs with use_fused = False")
+    width = max((tb.shape[1] for _, tb in parts), default=1)
+    tables = torch.zeros(t, width, dtype=torch.long, device=dev)
+    for rows, tb in parts:
+        tables[rows, : tb.shape[1]] = tb
+    return tables, positions + 1
+
+
+class InvariantCausalLM(CausalLM):
+    """A :class:`CausalLM` whose forward and logits are batch-invariant (module docstring)."""
+
+    #: (q, cache, tables, lens, scale) -> attention output; set by :func:`make_invariant`
+    attention_kernel = staticmethod(invariant_attention.attention_torch)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        m = self.model
+        t = input_ids.shape[0]
+        x = m.embed_tokens(input_ids)
+        rot = m.rotary.tables(positions)
+        tables, lens = row_tables(meta, positions, kv.shape[3])
+        attend = self.attention_kernel
+        for i, layer in enumerate(m.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            q, k, v = a._qkv(layer.input_layernorm(x))
+            if a.qk_norm:
+                q, k = a.q_norm(q), a.k_norm(k)
+            q, k = m.rotary(q, rot), m.rotary(k, rot)
+            write_kv(kv[i], k, v, meta.slot_mapping)
+            x = x + a.o_proj(attend(q, kv[i], tables, lens, a.scale).reshape(t, -1))
+            h = layer.post_attention_layernorm(x)
+            x = x + mlp.down_proj(silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        return m.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return linear(hidden, w).float()
+
+
+@functools.lru_cache(maxsize=None)
+def _swapped(cls: type, base: type) -> type:
+    """``base`` itself for its own parent class, else ``cls`` with ``base`` after it: a subclass
+    (``RowParallelLinear``, ``TPCausalLM``) keeps its own forward, whose ``super()`` call then
+    reaches ``base``'s."""
+    if cls is base.__mro__[1]:
+        return base
+    return type(f"Invariant{cls.__name__}", (cls, base), {})
+
+
+def make_invariant(model: CausalLM) -> str:
+    """Swap ``model`` (and every linear in it) for the batch-invariant classes, in place; the
+    name of the attention it runs (for the log)."""
+    for mod in model.modules():
+        if isinstance(mod, nn.Linear) and not isinstance(mod, InvariantLinear):
+            mod.__class__ = _swapped(type(mod), InvariantLinear)
+    if not isinstance(model, InvariantCausalLM):
+        model.__class__ = _swapped(type(model), InvariantCausalLM)
+    model.use_fused = False  # the packed forward builds per-sequence metadata (row_tables)
+    device = model.model.norm.weight.device
+    kernel, name = invariant_attention.kernel(device)
+    model.attention_kernel = kernel
+    model.attention_name = name
+    return name
+
+
+__all__ = ["linear", "silu", "InvariantLinear", "InvariantCausalLM", "make_invariant",
+           "row_tables", "TILE_ROWS"]
