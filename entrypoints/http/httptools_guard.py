@@ -21,7 +21,6 @@ Past the bound: 400 and close, as uvicorn's h11 protocol answers an oversized he
 
 from __future__ import annotations
 
-import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .conn_guard import MAX_HEAD_BYTES, ConnectionGuard, refusals
