@@ -214,12 +214,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure(a.log_level, a.log_format)
-    from .server import raise_fd_limit
+    from .server import event_loop_factory, raise_fd_limit
 
     raise_fd_limit()  # process-wide: the entry point's to set (the connection cap follows it)
     if a.parent_pid is not None and os.getppid() != a.parent_pid:
         return EXIT_ENGINE_DIED
-    return anyio.run(_main, a)
+    # The event loop too is the entry point's to choose: uvloop under httptools, when installed.
+    factory = event_loop_factory(a.limits)
+    logging.getLogger("enginecore.http").info("event loop: %s", "uvloop" if factory else "asyncio")
+    return anyio.run(_main, a, backend_options={"loop_factory": factory} if factory else None)
 
 
 if __name__ == "__main__":

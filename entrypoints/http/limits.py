@@ -41,6 +41,8 @@ import msgspec
 CHARS_PER_TOKEN_BOUND = 64
 #: Bodies up to this size are parsed on the event loop (well under a millisecond).
 INLINE_PARSE_BYTES = 64 * 1024
+#: ``--http-impl``: auto (httptools, with uvloop, when importable; else h11), or one forced.
+HTTP_IMPLS = ("auto", "h11", "httptools")
 
 
 class HttpLimits(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -56,6 +58,7 @@ class HttpLimits(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     allowed_hosts: tuple[str, ...] = ()  # empty: loopback names when bound to loopback, else any
+    http_impl: str = "auto"  # one of HTTP_IMPLS: the HTTP/1.1 parser (server.py)
 
     def validate(self) -> "HttpLimits":
         for name in ("max_body_bytes", "max_requests_in_flight", "max_connections"):
@@ -66,12 +69,23 @@ class HttpLimits(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
         for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
             if not (0 < getattr(self, name) <= 3600):
                 raise ValueError(f"--{name.replace('_', '-')} must be in (0, 3600] seconds")
+        self._validate_impl()
         self._validate_cors()
         from .hosts import check_allowed_host
 
         for host in self.allowed_hosts:
             check_allowed_host(host)  # ValueError naming it
         return self
+
+    def _validate_impl(self) -> None:
+        if self.http_impl not in HTTP_IMPLS:
+            raise ValueError(f"--http-impl must be one of {', '.join(HTTP_IMPLS)}")
+        if self.http_impl == "httptools":
+            import importlib.util
+
+            if importlib.util.find_spec("httptools") is None:
+                raise ValueError("--http-impl httptools: the httptools package is not installed "
+                                 "(auto falls back to h11)")
 
     def _validate_cors(self) -> None:
         for origin in self.allowed_origins:
@@ -153,6 +167,8 @@ _HELP = {
                      "comma-separated: names, addresses, *.example.com, or * for any; loopback "
                      "names and the bound address are always served. Default: when bound to a "
                      "loopback address only those; otherwise any",
+    "http_impl": "the HTTP/1.1 parser: httptools (C, with uvloop when installed), h11 (pure "
+                 "Python), or auto: httptools when installed, else h11",
 }
 
 
@@ -164,6 +180,8 @@ def add_http_limit_args(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action="store_true", default=value, help=_HELP[name])
         elif isinstance(value, tuple):
             p.add_argument(flag, type=name_list, default=value, metavar="LIST", help=_HELP[name])
+        elif name == "http_impl":
+            p.add_argument(flag, choices=HTTP_IMPLS, default=value, help=_HELP[name])
         else:
             p.add_argument(flag, type=type(value), default=value,
                            metavar="N" if isinstance(value, int) else "SECONDS", help=_HELP[name])
@@ -175,4 +193,4 @@ def limits_from_args(a: argparse.Namespace) -> HttpLimits:
 
 
 __all__ = ["HttpLimits", "add_http_limit_args", "limits_from_args", "name_list", "CHARS_PER_TOKEN_BOUND",
-           "INLINE_PARSE_BYTES"]
+           "INLINE_PARSE_BYTES", "HTTP_IMPLS"]

@@ -1,16 +1,13 @@
 """uvicorn, hardened for strangers: the connection-level half of ``limits.py``.
 
-uvicorn 0.55 (h11, no httptools here) has an idle keep-alive timeout but no timeout for a request
-head, and its ``limit_concurrency`` answers plain-text 503s while keeping every connection open.
-:class:`GuardedH11` adds, per connection:
-
-* a head timer: the request head must be complete within ``header_timeout`` seconds of the
-  connection opening, or of the previous response on a kept-alive connection; else the
-  connection is closed (slowloris);
-* a connection cap: beyond ``max_connections`` open connections, the connection's request is
-  answered 503 (OpenAI-shaped) and the connection closed; beyond twice that, or within
-  :data:`FD_RESERVE` descriptors of the process's limit, it is closed at once, unread -- so
-  connections alone never exhaust the descriptors.
+uvicorn 0.55 has an idle keep-alive timeout but no timeout for a request head, and its
+``limit_concurrency`` answers plain-text 503s while keeping every connection open.
+``conn_guard.ConnectionGuard`` adds the head timer and the connection cap to either of its HTTP
+protocols: :class:`GuardedH11` (h11, pure Python) or ``httptools_guard.GuardedHttpTools``
+(llhttp in C, with the head-size bound that h11 has and httptools lacks). ``--http-impl``
+(``HttpLimits.http_impl``) picks one: ``auto`` (the default) takes httptools when it is
+importable, else h11; the frontend process's entry point also runs uvloop under httptools
+(:func:`event_loop_factory`), when it is importable.
 
 asyncio's accept loop (CPython 3.11) logs "socket.accept() out of system resource" once per
 *pending connection* on every retry when descriptors run out (the 11.7 M-line flood);
@@ -22,23 +19,21 @@ lifts the soft descriptor limit to the hard one.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import resource
 import time
-from typing import Any
+from typing import Any, Callable, Optional
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .errors import send_error
+from .conn_guard import FD_RESERVE, FLOOD_INTERVAL, MAX_HEAD_BYTES, ConnectionGuard, refusals
 from .limits import HttpLimits
 
 log = logging.getLogger("enginecore.http")
 
-#: Descriptors kept free for everything but client connections (IPC socket, logs, threads).
-FD_RESERVE = 64
-FLOOD_INTERVAL = 10.0
 GRACEFUL_TIMEOUT = 10.0
 
 
@@ -50,16 +45,6 @@ class Server(uvicorn.Server):
         yield
 
 
-async def _too_many_connections(scope, receive, send) -> None:
-    await send_error(send, 503, "too many connections to this server; retry later",
-                     "service_unavailable", "too_many_connections",
-                     headers=((b"retry-after", b"1"),), close=True)
-
-
-def fd_soft_limit() -> int:
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
 def raise_fd_limit(cap: int = 1 << 16) -> int:
     """Lift this process's soft descriptor limit towards the hard one; returns the new limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -67,82 +52,44 @@ def raise_fd_limit(cap: int = 1 << 16) -> int:
     if soft != resource.RLIM_INFINITY and soft < want:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    return fd_soft_limit()
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-class GuardedH11(H11Protocol):
-    """uvicorn's h11 protocol with the head timer and the connection cap (module docstring).
-    ``make_server`` subclasses it with the server's ``limits``."""
+def has_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
 
-    limits: HttpLimits = HttpLimits()
-    _head_timer: Any = None
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        n = len(self.connections)
-        hard_cap = min(2 * self.limits.max_connections, fd_soft_limit() - FD_RESERVE)
-        if n > hard_cap:
-            _refusals.note("closed unread")
-            transport.abort()
-            return
-        if n > self.limits.max_connections:
-            _refusals.note("answered 503")
-            self.app = _too_many_connections
-        self._arm()
+def resolve_impl(impl: str) -> str:
+    """``h11`` or ``httptools`` for ``--http-impl`` ``impl`` (``auto``: httptools if importable)."""
+    if impl == "auto":
+        return "httptools" if has_module("httptools") else "h11"
+    return impl
+
+
+def event_loop_factory(limits: HttpLimits) -> Optional[Callable[[], Any]]:
+    """uvloop's loop factory when ``limits`` resolve to httptools and uvloop is importable, else
+    None (asyncio's own loop). Only a process's entry point may choose its event loop."""
+    if resolve_impl(limits.http_impl) != "httptools" or not has_module("uvloop"):
+        return None
+    import uvloop
+
+    return uvloop.new_event_loop
+
+
+class GuardedH11(ConnectionGuard, H11Protocol):
+    """uvicorn's h11 protocol with the head timer and the connection cap (``conn_guard.py``);
+    its head size is bounded by h11's ``max_incomplete_event_size`` (``make_server``)."""
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         if self._head_complete():
             self._disarm()
 
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing() and not self._head_complete():
-            self._arm()  # the next request's head is due (a pipelined one may be here already)
-
-    def connection_lost(self, exc) -> None:
-        self._disarm()
-        super().connection_lost(exc)
-
-    def _head_complete(self) -> bool:
-        return self.cycle is not None and not self.cycle.response_complete
-
-    def _arm(self) -> None:
-        self._disarm()
-        self._head_timer = self.loop.call_later(self.limits.header_timeout, self._head_timeout)
-
-    def _disarm(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_timeout(self) -> None:
-        self._head_timer = None
-        if self.transport.is_closing() or self._head_complete():
-            return
-        _refusals.note("head timeout")
+    def _close_unfinished_head(self) -> None:
         if self.conn.our_state is not h11.ERROR:
             with contextlib.suppress(h11.LocalProtocolError):
                 self.conn.send(h11.ConnectionClosed())
         self.transport.close()
-
-
-class _Refusals:
-    """Counts connection-level refusals; logs them at most once per FLOOD_INTERVAL."""
-
-    def __init__(self) -> None:
-        self.counts: dict[str, int] = {}
-        self._logged = 0.0
-
-    def note(self, what: str) -> None:
-        self.counts[what] = self.counts.get(what, 0) + 1
-        now = time.monotonic()
-        if now - self._logged >= FLOOD_INTERVAL:
-            self._logged = now
-            log.warning("connections refused so far: %s", self.counts)
-
-
-_refusals = _Refusals()
 
 
 class FloodFilter(logging.Filter):
@@ -177,17 +124,28 @@ def install_flood_filter() -> None:
             logger.addFilter(FloodFilter())
 
 
+def protocol_class(limits: HttpLimits) -> type:
+    """The guarded protocol ``limits.http_impl`` resolves to, carrying ``limits``."""
+    if resolve_impl(limits.http_impl) == "httptools":
+        from .httptools_guard import GuardedHttpTools as base
+    else:
+        base = GuardedH11
+    return type(base.__name__, (base,), {"limits": limits})
+
+
 def make_server(app, limits: HttpLimits = HttpLimits(), **kw: Any) -> Server:
     """A :class:`Server` for ``app`` with ``limits`` (``kw``: more uvicorn options)."""
     install_flood_filter()
-    protocol = type("GuardedH11", (GuardedH11,), {"limits": limits})
+    protocol = protocol_class(limits)
+    log.info("HTTP protocol: %s", protocol.__name__)
     options = dict(log_config=None, access_log=False, lifespan="off", http=protocol,
                    timeout_graceful_shutdown=GRACEFUL_TIMEOUT, log_level="warning",
                    timeout_keep_alive=limits.keep_alive_timeout,
-                   h11_max_incomplete_event_size=16 * 1024)
+                   h11_max_incomplete_event_size=MAX_HEAD_BYTES)
     options.update(kw)
     return Server(uvicorn.Config(app, **options))
 
 
 __all__ = ["Server", "GuardedH11", "FloodFilter", "make_server", "raise_fd_limit",
-           "install_flood_filter", "FD_RESERVE"]
+           "install_flood_filter", "FD_RESERVE", "resolve_impl", "event_loop_factory",
+           "protocol_class", "refusals"]

@@ -4,6 +4,7 @@ accept-error log flood when descriptors run out."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import select
@@ -27,6 +28,9 @@ from entrypoints.http.server import FloodFilter  # noqa: E402
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("torch_one_thread")]
 MODEL = TINY.model
 MiB = 2**20
+#: The attacks on the connection level run against both HTTP parsers (server.py).
+IMPLS = pytest.mark.parametrize("impl", ["h11", pytest.param("httptools", marks=pytest.mark.skipif(
+    importlib.util.find_spec("httptools") is None, reason="httptools not installed"))])
 
 
 def rss() -> int:
@@ -68,9 +72,10 @@ def upload_chunked(port: int, total: int, out: list) -> None:
         out.append((sent, read_response(sock, 5.0)))
 
 
+@IMPLS
 @pytest.mark.alone  # asserts wall-clock bounds
-async def test_finding4_oversized_bodies_get_413_and_memory_stays_flat():
-    async with served() as s:
+async def test_finding4_oversized_bodies_get_413_and_memory_stays_flat(impl):
+    async with served(limits=HttpLimits(http_impl=impl)) as s:
         # A Content-Length above the limit: answered from the head, the body is never awaited.
         with socket.create_connection(("127.0.0.1", s.port)) as sock:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
@@ -100,9 +105,11 @@ async def test_finding4_oversized_bodies_get_413_and_memory_stays_flat():
             assert r.status_code == 200
 
 
+@IMPLS
 @pytest.mark.alone  # asserts wall-clock bounds
-async def test_finding7_slowloris_heads_and_bodies_are_closed_while_a_good_client_is_served():
-    limits = HttpLimits(header_timeout=1.0, body_timeout=1.0, keep_alive_timeout=1.0)
+async def test_finding7_slowloris_heads_and_bodies_are_closed_while_a_good_client_is_served(impl):
+    limits = HttpLimits(header_timeout=1.0, body_timeout=1.0, keep_alive_timeout=1.0,
+                        http_impl=impl)
     async with served(limits=limits) as s:
         closed_after: list[float] = []
 
@@ -147,8 +154,9 @@ async def test_finding7_slowloris_heads_and_bodies_are_closed_while_a_good_clien
             assert time.monotonic() - t0 < 2.5
 
 
-async def test_finding7_connection_cap_answers_503_then_closes_unread():
-    limits = HttpLimits(max_connections=8, header_timeout=5.0)
+@IMPLS
+async def test_finding7_connection_cap_answers_503_then_closes_unread(impl):
+    limits = HttpLimits(max_connections=8, header_timeout=5.0, http_impl=impl)
     async with served(limits=limits) as s:
         idle = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(8)]
         try:
@@ -197,7 +205,7 @@ SERVER = """
 import resource, socket, sys
 import anyio
 from entrypoints.http.limits import HttpLimits
-from entrypoints.http.server import make_server
+from entrypoints.http.server import event_loop_factory, make_server
 
 async def app(scope, receive, send):
     if scope["type"] != "http":
@@ -211,20 +219,22 @@ async def main():
     sock.bind(("127.0.0.1", 0))
     sock.listen(2048)
     print(sock.getsockname()[1], flush=True)
-    server = make_server(app, HttpLimits(max_connections=100_000, header_timeout=30.0))
-    await server.serve([sock])
+    await make_server(app, LIMITS).serve([sock])
 
-anyio.run(main)
+LIMITS = HttpLimits(max_connections=100_000, header_timeout=30.0, http_impl=sys.argv[1])
+factory = event_loop_factory(LIMITS)  # as the frontend's entry point runs it
+anyio.run(main, backend_options={"loop_factory": factory} if factory else None)
 """
 
 
-async def test_finding7_descriptor_exhaustion_neither_floods_the_log_nor_stops_serving(tmp_path):
+@IMPLS
+async def test_finding7_descriptor_exhaustion_neither_floods_the_log_nor_stops_serving(tmp_path, impl):
     """A server with 128 descriptors and 600 connections: it closes what it cannot hold (it
     used to log the accept error 2048 times per retry), and serves again once they are gone."""
     err = tmp_path / "stderr"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     with open(err, "wb") as stderr:
-        proc = subprocess.Popen([sys.executable, "-c", SERVER], cwd=ROOT, env=env,
+        proc = subprocess.Popen([sys.executable, "-c", SERVER, impl], cwd=ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=stderr)
     try:
         port = int(await anyio.to_thread.run_sync(proc.stdout.readline))
