@@ -3,8 +3,8 @@
 (engine/ops/cpu/invariant_attention.py) and the grammar worker (engine/structured/native.py).
 
 A part that this machine cannot build is skipped with a note: not Linux, no C++ compiler
-(``$CXX``, else ``c++``), no ``ninja`` (torch's extension builder needs it), no xgrammar or
-tvm-ffi for the grammar worker, or its kill switch off (engine/envs.py). The engine then runs
+(``$CXX``, else ``c++``), no ``ninja`` for the decode step (torch's extension builder needs it),
+no xgrammar or tvm-ffi for the grammar worker, or its kill switch off (engine/envs.py). The engine then runs
 without it, as it does at run time.
 
 A part that this machine *can* build but that does not build is an error: exit 1, with the
@@ -66,7 +66,7 @@ def invariant_attention() -> bool:
 
     if not cpu_ext.enabled():
         return True  # (said once, for the decode step)
-    why = _cannot_build(ninja=True)
+    why = _cannot_build()  # (a plain library, no torch headers: the compiler alone)
     if why is not None:
         print(f"setup: deterministic mode's attention kernel cannot be built here: {why}; "
               "torch's ops run it", file=sys.stderr)

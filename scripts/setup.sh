@@ -22,7 +22,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 fi
 # The C++ parts, built once per source so that neither the tests nor the first generation wait
 # for the compiler: the CPU decode step's extension (engine/ops/cpu/cpu_ext.py, ~25 s on 2 cores),
-# deterministic mode's attention kernel (engine/ops/cpu/invariant_attention.py, ~30 s) and the
+# deterministic mode's attention kernel (engine/ops/cpu/invariant_attention.py, a few seconds) and the
 # grammar worker (engine/structured/native.py, a few seconds). A part this machine cannot
 # build (no C++ compiler, ...) is skipped with a note and the engine runs without it; one it can
 # build that fails to build stops the setup here (scripts/build_native.py).

@@ -22,6 +22,7 @@ xgr = pytest.importorskip("xgrammar")
 torch = pytest.importorskip("torch")
 
 from engine.loader.tokenizer import Tokenizer  # noqa: E402
+from engine.ops import native_lib  # noqa: E402
 from engine.structured import native  # noqa: E402
 from engine.structured.bitmask import TokenBitmask  # noqa: E402
 from engine.structured.compiler import _SEPARATORS  # noqa: E402
@@ -303,14 +304,14 @@ def test_the_cached_library_name_covers_the_build_command(tmp_path, monkeypatch)
         Path(cmd[-1]).write_bytes(b"built")
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(native.subprocess, "run", fake_run)
+    monkeypatch.setattr(native_lib.subprocess, "run", fake_run)
     first = native._library(_Libinfo())
     assert native._library(_Libinfo()) == first and len(builds) == 1  # cached
     monkeypatch.setattr(native, "FLAGS", native.FLAGS + ("-DNDEBUG",))
     second = native._library(_Libinfo())
     assert second != first and len(builds) == 2 and "-DNDEBUG" in builds[1]
     monkeypatch.setenv("CXX", "g++" if Path(builds[0][0]).name != "g++" else "clang++")
-    if native.shutil.which(os.environ["CXX"]) is not None:
+    if native_lib.shutil.which(os.environ["CXX"]) is not None:
         assert native._library(_Libinfo()) not in (first, second)
 
 
@@ -325,7 +326,7 @@ def test_the_built_library_is_readable_by_the_caches_other_users(tmp_path, monke
         os.chmod(cmd[-1], os.stat(cmd[-1]).st_mode | 0o100)
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(native.subprocess, "run", fake_run)
+    monkeypatch.setattr(native_lib.subprocess, "run", fake_run)
     old = os.umask(0o022)
     try:
         out = native._library(_Libinfo())
@@ -334,7 +335,7 @@ def test_the_built_library_is_readable_by_the_caches_other_users(tmp_path, monke
     assert os.stat(out).st_mode & 0o777 == 0o755
 
 
-@pytest.mark.skipif(native.shutil.which("c++") is None or not sys.platform.startswith("linux"),
+@pytest.mark.skipif(native_lib.shutil.which("c++") is None or not sys.platform.startswith("linux"),
                     reason="no C++ compiler")
 def test_two_processes_build_into_one_cache_at_once(tmp_path):
     """Two processes build the worker into an empty cache at the same time: both load it, one

@@ -10,8 +10,8 @@ it needs the GIL back after every xgrammar call and for its own glue, so it and 
 took turns.
 
 ``worker_module()`` builds the source once (``c++`` against tvm-ffi's headers, a few seconds)
-into ``$TORCH_EXTENSIONS_DIR`` (else ``~/.cache/enginecore``) under a name carrying the
-source's, tvm-ffi's and Python's versions, and loads it; ``None`` where it cannot be had (not
+into ``$TORCH_EXTENSIONS_DIR`` (else ``~/.cache/enginecore``; engine/ops/native_lib.py) under a
+name carrying the source's, tvm-ffi's and Python's versions, and loads it; ``None`` where it cannot be had (not
 Linux, no compiler, no xgrammar, a failed build, the ``grammar_worker`` kill switch off): the core then
 does the grammar work on the step thread, as before. ``scripts/setup.sh`` builds it ahead.
 """
@@ -19,21 +19,17 @@ does the grammar work on the step thread, as before. ``scripts/setup.sh`` builds
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import operator
 import os
 from pathlib import Path
-import platform
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 from typing import Any, Optional, Sequence
 import weakref
 
 from engine import envs
+from engine.ops import native_lib
 
 log = logging.getLogger("enginecore.structured")
 
@@ -49,55 +45,20 @@ def enabled() -> bool:
     return envs.on(envs.GRAMMAR_WORKER)
 
 
-def _build_dir() -> Path:
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "enginecore"
-
-
 def _library(libinfo) -> Path:
-    """The built worker's path (built now if missing).
+    """The built worker's path (built now if missing), by engine/ops/native_lib.py: its name
+    covers the source, the compiler and its flags, the headers and library it is built
+    against, and the machine.
 
-    NOTE: built by hand, not with ``tvm_ffi.cpp.build`` (which does build and cache): that
-    needs ``ninja``, which the device hosts were never checked to have (this single-file
-    build ran there), and its cache key leaves the compiler and the machine
-    out (a cache shared by two hosts). Not ``torch.utils.cpp_extension`` either: the worker
-    links tvm-ffi, not torch, and is loaded by ``tvm_ffi.load_module``."""
+    NOTE: not ``torch.utils.cpp_extension``: the worker links tvm-ffi, not torch, and is
+    loaded by ``tvm_ffi.load_module``."""
     import tvm_ffi
 
-    cxx = shutil.which(os.environ.get("CXX", "c++"))
     lib = Path(libinfo.find_libtvm_ffi()).parent
-    # the name covers everything the build depends on: the source, the compiler and its
-    # flags, the headers and library it is built against, the machine (a cache shared by two
-    # hosts, or a change of flags here, must not load a library built another way)
-    flags = [*FLAGS, f"-I{libinfo.find_include_path()}",
-             f"-I{libinfo.find_dlpack_include_path()}", f"-L{lib}", "-ltvm_ffi",
-             f"-Wl,-rpath,{lib}"]
-    h = hashlib.sha256(SOURCE.read_bytes())
-    h.update(f"{tvm_ffi.__version__} {sys.version_info[:2]} {platform.machine()} "
-             f"{cxx} {flags}".encode())
-    out = _build_dir() / f"enginecore_grammar_worker_{h.hexdigest()[:12]}.so"
-    if out.exists():
-        return out
-    if cxx is None:
-        raise RuntimeError("no C++ compiler")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    cmd = [cxx, *flags[:len(FLAGS)], str(SOURCE), *flags[len(FLAGS):], "-o", tmp]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(f"c++ failed: {done.stderr.strip()[-2000:]}")
-        # mkstemp made the file 0600 and the linker keeps its mode: readable (and loadable) by
-        # the other users of a shared cache, as a file the compiler created would be
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o755 & ~umask)
-        os.replace(tmp, out)  # atomic: a concurrent build of the same source loses nothing
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    after = [f"-I{libinfo.find_include_path()}", f"-I{libinfo.find_dlpack_include_path()}",
+             f"-L{lib}", "-ltvm_ffi", f"-Wl,-rpath,{lib}"]
+    return native_lib.library(SOURCE, "enginecore_grammar_worker", FLAGS, after,
+                              key=f"{tvm_ffi.__version__} {sys.version_info[:2]}")
 
 
 @functools.lru_cache(maxsize=1)

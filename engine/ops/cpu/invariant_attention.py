@@ -6,9 +6,11 @@ and their count -- not on the other rows of the step, on how its prompt was chun
 whether a key was written this step or by an earlier request (a cached prefix). Two ways, chosen
 once by :func:`kernel`:
 
-* the C++ kernel (``invariant_csrc/invariant_attention.cpp``, built once per source like
-  engine/ops/cpu/cpu_ext.py's extension; the ``cpu_ext`` kill switch covers it too): one task
-  per (row, KV head), sums in key order -- the file says why it is written by hand;
+* the C++ kernel (``invariant_csrc/invariant_attention.cpp``): a plain C-ABI library without
+  torch's headers (a few seconds to build, not ~45 s), built once per source and flags by the
+  system compiler (engine/ops/native_lib.py) and called through ctypes (:class:`Kernel` checks
+  every tensor first); the ``cpu_ext`` kill switch covers it too. One task per (row, KV head),
+  sums in key order -- the file says why it is written by hand;
 * :func:`attention_torch`, torch ops whose reduction order per row is fixed by construction: the
   scores as an elementwise product summed over the head dimension, a softmax over the keys padded
   to a multiple of 16 with -inf (padding adds exact zeros to its lanes: measured equal bit for bit
@@ -22,21 +24,21 @@ one of them throughout.
 
 from __future__ import annotations
 
+import ctypes
 import functools
-import hashlib
 import logging
-import os
+import math
 from pathlib import Path
 import platform
-import shutil
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
 from . import cpu_ext
+from .. import native_lib
 
 log = logging.getLogger("enginecore.invariant_attention")
 
@@ -46,25 +48,88 @@ _lock = threading.Lock()
 _TORCH_BUDGET = 1 << 24
 
 
+#: the compiler's flags (part of the library's name). Only IEEE operations, each rounded on its
+#: own (the source's header says why): no contraction into FMAs, no -ffast-math;
+#: -fno-trapping-math lets loops with a select vectorize and changes no value
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off",
+         "-fno-fast-math", "-fno-trapping-math")
+#: the cache's dtypes, as the C function numbers them
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class Kernel:
+    """The built library's functions, each argument checked here before a pointer is passed."""
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        self._attend = lib.enginecore_invariant_attention
+        self._attend.argtypes = [_ptr, _ptr, ctypes.c_int32, _ptr, _ptr, _i64, _i64, _i64, _i64,
+                                 _i64, _i64, _i64, ctypes.c_float, _ptr, ctypes.c_int32]
+        self._attend.restype = _i64
+        self._fexp = lib.enginecore_invariant_fexp
+        self._fexp.argtypes = [_ptr, _ptr, _i64]
+        self._fexp.restype = None
+
+    def invariant_attention(self, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor,
+                            lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [T, H, D] float32; cache [2, blocks, bs, Hkv, D] float32 / bfloat16 / float16;
+        tables [T, W] int64; lens [T] int64 (each >= 1, its blocks in the table and the cache)
+        -> [T, H, D] float32. All on the CPU and contiguous; anything else is a ValueError."""
+        for name, t in (("q", q), ("cache", cache), ("tables", tables), ("lens", lens)):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(f"invariant attention: {name} is not a contiguous CPU tensor")
+        if q.dim() != 3 or q.dtype != torch.float32:
+            raise ValueError("invariant attention: q must be [T, H, D] float32")
+        rows, heads, dim = q.shape
+        if cache.dim() != 5 or cache.shape[0] != 2 or cache.dtype not in _DTYPES:
+            raise ValueError("invariant attention: cache must be [2, blocks, bs, Hkv, D] float32, "
+                             "bfloat16 or float16")
+        _, blocks, bs, kv_heads, cache_dim = cache.shape
+        if (cache_dim != dim or dim < 1 or min(blocks, bs, kv_heads) < 1 or heads < 1
+                or heads % kv_heads != 0):
+            raise ValueError("invariant attention: cache and q disagree")
+        if tables.dtype != torch.int64 or tables.dim() != 2 or tables.shape[0] != rows:
+            raise ValueError("invariant attention: tables must be [T, W] int64")
+        if lens.dtype != torch.int64 or lens.dim() != 1 or lens.shape[0] != rows:
+            raise ValueError("invariant attention: lens must be [T] int64")
+        scale = float(scale)
+        if not math.isfinite(scale):
+            raise ValueError("invariant attention: the scale is not finite")
+        out = torch.empty_like(q)
+        # (the C side checks each row's length and blocks before reading any key)
+        err = self._attend(q.data_ptr(), cache.data_ptr(), _DTYPES[cache.dtype],
+                           tables.data_ptr(), lens.data_ptr(), rows, heads, dim, blocks, bs,
+                           kv_heads, tables.shape[1], scale, out.data_ptr(),
+                           max(1, torch.get_num_threads()))
+        if err != 0:
+            raise ValueError(f"invariant attention: row {err - 1}: its length or a block of its "
+                             "table is out of range" if err > 0 else "invariant attention: bad sizes")
+        return out
+
+    def fexp(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel's exp, elementwise (for the tests): x float32, contiguous, on the CPU."""
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError("fexp: x must be a contiguous float32 CPU tensor")
+        out = torch.empty_like(x)
+        self._fexp(x.data_ptr(), out.data_ptr(), x.numel())
+        return out
+
+
 @functools.lru_cache(maxsize=1)
-def _build() -> Optional[Any]:
-    if not sys.platform.startswith("linux") or shutil.which(os.environ.get("CXX", "c++")) is None:
+def _build() -> Optional[Kernel]:
+    if not sys.platform.startswith("linux") or native_lib.compiler() is None:
         log.info("batch-invariant attention kernel: not built (no C++ compiler or not Linux); "
                  "torch's ops run it")
         return None
-    from torch.utils import cpp_extension
-
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
     # AVX2 where the CPU has it (8 lanes, no FMA: -ffp-contract=off keeps the same bits); the
     # name says so, so that a machine without it never loads that build
     avx2 = platform.machine() in ("x86_64", "AMD64") and cpu_ext.cpu_capability() != "DEFAULT"
-    flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-fopenmp",
-             *(["-mavx2"] if avx2 else [])]
     t0 = time.perf_counter()
     try:
-        mod = cpp_extension.load(name=f"enginecore_invariant_attention_{digest}{'_avx2' * avx2}",
-                                 sources=[str(SOURCE)], extra_cflags=flags,
-                                 extra_ldflags=["-fopenmp"], verbose=False)
+        path = native_lib.library(SOURCE, f"enginecore_invariant_attention{'_avx2' * avx2}",
+                                  (*FLAGS, *(["-mavx2"] if avx2 else [])))
+        mod = Kernel(path)
     except Exception as exc:  # a compiler error: the torch path still works
         log.warning("batch-invariant attention kernel: build failed (%s); torch's ops run it", exc)
         return None
@@ -73,7 +138,7 @@ def _build() -> Optional[Any]:
     return mod
 
 
-def module() -> Optional[Any]:
+def module() -> Optional[Kernel]:
     """The compiled kernel, or None (not buildable here, or the ``cpu_ext`` kill switch off)."""
     if not cpu_ext.enabled():
         return None
@@ -129,4 +194,4 @@ def attention_torch(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor,
     return out.to(q.dtype)
 
 
-__all__ = ["kernel", "module", "attention_torch", "SOURCE"]
+__all__ = ["kernel", "module", "attention_torch", "Kernel", "SOURCE", "FLAGS"]

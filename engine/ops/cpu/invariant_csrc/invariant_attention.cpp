@@ -1,5 +1,10 @@
 // Batch-invariant paged attention for deterministic mode (engine/ops/cpu/invariant_attention.py).
 //
+// A plain C-ABI library (no torch headers: against them the build took ~45 s on 2 cores, this
+// one a few seconds), built by the Python side with the system compiler and called through
+// ctypes with raw pointers; that side checks every tensor's dtype, device, layout and shapes
+// first, and the functions here check each row's length and blocks before any is read.
+//
 // Why by hand: torch's CPU attention reduces a query's keys in an order that the shapes of the
 // call decide -- SDPA's flash kernel splits queries and keys into blocks sized by the sequence
 // lengths and multiplies them with GEMMs whose kernel depends on the block's row count; a
@@ -13,16 +18,12 @@
 //     sum in double in key order;
 //   * the values weighted by those exps, accumulated in key order per d, divided by the sum.
 // Keys are read through the row's block table (key j in slot table[j / bs] * bs + j % bs), so a
-// key's place in memory does not matter, and only keys 0 .. len - 1 are read. Threads split the
-// tasks, never one task's sums. Compiled with -ffp-contract=off and without -ffast-math (only
+// key's place in memory does not matter, and only keys 0 .. len - 1 are read. OpenMP threads split
+// the tasks, never one task's sums. Compiled with -ffp-contract=off and without -ffast-math (only
 // -fno-trapping-math, which lets loops with a select vectorize and changes no value): only
 // IEEE additions, multiplications and divisions, each rounded on its own, so a loop the compiler
 // vectorizes computes every element as its scalar remainder does, and a build with AVX2 gives
 // the bits of one without.
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -32,6 +33,38 @@
 namespace {
 
 constexpr int kLanes = 8;
+
+// The cache's element types, as their bits; each converts to float32 exactly (as torch's own
+// conversions do), so the kernel sees the same values whichever way it is built.
+struct Bf16 {
+  uint16_t bits;
+};
+struct Half {
+  uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(Bf16 x) {  // bfloat16 is float32's upper half
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float to_float(Half x) {  // selects, not branches: the loops that read it vectorize
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16;
+  const uint32_t e = (x.bits >> 10) & 0x1fu, m = x.bits & 0x3ffu;
+  const uint32_t normal = ((e + 112u) << 23) | (m << 13);  // exponent rebased 15 -> 127
+  const uint32_t special = 0x7f800000u | (m << 13);        // inf, nan
+  const float tiny = static_cast<float>(m) * 5.9604644775390625e-08f;  // m * 2^-24, exact
+  uint32_t tiny_bits;
+  std::memcpy(&tiny_bits, &tiny, sizeof tiny_bits);
+  const uint32_t bits = sign | (e == 31u ? special : (e == 0u ? tiny_bits : normal));
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 // e^x for x <= 0 in float32 from IEEE operations only (std::exp is a library call the compiler
 // cannot vectorize): x = k ln2 + r, |r| <= ln2 / 2 (k rounded to nearest by the 1.5 * 2^23
@@ -62,9 +95,9 @@ inline float dot(const float* q, const kv_t* k, int64_t d_size) {
   float lane[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   int64_t d = 0;
   for (; d + kLanes <= d_size; d += kLanes) {
-    for (int l = 0; l < kLanes; ++l) lane[l] += q[d + l] * static_cast<float>(k[d + l]);
+    for (int l = 0; l < kLanes; ++l) lane[l] += q[d + l] * to_float(k[d + l]);
   }
-  for (int l = 0; d + l < d_size; ++l) lane[l] += q[d + l] * static_cast<float>(k[d + l]);
+  for (int l = 0; d + l < d_size; ++l) lane[l] += q[d + l] * to_float(k[d + l]);
   return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
 }
 
@@ -100,7 +133,7 @@ void attend(const float* q, const kv_t* keys, const kv_t* values, const int64_t*
     for (int64_t i = 0; i < gqa; ++i) {
       const float w = p[i * n + j];
       float* a = acc.data() + i * d_size;
-      for (int64_t d = 0; d < d_size; ++d) a[d] += w * static_cast<float>(v[d]);
+      for (int64_t d = 0; d < d_size; ++d) a[d] += w * to_float(v[d]);
     }
   }
   for (int64_t i = 0; i < gqa; ++i) {
@@ -110,69 +143,63 @@ void attend(const float* q, const kv_t* keys, const kv_t* values, const int64_t*
 }
 
 template <typename kv_t>
-void run(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
-         const torch::Tensor& lens, double scale, torch::Tensor& out) {
-  const int64_t rows = q.size(0), heads = q.size(1), d_size = q.size(2);
-  const int64_t bs = cache.size(2), kv_heads = cache.size(3);
-  const int64_t gqa = heads / kv_heads, width = tables.size(1);
-  const int64_t plane = cache.size(1) * bs * kv_heads * d_size;  // K, then V
-  const kv_t* keys = cache.data_ptr<kv_t>();
+void run(const float* q, const void* cache, const int64_t* tables, const int64_t* lens,
+         int64_t rows, int64_t heads, int64_t d_size, int64_t blocks, int64_t bs,
+         int64_t kv_heads, int64_t width, float scale, float* out, int threads) {
+  const int64_t gqa = heads / kv_heads;
+  const int64_t plane = blocks * bs * kv_heads * d_size;  // K, then V
+  const kv_t* keys = static_cast<const kv_t*>(cache);
   const kv_t* values = keys + plane;
-  const float* qp = q.data_ptr<float>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t tasks = rows * kv_heads;
+#pragma omp parallel num_threads(threads)
+  {
     std::vector<float> p, acc;
-    for (int64_t task = begin; task < end; ++task) {
+    // static: each thread one contiguous range of tasks; which thread runs a task changes
+    // nothing in it
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < tasks; ++task) {
       const int64_t r = task / kv_heads, g = task % kv_heads;
       const int64_t off = (r * heads + g * gqa) * d_size;
-      attend(qp + off, keys, values, tp + r * width, lp[r], bs, kv_heads, g, gqa, d_size,
-             static_cast<float>(scale), op + off, p, acc);
+      attend(q + off, keys, values, tables + r * width, lens[r], bs, kv_heads, g, gqa, d_size,
+             scale, out + off, p, acc);
     }
-  });
+  }
 }
 
 }  // namespace
 
-// q [T, H, D] float32; cache [2, blocks, bs, Hkv, D] float32 / bfloat16 / float16; tables [T, W]
-// int64 (row r's block table); lens [T] int64 (row r sees keys 0 .. lens[r] - 1) -> [T, H, D]
-torch::Tensor invariant_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor tables,
-                                  torch::Tensor lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(), "q: [T, H, D] float32");
-  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous(), "cache: [2, blocks, bs, Hkv, D]");
-  TORCH_CHECK(cache.size(4) == q.size(2) && q.size(1) % cache.size(3) == 0, "cache and q disagree");
-  TORCH_CHECK(tables.scalar_type() == torch::kLong && tables.dim() == 2 && tables.is_contiguous()
-              && tables.size(0) == q.size(0), "tables: [T, W] int64");
-  TORCH_CHECK(lens.scalar_type() == torch::kLong && lens.dim() == 1 && lens.is_contiguous()
-              && lens.size(0) == q.size(0), "lens: [T] int64");
-  const int64_t bs = cache.size(2), blocks = cache.size(1), width = tables.size(1);
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  for (int64_t r = 0; r < q.size(0); ++r) {  // every slot read is in the cache
-    TORCH_CHECK(lp[r] >= 1 && (lp[r] + bs - 1) / bs <= width, "row ", r, ": bad length");
-    for (int64_t b = 0; b < (lp[r] + bs - 1) / bs; ++b) {
-      TORCH_CHECK(tp[r * width + b] >= 0 && tp[r * width + b] < blocks, "row ", r, ": bad block");
+extern "C" {
+
+// q [rows, heads, D] float32; cache [2, blocks, bs, kv_heads, D] of `dtype` (0 float32,
+// 1 bfloat16, 2 float16); tables [rows, width] int64 (row r's block table); lens [rows] int64
+// (row r sees keys 0 .. lens[r] - 1) -> out [rows, heads, D] float32; all contiguous. Returns 0;
+// -1: bad sizes or dtype; r + 1: row r's length or one of its blocks is out of range (nothing
+// computed).
+int64_t enginecore_invariant_attention(const float* q, const void* cache, int32_t dtype,
+                                       const int64_t* tables, const int64_t* lens, int64_t rows,
+                                       int64_t heads, int64_t d_size, int64_t blocks, int64_t bs,
+                                       int64_t kv_heads, int64_t width, float scale, float* out,
+                                       int32_t threads) {
+  if (rows < 0 || heads < 1 || d_size < 1 || blocks < 1 || bs < 1 || kv_heads < 1
+      || heads % kv_heads != 0 || width < 0 || threads < 1 || dtype < 0 || dtype > 2) {
+    return -1;
+  }
+  for (int64_t r = 0; r < rows; ++r) {  // every slot read is in the cache
+    const int64_t n = lens[r];
+    if (n < 1 || (n - 1) / bs >= width) return r + 1;
+    for (int64_t b = 0; b <= (n - 1) / bs; ++b) {
+      if (tables[r * width + b] < 0 || tables[r * width + b] >= blocks) return r + 1;
     }
   }
-  auto out = torch::empty_like(q);
-  switch (cache.scalar_type()) {
-    case torch::kFloat: run<float>(q, cache, tables, lens, scale, out); break;
-    case torch::kBFloat16: run<at::BFloat16>(q, cache, tables, lens, scale, out); break;
-    case torch::kHalf: run<at::Half>(q, cache, tables, lens, scale, out); break;
-    default: TORCH_CHECK(false, "cache dtype ", cache.scalar_type(), " is not supported");
-  }
-  return out;
+  const auto f = dtype == 0 ? run<float> : dtype == 1 ? run<Bf16> : run<Half>;
+  f(q, cache, tables, lens, rows, heads, d_size, blocks, bs, kv_heads, width, scale, out,
+    threads);
+  return 0;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("invariant_attention", &invariant_attention, "batch-invariant paged attention");
-  m.def("fexp", [](torch::Tensor x) {  // the kernel's exp, elementwise (for the tests)
-    TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous(), "float32, contiguous");
-    auto out = torch::empty_like(x);
-    const float* xp = x.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    for (int64_t i = 0; i < x.numel(); ++i) op[i] = fexp(xp[i]);
-    return out;
-  });
+// the kernel's exp, elementwise (for the tests)
+void enginecore_invariant_fexp(const float* x, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = fexp(x[i]);
 }
+
+}  // extern "C"
