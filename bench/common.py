@@ -110,6 +110,20 @@ class DeviceTimer:
 
 
 # -- statistics ------------------------------------------------------------------------------------
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc), sorted."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, ValueError, IndexError):  # gone meanwhile
+                pass
+    return sorted(out)
+
+
 def percentile(values: Sequence[float], p: float) -> Optional[float]:
     """Linear-interpolated percentile (p in [0, 100]); None for no values."""
     if not values:

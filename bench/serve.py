@@ -80,19 +80,6 @@ def _cpu_s(pid: int) -> tuple[float, float]:
         return 0.0, 0.0
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
-    return sorted(out)
-
-
 def _is_frontend(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -138,7 +125,7 @@ class Server:
         except BaseException:
             print(self.log_tail(), file=sys.stderr)
             raise
-        self.frontends = [p for p in _children(self.proc.pid) if _is_frontend(p)]
+        self.frontends = [p for p in common.children(self.proc.pid) if _is_frontend(p)]
         return model
 
     def cpu(self) -> tuple[float, float, float]:

@@ -37,6 +37,7 @@ from pathlib import Path
 import anyio
 import httpx
 
+from . import common
 from .soak_attacks import (ATTACKS, DEFAULT_HTTP_KINDS, HTTP_KINDS, MODEL, Stats, attack_http, attack_ipc,
                            attack_slowloris, attack_vanishing, good_client)
 
@@ -47,19 +48,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(d))
-            except OSError:
-                pass
-    return out
 
 
 def _rss_mb(pid: int) -> float:
@@ -135,7 +123,7 @@ async def run(args) -> dict:
     try:
         async with httpx.AsyncClient(base_url=base, timeout=5) as c:
             MODEL[0] = await wait_ready(c, proc, 180)
-        pids = [proc.pid] + _children(proc.pid)
+        pids = [proc.pid] + common.children(proc.pid)
         phases = [("before", args.calm_s, False), ("attack", args.minutes * 60, True),
                   ("after", args.calm_s, False)]
         async with anyio.create_task_group() as tg:

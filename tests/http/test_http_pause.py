@@ -18,16 +18,23 @@ BODY = {"model": TINY.model, "prompt": [5, 6, 7, 8], "max_tokens": 40, "ignore_e
         "stream": True}
 
 
-async def stream_tokens(c, body) -> tuple[list[str], list[dict]]:
-    texts, chunks = [], []
+async def read_stream(c, body, on_chunk) -> None:
+    """POST a streamed completion; ``on_chunk(chunk)`` for each of its data chunks."""
     async with c.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
+        assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                chunks.append(chunk)
-                texts.append(chunk["choices"][0]["text"] if chunk["choices"] else "")
-    return texts, chunks
+                on_chunk(json.loads(line[6:]))
+
+
+def _text(chunk: dict) -> str:
+    return chunk["choices"][0]["text"] if chunk["choices"] else ""
+
+
+async def stream_tokens(c, body) -> tuple[list[str], list[dict]]:
+    chunks: list[dict] = []
+    await read_stream(c, body, chunks.append)
+    return [_text(ch) for ch in chunks], chunks
 
 
 @pytest.mark.parametrize("via", ["engine", "client"])
@@ -37,14 +44,12 @@ async def test_pause_keep_resume_and_abort_all(via) -> None:
         got: list[str] = []
         first = anyio.Event()
 
+        def took(chunk: dict) -> None:
+            got.append(_text(chunk))
+            first.set()
+
         async def consume() -> None:
-            async with c.stream("POST", "/v1/completions", json=BODY) as r:
-                assert r.status_code == 200, await r.aread()
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        choices = json.loads(line[6:])["choices"]
-                        got.append(choices[0]["text"] if choices else "")
-                        first.set()
+            await read_stream(c, BODY, took)
 
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
@@ -65,16 +70,14 @@ async def test_pause_keep_resume_and_abort_all(via) -> None:
         ended: list[dict] = []
         started = anyio.Event()
 
+        def kept(chunk: dict) -> None:
+            ended.append(chunk)
+            started.set()
+
         async def long() -> None:
             # (within the tiny model's 2,048-token context: more is a 400, and a stream that
             # never starts once hung this test)
-            async with c.stream("POST", "/v1/completions",
-                                json={**BODY, "max_tokens": 2000}) as r:
-                assert r.status_code == 200, await r.aread()
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        ended.append(json.loads(line[6:]))
-                        started.set()
+            await read_stream(c, {**BODY, "max_tokens": 2000}, kept)
 
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
