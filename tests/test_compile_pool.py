@@ -193,15 +193,21 @@ def test_a_cancelled_compile_is_stopped_and_the_server_serves_on(vocab):
         pool.close()
 
 
+def _failing_slow(pool, out: dict, error: type, match: str):
+    """A task compiling the slow schema that must fail with ``error`` (``out["victim"]`` set)."""
+    async def victim():
+        with pytest.raises(error, match=match):
+            await pool.compile(SLOW.kind, SLOW.text, 300.0, 300.0)
+        out["victim"] = "failed"
+    return victim
+
+
 def test_a_compile_process_that_dies_fails_its_own_request_only(vocab):
     pool = _pool(vocab, 2)
     out: dict = {}
 
-    async def victim():
-        with pytest.raises(BadRequestError, match=r"compiling the json_schema constraint ended "
-                                                  r"its process \(killed by SIGKILL\)"):
-            await pool.compile(SLOW.kind, SLOW.text, 300.0, 300.0)
-        out["victim"] = "failed"
+    victim = _failing_slow(pool, out, BadRequestError, r"compiling the json_schema constraint "
+                           r"ended its process \(killed by SIGKILL\)")
 
     async def main():
         async with anyio.create_task_group() as tg:
@@ -225,10 +231,7 @@ def test_a_server_that_dies_fails_its_compiles_and_the_next_starts_a_new_one(voc
     pool = _pool(vocab, 2)
     out: dict = {}
 
-    async def victim():
-        with pytest.raises(EngineError, match="the grammar compile server ended"):
-            await pool.compile(SLOW.kind, SLOW.text, 300.0, 300.0)
-        out["victim"] = "failed"
+    victim = _failing_slow(pool, out, EngineError, "the grammar compile server ended")
 
     async def main():
         async with anyio.create_task_group() as tg:

@@ -43,17 +43,17 @@ class RequestStream:
             raise StopAsyncIteration
         box = self._box
         items = box.items
-        while not items:  # the engine always sends a terminal item or an error
-            try:
+        try:
+            while not items:  # the engine always sends a terminal item or an error
                 try:
                     future = box._waiter = get_running_loop().create_future()
                 except RuntimeError:  # pragma: no cover - not asyncio (trio)
                     await box.wait()
                 else:
                     await future
-            except BaseException:  # cancelled while waiting (a task group, a timeout): the
-                self.cancel()  # consumer has left, as with ``break`` -- not a request running on
-                raise  # unread until the stream object happens to be collected
+        except BaseException:  # cancelled while waiting (a task group, a timeout): the consumer
+            self.cancel()  # has left, as with ``break`` -- not a request running on unread
+            raise  # until the stream object happens to be collected
         item = items.popleft()
         if isinstance(item, BaseException):
             self._close()
