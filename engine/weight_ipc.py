@@ -28,6 +28,7 @@ fields themselves are the few lines below.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from contextlib import contextmanager
@@ -38,6 +39,8 @@ from msgspec import Meta
 import torch
 
 from engine.errors import BadRequestError
+
+log = logging.getLogger(__name__)
 
 #: dtypes a weight may travel as (the engine's check then wants the weights' own)
 DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16)}
@@ -258,5 +261,15 @@ def opened(handles: IpcHandles, device: torch.device) -> Iterator[dict[str, torc
         storages.clear()
 
 
+def let_go(handles: IpcHandles, device: torch.device) -> None:
+    """A refused update's handles opened and dropped at once: each export counts one user of
+    its storages in the trainer until opened and dropped, and would otherwise hold them there."""
+    try:
+        with opened(handles, device):
+            pass
+    except Exception as exc:  # noqa: BLE001 - the refusal the caller raises is what matters
+        log.warning("could not let go of a refused IPC export: %s", exc)
+
+
 __all__ = ["IpcHandles", "IpcStorage", "IpcTensor", "IpcSender", "export_cuda_ipc",
-           "check_handles", "opened", "encode", "decode", "DTYPES"]
+           "check_handles", "opened", "let_go", "encode", "decode", "DTYPES"]

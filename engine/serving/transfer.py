@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+import anyio
 from anyio import to_thread
 import torch
 
 from engine.errors import BadRequestError
-from engine.weight_ipc import check_handles
+from engine.weight_ipc import check_handles, let_go
 from engine.weight_transfer import BUCKET_BYTES, Receiver, checked_metadata
 from states import State
 
@@ -74,10 +75,18 @@ class TransferAPI:
         ranks' group)."""
         runner = self.runner  # type: ignore[attr-defined]
         plan = check_handles(handles, runner.device)
-        if runner.model_config is None:
-            self._raise_unavailable("update_weights_from_ipc")  # type: ignore[attr-defined]
-        runner.check_weights([(n, torch.empty(s, dtype=d, device="meta")) for n, s, d in plan])
-        await self._sleep.update_weights("ipc", handles, version)  # type: ignore[attr-defined]
+        opened: list[bool] = []
+        try:
+            if runner.model_config is None:
+                self._raise_unavailable("update_weights_from_ipc")  # type: ignore[attr-defined]
+            runner.check_weights([(n, torch.empty(s, dtype=d, device="meta")) for n, s, d in plan])
+            await self._sleep.update_weights(  # type: ignore[attr-defined]
+                "ipc", (handles, opened), version)
+        except BaseException:
+            if not opened:  # refused before the copy: the trainer's storages are let go all the same
+                with anyio.CancelScope(shield=True):
+                    await to_thread.run_sync(let_go, handles, runner.device)
+            raise
 
     async def close_weight_transfer(self) -> None:
         """Leave the group (a no-op without one)."""
