@@ -15,6 +15,7 @@ It speaks length-prefixed msgpack frames (msgspec; no pickle) on stdin / stdout:
 from __future__ import annotations
 
 import gc
+import os
 import struct
 import subprocess
 import sys
@@ -93,7 +94,10 @@ class TrainerProcess:
 def main() -> int:
     from engine.weight_ipc import IpcSender, encode, export_cuda_ipc
 
-    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    inp = sys.stdin.buffer
+    out = os.fdopen(os.dup(1), "wb")  # the frames' own copy of stdout; anything printed
+    os.dup2(2, 1)  # (by Python or by a library in C) goes to stderr instead
+    sys.stdout = sys.stderr
     torch.cuda.init()
     torch.empty(1, device="cuda")
     base = torch.cuda.memory_allocated()
