@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-import anyio
 from anyio import to_thread
 import torch
 
@@ -82,10 +81,9 @@ class TransferAPI:
             runner.check_weights([(n, torch.empty(s, dtype=d, device="meta")) for n, s, d in plan])
             await self._sleep.update_weights(  # type: ignore[attr-defined]
                 "ipc", (handles, opened), version)
-        except BaseException:
+        except Exception:  # (a cancelled caller's queued update may still run: it lets go itself)
             if not opened:  # refused before the copy: the trainer's storages are let go all the same
-                with anyio.CancelScope(shield=True):
-                    await to_thread.run_sync(let_go, handles, runner.device)
+                await to_thread.run_sync(let_go, handles, runner.device)
             raise
 
     async def close_weight_transfer(self) -> None:
