@@ -23,7 +23,7 @@ ENGINE_LAYERS: list[set[str]] = [
     {"structured"},
     {"params", "config", "request", "interface"},
     {"model"},
-    {"memory", "weight_transfer"},
+    {"memory", "weight_transfer", "weight_ipc"},
     {"loader"},
     {"kv", "sample"},
     {"forward"},
