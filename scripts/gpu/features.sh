@@ -14,7 +14,7 @@ if [ -n "${BEFORE:-}" ]; then
         --server-root "$BEFORE" --out "$OUT/serve_before.json"
 fi
 if [ -f bench/first_request.py ]; then
-    step first_request 90 python3 -m bench.first_request --device cuda --out "$OUT/first_request.json"
+    step first_request 90 python3 -m bench.first_request --device cuda --warmup on,off --out "$OUT/first_request.json"
 fi
 step weight_sync 110 python3 -m bench.weight_sync --device cuda --no-progress --rounds 3 \
     --paths tensors,ipc,ipc-bucket --out "$OUT/weight_sync.json"
