@@ -139,10 +139,10 @@ def create_app(engine: Engine, *, model_name: Union[str, Sequence[str], None] = 
 
     # The last added is the outermost: the media type and the in-flight limit answer before the
     # body is read; the CORS headers (when on) reach every answer, the guards' refusals too.
+    app.state.large_bodies = LargeBodyGate(limits.large_body_slots, limits.large_body_cpu_share)
     app.add_middleware(BodyGuard, max_body_bytes=limits.max_body_bytes,
                        body_timeout=limits.body_timeout, on_reject=rejected, after_large=Trimmer(),
-                       gate=LargeBodyGate(limits.large_body_slots, limits.large_body_cpu_share),
-                       large_body_bytes=limits.large_body_bytes)
+                       gate=app.state.large_bodies, large_body_bytes=limits.large_body_bytes)
     app.add_middleware(InFlightGuard, limit=limits.max_requests_in_flight, on_reject=rejected)
     app.add_middleware(JsonOnlyGuard, on_reject=rejected)
     hosts = HostPolicy(limits.allowed_hosts, bound)

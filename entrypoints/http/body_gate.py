@@ -24,7 +24,7 @@ from typing import Optional
 
 import anyio
 
-#: Wall seconds of pacing a burst may run ahead (at the default share: 0.125 s of CPU at once,
+#: Wall seconds of pacing a burst may run ahead (at the default share: 0.1 s of CPU at once,
 #: a few 8 MiB bodies), so that large bodies arriving now and then are admitted at once.
 BURST_S = 0.5
 #: The receiving side of a large body's cost, estimated per byte (its parse is measured): the

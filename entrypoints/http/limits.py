@@ -57,7 +57,7 @@ class HttpLimits(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     max_connections: int = 2048
     large_body_bytes: int = 256 * 1024
     large_body_slots: int = 2
-    large_body_cpu_share: float = 0.25
+    large_body_cpu_share: float = 0.2
     header_timeout: float = 10.0
     body_timeout: float = 60.0
     keep_alive_timeout: float = 5.0
@@ -168,7 +168,7 @@ _HELP = {
                         "before it is read; waits at most --body-timeout (503 beyond)",
     "large_body_slots": "large bodies received and parsed at once per API server",
     "large_body_cpu_share": "the share of one core that large bodies' receiving and parsing may "
-                            "take over time per API server (paced; default 0.25)",
+                            "take over time per API server (paced; default 0.2)",
     "max_requests_in_flight": "generation requests open at once per API server (429 beyond)",
     "max_connections": "open HTTP connections per API server (503 beyond)",
     "header_timeout": "seconds a client has to send a request's head (then closed)",
