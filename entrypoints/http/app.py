@@ -11,7 +11,8 @@ A request passes, in order: the CORS policy (Starlette's ``CORSMiddleware``, onl
 ``limits.allowed_origins``: off by default, so no ``Access-Control-*`` header and no preflight
 granted), the ``Host`` allow-list against DNS rebinding (``hosts.py``: on when bound to
 loopback or with ``limits.allowed_hosts``), the media type (every POST ``application/json``, else 415), the in-flight limit and the
-body limits (``guards.py``, before the body is read), the raw body against the schema's shape: every list's length, every value's
+body limits (``guards.py``, before the body is read; a large body waits for a slot of
+``body_gate.py``), the raw body against the schema's shape: every list's length, every value's
 kind, the free-form JSON's size (``raw_limits.check_raw``, before the body becomes objects), the
 JSON schema (``protocol.py``: strict types, every number and list bounded;
 a large body is parsed on a worker thread), the prompt's size in characters, then the chat
