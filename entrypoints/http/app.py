@@ -56,12 +56,11 @@ async def parse_body(request: Request, model: type[Body], fe: Frontend) -> Body:
     parse = _checked(model)
     slot = slot_of(request.scope)  # a large body's: given back with the parse's CPU time
     if len(raw) <= INLINE_PARSE_BYTES:
-        got = parse(raw)
+        got, cpu = _timed(parse, raw)
     else:
         got, cpu = await anyio.to_thread.run_sync(_timed, parse, raw, limiter=fe.parse_limiter)
-        if slot is not None:
-            slot.add(cpu)
     if slot is not None:
+        slot.add(cpu)
         slot.release()
     if not isinstance(got, P.RequestError):
         return got

@@ -13,8 +13,8 @@
 * :class:`BodyGuard`: reads the whole body itself, bounded in size (``Content-Length`` checked
   first, then the bytes counted as they arrive: 413), in time (408) and, over all requests of the process, in memory buffered at once
   (503 + ``Retry-After``). A large body first waits for a slot of the ``LargeBodyGate``
-  (``body_gate.py``), unread meanwhile; no slot within the body timeout: 503 and closed. The app then gets the body as one message, and the client's
-  disconnect afterwards as usual.
+  (``body_gate.py``), unread meanwhile; no slot within the body timeout: 503 and closed. The
+  app then gets the body as one message, and the client's disconnect afterwards as usual.
 
 NOTE: a 413 or 415 does not close the connection at once: closing with the client's bytes unread makes
 the kernel send a reset, and the client loses the answer (a lingering close, as nginx does).
