@@ -159,6 +159,7 @@ async def test_message_floods_get_400_fast_and_the_frontend_stays_small_and_serv
 
         def snap() -> tuple[float, ...]:
             return _cpu(fe), _cpu(sp.pid), _host_cpu()
+
         done = anyio.Event()
 
         async def victim() -> None:
@@ -258,9 +259,11 @@ async def test_message_floods_get_400_fast_and_the_frontend_stays_small_and_serv
         assert health and all(s == 200 for s, _ in health), health
         # the frontend gives the bodies about its share of a core, not all it can get ...
         assert loads["attack", "end"][0] < share + 0.1, loads
-        # ... so the victim keeps half its rate under the bytes, and under the lists
+        # ... so the victim keeps half its rate under the bytes, and under the lists, which cost
+        # it no more than their bytes (with a margin for noise)
         assert text_rate >= 0.5 * quiet, (quiet, text_rate, during)
         assert during >= 0.5 * quiet, (quiet, text_rate, during)
+        assert during >= 0.7 * text_rate, (quiet, text_rate, during)
     finally:
         for a in (control, attack):
             if a is not None:
