@@ -32,70 +32,19 @@ import logging
 import os
 import re
 from contextlib import contextmanager
-from typing import Annotated, Iterator, Mapping, Union
+from typing import Iterator, Mapping, Union
 
-import msgspec
-from msgspec import Meta
 import torch
 
 from engine.errors import BadRequestError
+from engine.ipc_handles import IpcHandles, IpcStorage, IpcTensor, decode, encode  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
 #: dtypes a weight may travel as (the engine's check then wants the weights' own)
 DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16)}
-MAX_TENSORS = 1 << 16
-MAX_HANDLE = 4096  # a cudaIpcMemHandle is 64 bytes; expandable segments' handles are longer
-_REFCOUNT_SLOTS = 10000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE: slots per ref-counter file
 _REFCOUNT_NAME = re.compile(rb"/torch_[0-9A-Za-z_]{1,200}")
-
-Int = Annotated[int, Meta(ge=0, le=2**48)]
-Dims = Annotated[list[Int], Meta(max_length=8)]
 NamedTensors = Union[Mapping[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
-
-
-class IpcStorage(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
-    """One CUDA storage as ``_share_cuda_()`` describes it."""
-
-    device: Annotated[int, Meta(ge=0, le=1023)]
-    handle: Annotated[bytes, Meta(min_length=1, max_length=MAX_HANDLE)]
-    size: Int  # bytes of the storage
-    offset: Int  # bytes from its allocation's start
-    ref_counter_handle: Annotated[bytes, Meta(min_length=1, max_length=256)]
-    ref_counter_offset: Annotated[int, Meta(ge=0, lt=_REFCOUNT_SLOTS)]
-    event_handle: Annotated[bytes, Meta(max_length=MAX_HANDLE)] = b""
-    event_sync_required: bool = False
-
-
-class IpcTensor(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
-    name: Annotated[str, Meta(min_length=1, max_length=512)]
-    dtype: Annotated[str, Meta(min_length=1, max_length=16)]
-    shape: Dims
-    stride: Dims
-    offset: Int  # elements from the storage's start
-    storage: Annotated[int, Meta(ge=0, lt=MAX_TENSORS)]  # index into IpcHandles.storages
-
-
-class IpcHandles(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """An export: the storages and the weights on them; ``pid``: the exporting process."""
-
-    pid: Annotated[int, Meta(ge=1, le=2**31)]
-    storages: Annotated[list[IpcStorage], Meta(min_length=1, max_length=MAX_TENSORS)]
-    tensors: Annotated[list[IpcTensor], Meta(min_length=1, max_length=MAX_TENSORS)]
-
-
-def encode(handles: IpcHandles) -> bytes:
-    return msgspec.msgpack.encode(handles)
-
-
-def decode(data: bytes, max_bytes: int = 16 * 2**20) -> IpcHandles:
-    """``data`` from a stranger: at most ``max_bytes``, every field bounded, else BadRequestError."""
-    if len(data) > max_bytes:
-        raise BadRequestError(f"an IPC handle export is at most {max_bytes} bytes")
-    try:
-        return msgspec.msgpack.decode(data, type=IpcHandles)
-    except msgspec.DecodeError as exc:
-        raise BadRequestError(f"IPC handles: {exc}") from None
 
 
 # -- the trainer's side --------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from msgspec import Meta
 
-from engine.weight_ipc import IpcHandles
+from engine.ipc_handles import IpcHandles
 
 from .wire_base import CallId, Count, Seconds, _Message
 

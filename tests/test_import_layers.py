@@ -21,7 +21,7 @@ ENGINE_LAYERS: list[set[str]] = [
     {"errors", "envs"},
     {"ops"},
     {"structured"},
-    {"params", "config", "request", "interface"},
+    {"params", "config", "request", "interface", "ipc_handles"},
     {"model"},
     {"memory", "weight_transfer", "weight_ipc"},
     {"loader"},
