@@ -129,7 +129,7 @@ def _top_ordered(x: torch.Tensor, k: int) -> torch.Tensor:
     so that a request's top k are the first k of any wider top k (``_topk_cpu``'s selection
     breaks ties by its pivots, which depend on the k asked: the widest in the step)."""
     if x.device.type != "cpu":
-        return x.sort(-1, descending=True, stable=True)[1][:, :k]
+        return x.sort(dim=-1, descending=True, stable=True)[1][:, :k]
     a = x.detach().contiguous().numpy()
     thr = np.partition(a, a.shape[1] - k, axis=1)[:, a.shape[1] - k]  # each row's k-th largest
     out = np.empty((a.shape[0], k), dtype=np.int64)
