@@ -247,7 +247,7 @@ def run_point(server: Server, args, payloads: list[bytes], offsets: list[float],
         results, t0, expected_tokens, concurrency=concurrency, clients=k,
         engine_cpu_s=cpu1[0] - cpu0[0], frontend_cpu_s=cpu1[1] - cpu0[1],
         frontend_sys_s=cpu1[2] - cpu0[2], client_cpu_s=client_cpu,
-        hops=serve_hops.http_hops(results, metrics0, metrics1))
+        hops=serve_hops.http_hops(results, metrics0, metrics1, t0))
 
 
 def run_inproc(args) -> dict[str, Any]:

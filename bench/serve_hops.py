@@ -42,9 +42,11 @@ ENGINE_KEYS = {"queue": "queue_time", "prefill": "prefill_time", "arrival_offset
 
 #: (key, label, what it measures) in the order printed; ``run`` says which run has the row
 ROWS = (
+    ("client_send_offset", "client send offset", "the common start t0 -> request sent"),
     ("client_ttft", "client TTFT", "request sent -> first token chunk received"),
     ("client_head", "  sent -> response head", "request sent -> response head received"),
     ("client_head_to_first", "  head -> first token", "response head -> first token chunk"),
+    ("inproc_ttft", "in-process TTFT", "generate() -> first output"),
     ("server_ttft", "server TTFT", "API route entered -> first output in the API server"),
     ("submit", "  API: route -> submit", "API route entered -> submitted to the engine"),
     ("queue", "engine queue", "engine core arrival -> first scheduled"),
@@ -53,7 +55,6 @@ ROWS = (
     ("client_minus_server", "= client - server TTFT", "client, network, uvicorn, SSE send"),
     ("api_engine_residual", "= server - submit - queue - prefill",
      "IPC, engine intake + inbox, output back"),
-    ("inproc_ttft", "in-process TTFT", "generate() -> first output"),
     ("inproc_residual", "= TTFT - queue - prefill", "inbox wait, output delivery"),
     ("client_e2e", "client e2e", "request sent -> response end"),
     ("server_e2e", "server e2e", "API route entered -> last output in the API server"),
@@ -107,11 +108,13 @@ def parse(text: str) -> dict[str, Hist]:
 
 
 def delta(before: Optional[Hist], after: Optional[Hist]) -> Optional[Hist]:
-    """``after`` less ``before`` (None where either is missing or their buckets differ)."""
+    """``after`` less ``before`` (None where either is missing, their buckets differ or a count
+    went back: another server, or one restarted)."""
     if before is None or after is None or before.bounds != after.bounds:
         return None
-    return Hist(after.bounds, tuple(a - b for a, b in zip(after.counts, before.counts)),
-                after.sum - before.sum)
+    counts = tuple(a - b for a, b in zip(after.counts, before.counts))
+    return None if min(counts, default=0) < 0 else Hist(after.bounds, counts,
+                                                        after.sum - before.sum)
 
 
 def quantile(h: Hist, q: float) -> Optional[float]:
@@ -162,12 +165,15 @@ def _derived(hops: dict, key: str, minus: Sequence[str], minuend: str,
         hops[key]["includes"] = [k for k in optional if k not in have]
 
 
-def http_hops(results: Sequence, before: Optional[str], after: Optional[str]) -> dict[str, Any]:
-    """One HTTP point's hops: from its clients' ``Result`` records and two ``/metrics`` texts
-    (None: that scrape failed)."""
+def http_hops(results: Sequence, before: Optional[str], after: Optional[str],
+              t0: Optional[float] = None) -> dict[str, Any]:
+    """One HTTP point's hops: from its clients' ``Result`` records (``t0``: their common start)
+    and two ``/metrics`` texts (None: that scrape failed)."""
     ok = [r for r in results if r.error is None and r.first is not None]
     heads = [r for r in ok if getattr(r, "head", None) is not None]
     hops: dict[str, Any] = {
+        "client_send_offset": (sample_stats([r.submit - t0 for r in results if r.submit])
+                               if t0 is not None else None),
         "client_ttft": sample_stats([r.first - r.submit for r in ok]),
         "client_head": sample_stats([r.head - r.submit for r in heads]),
         "client_head_to_first": sample_stats([r.first - r.head for r in heads]),
@@ -236,6 +242,8 @@ def rows(hops: Optional[dict], run: str) -> list[dict]:
         if key not in hops:
             continue
         st = hops[key] or {}
+        if st.get("includes"):  # a part the server does not measure stays in the difference
+            what += f" (and {', '.join(st['includes'])}: not served)"
         out.append({"hop": label, "run": run, "what": what,
                     **{k: st.get(k) for k in ("n", "mean_ms", "p50_ms", "p90_ms", "p99_ms")}})
     return out

@@ -479,6 +479,7 @@ def test_serve_bench_drives_the_real_server_and_the_in_process_run(tmp_path):
     for pt in rnd["points"]:
         hops = pt["hops"]
         assert hops["scraped"] is True
+        assert hops["client_send_offset"]["n"] == 6 and hops["client_send_offset"]["p50_ms"] >= 0
         for key in ("client_ttft", "client_head", "client_head_to_first", "client_e2e",
                     "server_ttft", "submit", "queue", "prefill", "arrival_offset", "server_e2e"):
             assert hops[key]["n"] == 6, (key, hops[key])

@@ -1,8 +1,9 @@
-"""The engine's statistics: :class:`EngineStats` (``AsyncEngine.statistics()``), the figures
-its :class:`~engine.interface.Health` carries for /metrics, and ``EngineTimings``, the engine
-core's own histograms (step time; per request: arrival in its busy period, queue, prefill,
-decode and running time, prompt tokens computed; tokens per step), kept as fixed-bucket counts so a snapshot is a few integers
-(they travel in the ``Health`` frame and become Prometheus histograms in the HTTP frontends).
+"""The engine's statistics: :class:`EngineStats` (``AsyncEngine.statistics()``), the figures its
+:class:`~engine.interface.Health` carries for /metrics, and ``EngineTimings``, the engine core's
+own histograms (step time; per request: arrival in its busy period, queue, prefill, decode and
+running time, prompt tokens computed; tokens per step), kept as fixed-bucket counts so a
+snapshot is a few integers (they travel in the ``Health`` frame and become Prometheus histograms
+in the HTTP frontends).
 
 The bounds contain vLLM's for the same figures (``entrypoints/http/vllm_names.py`` serves
 them under vLLM's names too, from the same counts: a bucket of vLLM's is the cumulative count
