@@ -23,10 +23,12 @@ STEP_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 
                      5.0, 10.0)
 #: Upper bounds of a request's times in the engine (queue: arrival -> first scheduled; prefill:
 #: -> first token; decode: first token -> end; running: first scheduled -> end): vLLM's
-#: request-latency bounds (0.3 .. 7680) with finer ones from 1 ms.
-REQUEST_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0,
-                        2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 80.0, 120.0, 160.0,
-                        240.0, 480.0, 640.0, 960.0, 1920.0, 2560.0, 7680.0)
+#: request-latency bounds (0.3 .. 7680) with finer ones from 1 ms (and up to 2.5 s, where a
+#: burst's queue and prefill times fall: their quantiles are read from these buckets).
+REQUEST_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4,
+                        0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 5.0, 10.0, 15.0,
+                        20.0, 30.0, 40.0, 50.0, 60.0, 80.0, 120.0, 160.0, 240.0, 480.0, 640.0,
+                        960.0, 1920.0, 2560.0, 7680.0)
 QUEUE_TIME_BUCKETS = REQUEST_TIME_BUCKETS
 #: Prefill time per prompt token (vLLM's 1 ms .. 1 s, and finer from 10 us).
 PREFILL_TOKEN_TIME_BUCKETS = (1e-05, 2e-05, 5e-05, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005,

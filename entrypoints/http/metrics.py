@@ -35,8 +35,10 @@ from .vllm_names import VLLM_N_BUCKETS, VLLM_TTFT_BUCKETS, vllm_view
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
-#: Our bounds contain vLLM's (vllm_names.py serves vLLM's histogram from the same counts).
-TTFT_BUCKETS = VLLM_TTFT_BUCKETS
+#: Our bounds contain vLLM's (vllm_names.py serves vLLM's histogram from the same counts); the
+#: TTFT's are finer between 0.1 and 2.5 s, where a burst's fall (quantiles read from buckets).
+TTFT_BUCKETS = tuple(sorted({*VLLM_TTFT_BUCKETS, 0.15, 0.2, 0.3, 0.4, 0.6, 0.7, 0.8, 0.9, 1.25,
+                             1.5, 1.75, 2.0}))
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = REQUEST_TIME_BUCKETS
