@@ -299,13 +299,14 @@ def test_request_phases_in_the_engine():
     t.finished(req)
     assert t.inference_time.snapshot().count == 2 and t.prefill_time.snapshot().count == 1
     # arrivals: each after the start of its busy period (an arrival at an idle core)
-    for at, idle in ((100.0, True), (100.2, False), (100.5, False), (200.0, True), (200.04, False)):
+    for at, idle in ((100.0, True), (100.125, False), (100.5, False), (200.0, True),
+                     (200.03125, False)):  # (binary fractions: exact differences)
         t.arrived(at, idle)
     offsets = t.arrival_offset.snapshot()
-    assert offsets.count == 5 and offsets.sum == pytest.approx(0.2 + 0.5 + 0.04)
+    assert offsets.count == 5 and offsets.sum == 0.125 + 0.5 + 0.03125
     bounds = offsets.bounds
     assert offsets.counts[0] == 2  # the two starts: 0
-    assert [bounds[i] for i, c in enumerate(offsets.counts) if c and i] == [0.05, 0.2, 0.5]
+    assert [bounds[i] for i, c in enumerate(offsets.counts) if c and i] == [0.05, 0.15, 0.5]
     t.end_iteration(0)
     assert t.iteration_tokens.snapshot().count == 0  # a step without outputs is not a step here
     t.iter_tokens = 20  # a prompt whose first token came in this step
