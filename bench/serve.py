@@ -25,12 +25,15 @@ Reported per point: out tok/s (tokens counted / t0 to the last response's end), 
 end-to-end latency p50 / p90 / p99, errors (failed requests and any that ended other than by
 length), and the CPU seconds of the server's API processes and of the clients. Beside it, the
 in-process figure of the same workload (``bench.throughput --modes inproc`` in a fresh process,
-with ``--logprobs 0`` as the HTTP requests ask) and the ratios at the burst point: out tok/s
-HTTP / in-process, TTFT p50 HTTP / in-process. ``--rounds R`` repeats in-process then HTTP R
-times (the machine's load changes: the median of the per-round ratios is the fairest figure).
-JSON to ``bench/results/serve.json``; a plot of TTFT and ITL against concurrency beside it (PNG,
-when matplotlib is installed). ``--spy DIR``: a py-spy profile (raw, the samples on CPU) of every
-API server process during each point.
+with ``--logprobs 0`` as the HTTP requests ask) and the ratios at the burst point: out tok/s HTTP /
+in-process, TTFT p50 HTTP / in-process. TTFT by hop (``bench/serve_hops.py``): the clients' TTFT
+split at the response head, the server's histograms over each point (``/metrics`` scraped before
+and after: API server TTFT and time to submit, the engine's queue, prefill and arrival offset), the
+engine's same histograms over the in-process run. ``--rounds R`` repeats in-process then HTTP R
+times (the machine's load changes: the median of the per-round ratios is the fairest figure). JSON
+to ``bench/results/serve.json``; a plot of TTFT and ITL against concurrency beside it (PNG, when
+matplotlib is installed). ``--spy DIR``: a py-spy profile (raw, the samples on CPU) of every API
+server process during each point.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from typing import Any, Optional
 
 import msgspec
 
-from . import common, serve_report
+from . import common, serve_hops, serve_report
 from .serve_client import Done, Item, Job, Result, Start, poisson_offsets
 from .throughput import CPU_DEFAULTS, CUDA_DEFAULTS
 from .throughput_modes import engine_cfg
@@ -216,6 +219,7 @@ def run_point(server: Server, args, payloads: list[bytes], offsets: list[float],
             if json.loads(proc.stdout.readline() or b"{}").get("ready") is not True:
                 raise RuntimeError("a client process did not start")
         spies = _spy(server.frontends, args.spy, tag) if tag else []
+        metrics0 = serve_hops.scrape(server.base_url)  # the server's histograms before and after
         cpu0 = server.cpu()
         t0 = time.monotonic() + 0.05
         for proc in workers:
@@ -230,6 +234,7 @@ def run_point(server: Server, args, payloads: list[bytes], offsets: list[float],
                 else:
                     results.append(msgspec.json.decode(line, type=Result))
         cpu1 = server.cpu()
+        metrics1 = serve_hops.scrape(server.base_url)
         for s in spies:
             s.send_signal(signal.SIGINT)
             s.wait(30)
@@ -241,7 +246,8 @@ def run_point(server: Server, args, payloads: list[bytes], offsets: list[float],
     return serve_report.summarize(
         results, t0, expected_tokens, concurrency=concurrency, clients=k,
         engine_cpu_s=cpu1[0] - cpu0[0], frontend_cpu_s=cpu1[1] - cpu0[1],
-        frontend_sys_s=cpu1[2] - cpu0[2], client_cpu_s=client_cpu)
+        frontend_sys_s=cpu1[2] - cpu0[2], client_cpu_s=client_cpu,
+        hops=serve_hops.http_hops(results, metrics0, metrics1, t0))
 
 
 def run_inproc(args) -> dict[str, Any]:
@@ -373,6 +379,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     common.write_json(args.out, result)
     print()
     serve_report.report(result)
+    serve_hops.report(result)
     print(f"wrote {args.out}")
     failed = any(p["errors"] for rnd in result["rounds"] for p in rnd["points"])
     return 1 if failed or result["server_exit_code"] not in (0, None) else 0

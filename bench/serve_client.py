@@ -53,8 +53,9 @@ class Start(msgspec.Struct):
 
 class Result(msgspec.Struct, omit_defaults=True):
     i: int
-    submit: float = 0.0
-    first: Optional[float] = None
+    submit: float = 0.0  # just before the request is written
+    head: Optional[float] = None  # the response head received (status line and headers)
+    first: Optional[float] = None  # the first chunk with a token received
     end: float = 0.0
     tokens: int = 0
     itl: list[float] = []
@@ -158,6 +159,7 @@ async def one(client, path: str, item: Item, res: Result) -> None:
     try:
         async with client.stream("POST", path, content=bytes(item.body),
                                  headers={"content-type": "application/json"}) as resp:
+            res.head = time.monotonic()
             if resp.status_code != 200:
                 text = (await resp.aread())[:300].decode("utf-8", "replace")
                 res.error = f"HTTP {resp.status_code}: {text}"
@@ -195,6 +197,7 @@ async def one_raw(address: tuple[str, int], path: str, item: Item, res: Result) 
             if not data:
                 raise ConnectionError("closed before the response head")
             raw += data
+        res.head = time.monotonic()
         end = raw.index(b"\r\n\r\n")
         status_line, *lines = bytes(raw[:end]).decode("latin-1").split("\r\n")
         del raw[:end + 4]

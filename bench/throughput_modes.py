@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 from . import common
 from .common import now
 from .recorder import Recorder, warm_work
+from .serve_hops import inproc_hops
 
 #: ``--logprobs K``: every request asks for its tokens' logprobs and the top K (set by ``bench.throughput``)
 LOGPROBS: Optional[int] = None
@@ -169,7 +170,7 @@ def run_inproc(args, work) -> dict[str, Any]:
                     await _warm(eng.generate, warm_work(work, args.warmup), args.temperature)
                 runs = []
                 for r in range(args.repeat):
-                    s0 = eng.statistics()
+                    s0, h0 = eng.statistics(), eng.health_nowait()
                     with common.progress(sum(o for _, o in work), _desc("inproc", r, args), "tok",
                                          args.no_progress) as bar:
                         rec = Recorder(work, bar)
@@ -177,9 +178,11 @@ def run_inproc(args, work) -> dict[str, Any]:
                         await _stream_all(eng.generate, work, args.temperature, rec)
                         cpu_s = time.process_time() - cpu0
                     s1 = eng.statistics()
+                    # TTFT by hop (bench/serve_hops.py): the engine's histograms over the run
+                    hops = inproc_hops(rec.submit, rec.first, h0, eng.health_nowait())
                     runs.append(rec.summary("inproc", steps=s1.steps - s0.steps,
                                             preemptions=s1.preemptions - s0.preemptions, cpu_s=cpu_s,
-                                            **_timeline_of("inproc", tl, rec)))
+                                            hops=hops, **_timeline_of("inproc", tl, rec)))
                 result.update(_best(runs, load_s=load_s))
 
     anyio.run(main, backend="asyncio", backend_options=_backend_options(args))

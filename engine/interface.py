@@ -80,6 +80,10 @@ class Health(msgspec.Struct, tag_field="t", tag="Health", forbid_unknown_fields=
     sleep_level: Annotated[int, Meta(ge=0, le=2)] = 0
     # the engine runs in deterministic mode (EngineConfig.deterministic)
     deterministic: bool = False
+    # per request: its arrival in the engine after the start of the busy period it came in (the
+    # arrival of a request while the engine held none; engine/core/stats.py)
+    arrival_offset_counts: _Counts = []
+    arrival_offset_sum: _Sum = 0.0
 
 
 class TokenizerInfo(NamedTuple):

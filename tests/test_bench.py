@@ -473,8 +473,86 @@ def test_serve_bench_drives_the_real_server_and_the_in_process_run(tmp_path):
     assert set(rnd["ratios"]) >= {"out_tok_s", "ttft_p50"}
     assert res["server"]["api_servers"] == 1 and res["server_exit_code"] == 0
     assert "HTTP / in-process at the burst" in p.stdout
+    # TTFT by hop: every request in each figure; the server's and the engine's intervals lie
+    # within the client's (one clock for every process of the machine), so their means do too
+    slack = 1.0  # ms: float sums
+    for pt in rnd["points"]:
+        hops = pt["hops"]
+        assert hops["scraped"] is True
+        assert hops["client_send_offset"]["n"] == 6 and hops["client_send_offset"]["p50_ms"] >= 0
+        for key in ("client_ttft", "client_head", "client_head_to_first", "client_e2e",
+                    "server_ttft", "submit", "queue", "prefill", "arrival_offset", "server_e2e"):
+            assert hops[key]["n"] == 6, (key, hops[key])
+            assert hops[key]["p50_ms"] <= hops[key]["p99_ms"], (key, hops[key])
+        mean = {k: v["mean_ms"] for k, v in hops.items() if isinstance(v, dict)}
+        assert 0 < mean["server_ttft"] <= mean["client_ttft"] + slack, mean
+        assert mean["submit"] + mean["queue"] + mean["prefill"] <= mean["server_ttft"] + slack
+        assert mean["client_minus_server"] >= -slack and mean["api_engine_residual"] >= -slack
+        assert mean["client_head"] <= mean["client_ttft"] and mean["server_e2e"] <= mean["client_e2e"]
+    ip = rnd["inproc"]["hops"]
+    for key in ("inproc_ttft", "queue", "prefill", "arrival_offset"):
+        assert ip[key]["n"] == 6, (key, ip[key])
+    assert ip["queue"]["mean_ms"] + ip["prefill"]["mean_ms"] <= ip["inproc_ttft"]["mean_ms"] + slack
+    assert ip["inproc_residual"]["mean_ms"] >= -slack
+    assert "TTFT by hop" in p.stdout and "= server - submit - queue - prefill" in p.stdout
     # no matplotlib here: the plot is skipped with a note (a PNG where it is installed)
     assert out.with_suffix(".png").exists() or any("matplotlib" in n for n in res["notes"])
+
+
+def test_serve_hops_from_metrics_texts_also_of_an_older_server():
+    """bench.serve_hops: histogram deltas between two scrapes (series summed over their labels,
+    quantiles within buckets), vLLM's name where ours is missing, and "-" for a family an older
+    server does not serve."""
+    from types import SimpleNamespace
+
+    from bench import serve_hops as sh
+
+    def text(families: dict) -> str:
+        lines = ["# HELP x y"]
+        for name, (counts, total) in families.items():
+            labels = 'engine="0",model_name="m",' if name.startswith("vllm:") else ""
+            running = 0
+            for le, c in zip(("0.1", "1.0", "+Inf"), counts):
+                running += c
+                lines.append(f'{name}_bucket{{{labels}le="{le}"}} {float(running)}')
+            lines += [f"{name}_sum{{{labels[:-1]}}} {total}", f"{name}_count {float(running)}"]
+        return "\n".join(lines) + "\n"
+
+    ttft, queue = "vllm:time_to_first_token_seconds", "enginecore_request_queue_time_seconds"
+    before = text({ttft: ((1, 0, 0), 0.05), queue: ((2, 0, 0), 0.02)})
+    after = text({ttft: ((1, 4, 0), 2.05), queue: ((4, 2, 0), 1.02)})
+    h = sh.parse(after)[ttft]
+    assert h.bounds == (0.1, 1.0) and h.counts == (1, 4, 0) and h.sum == 2.05
+    d = sh.delta(sh.parse(before)[ttft], h)
+    assert d.counts == (0, 4, 0) and d.count == 4
+    assert sh.quantile(d, 0.5) == pytest.approx(0.55)  # 2 of 4 in (0.1, 1.0]: half way
+    assert sh.quantile(sh.Hist((0.1,), (0, 3), 9.0), 0.99) == 0.1  # +Inf: the last finite bound
+    results = [SimpleNamespace(error=None, submit=0.0, head=0.4, first=0.6, end=1.0)] * 4
+    hops = sh.http_hops(results, before, after)
+    assert hops["server_ttft"]["family"] == ttft  # vLLM's name: ours is not in this exposition
+    assert hops["server_ttft"]["mean_ms"] == pytest.approx(500) and hops["server_ttft"]["n"] == 4
+    assert hops["queue"]["n"] == 4 and hops["queue"]["mean_ms"] == pytest.approx(250)
+    assert hops["client_ttft"]["mean_ms"] == pytest.approx(600)
+    assert hops["client_head_to_first"]["mean_ms"] == pytest.approx(200)
+    assert hops["client_minus_server"]["mean_ms"] == pytest.approx(100)
+    # not served by this (older) server: "-"; without a prefill figure there is no residual
+    assert hops["submit"] is None and hops["prefill"] is None and hops["arrival_offset"] is None
+    assert hops["api_engine_residual"] is None
+    rows = {r["hop"]: r for r in sh.rows(hops, "HTTP")}
+    assert rows["  API: route -> submit"]["mean_ms"] is None
+    assert rows["server TTFT"]["p50_ms"] == pytest.approx(550)
+    # with a prefill figure but no time to submit: the residual says what it still includes
+    prefill = "vllm:request_prefill_time_seconds"
+    hops = sh.http_hops(results, text({ttft: ((1, 0, 0), 0.05), queue: ((2, 0, 0), 0.02),
+                                       prefill: ((0, 0, 0), 0.0)}),
+                        text({ttft: ((1, 4, 0), 2.05), queue: ((4, 2, 0), 1.02),
+                              prefill: ((4, 0, 0), 0.2)}))
+    assert hops["api_engine_residual"]["mean_ms"] == pytest.approx(500 - 250 - 50)
+    assert hops["api_engine_residual"]["includes"] == ["submit"]
+    # a scrape that failed: the client's rows only
+    hops = sh.http_hops(results, None, after)
+    assert hops["scraped"] is False and hops["server_ttft"] is None and hops["client_ttft"]["n"] == 4
+    assert sh.engine_hists(SimpleNamespace(queue_time_counts=None)) == {}
 
 
 @pytest.mark.asyncio
@@ -504,6 +582,7 @@ async def test_serve_bench_raw_client_reads_what_httpx_reads():
                 await send(target, "/v1/completions", Item(1, bad_body), bad)
                 assert ok.error is None and ok.tokens == 9 == ok.usage_tokens, (name, ok)
                 assert ok.finish == "length" and len(ok.itl) == 8 and ok.end >= ok.first >= ok.submit
+                assert ok.first >= ok.head >= ok.submit and bad.head is not None
                 assert bad.error.startswith("HTTP 400") and bad.tokens == 0, (name, bad)
                 got[name] = ok.tokens
     assert got["raw"] == got["httpx"]

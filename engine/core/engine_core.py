@@ -95,6 +95,7 @@ class EngineCore(LateStep):
         # the fewest tokens at which _length_limit can say yes (its three limits, one number)
         req.token_limit = min(req.num_prompt_tokens + params.max_tokens, self.runner.max_model_len,
                               self.blocks.num_blocks * self.runner.block_size)
+        self.timings.arrived(req.arrival, idle=not self.requests)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self._prompt_tokens += req.num_prompt_tokens

@@ -1,8 +1,9 @@
-"""The engine's statistics: :class:`EngineStats` (``AsyncEngine.statistics()``), the figures
-its :class:`~engine.interface.Health` carries for /metrics, and ``EngineTimings``, the engine
-core's own histograms (step time; per request: queue, prefill, decode and running time, prompt
-tokens computed; tokens per step), kept as fixed-bucket counts so a snapshot is a few integers
-(they travel in the ``Health`` frame and become Prometheus histograms in the HTTP frontends).
+"""The engine's statistics: :class:`EngineStats` (``AsyncEngine.statistics()``), the figures its
+:class:`~engine.interface.Health` carries for /metrics, and ``EngineTimings``, the engine core's
+own histograms (step time; per request: arrival in its busy period, queue, prefill, decode and
+running time, prompt tokens computed; tokens per step), kept as fixed-bucket counts so a
+snapshot is a few integers (they travel in the ``Health`` frame and become Prometheus histograms
+in the HTTP frontends).
 
 The bounds contain vLLM's for the same figures (``entrypoints/http/vllm_names.py`` serves
 them under vLLM's names too, from the same counts: a bucket of vLLM's is the cumulative count
@@ -22,14 +23,21 @@ STEP_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 
                      5.0, 10.0)
 #: Upper bounds of a request's times in the engine (queue: arrival -> first scheduled; prefill:
 #: -> first token; decode: first token -> end; running: first scheduled -> end): vLLM's
-#: request-latency bounds (0.3 .. 7680) with finer ones from 1 ms.
-REQUEST_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0,
-                        2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 80.0, 120.0, 160.0,
-                        240.0, 480.0, 640.0, 960.0, 1920.0, 2560.0, 7680.0)
+#: request-latency bounds (0.3 .. 7680) with finer ones from 1 ms (and up to 2.5 s, where a
+#: burst's queue and prefill times fall: their quantiles are read from these buckets).
+REQUEST_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4,
+                        0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 5.0, 10.0, 15.0,
+                        20.0, 30.0, 40.0, 50.0, 60.0, 80.0, 120.0, 160.0, 240.0, 480.0, 640.0,
+                        960.0, 1920.0, 2560.0, 7680.0)
 QUEUE_TIME_BUCKETS = REQUEST_TIME_BUCKETS
 #: Prefill time per prompt token (vLLM's 1 ms .. 1 s, and finer from 10 us).
 PREFILL_TOKEN_TIME_BUCKETS = (1e-05, 2e-05, 5e-05, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005,
                               0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+#: A request's arrival in the engine after the start of the engine's busy period (the arrival of
+#: a request while it held none): in a burst, how late each request reached the engine.
+ARRIVAL_OFFSET_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25,
+                          0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 300.0,
+                          1800.0, 7680.0)
 #: Tokens a step produced or consumed (vLLM's bounds).
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -55,7 +63,8 @@ def histogram_bounds(max_model_len: int) -> dict[str, tuple]:
             "inference_time": REQUEST_TIME_BUCKETS,
             "prefill_token_time": PREFILL_TOKEN_TIME_BUCKETS,
             "prefill_computed": token_count_buckets(max_model_len),
-            "iteration_tokens": ITERATION_TOKEN_BUCKETS}
+            "iteration_tokens": ITERATION_TOKEN_BUCKETS,
+            "arrival_offset": ARRIVAL_OFFSET_BUCKETS}
 
 
 class CoreStats(NamedTuple):
@@ -98,10 +107,11 @@ class Histogram:
 
 
 class EngineTimings:
-    """Fed by ``EngineCore``: each step's wall time and tokens; each request's time in the queue
-    (arrival to its first scheduling; a preempted request is not counted again) and, when it
-    ends, its prefill, decode and running times and the prompt tokens it computed. The per-step
-    and per-request work is a clock read and a few bisections."""
+    """Fed by ``EngineCore``: each step's wall time and tokens; each request's arrival after the
+    start of the busy period it arrived in, its time in the queue (arrival to its first
+    scheduling; a preempted request is not counted again) and, when it ends, its prefill, decode
+    and running times and the prompt tokens it computed. The per-step and per-request work is a
+    clock read and a few bisections."""
 
     def __init__(self, max_model_len: int = 0) -> None:
         for key, bounds in histogram_bounds(max_model_len).items():
@@ -111,6 +121,14 @@ class EngineTimings:
         #: tokens are those and the tokens generated: vLLM counts them so)
         self.iter_tokens = 0
         self._generated = 0  # the engine's count of generated tokens at the last step's end
+        self._busy_since: Optional[float] = None  # the first arrival of the busy period
+
+    def arrived(self, t: float, idle: bool) -> None:
+        """A request reached the core at ``t`` (its ``arrival``); ``idle``: the core held no
+        request until then, so a busy period starts with this one."""
+        if idle or self._busy_since is None:
+            self._busy_since = t
+        self.arrival_offset.observe(t - self._busy_since)
 
     def scheduled(self, batch) -> None:
         now = time.monotonic()
@@ -208,4 +226,4 @@ def health_figures(core: Any) -> dict:
 __all__ = ["CoreStats", "EngineStats", "EngineTimings", "Histogram", "HistogramSnapshot", "engine_stats",
            "health_figures", "histogram_bounds", "token_count_buckets", "STEP_TIME_BUCKETS",
            "QUEUE_TIME_BUCKETS", "REQUEST_TIME_BUCKETS", "PREFILL_TOKEN_TIME_BUCKETS",
-           "ITERATION_TOKEN_BUCKETS"]
+           "ITERATION_TOKEN_BUCKETS", "ARRIVAL_OFFSET_BUCKETS"]

@@ -49,6 +49,9 @@ HISTOGRAMS = {
         "prefill_token_time", "A request's prefill time divided by its prompt tokens"),
     "enginecore_request_prefill_computed_tokens": (
         "prefill_computed", "Prompt tokens a request computed (those not in the prefix cache)"),
+    "enginecore_request_arrival_offset_seconds": (
+        "arrival_offset", "Time from the start of the engine's busy period (a request's arrival "
+        "while it held none) to a request's arrival in the engine"),
     "enginecore_iteration_tokens": (
         "iteration_tokens", "Tokens of an engine step's outputs: those generated, and a "
         "request's prompt with its first token"),

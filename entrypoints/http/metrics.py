@@ -3,12 +3,12 @@
 Two sources:
 
 * Per-request figures measured in the frontend (finished requests by finish reason, refusals,
-  prompt / generation tokens, time to first token, inter-token and end-to-end latency, tokens
-  and parameters per request, requests in flight). With ``PROMETHEUS_MULTIPROC_DIR`` set
-  (``enginecore serve --http`` sets it for its frontends: entrypoints/http/frontend.py) they are
-  prometheus-client multiprocess values, and a scrape sums every frontend's files
-  (:class:`MultiProcessCollector`), so counters count all requests and never go back, whichever
-  process answers. Without it (one in-process app) they are this process's own.
+  prompt / generation tokens, time to submit and to first token, inter-token and end-to-end
+  latency, tokens and parameters per request, requests in flight). With
+  ``PROMETHEUS_MULTIPROC_DIR`` set (``enginecore serve --http`` sets it for its frontends:
+  entrypoints/http/frontend.py) they are prometheus-client multiprocess values, and a scrape sums
+  every frontend's files (:class:`MultiProcessCollector`), so counters count all requests and never
+  go back, whichever process answers. Without it (one in-process app) they are this process's own.
 * The engine's figures (running / waiting, KV-cache usage, state, preemptions, steps, prefix
   cache, its histograms: step time, queue / prefill / decode time per request ...), read from
   the engine's Health snapshot at each scrape (entrypoints/http/engine_metrics.py); they are the
@@ -35,11 +35,16 @@ from .vllm_names import VLLM_N_BUCKETS, VLLM_TTFT_BUCKETS, vllm_view
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
-#: Our bounds contain vLLM's (vllm_names.py serves vLLM's histogram from the same counts).
-TTFT_BUCKETS = VLLM_TTFT_BUCKETS
+#: Our bounds contain vLLM's (vllm_names.py serves vLLM's histogram from the same counts); the
+#: TTFT's are finer between 0.1 and 2.5 s, where a burst's fall (quantiles read from buckets).
+TTFT_BUCKETS = tuple(sorted({*VLLM_TTFT_BUCKETS, 0.15, 0.2, 0.3, 0.4, 0.6, 0.7, 0.8, 0.9, 1.25,
+                             1.5, 1.75, 2.0}))
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = REQUEST_TIME_BUCKETS
+#: arrival in an API server -> submitted to the engine (body read, parsed, checked): from 0.5 ms
+SUBMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                  0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -101,6 +106,10 @@ class Metrics:
                               "A request's time from its first token to its last, per token "
                               "after the first (requests with 2 tokens or more)",
                               buckets=ITL_BUCKETS, registry=r)
+        self.submit_time = Histogram("enginecore_request_time_to_submit_seconds",
+                                     "Time from request arrival to its submission to the engine "
+                                     "(body read, parsed and checked), per choice",
+                                     buckets=SUBMIT_BUCKETS, registry=r)
         self.e2e = Histogram("enginecore_e2e_request_latency_seconds",
                              "Time from request arrival to its last output", buckets=E2E_BUCKETS,
                              registry=r)
@@ -241,6 +250,10 @@ class RequestTracker:
         self.unflushed = 0  # generated tokens not yet counted
         self.flushed_at = arrival
         m.in_flight.inc()
+
+    def submitted(self) -> None:
+        """The request (this choice) goes to the engine now."""
+        self.m.submit_time.observe(time.monotonic() - self.arrival)
 
     def output(self, out) -> None:
         t = time.monotonic()

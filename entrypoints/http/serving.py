@@ -76,6 +76,7 @@ class _Run:
         self.closed = False
 
     async def start(self, prompt, params, max_tokens_param: str = "max_tokens") -> "_Run":
+        self.tracker.submitted()
         try:
             self.it = self.fe.generate(prompt, params, self.request_id, self.client)
             self.first = await self.it.__anext__()

@@ -188,6 +188,13 @@ async def test_vllm_series_after_requests_as_vllm_counts_them():
         assert get("vllm:request_prefill_kv_computed_tokens_sum") == n_req * p_len
         assert v[f"vllm:engine_sleep_state,engine=0,model_name={MODEL},sleep_state=awake"] == 1
         assert get("vllm:num_requests_swapped") == 0
+        # time to submit (API server) and arrival offset (engine): no vLLM name, one per request;
+        # one request after the other: each reaches an idle engine, the start of a busy period
+        assert v["enginecore_request_time_to_submit_seconds_count"] == n_req
+        assert 0 < v["enginecore_request_time_to_submit_seconds_sum"] <= \
+            v["enginecore_time_to_first_token_seconds_sum"]
+        assert v["enginecore_request_arrival_offset_seconds_count"] == n_req
+        assert v["enginecore_request_arrival_offset_seconds_sum"] == 0
 
         # n > 1 over two prompts, a chat stream, a stream left after 2 chunks (abort)
         r = await oc.completions.create(model=MODEL, prompt=["one two", "three four"], n=2,
@@ -291,6 +298,15 @@ def test_request_phases_in_the_engine():
     req.first_token_time = None
     t.finished(req)
     assert t.inference_time.snapshot().count == 2 and t.prefill_time.snapshot().count == 1
+    # arrivals: each after the start of its busy period (an arrival at an idle core)
+    for at, idle in ((100.0, True), (100.125, False), (100.5, False), (200.0, True),
+                     (200.03125, False)):  # (binary fractions: exact differences)
+        t.arrived(at, idle)
+    offsets = t.arrival_offset.snapshot()
+    assert offsets.count == 5 and offsets.sum == 0.125 + 0.5 + 0.03125
+    bounds = offsets.bounds
+    assert offsets.counts[0] == 2  # the two starts: 0
+    assert [bounds[i] for i, c in enumerate(offsets.counts) if c and i] == [0.05, 0.15, 0.5]
     t.end_iteration(0)
     assert t.iteration_tokens.snapshot().count == 0  # a step without outputs is not a step here
     t.iter_tokens = 20  # a prompt whose first token came in this step
