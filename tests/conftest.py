@@ -27,6 +27,11 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # takes a shared lock around its setup, call and teardown, an ``alone`` test the exclusive one;
 # a turnstile lock taken before either keeps a waiting ``alone`` test from being starved by
 # the other worker's next tests. Without xdist (one process) the locks are not taken.
+# An ``alone`` test that asks for the ``alone_from_here`` fixture runs its unmeasured start (a
+# model load, a server's start) beside the other worker's tests, under the shared lock, and
+# takes the exclusive one when it calls the fixture's value, before it measures anything.
+
+_LOCKS = pytest.StashKey[tuple]()
 
 def _run_lock_paths():
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
@@ -41,9 +46,11 @@ def pytest_runtest_protocol(item, nextitem):
     paths = _run_lock_paths()
     if paths is None:
         return (yield)
-    exclusive = item.get_closest_marker("alone") is not None
+    exclusive = (item.get_closest_marker("alone") is not None
+                 and "alone_from_here" not in getattr(item, "fixturenames", ()))
     turn = os.open(paths[0], os.O_RDWR | os.O_CREAT, 0o600)
     lock = os.open(paths[1], os.O_RDWR | os.O_CREAT, 0o600)
+    item.stash[_LOCKS] = (turn, lock)
     try:
         fcntl.flock(turn, fcntl.LOCK_EX)
         try:
@@ -57,6 +64,34 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         os.close(lock)
         os.close(turn)
+
+
+@pytest.fixture
+def alone_from_here(request):
+    """For an ``alone`` test: call the value (``go()``; in a coroutine through
+    ``anyio.to_thread.run_sync(go)``, the event loop serving on) once its unmeasured start is done;
+    from then on to its end no other worker runs a test. Calling it is required."""
+    assert request.node.get_closest_marker("alone") is not None, "alone_from_here needs @alone"
+    fds = request.node.stash.get(_LOCKS, None)
+    called: list[bool] = []
+
+    def go() -> None:
+        assert not called, "alone_from_here called twice"
+        called.append(True)
+        if fds is None:  # one process: no locks
+            return
+        turn, lock = fds
+        # the shared lock is let go first: a test on the other worker upgrading at the same
+        # time waits at the turnstile with no lock held, never for this one's shared lock
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        finally:
+            fcntl.flock(turn, fcntl.LOCK_UN)
+
+    yield go
+    assert called, "an alone_from_here test never called it: it ran beside other tests"
 
 
 def pytest_unconfigure(config):
