@@ -30,8 +30,16 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # An ``alone`` test that asks for the ``alone_from_here`` fixture runs its unmeasured start (a
 # model load, a server's start) beside the other worker's tests, under the shared lock, and
 # takes the exclusive one when it calls the fixture's value, before it measures anything.
+#
+# Each exclusive lock waits for the other worker's test of the moment to end (often one of
+# the long ones: seconds each time). So under xdist the ``alone`` tests come first in the
+# collection, one after another (xdist's work stealing hands each worker a contiguous part and
+# steals from the end), and a worker keeps the exclusive lock from one ``alone`` test into the
+# next: the other worker waits once for the run of them, not once a test.
 
 _LOCKS = pytest.StashKey[tuple]()
+_HELD = {"fds": None, "exclusive": False}  # this worker's lock files, and what it holds
+
 
 def _run_lock_paths():
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
@@ -41,29 +49,48 @@ def _run_lock_paths():
     return base + ".turn", base + ".lock"
 
 
+def _alone_rank(item) -> int:
+    """0: ``alone`` throughout; 1: ``alone`` from a point on (``alone_from_here``); 2: not."""
+    if item.get_closest_marker("alone") is None:
+        return 2
+    return 1 if "alone_from_here" in getattr(item, "fixturenames", ()) else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    if _run_lock_paths() is not None:  # (every worker sorts alike: xdist checks they agree)
+        items.sort(key=_alone_rank)  # stable: the files' order within each kind
+
+
+def _take(exclusive: bool) -> None:
+    turn, lock = _HELD["fds"]
+    # whatever this worker holds is let go first: the other worker may hold the turnstile
+    # while it waits for this worker's lock
+    fcntl.flock(lock, fcntl.LOCK_UN)
+    fcntl.flock(turn, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    finally:
+        fcntl.flock(turn, fcntl.LOCK_UN)
+    _HELD["exclusive"] = exclusive
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     paths = _run_lock_paths()
     if paths is None:
         return (yield)
-    exclusive = (item.get_closest_marker("alone") is not None
-                 and "alone_from_here" not in getattr(item, "fixturenames", ()))
-    turn = os.open(paths[0], os.O_RDWR | os.O_CREAT, 0o600)
-    lock = os.open(paths[1], os.O_RDWR | os.O_CREAT, 0o600)
-    item.stash[_LOCKS] = (turn, lock)
+    if _HELD["fds"] is None:
+        _HELD["fds"] = tuple(os.open(p, os.O_RDWR | os.O_CREAT, 0o600) for p in paths)
+    item.stash[_LOCKS] = _HELD["fds"]
+    exclusive = _alone_rank(item) == 0
+    if not (exclusive and _HELD["exclusive"]):  # (else held on from the test before)
+        _take(exclusive)
     try:
-        fcntl.flock(turn, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(turn, fcntl.LOCK_UN)
-        try:
-            return (yield)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        return (yield)
     finally:
-        os.close(lock)
-        os.close(turn)
+        if not (_HELD["exclusive"] and nextitem is not None and _alone_rank(nextitem) == 0):
+            fcntl.flock(_HELD["fds"][1], fcntl.LOCK_UN)
+            _HELD["exclusive"] = False
 
 
 @pytest.fixture
@@ -72,31 +99,34 @@ def alone_from_here(request):
     ``anyio.to_thread.run_sync(go)``, the event loop serving on) once its unmeasured start is done;
     from then on to its end no other worker runs a test. Calling it is required."""
     assert request.node.get_closest_marker("alone") is not None, "alone_from_here needs @alone"
-    fds = request.node.stash.get(_LOCKS, None)
+    locked = request.node.stash.get(_LOCKS, None) is not None
     called: list[bool] = []
 
     def go() -> None:
         assert not called, "alone_from_here called twice"
         called.append(True)
-        if fds is None:  # one process: no locks
-            return
-        turn, lock = fds
-        # the shared lock is let go first: a test on the other worker upgrading at the same
-        # time waits at the turnstile with no lock held, never for this one's shared lock
-        fcntl.flock(lock, fcntl.LOCK_UN)
-        fcntl.flock(turn, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        finally:
-            fcntl.flock(turn, fcntl.LOCK_UN)
+        if locked:  # (one process: no locks)
+            _take(True)
 
     yield go
-    assert called, "an alone_from_here test never called it: it ran beside other tests"
+    if not request.node.stash.get(_CALL_FAILED, False):  # (a failure before it says enough)
+        assert called, "an alone_from_here test never called it: it ran beside other tests"
+
+
+_CALL_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call" and report.failed:
+        item.stash[_CALL_FAILED] = True
+    return report
 
 
 def pytest_unconfigure(config):
     # a worker that is done runs no more tests: whichever comes first removes the lock files
-    # (the other, if still running, has nothing left to exclude; its next test makes new ones)
+    # (the others keep theirs open: they still exclude each other)
     for path in _run_lock_paths() or ():
         try:
             os.unlink(path)
