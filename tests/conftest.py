@@ -133,6 +133,42 @@ def pytest_unconfigure(config):
         except OSError:
             pass
 
+# -- the default model's file, read once a test process ------------------------------------------
+# NOTE: reading SmolLM2's GGUF file (gguf's reader parsing the metadata and vocabulary, the
+# weights dequantized) is ~3.4 s of the default model's ~5 s load, and dozens of tests open the
+# default model in process. The engine's reads of that file (``resolve_source``: with ``types_out``)
+# after the first in a test process get the first one's outputs anew: a weights dict of cloned
+# tensors (the loader drains it), the types, the same config and tokenizer (neither is changed
+# by the engine; the tokenizer's caches are derived from it). Direct calls (tests of the loader
+# itself) and other files read the file; so does every process the tests start.
+@pytest.fixture(scope="session", autouse=True)
+def _default_gguf_read_once():
+    from engine.loader import gguf_loader
+
+    real, memo = gguf_loader.load_gguf, {}
+
+    def load_gguf(path, types_out=None):
+        try:
+            default = types_out is not None and Path(path) == gguf_loader.default_model_path()
+        except Exception:  # (no default model installed: the real read says so)
+            default = False
+        if not default:
+            return real(path, types_out)
+        st = os.stat(path)
+        key = (str(path), st.st_size, st.st_mtime_ns)
+        if key not in memo:
+            memo.clear()
+            types: dict[str, str] = {}
+            memo[key] = (real(path, types), types)
+        (cfg, weights, tok), types = memo[key]
+        types_out.update(types)
+        return cfg, {k: v.clone() for k, v in weights.items()}, tok
+
+    gguf_loader.load_gguf = load_gguf
+    yield
+    gguf_loader.load_gguf = real
+
+
 # Small enough to build and run in milliseconds, big enough to exercise GQA, several KV blocks
 # and multi-layer caches. Architecture-specific knobs are passed as overrides.
 TINY_HF_CONFIG = dict(
