@@ -88,6 +88,21 @@ def _is_frontend(pid: int) -> bool:
         return False
 
 
+def _config_json(config) -> str:
+    """``config`` as JSON with only the fields that differ from their defaults: an older
+    server (``--server-root``) refuses fields it does not know, and needs only these."""
+    import msgspec.structs
+
+    out = {}
+    for f in msgspec.structs.fields(config):
+        value = getattr(config, f.name)
+        default = f.default if f.default is not msgspec.NODEFAULT else (
+            f.default_factory() if f.default_factory is not msgspec.NODEFAULT else msgspec.NODEFAULT)
+        if default is msgspec.NODEFAULT or msgspec.to_builtins(value) != msgspec.to_builtins(default):
+            out[f.encode_name] = value
+    return msgspec.json.encode(out).decode()
+
+
 class Server:
     """``enginecore serve --http 127.0.0.1:<free port>`` on ``config``, in its own session."""
 
@@ -98,14 +113,16 @@ class Server:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.tmp = tempfile.mkdtemp(prefix="ec-bench-serve-")
         self.argv = [sys.executable, "-m", "entrypoints.cli", "serve",
-                     "--config-json", msgspec.json.encode(config).decode(),
+                     "--config-json", _config_json(config),
                      "--listen", f"unix://{self.tmp}/engine.sock", "--http", f"127.0.0.1:{self.port}",
                      "--parent-pid", str(os.getpid()), "--drain-timeout", "5", "--disable-log-stats",
                      *(["--api-servers", str(args.api_servers)] if args.api_servers else []),
                      *(["--threads", str(args.threads)] if args.threads else []), *args.serve_arg]
         self.log_path = Path(self.tmp) / "server.log"
         root = args.server_root or ROOT  # another checkout's server: an A/B against it
-        env = dict(os.environ, PYTHONPATH=str(root))
+        # the tree first, then what the caller's path had (e.g. a site dir of carried wheels)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, cwd=root, env=env, stdin=subprocess.DEVNULL,
                                          stdout=log, stderr=subprocess.STDOUT,

@@ -13,7 +13,15 @@ holds them) written ``--rounds`` times by each path:
   (``engine.weight_transfer``; on a GPU the bytes go device -> host -> device, which is what
   gloo can do; NCCL needs a second GPU for the trainer);
 * ``sleep`` (the older path, for comparison): ``sleep(1)`` -> ``update_weights_from_tensors`` ->
-  ``wake_up()``.
+  ``wake_up()``;
+* ``ipc`` / ``ipc-bucket`` (cuda only): a trainer child process on the same GPU
+  (``bench/ipc_trainer.py``) holds the same weights and exports CUDA IPC handles each round --
+  of its own tensors (``export_cuda_ipc``, no copy) or of one flat buffer per dtype
+  (``IpcSender``) -- and the engine runs ``pause("keep")`` -> ``update_weights_from_ipc`` ->
+  ``resume()``; the trainer's export time is reported apart (``export``), and after the rounds
+  the CUDA bytes the trainer still holds once it dropped its weights (0: the engine let go).
+
+``--paths`` picks some of them (default: all that the device has).
 
 For each: the update's seconds, the whole cycle's (pause to resume), the first token after it;
 greedy outputs after the update equal those of an engine loaded with the same weights; memory
@@ -37,6 +45,7 @@ from .common import now
 from .resources import memory_snapshot
 
 CUDA_MODELS = ("random:qwen3-0.6b", "random:llama-3.2-1b")
+PATHS = ("tensors", "distributed", "sleep", "ipc", "ipc-bucket")
 PROMPT = list(range(100, 164))
 
 
@@ -47,12 +56,9 @@ def _free_port() -> int:
 
 
 def _new_weights(eng, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator(device=eng.runner.device).manual_seed(seed)
-    dev, out = eng.runner.device, {}
-    for name, shape, dtype in eng.weight_info():
-        t = torch.randn(shape, generator=g, device=dev, dtype=torch.float32) * 0.02
-        out[name] = t.to(getattr(torch, dtype))
-    return out
+    from .ipc_trainer import trainer_weights  # the trainer child makes the same ones
+
+    return trainer_weights(eng.weight_info(), seed, eng.runner.device)
 
 
 async def _first_token(eng) -> float:
@@ -82,6 +88,8 @@ async def _cycle(eng, path: str, weights, sender, version: int) -> dict[str, flo
         got += len(o.token_ids)
         if got >= 4:
             break
+    if path.startswith("ipc"):
+        handles, row["export_s"] = sender.export()  # the trainer's side, before the cycle
     t0 = now()
     if path == "sleep":
         await stream.aclose()
@@ -93,6 +101,8 @@ async def _cycle(eng, path: str, weights, sender, version: int) -> dict[str, flo
         async with anyio.create_task_group() as tg:
             tg.start_soon(to_thread.run_sync, sender.send, weights)
             await eng.update_weights_from_distributed(metadata(weights), version=version)
+    elif path.startswith("ipc"):
+        await eng.update_weights_from_ipc(handles, version=version)
     else:
         await eng.update_weights_from_tensors(weights, version=version)
     common.sync(eng.runner.device)
@@ -115,6 +125,8 @@ async def bench_model(args, model: str) -> dict[str, Any]:
     from engine import AsyncEngine
     from engine.weight_transfer import Sender
 
+    from .ipc_trainer import TrainerProcess
+
     device = torch.device(args.device)
     cfg = common.engine_config(args, model=model, kv_cache_bytes=args.kv_cache_bytes)
     res: dict[str, Any] = {"model": model, "memory_before": memory_snapshot(device)}
@@ -131,12 +143,24 @@ async def bench_model(args, model: str) -> dict[str, Any]:
             await eng.init_weight_transfer("gloo", "127.0.0.1", port, rank=1, world_size=2)
         res["paths"] = {}
         version = 0
-        for path in ("tensors", "distributed", "sleep"):
+        for path in args.paths:
+            if path.startswith("ipc") and device.type != "cuda":
+                continue
+            sender = senders[0]
+            if path.startswith("ipc"):
+                sender = TrainerProcess(eng.weight_info(), args.seed + 1,
+                                        "bucket" if path == "ipc-bucket" else "tensors")
             rows = []
-            for _ in range(args.rounds):
-                version += 1
-                rows.append(await _cycle(eng, path, weights, senders[0], version))
-            res["paths"][path] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+            try:
+                for _ in range(args.rounds):
+                    version += 1
+                    rows.append(await _cycle(eng, path, weights, sender, version))
+                res["paths"][path] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+                if path.startswith("ipc"):
+                    res["paths"][path]["trainer_left_bytes"] = sender.close()
+            finally:
+                if path.startswith("ipc"):
+                    sender.kill()
         res["outputs_after"] = await _greedy(eng)
         senders[0].close()
         await eng.close_weight_transfer()
@@ -157,7 +181,8 @@ def report(res: dict[str, Any], device) -> None:
           f"{res['ttft_warm_s'] * 1e3:.1f} ms ==")
     cols = [("path", "path", ""), ("update_s", "update (ms)", ".1f"), ("gbs", "GB/s", ".2f"),
             ("stop_s", "stop (ms)", ".1f"), ("restart_s", "restart (ms)", ".1f"),
-            ("cycle_s", "cycle (ms)", ".1f"), ("first_ttft_s", "first TTFT after (ms)", ".1f")]
+            ("cycle_s", "cycle (ms)", ".1f"), ("first_ttft_s", "first TTFT after (ms)", ".1f"),
+            ("export_s", "trainer export (ms)", ".1f"), ("trainer_left_bytes", "trainer left (B)", "")]
     rows = []
     for path, r in res["paths"].items():
         row = {"path": path, "gbs": res["bytes"] / r["update_s"] / 1e9}
@@ -180,9 +205,14 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=None, help="comma-separated model specs (cuda default: "
                                                    + ",".join(CUDA_MODELS) + ")")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--paths", default=",".join(PATHS),
+                    help="comma-separated, of " + ", ".join(PATHS) + " (ipc*: cuda only)")
     ap.add_argument("--kv-cache-bytes", type=int, default=None,
                     help="default: 4 GiB on cuda, 64 MiB on cpu")
     args = common.finish_common_args(ap.parse_args(argv), "weight_sync")
+    args.paths = [p for p in args.paths.split(",") if p]
+    if not args.paths or set(args.paths) - set(PATHS):
+        ap.error(f"--paths: some of {', '.join(PATHS)}")
     if args.kv_cache_bytes is None:
         args.kv_cache_bytes = 4 * 2**30 if args.device == "cuda" else 64 * 2**20
     models, results = common.models_and_results(args, CUDA_MODELS)
@@ -192,6 +222,7 @@ def main(argv=None) -> int:
         results["models"].append(res)
         report(res, args.device)
         ok &= res["outputs_match_fresh"]
+        ok &= all(r.get("trainer_left_bytes", 0) == 0 for r in res["paths"].values())
         if args.device == "cuda":
             ok &= res["memory_after_shutdown"]["allocated"] == res["memory_before"]["allocated"]
     common.write_json(args.out, results)

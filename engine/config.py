@@ -87,6 +87,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # max_num_batched_tokens, captured at load (an eager prompt step costs the host ~300
     # kernel launches; engine/forward/mixed_inputs.py)
     mixed_cuda_graphs: bool = True
+    # warm up at load, before the engine says ready (engine/core/warmup.py): a few real steps
+    # (a long prompt, decodes, each sampler and logprobs path) and, with cuda_graphs, every
+    # decode batch bucket captured, so that the first requests compile and capture nothing.
+    # None: on CUDA only (a CPU compiles nothing on first use; its one-request warm-up still
+    # cost 0.3-0.6 s of startup, measured, which tests that open many engines would pay)
+    warmup: Optional[bool] = None
     # schedule and launch step N+1 before step N's tokens are read back (engine/core/engine_core.py): the
     # host's stop checks, detokenization and outputs of N run while the device runs N+1.
     # None: on CUDA only (a CPU executes each op as it is called: nothing to overlap with, and
@@ -123,6 +129,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def warms_up(self) -> bool:
+        """Whether a load warms up (``warmup``; None: on CUDA)."""
+        return self.resolved_device().type == "cuda" if self.warmup is None else self.warmup
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

@@ -58,6 +58,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step before this one's tokens are read back "
                         "(default: on CUDA only)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="warm up at load, before ready: real steps and every decode graph "
+                        "(default: on CUDA only)")
     p.add_argument("--speculator", choices=["none", "ngram", "draft"], default="none")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--draft-model", default=None)
@@ -93,7 +96,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         kv_cache_bytes=a.kv_cache_bytes,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len, enable_prefix_caching=a.enable_prefix_caching,
-        overlap_scheduling=a.overlap_scheduling, speculator=a.speculator,
+        overlap_scheduling=a.overlap_scheduling, warmup=a.warmup, speculator=a.speculator,
         num_speculative_tokens=a.num_speculative_tokens, draft_model=a.draft_model,
         max_logprobs=a.max_logprobs, tensor_parallel_size=a.tensor_parallel_size,
         nnodes=a.nnodes, node_rank=a.node_rank, master_addr=a.master_addr,

@@ -42,7 +42,7 @@ from states import State
 
 from .channel import ClientChannel, ConnState
 from .control import (AbortAll, CloseWeightTransfer, InitWeightTransfer, Pause, Resume,
-                      UpdateWeightsFromDistributed, WeightInfoRequest)
+                      UpdateWeightsFromDistributed, UpdateWeightsFromIpc, WeightInfoRequest)
 from .handshake import HANDSHAKE_TIMEOUT, client_handshake
 from .messages import (MAX_PATH_LEN, MAX_REQUEST_ID_LEN, Abort, Detokenize, Drain, Health,
                        HealthRequest, Shutdown, Sleep, Tokenize, UpdateWeights, Vocabulary, WakeUp)
@@ -316,6 +316,12 @@ class EngineClient(ClientChannel):
         await self._call("update_weights_from_distributed", lambda cid: _checked(
             UpdateWeightsFromDistributed(metadata=meta, version=version,
                                          bucket_bytes=bucket_bytes, call_id=cid)))
+
+    async def update_weights_from_ipc(self, handles, version: Optional[int] = None) -> None:
+        """The engine opens a trainer's CUDA IPC handles on its GPU: see engine.weight_ipc."""
+        _check_version(version)
+        await self._call("update_weights_from_ipc", lambda cid: _checked(
+            UpdateWeightsFromIpc(handles=handles, version=version, call_id=cid)))
 
     async def close_weight_transfer(self) -> None:
         await self._call("close_weight_transfer", lambda cid: CloseWeightTransfer(call_id=cid))

@@ -16,6 +16,9 @@ trainer. Each takes an optional ``call_id`` and is answered like the other calls
   (``engine/weight_transfer.py``); :class:`UpdateWeightsFromDistributed` receives one update
   described by ``metadata`` (``[name, shape, dtype]`` in send order: checked against the weights
   before anything moves) while paused or asleep; :class:`CloseWeightTransfer` leaves the group.
+* :class:`UpdateWeightsFromIpc` carries a trainer's CUDA IPC handles on the engine's GPU
+  (``engine/weight_ipc.py``'s ``IpcHandles``: every field bounded by the decoder, then checked
+  against the engine's device and weights before a handle is opened).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from __future__ import annotations
 from typing import Annotated, Literal, Optional, Union
 
 from msgspec import Meta
+
+from engine.ipc_handles import IpcHandles
 
 from .wire_base import CallId, Count, Seconds, _Message
 
@@ -72,6 +77,12 @@ class UpdateWeightsFromDistributed(_Message, tag="UpdateWeightsFromDistributed")
     call_id: Optional[CallId] = None
 
 
+class UpdateWeightsFromIpc(_Message, tag="UpdateWeightsFromIpc"):
+    handles: IpcHandles
+    version: Optional[Annotated[int, Meta(ge=0, le=2**63 - 1)]] = None
+    call_id: Optional[CallId] = None
+
+
 class CloseWeightTransfer(_Message, tag="CloseWeightTransfer"):
     call_id: Optional[CallId] = None
 
@@ -85,10 +96,10 @@ class ControlReply(_Message, tag="ControlReply"):
 
 
 ControlRequest = Union[Pause, Resume, AbortAll, WeightInfoRequest, InitWeightTransfer,
-                       UpdateWeightsFromDistributed, CloseWeightTransfer]
+                       UpdateWeightsFromDistributed, UpdateWeightsFromIpc, CloseWeightTransfer]
 CONTROL_REQUESTS: tuple[type, ...] = (Pause, Resume, AbortAll, WeightInfoRequest,
                                       InitWeightTransfer, UpdateWeightsFromDistributed,
-                                      CloseWeightTransfer)
+                                      UpdateWeightsFromIpc, CloseWeightTransfer)
 CONTROL_REPLIES: tuple[type, ...] = (ControlReply,)
 
 
@@ -109,11 +120,13 @@ async def run_control(engine, msg) -> Optional[ControlReply]:
                                           msg.world_size, msg.timeout)
     elif t is UpdateWeightsFromDistributed:
         await engine.update_weights_from_distributed(msg.metadata, msg.version, msg.bucket_bytes)
+    elif t is UpdateWeightsFromIpc:
+        await engine.update_weights_from_ipc(msg.handles, msg.version)
     else:
         await engine.close_weight_transfer()
     return None
 
 
 __all__ = ["Pause", "Resume", "AbortAll", "WeightInfoRequest", "InitWeightTransfer",
-           "UpdateWeightsFromDistributed", "CloseWeightTransfer", "ControlReply",
+           "UpdateWeightsFromDistributed", "UpdateWeightsFromIpc", "CloseWeightTransfer", "ControlReply",
            "ControlRequest", "CONTROL_REQUESTS", "CONTROL_REPLIES", "run_control"]

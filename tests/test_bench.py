@@ -507,3 +507,23 @@ async def test_serve_bench_raw_client_reads_what_httpx_reads():
                 assert bad.error.startswith("HTTP 400") and bad.tokens == 0, (name, bad)
                 got[name] = ok.tokens
     assert got["raw"] == got["httpx"]
+
+
+def test_first_request_compares_the_first_request_with_warm_ones(tmp_path):
+    """bench.first_request: in process and over HTTP, each in its own process, a first request
+    and warm ones of each kind, their ratios; the warm-up's flag reaches the engine."""
+    out = tmp_path / "fr.json"
+    p = _bench("first_request", "--device", "cpu", "--prompt-tokens", "24", "--stream-tokens", "4",
+               "--warm", "2", "--warmup", "on", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    runs = {r["mode"]: r for r in res["runs"]}
+    assert set(runs) == {"inproc", "http"}
+    for run in runs.values():
+        assert run["warmup"] is True and run["ready_s"] > 0
+        for kind in ("prefill", "stream"):
+            k = run["kinds"][kind]
+            assert k["first_ttft_ms"] > 0 and k["warm_ttft_ms"] > 0
+            assert k["ttft_ratio"] == pytest.approx(k["first_ttft_ms"] / k["warm_ttft_ms"])
+    assert runs["inproc"]["graphs_captured_after_ready"] == 0  # CPU: no graphs at all
+    assert "[http] warm-up on" in p.stdout and "TTFT first" in p.stdout

@@ -16,9 +16,10 @@ capture), the capture stream's cuBLAS workspace and the row index live here, and
 after the model state, so it is released first; together with the owner's final
 ``empty_cache`` the caching allocator returns to its pre-load figures, to the byte.
 
-Capture is lazy (a bucket is captured the first time a step needs it): a capture costs one eager
-warm-up forward plus one recorded forward, and a server that never sees 256 concurrent decodes
-never pays for that bucket. ``capture_seconds`` records the cost per bucket.
+Capture is at load with ``EngineConfig.warmup`` (:meth:`CudaGraphs.capture_decode`, every
+bucket), else lazy (a bucket is captured the first time a step needs it); a capture costs one
+eager warm-up forward plus one recorded forward. ``capture_seconds`` records the cost per bucket
+(a test counts its entries to see that serving captured nothing).
 """
 
 from __future__ import annotations
@@ -174,6 +175,27 @@ class CudaGraphs:
         torch.cuda.synchronize(self.device)
         log.info("captured %d mixed graphs in %.2fs", sum(isinstance(k, tuple) for k in self._graphs),
                  time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def capture_decode(self, model, kv: torch.Tensor, state, should_stop=lambda: False) -> None:
+        """Capture the decode graph of every bucket now (at load, ``EngineConfig.warmup``),
+        largest first (the smaller ones reuse its pool's memory). Each is captured over rows
+        that touch only the scratch block: one token of context each."""
+        t0 = time.perf_counter()
+        buf = state.buffers
+        n = 0
+        for b in sorted(self.buckets, reverse=True):
+            if should_stop() or b in self._graphs:
+                continue
+            buf["input_ids"][:b].zero_()
+            buf["positions"][:b].zero_()
+            buf["slot_mapping"][:b].fill_(self.scratch_slot)
+            buf["block_tables"][:b, 0] = self.scratch_block
+            buf["context_lens"][:b].fill_(1)
+            self.run(b, model, kv, state)
+            n += 1
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d decode graphs in %.2fs", n, time.perf_counter() - t0)
 
     def run_mixed(self, rows: int, model, kv: torch.Tensor, state,
                   meta: AttentionMetadata) -> torch.Tensor:

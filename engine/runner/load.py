@@ -149,7 +149,8 @@ class RunnerLoad:
         return True
 
     def _capture_mixed(self, should_stop=lambda: False) -> None:
-        """Capture the graphed prompt steps (engine/forward/mixed_inputs.py) if the graphs want them.
+        """Capture the graphed prompt steps (engine/forward/mixed_inputs.py) if the graphs want them,
+        and with ``warmup`` every decode bucket (engine/core/warmup.py: nothing captured while serving).
         NOTE: not while the weights are asleep (the KV cache woken alone): the capture runs the
         model, whose weights are then in host memory (level 1) or gone (level 2); the wake of
         the weights (or the weights written after a level-2 sleep) captures them instead."""
@@ -158,6 +159,9 @@ class RunnerLoad:
             g.capture_mixed(self._owner[R.WEIGHTS], self._owner[R.KV_CACHE].tensor,
                             self._owner[R.MODEL_STATE], self.config.max_num_batched_tokens,
                             should_stop)
+        if g is not None and self.config.warms_up() and "weights" not in self.asleep:
+            g.capture_decode(self._owner[R.WEIGHTS], self._owner[R.KV_CACHE].tensor,
+                             self._owner[R.MODEL_STATE], should_stop)
 
     def _num_kv_blocks(self, cfg) -> int:
         if self.config.num_kv_blocks:

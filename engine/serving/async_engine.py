@@ -27,6 +27,7 @@ from anyio import to_thread
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.stats import EngineStats, engine_stats, health_figures
+from engine.core.warmup import warm_up
 from engine.errors import EngineDeadError, EngineShutdownError
 from engine.interface import Health, TokenizerInfo, unavailable_error
 from engine.runner.model_runner import ModelRunner
@@ -129,10 +130,14 @@ class AsyncEngine(IntakeAPI, EngineLoop, SleepAPI, PauseAPI, TransferAPI):
                                             self._rank_failed))
         stop = threading.Event()
         done = threading.Event()
+        t0 = time.monotonic()
+        warm = [0.0]
 
         def load() -> None:
             try:
                 self.runner.load(stop.is_set)
+                if self.config.warms_up() and self.runner.loaded and not stop.is_set():
+                    warm[0] = warm_up(self.runner, stop.is_set)  # before SERVING: ready is warm
             finally:
                 done.set()
 
@@ -150,6 +155,8 @@ class AsyncEngine(IntakeAPI, EngineLoop, SleepAPI, PauseAPI, TransferAPI):
         self.lifecycle.trigger("load")
         self.core = EngineCore(self.runner, check_integrity=self._check_integrity)
         self.lifecycle.trigger("serve")
+        log.info("ready in %.2fs (warm-up %s)", time.monotonic() - t0,
+                 f"{warm[0]:.2f}s" if self.config.warms_up() else "off")
         tg.start_soon(self._loop)
 
     async def _close_quietly(self) -> None:

@@ -200,6 +200,8 @@ class SleepController:
         if kind == "distributed":  # (receiver, checked metadata, bucket bytes): engine/serving/transfer.py
             return lambda arg: arg[0].receive(arg[1], partial(runner.update_weights_from_tensors,
                                                               partial=True), arg[2])
+        if kind == "ipc":  # (checked IpcHandles, opened flag): engine/serving/transfer.py
+            return lambda arg: _from_ipc(runner, arg)
         return lambda arg: runner.update_weights_from_tensors(*arg)
 
     def _updated(self, core: Optional["EngineCore"], version: Optional[int]) -> None:
@@ -305,3 +307,14 @@ class SleepController:
 
 
 __all__ = ["SleepAPI", "SleepController", "TAGS", "MODES", "check_tags"]
+
+
+def _from_ipc(runner: Any, arg: Any) -> None:
+    """The trainer's storages opened on the device thread, written in place, then let go
+    (``arg``: the checked handles and a flag the caller reads: opened already)."""
+    from engine.weight_ipc import opened
+
+    handles, flag = arg
+    flag.append(True)
+    with opened(handles, runner.device) as tensors:
+        runner.update_weights_from_tensors(tensors, partial=True)

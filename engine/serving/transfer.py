@@ -3,6 +3,8 @@
 ``update_weights_from_distributed`` receives one update (while PAUSED or SLEEPING, as the other
 weight updates), ``close_weight_transfer`` leaves it. The group is the engine's: its release
 (shutdown, a failure) closes it too, so no thread or socket outlives the engine.
+``update_weights_from_ipc`` takes a trainer's CUDA IPC handles on the engine's GPU
+(engine/weight_ipc.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from anyio import to_thread
 import torch
 
 from engine.errors import BadRequestError
+from engine.weight_ipc import check_handles, let_go
 from engine.weight_transfer import BUCKET_BYTES, Receiver, checked_metadata
 from states import State
 
@@ -59,6 +62,29 @@ class TransferAPI:
         runner.check_weights([(n, torch.empty(s, dtype=d, device="meta")) for n, s, d in meta])
         await self._sleep.update_weights(  # type: ignore[attr-defined]
             "distributed", (self._transfer, meta, bucket_bytes), version)
+
+    async def update_weights_from_ipc(self, handles: Any, version: Optional[int] = None) -> None:
+        """Write the weights a trainer on this GPU exported (``engine.weight_ipc``:
+        ``export_cuda_ipc`` / ``IpcSender``): any subset, by name, each of its weight's shape
+        and dtype. Every field and every name is checked before a handle is opened (a
+        ``BadRequestError`` and nothing changes); the storages are opened, copied from in place,
+        synchronized and let go. While PAUSED or SLEEPING (weights kept), as
+        :meth:`update_weights_from_tensors`. The handles must be of the engine's device (with
+        tensor parallelism the driver's, rank 0's: the other ranks get their slices over the
+        ranks' group)."""
+        runner = self.runner  # type: ignore[attr-defined]
+        plan = check_handles(handles, runner.device)
+        opened: list[bool] = []
+        try:
+            if runner.model_config is None:
+                self._raise_unavailable("update_weights_from_ipc")  # type: ignore[attr-defined]
+            runner.check_weights([(n, torch.empty(s, dtype=d, device="meta")) for n, s, d in plan])
+            await self._sleep.update_weights(  # type: ignore[attr-defined]
+                "ipc", (handles, opened), version)
+        except Exception:  # (a cancelled caller's queued update may still run: it lets go itself)
+            if not opened:  # refused before the copy: the trainer's storages are let go all the same
+                await to_thread.run_sync(let_go, handles, runner.device)
+            raise
 
     async def close_weight_transfer(self) -> None:
         """Leave the group (a no-op without one)."""

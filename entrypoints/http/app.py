@@ -11,7 +11,8 @@ A request passes, in order: the CORS policy (Starlette's ``CORSMiddleware``, onl
 ``limits.allowed_origins``: off by default, so no ``Access-Control-*`` header and no preflight
 granted), the ``Host`` allow-list against DNS rebinding (``hosts.py``: on when bound to
 loopback or with ``limits.allowed_hosts``), the media type (every POST ``application/json``, else 415), the in-flight limit and the
-body limits (``guards.py``, before the body is read), the raw body against the schema's shape: every list's length, every value's
+body limits (``guards.py``, before the body is read; a large body waits for a slot of
+``body_gate.py``), the raw body against the schema's shape: every list's length, every value's
 kind, the free-form JSON's size (``raw_limits.check_raw``, before the body becomes objects), the
 JSON schema (``protocol.py``: strict types, every number and list bounded;
 a large body is parsed on a worker thread), the prompt's size in characters, then the chat
@@ -21,6 +22,7 @@ engine. Every refusal is an OpenAI-shaped error (``errors.py``).
 
 from __future__ import annotations
 
+import time
 from typing import Mapping, Optional, Sequence, TypeVar, Union
 
 import anyio
@@ -34,6 +36,7 @@ from states import State
 
 from engine.interface import Engine
 from . import protocol as P
+from .body_gate import LargeBodyGate, slot_of
 from .raw_limits import SMALL_BODY, check_raw
 from ..malloc import Trimmer
 from .context import Frontend
@@ -51,16 +54,27 @@ async def parse_body(request: Request, model: type[Body], fe: Frontend) -> Body:
     bounded its size; a large one is parsed on a worker thread."""
     raw = await _body(request)
     parse = _checked(model)
+    slot = slot_of(request.scope)  # a large body's: given back with the parse's CPU time
     if len(raw) <= INLINE_PARSE_BYTES:
-        got = parse(raw)
+        got, cpu = _timed(parse, raw)
     else:
-        got = await anyio.to_thread.run_sync(parse, raw, limiter=fe.parse_limiter)
+        got, cpu = await anyio.to_thread.run_sync(_timed, parse, raw, limiter=fe.parse_limiter)
+    if slot is not None:
+        slot.add(cpu)
+        slot.release()
     if not isinstance(got, P.RequestError):
         return got
     try:
         raise got
     finally:
         del got  # the traceback holds this frame: the frame must not hold the error
+
+
+def _timed(parse, raw: bytes) -> tuple:
+    """``parse(raw)`` and the CPU seconds this thread spent on it."""
+    start = time.thread_time()
+    got = parse(raw)
+    return got, time.thread_time() - start
 
 
 async def _body(request: Request) -> bytes:
@@ -125,8 +139,10 @@ def create_app(engine: Engine, *, model_name: Union[str, Sequence[str], None] = 
 
     # The last added is the outermost: the media type and the in-flight limit answer before the
     # body is read; the CORS headers (when on) reach every answer, the guards' refusals too.
+    app.state.large_bodies = LargeBodyGate(limits.large_body_slots, limits.large_body_cpu_share)
     app.add_middleware(BodyGuard, max_body_bytes=limits.max_body_bytes,
-                       body_timeout=limits.body_timeout, on_reject=rejected, after_large=Trimmer())
+                       body_timeout=limits.body_timeout, on_reject=rejected, after_large=Trimmer(),
+                       gate=app.state.large_bodies, large_body_bytes=limits.large_body_bytes)
     app.add_middleware(InFlightGuard, limit=limits.max_requests_in_flight, on_reject=rejected)
     app.add_middleware(JsonOnlyGuard, on_reject=rejected)
     hosts = HostPolicy(limits.allowed_hosts, bound)

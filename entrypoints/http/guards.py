@@ -12,8 +12,9 @@
   next one gets 429 + ``Retry-After`` before its body is read.
 * :class:`BodyGuard`: reads the whole body itself, bounded in size (``Content-Length`` checked
   first, then the bytes counted as they arrive: 413), in time (408) and, over all requests of the process, in memory buffered at once
-  (503 + ``Retry-After``). The app then gets the body as one message, and the client's
-  disconnect afterwards as usual.
+  (503 + ``Retry-After``). A large body first waits for a slot of the ``LargeBodyGate``
+  (``body_gate.py``), unread meanwhile; no slot within the body timeout: 503 and closed. The
+  app then gets the body as one message, and the client's disconnect afterwards as usual.
 
 NOTE: a 413 or 415 does not close the connection at once: closing with the client's bytes unread makes
 the kernel send a reset, and the client loses the answer (a lingering close, as nginx does).
@@ -27,6 +28,7 @@ from typing import Any, Callable, Optional
 
 import anyio
 
+from .body_gate import RECEIVE_CPU_PER_BYTE, SCOPE_KEY, LargeBodyGate, Slot
 from .errors import send_error
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -104,8 +106,11 @@ LARGE_BODY_BYTES = 1 << 20
 
 class BodyGuard:
     def __init__(self, app, max_body_bytes: int, body_timeout: float,
-                 on_reject: Reject = None, after_large=None) -> None:
+                 on_reject: Reject = None, after_large=None,
+                 gate: Optional[LargeBodyGate] = None, large_body_bytes: int = 0) -> None:
         self.app = app
+        self.gate = gate  # bodies over large_body_bytes take one of its slots (body_gate.py)
+        self.large = large_body_bytes if gate is not None else max_body_bytes
         self.after_large = after_large  # called when a request with a large body is done
         self.max = max_body_bytes
         self.timeout = body_timeout
@@ -128,10 +133,17 @@ class BodyGuard:
             self._reject("too_large")
             return await send_error(send, 413, self._too_large())
         held = 0
+        slot: Optional[Slot] = None
         try:
+            if length is not None and length > self.large:
+                slot = await self._slot()
+                if slot is None:
+                    return await self._busy(send)
             chunks: list[bytes] = []
             with anyio.move_on_after(self.timeout) as deadline:
                 while True:
+                    if slot is None and held > self.large:  # chunked, past the size: wait here
+                        slot = await self._slot(deadline=True)
                     msg = await receive()
                     if msg["type"] != "http.request":
                         return  # the client went away: nobody to answer
@@ -157,11 +169,34 @@ class BodyGuard:
                                         f"{self.timeout:g} s", close=True)
             body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             chunks.clear()
+            if slot is not None:
+                slot.add(held * RECEIVE_CPU_PER_BYTE)
+                scope = {**scope, SCOPE_KEY: slot}  # the app's parse gives it back
             await self.app(scope, _replay(body, receive), send)
         finally:
+            if slot is not None:
+                slot.release()
             self.buffered -= held
             if held >= LARGE_BODY_BYTES and self.after_large is not None:
                 self.after_large()
+
+    async def _slot(self, deadline: bool = False) -> Optional[Slot]:
+        """A large-body slot; None if none came within the body timeout (``deadline``: the
+        body's own deadline, around this wait, bounds it instead)."""
+        assert self.gate is not None
+        if deadline:
+            return await self.gate.acquire()
+        with anyio.move_on_after(self.timeout):
+            return await self.gate.acquire()
+        return None
+
+    async def _busy(self, send) -> None:
+        self._reject("overloaded")
+        # closed: the body is left unread (reading it is what the slot bounds)
+        await send_error(send, 503, f"this server is receiving too many large request bodies; "
+                         f"none could start within {self.timeout:g} s; retry later",
+                         "service_unavailable", "server_busy",
+                         headers=((b"retry-after", b"1"),), close=True)
 
     def _too_large(self) -> str:
         return f"request body too large: the limit is {self.max} bytes"

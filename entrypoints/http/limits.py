@@ -10,6 +10,11 @@ Every limit is enforced before the expensive step it protects (see README, "Limi
   an idle kept-alive connection is closed after ``keep_alive_timeout`` seconds;
 * the body: at most ``max_body_bytes`` (413 from the ``Content-Length`` header, or as soon as the
   bytes received pass it), complete within ``body_timeout`` seconds (408) (``guards.py``);
+* large bodies (over ``large_body_bytes``, by ``Content-Length`` or as a chunked one grows):
+  at most ``large_body_slots`` received and parsed at once, their CPU paced to
+  ``large_body_cpu_share`` of one core; a connection waiting for a slot reads nothing (TCP
+  pushes back on its sender), for at most ``body_timeout`` seconds (then 503 and closed); small
+  requests never wait (``body_gate.py``);
 * requests in flight (``/v1/completions`` and ``/v1/chat/completions``, streaming or not):
   ``max_requests_in_flight``; beyond it 429 with ``Retry-After``;
 * a prompt's size in characters (text prompt, or the sum of the chat messages' contents):
@@ -50,6 +55,9 @@ class HttpLimits(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     max_prompt_chars: int = 0
     max_requests_in_flight: int = 1024
     max_connections: int = 2048
+    large_body_bytes: int = 256 * 1024
+    large_body_slots: int = 2
+    large_body_cpu_share: float = 0.2
     header_timeout: float = 10.0
     body_timeout: float = 60.0
     keep_alive_timeout: float = 5.0
@@ -64,6 +72,10 @@ class HttpLimits(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
         for name in ("max_body_bytes", "max_requests_in_flight", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.large_body_bytes < 0 or self.large_body_slots < 1:
+            raise ValueError("--large-body-bytes must be >= 0 and --large-body-slots >= 1")
+        if not (0 < self.large_body_cpu_share <= 1):
+            raise ValueError("--large-body-cpu-share must be in (0, 1] (of one core)")
         if self.max_prompt_chars < 0:
             raise ValueError("--max-prompt-chars must be >= 0 (0: from the context length)")
         for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
@@ -152,6 +164,11 @@ _HELP = {
     "max_body_bytes": "largest request body accepted (413 beyond; default 8 MiB)",
     "max_prompt_chars": "largest prompt in characters, checked before tokenizing "
                         f"(0: max_model_len x {CHARS_PER_TOKEN_BOUND})",
+    "large_body_bytes": "a body larger than this (default 256 KiB) needs a large-body slot "
+                        "before it is read; waits at most --body-timeout (503 beyond)",
+    "large_body_slots": "large bodies received and parsed at once per API server",
+    "large_body_cpu_share": "the share of one core that large bodies' receiving and parsing may "
+                            "take over time per API server (paced; default 0.2)",
     "max_requests_in_flight": "generation requests open at once per API server (429 beyond)",
     "max_connections": "open HTTP connections per API server (503 beyond)",
     "header_timeout": "seconds a client has to send a request's head (then closed)",
@@ -184,7 +201,8 @@ def add_http_limit_args(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, choices=HTTP_IMPLS, default=value, help=_HELP[name])
         else:
             p.add_argument(flag, type=type(value), default=value,
-                           metavar="N" if isinstance(value, int) else "SECONDS", help=_HELP[name])
+                           metavar="N" if isinstance(value, int) else
+                           "SHARE" if name.endswith("_share") else "SECONDS", help=_HELP[name])
 
 
 def limits_from_args(a: argparse.Namespace) -> HttpLimits:

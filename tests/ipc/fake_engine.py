@@ -198,6 +198,15 @@ class FakeEngine:
         self.lifecycle.require("update_weights_from_distributed", State.PAUSED, State.SLEEPING)
         self.calls.append(("update_weights_from_distributed", metadata, version))
 
+    async def update_weights_from_ipc(self, handles, version=None) -> None:
+        import torch
+
+        from engine.weight_ipc import check_handles
+
+        check_handles(handles, torch.device("cuda", 0))  # as an engine on cuda:0 would
+        self.lifecycle.require("update_weights_from_ipc", State.PAUSED, State.SLEEPING)
+        self.calls.append(("update_weights_from_ipc", [t.name for t in handles.tensors], version))
+
     async def close_weight_transfer(self) -> None:
         self.calls.append(("close_weight_transfer",))
 

@@ -7,8 +7,10 @@ import struct
 from hypothesis import strategies as st
 
 from engine.params import Logprobs, RequestOutput, SamplingParams
+from engine.weight_ipc import IpcHandles, IpcStorage, IpcTensor
 from ipc.control import (AbortAll, CloseWeightTransfer, ControlReply, InitWeightTransfer,
-                         Pause, Resume, UpdateWeightsFromDistributed, WeightInfoRequest)
+                         Pause, Resume, UpdateWeightsFromDistributed, UpdateWeightsFromIpc,
+                         WeightInfoRequest)
 from ipc.messages import (
     Abort,
     Ack,
@@ -77,6 +79,9 @@ def sample_messages() -> list:
         WeightInfoRequest(call_id=23),
         InitWeightTransfer(backend="gloo", address="127.0.0.1", port=29500, rank=1, world_size=2),
         UpdateWeightsFromDistributed(metadata=[("model.norm.weight", [64], "bfloat16")], version=4),
+        UpdateWeightsFromIpc(handles=IpcHandles(
+            pid=42, storages=[IpcStorage(0, b"\x01" * 64, 128, 0, b"/torch_1_2_3", 0, b"", False)],
+            tensors=[IpcTensor("model.norm.weight", "bfloat16", [64], [1], 0, 0)]), version=5),
         CloseWeightTransfer(call_id=24),
         ControlReply(call_id=22, count=3),
         ControlReply(call_id=23, weights=[("lm_head.weight", [49152, 576], "float32")]),

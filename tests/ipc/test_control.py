@@ -11,11 +11,14 @@ from test_client import serving
 
 from engine import AsyncEngine, BadRequestError, EngineConfig, SamplingParams
 from engine.errors import EnginePausedError
+from engine.weight_ipc import IpcHandles, IpcStorage, IpcTensor
 from ipc.client import EngineClient
 from ipc.server import IPCServer
 from states import State
 
 pytestmark = pytest.mark.asyncio
+
+IPC_STORAGE = IpcStorage(0, b"\x01" * 64, 4096, 0, b"/torch_1_2_3", 0, b"\x02" * 64, True)
 
 
 async def test_control_calls_reach_the_engine_with_their_arguments() -> None:
@@ -30,6 +33,12 @@ async def test_control_calls_reach_the_engine_with_their_arguments() -> None:
         await c.update_weights_from_distributed([("model.norm.weight", (64,), "float32")], 3)
         assert ("update_weights_from_distributed", [("model.norm.weight", [64], "float32")], 3) \
             in eng.calls
+        await c.update_weights_from_ipc(IpcHandles(pid=7, storages=[IPC_STORAGE], tensors=[
+            IpcTensor("model.norm.weight", "float32", [64], [1], 0, 0)]), 4)
+        assert ("update_weights_from_ipc", ["model.norm.weight"], 4) in eng.calls
+        with pytest.raises(BadRequestError, match="past its storage"):  # checked in the engine
+            await c.update_weights_from_ipc(IpcHandles(pid=7, storages=[IPC_STORAGE], tensors=[
+                IpcTensor("model.norm.weight", "float32", [64], [1], 1000, 0)]))
         await c.close_weight_transfer()
         await c.resume()
         assert eng.state is State.SERVING and not c.is_paused()
@@ -50,6 +59,8 @@ async def test_bad_control_arguments_are_refused_at_the_client_naming_them() -> 
                            (c.update_weights_from_distributed([]), "metadata"),
                            (c.update_weights_from_distributed([("x", [-1], "float32")]), "metadata"),
                            (c.update_weights_from_distributed([("x", [1], "float32")], -2), "version"),
+                           (c.update_weights_from_ipc(IpcHandles(pid=7, storages=[IPC_STORAGE],
+                                                                 tensors=[])), "tensors"),
                            (c.abort_all("x" * 300), "reason")]:
             with pytest.raises(BadRequestError, match=what):
                 await call
