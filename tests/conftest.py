@@ -27,6 +27,19 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # takes a shared lock around its setup, call and teardown, an ``alone`` test the exclusive one;
 # a turnstile lock taken before either keeps a waiting ``alone`` test from being starved by
 # the other worker's next tests. Without xdist (one process) the locks are not taken.
+# An ``alone`` test that asks for the ``alone_from_here`` fixture runs its unmeasured start (a
+# model load, a server's start) beside the other worker's tests, under the shared lock, and
+# takes the exclusive one when it calls the fixture's value, before it measures anything.
+#
+# Each exclusive lock waits for the other worker's test of the moment to end (often one of
+# the long ones: seconds each time). So under xdist the ``alone`` tests come first in the
+# collection, one after another (xdist's work stealing hands each worker a contiguous part and
+# steals from the end), and a worker keeps the exclusive lock from one ``alone`` test into the
+# next: the other worker waits once for the run of them, not once a test.
+
+_LOCKS = pytest.StashKey[tuple]()
+_HELD = {"fds": None, "exclusive": False}  # this worker's lock files, and what it holds
+
 
 def _run_lock_paths():
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
@@ -36,37 +49,125 @@ def _run_lock_paths():
     return base + ".turn", base + ".lock"
 
 
+def _alone_rank(item) -> int:
+    """0: ``alone`` throughout; 1: ``alone`` from a point on (``alone_from_here``); 2: not."""
+    if item.get_closest_marker("alone") is None:
+        return 2
+    return 1 if "alone_from_here" in getattr(item, "fixturenames", ()) else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    if _run_lock_paths() is not None:  # (every worker sorts alike: xdist checks they agree)
+        items.sort(key=_alone_rank)  # stable: the files' order within each kind
+
+
+def _take(exclusive: bool) -> None:
+    turn, lock = _HELD["fds"]
+    # whatever this worker holds is let go first: the other worker may hold the turnstile
+    # while it waits for this worker's lock
+    fcntl.flock(lock, fcntl.LOCK_UN)
+    fcntl.flock(turn, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    finally:
+        fcntl.flock(turn, fcntl.LOCK_UN)
+    _HELD["exclusive"] = exclusive
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     paths = _run_lock_paths()
     if paths is None:
         return (yield)
-    exclusive = item.get_closest_marker("alone") is not None
-    turn = os.open(paths[0], os.O_RDWR | os.O_CREAT, 0o600)
-    lock = os.open(paths[1], os.O_RDWR | os.O_CREAT, 0o600)
+    if _HELD["fds"] is None:
+        _HELD["fds"] = tuple(os.open(p, os.O_RDWR | os.O_CREAT, 0o600) for p in paths)
+    item.stash[_LOCKS] = _HELD["fds"]
+    exclusive = _alone_rank(item) == 0
+    if not (exclusive and _HELD["exclusive"]):  # (else held on from the test before)
+        _take(exclusive)
     try:
-        fcntl.flock(turn, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(turn, fcntl.LOCK_UN)
-        try:
-            return (yield)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        return (yield)
     finally:
-        os.close(lock)
-        os.close(turn)
+        if not (_HELD["exclusive"] and nextitem is not None and _alone_rank(nextitem) == 0):
+            fcntl.flock(_HELD["fds"][1], fcntl.LOCK_UN)
+            _HELD["exclusive"] = False
+
+
+@pytest.fixture
+def alone_from_here(request):
+    """For an ``alone`` test: call the value (``go()``; in a coroutine through
+    ``anyio.to_thread.run_sync(go)``, the event loop serving on) once its unmeasured start is done;
+    from then on to its end no other worker runs a test. Calling it is required."""
+    assert request.node.get_closest_marker("alone") is not None, "alone_from_here needs @alone"
+    locked = request.node.stash.get(_LOCKS, None) is not None
+    called: list[bool] = []
+
+    def go() -> None:
+        assert not called, "alone_from_here called twice"
+        called.append(True)
+        if locked:  # (one process: no locks)
+            _take(True)
+
+    yield go
+    if not request.node.stash.get(_CALL_FAILED, False):  # (a failure before it says enough)
+        assert called, "an alone_from_here test never called it: it ran beside other tests"
+
+
+_CALL_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call" and report.failed:
+        item.stash[_CALL_FAILED] = True
+    return report
 
 
 def pytest_unconfigure(config):
     # a worker that is done runs no more tests: whichever comes first removes the lock files
-    # (the other, if still running, has nothing left to exclude; its next test makes new ones)
+    # (the others keep theirs open: they still exclude each other)
     for path in _run_lock_paths() or ():
         try:
             os.unlink(path)
         except OSError:
             pass
+
+# -- the default model's file, read once a test process ------------------------------------------
+# NOTE: reading SmolLM2's GGUF file (gguf's reader parsing the metadata and vocabulary, the
+# weights dequantized) is ~3.4 s of the default model's ~5 s load, and dozens of tests open the
+# default model in process. The engine's reads of that file (``resolve_source``: with ``types_out``)
+# after the first in a test process get the first one's outputs anew: a weights dict of cloned
+# tensors (the loader drains it), the types, the same config and tokenizer (neither is changed
+# by the engine; the tokenizer's caches are derived from it). Direct calls (tests of the loader
+# itself) and other files read the file; so does every process the tests start.
+@pytest.fixture(scope="session", autouse=True)
+def _default_gguf_read_once():
+    from engine.loader import gguf_loader
+
+    real, memo = gguf_loader.load_gguf, {}
+
+    def load_gguf(path, types_out=None):
+        try:
+            default = types_out is not None and Path(path) == gguf_loader.default_model_path()
+        except Exception:  # (no default model installed: the real read says so)
+            default = False
+        if not default:
+            return real(path, types_out)
+        st = os.stat(path)
+        key = (str(path), st.st_size, st.st_mtime_ns)
+        if key not in memo:
+            memo.clear()
+            types: dict[str, str] = {}
+            memo[key] = (real(path, types), types)
+        (cfg, weights, tok), types = memo[key]
+        types_out.update(types)
+        return cfg, {k: v.clone() for k, v in weights.items()}, tok
+
+    gguf_loader.load_gguf = load_gguf
+    yield
+    gguf_loader.load_gguf = real
+
 
 # Small enough to build and run in milliseconds, big enough to exercise GQA, several KV blocks
 # and multi-layer caches. Architecture-specific knobs are passed as overrides.

@@ -56,13 +56,22 @@ def _requests(attacker: bool):
     return reqs
 
 
+_COMPILED: dict = {}  # model -> {key: compiled grammar}: compiled once a test process
+
+
 def _run(core: EngineCore, reqs):
-    svc = GrammarService(lambda: core.tokenizer, lambda: core.runner.model_config.vocab_size)
+    model = core.runner.config.model
+    if model not in _COMPILED:  # (a compile pool's worker process costs ~3 s to start)
+        svc = GrammarService(lambda: core.tokenizer, lambda: core.runner.model_config.vocab_size)
 
-    async def compile_all():
-        return {c.key: await svc.compiled(c) for c in (REGEX, SCHEMA, AMBIGUOUS)}
+        async def compile_all():
+            return {c.key: await svc.compiled(c) for c in (REGEX, SCHEMA, AMBIGUOUS)}
 
-    grammars = anyio.run(compile_all)
+        try:
+            _COMPILED[model] = anyio.run(compile_all)
+        finally:
+            svc.close()
+    grammars = _COMPILED[model]
     for rid, prompt, params in reqs:
         c = params.structured
         core.add_request(rid, prompt, params, grammars[c.key] if c is not None else None)

@@ -48,13 +48,25 @@ AFTER = pytest.mark.parametrize("after", ["apply-first", "sample-first", "apply-
                                           "sample-first-beside"])
 
 
+_COMPILED: dict = {}  # (model, vocab size) -> {key: compiled grammar}: one compile a process
+
+
 def _grammars(core: EngineCore) -> dict:
-    svc = GrammarService(lambda: core.tokenizer, lambda: core.runner.model_config.vocab_size)
+    """REGEX's and SCHEMA's compiled grammars for ``core``'s tokenizer. Compiled once a test
+    process and model (a compiled grammar is immutable; each request gets its own matcher): a
+    compile pool's worker process costs ~3 s to start, twice a test before."""
+    key = (core.runner.config.model, core.runner.model_config.vocab_size)
+    if key not in _COMPILED:
+        svc = GrammarService(lambda: core.tokenizer, lambda: core.runner.model_config.vocab_size)
 
-    async def compile_all():
-        return {c.key: await svc.compiled(c) for c in (REGEX, SCHEMA)}
+        async def compile_all():
+            return {c.key: await svc.compiled(c) for c in (REGEX, SCHEMA)}
 
-    return anyio.run(compile_all)
+        try:
+            _COMPILED[key] = anyio.run(compile_all)
+        finally:
+            svc.close()
+    return _COMPILED[key]
 
 
 def _mixed(n: int):

@@ -63,6 +63,7 @@ bm.TokenBitmask.grammar_rows, bm.TokenBitmask.mask = counted_rows, counted_mask
 
 
 FUSABLE = bm.TokenBitmask.fusable
+GRAMMARS = {}
 
 
 def run(fuse, overlap, extra):
@@ -73,12 +74,15 @@ def run(fuse, overlap, extra):
                                  overlap_scheduling=overlap, max_num_seqs=32, seed=5))
     r.load()
     core = EngineCore(r, check_integrity=True)
-    svc = GrammarService(lambda: core.tokenizer, lambda: r.model_config.vocab_size)
+    if not GRAMMARS:  # compiled once (a compile pool's worker process costs ~3 s to start)
+        svc = GrammarService(lambda: core.tokenizer, lambda: r.model_config.vocab_size)
 
-    async def compile_all():
-        return {c.key: await svc.compiled(c) for c in (REGEX, SCHEMA)}
+        async def compile_all():
+            return {c.key: await svc.compiled(c) for c in (REGEX, SCHEMA)}
 
-    grammars = anyio.run(compile_all)
+        GRAMMARS.update(anyio.run(compile_all))
+        svc.close()
+    grammars = GRAMMARS
     for i in range(12):
         prompt = [(i * 13 + j * 7) % 200 + 32 for j in range(4 + i % 9)]
         c = (REGEX, SCHEMA, None)[i % 3]

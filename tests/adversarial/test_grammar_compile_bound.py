@@ -80,7 +80,7 @@ async def victim_rate(eng, seconds: float, until=None) -> tuple[float, int]:
 
 
 @pytest.mark.asyncio
-async def test_hostile_compiles_are_stopped_and_the_victim_flows(torch_one_thread):
+async def test_hostile_compiles_are_stopped_and_the_victim_flows(torch_one_thread, alone_from_here):
     cfg = EngineConfig(model="default", grammar_compile_timeout=TIMEOUT, max_num_seqs=16)
     async with AsyncEngine.open(cfg) as eng:
         # warm: the victim's path, and one small constraint (its compile process, the vocabulary)
@@ -88,6 +88,7 @@ async def test_hostile_compiles_are_stopped_and_the_victim_flows(torch_one_threa
         async for _ in eng.generate(PROMPT, SamplingParams(max_tokens=4, structured=
                                     StructuredOutputs(json_schema={"type": "integer"}))):
             pass
+        await anyio.to_thread.run_sync(alone_from_here)  # (the load and warm-up: beside others)
         before = rss_mb()
         quiet, _ = await victim_rate(eng, 4.0)
 

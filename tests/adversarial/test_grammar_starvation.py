@@ -26,7 +26,7 @@ from engine import AsyncEngine, EngineConfig, SamplingParams, StructuredOutputs
 
 GRAMMAR = 'root ::= s "!"\ns ::= "" | s s | [a-z]\n'
 WINDOW_S = 2.0  # one measuring window
-ROUNDS = 3  # quiet, attacked, ... windows each
+ROUNDS = 2  # quiet, attacked, ... windows each (3 gave ratios of 0.72-0.81, the bound 0.5)
 ATTACK_END_S = 10.0  # the longest an attacker's request may live (its error included)
 
 
@@ -41,7 +41,7 @@ def _rate(chunks: list[tuple[float, int]], t0: float, t1: float) -> float:
 
 @pytest.mark.alone  # asserts a token rate against a quiet one measured beside it
 @pytest.mark.slow
-def test_an_ambiguous_grammar_does_not_starve_the_others():
+def test_an_ambiguous_grammar_does_not_starve_the_others(alone_from_here):
     async def main():
         async with AsyncEngine.open(EngineConfig(model="default")) as eng:
             table = eng.tokenizer.byte_table
@@ -63,6 +63,7 @@ def test_an_ambiguous_grammar_does_not_starve_the_others():
             await one_attack(3 * ATTACK_END_S)
             warm = ends.pop()
             assert warm[1:] == ("error", warm[2], 1) and "grammar_row_budget_ms" in warm[2]
+            await anyio.to_thread.run_sync(alone_from_here)  # (the load and warm-up: beside others)
             rss0 = _rss()
             chunks: list[tuple[float, int]] = []
             attacking = False

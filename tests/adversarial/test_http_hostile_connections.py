@@ -291,7 +291,7 @@ async def test_flood_filter_lets_one_line_per_interval_through():
 
 @pytest.mark.slow
 @pytest.mark.alone  # asserts wall-clock bounds
-async def test_serve_passes_the_limits_to_its_frontend_processes():
+async def test_serve_passes_the_limits_to_its_frontend_processes(alone_from_here):
     """``enginecore serve --http ... --max-body-bytes --header-timeout``: the frontend process
     (over its EngineClient) enforces them."""
     from http_helpers import ServeProcess
@@ -299,6 +299,7 @@ async def test_serve_passes_the_limits_to_its_frontend_processes():
     sp = ServeProcess(extra=("--max-body-bytes", "4096", "--header-timeout", "1"))
     try:
         await sp.wait_ready(1)
+        await anyio.to_thread.run_sync(alone_from_here)  # (the server's start: beside others)
         async with sp.http() as c:
             r = await c.post("/v1/completions", json={"prompt": "x" * 5000})
             assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"

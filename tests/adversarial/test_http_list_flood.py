@@ -142,7 +142,8 @@ class _Attacker:
 
 
 @pytest.mark.alone  # compares a stream's token rate during floods with its rate before
-async def test_message_floods_get_400_fast_and_the_frontend_stays_small_and_serves_on():
+async def test_message_floods_get_400_fast_and_the_frontend_stays_small_and_serves_on(
+        alone_from_here):
     sp = ServeProcess(model="default")
     control = attack = None
     try:
@@ -151,6 +152,8 @@ async def test_message_floods_get_400_fast_and_the_frontend_stays_small_and_serv
         control = _Attacker(sp.port, "text", 1)
         attack = _Attacker(sp.port, "messages", WAVES)
         sizes = [await control.ready(), await attack.ready()]
+        # (the server's start and the bodies' building: beside other tests)
+        await anyio.to_thread.run_sync(alone_from_here)
         tokens: list[float] = []  # arrival times of the victim's chunks
         health: list[tuple[int, float]] = []
         sampled = [0]

@@ -56,12 +56,12 @@ async def reference(params, prompts) -> list[list[int]]:
 
 
 @pytest.mark.alone  # its refusals are bounded at 1 s each
-async def test_drain_under_load(tmp_path) -> None:
+async def test_drain_under_load(tmp_path, alone_from_here) -> None:
     with anyio.fail_after(150):  # a hang fails here, naming this test, not at the run's timeout
-        await _drain_under_load(tmp_path)
+        await _drain_under_load(tmp_path, alone_from_here)
 
 
-async def _drain_under_load(tmp_path) -> None:
+async def _drain_under_load(tmp_path, alone_from_here) -> None:
     from ipc import EngineClient
 
     params = SamplingParams(max_tokens=400, ignore_eos=True)
@@ -70,6 +70,8 @@ async def _drain_under_load(tmp_path) -> None:
     sp = ServeProcess(tmp_path, TINY, drain_timeout=120)
     try:
         sp.wait_serving()
+        # (the reference outputs and the server's start: beside other tests)
+        await anyio.to_thread.run_sync(alone_from_here)
         results: dict = {}
         rejected: list = []
         async with EngineClient.connect(sp.address) as c1, EngineClient.connect(sp.address) as c2:
@@ -102,13 +104,14 @@ async def _drain_under_load(tmp_path) -> None:
 
 
 @pytest.mark.alone  # asserts wall-clock bounds
-async def test_drain_deadline_aborts_in_flight(tmp_path) -> None:
+async def test_drain_deadline_aborts_in_flight(tmp_path, alone_from_here) -> None:
     from ipc import EngineClient
 
     params = SamplingParams(max_tokens=2000, ignore_eos=True)
     sp = ServeProcess(tmp_path, TINY, drain_timeout=1)
     try:
         sp.wait_serving()
+        await anyio.to_thread.run_sync(alone_from_here)  # (the server's start: beside others)
         results: dict = {}
         async with EngineClient.connect(sp.address) as c:
             async with anyio.create_task_group() as tg:
@@ -127,13 +130,14 @@ async def test_drain_deadline_aborts_in_flight(tmp_path) -> None:
 
 
 @pytest.mark.alone  # asserts wall-clock bounds
-async def test_second_signal_exits_fast_with_terminal_outputs(tmp_path) -> None:
+async def test_second_signal_exits_fast_with_terminal_outputs(tmp_path, alone_from_here) -> None:
     from ipc import EngineClient
 
     params = SamplingParams(max_tokens=2000, ignore_eos=True)
     sp = ServeProcess(tmp_path, TINY, drain_timeout=120)
     try:
         sp.wait_serving()
+        await anyio.to_thread.run_sync(alone_from_here)  # (the server's start: beside others)
         results: dict = {}
         async with EngineClient.connect(sp.address) as c:
             async with anyio.create_task_group() as tg:
