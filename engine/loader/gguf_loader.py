@@ -11,7 +11,6 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Optional
 
-import gguf
 from gguf.quants import dequantize
 import numpy as np
 import torch
@@ -19,6 +18,7 @@ import torch
 from engine.errors import CheckpointError
 from engine.model.model_config import ModelConfig
 
+from .gguf_index import GgufTensor, read_index
 from .progress import LoadProgress
 from .tokenizer import Tokenizer
 
@@ -79,18 +79,18 @@ def load_gguf(path: str | Path, types_out: Optional[dict[str, str]] = None,
     if magic != b"GGUF":
         raise CheckpointError(path, "not a GGUF file (missing the GGUF magic bytes)")
     try:
-        reader = _Reader(path)
+        fields, tensors = read_index(path)
     except Exception as exc:  # the reader raises ValueError/IndexError on short or bad data
         raise CheckpointError(path, f"corrupt or truncated GGUF file ({type(exc).__name__}: {exc})") from exc
 
     try:
-        meta = _Metadata(reader)
+        meta = _Metadata(fields)
         arch = meta.get("general.architecture")
         if arch != "llama":
             raise CheckpointError(path, f"unsupported GGUF architecture {arch!r}; supported: 'llama'")
-        tensor_names = {t.name for t in reader.tensors}
+        tensor_names = {t.name for t in tensors}
         config = _build_config(path, meta, tensor_names)
-        weights = _load_weights(path, reader, config, types_out)
+        weights = _load_weights(path, tensors, config, types_out)
         tokenizer = _build_tokenizer(path, meta, config)
     except CheckpointError:
         raise
@@ -99,29 +99,14 @@ def load_gguf(path: str | Path, types_out: Optional[dict[str, str]] = None,
     return config, weights, tokenizer
 
 
-class _Reader(gguf.GGUFReader):
-    """GGUFReader over a plain ndarray view of its memmap: slicing an ``np.memmap`` costs an
-    ``__array_finalize__`` per slice, and parsing a 49k-token vocabulary takes ~250k slices
-    (this halves load time). The view keeps the mapping alive through its ``.base``."""
-
-    @property
-    def data(self):
-        return self._plain
-
-    @data.setter
-    def data(self, value):
-        self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
-
-
 class _Metadata:
     """Key/value access to a reader's fields, decoded to Python values."""
 
-    def __init__(self, reader) -> None:
-        self._fields = reader.fields
+    def __init__(self, fields: dict[str, Any]) -> None:
+        self._fields = fields
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self._fields.get(key)
-        return default if field is None else field.contents()
+        return self._fields.get(key, default)
 
     def require(self, path: Path, key: str) -> Any:
         value = self.get(key)
@@ -174,12 +159,12 @@ def _unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_weights(path: Path, reader, config: ModelConfig,
+def _load_weights(path: Path, tensors: list[GgufTensor], config: ModelConfig,
                   types_out: Optional[dict[str, str]] = None) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
-    total = sum(int(t.n_bytes) for t in reader.tensors)
-    with LoadProgress(f"reading {path.name}", len(reader.tensors), total) as progress:
-        for tensor in reader.tensors:
+    total = sum(int(t.n_bytes) for t in tensors)
+    with LoadProgress(f"reading {path.name}", len(tensors), total) as progress:
+        for tensor in tensors:
             _load_tensor(path, tensor, config, weights)
             if types_out is not None:
                 types_out[_hf_name(path, tensor.name, config.num_layers)] = tensor.tensor_type.name
