@@ -111,12 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     startup_signals.install()  # before any heavy import: SIGTERM now exits 143, not -15
-    try:
-        return _main(argv)
-    except startup_signals.StartupSignal as stop:  # nothing is allocated yet
-        print(f"enginecore: stopped by signal {stop.signum} during startup", file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(128 + stop.signum)  # not the interpreter's teardown of half-made imports
+    return _main(argv)
 
 
 def _main(argv: list[str] | None) -> int:

@@ -5,10 +5,10 @@ spends its first seconds importing torch and the engine, long before ``serve.run
 handlers that turn a signal during startup into exit 128+N. :func:`install` is the first thing
 ``cli.main`` does, before any heavy import, and covers that time in two phases:
 
-* while the entry point is still importing and parsing, a signal raises :class:`StartupSignal`
-  (a ``BaseException``: no ``except Exception`` on the way swallows it) wherever the main thread
-  is; ``cli.main`` catches it and exits 128+N at once -- nothing is allocated yet, and an import
-  that is cut short does not matter to a process that is leaving;
+* while the entry point is still importing and parsing, the handler itself says so on stderr
+  and leaves at once with ``os._exit(128 + N)`` -- nothing is allocated yet, and an import that
+  is cut short does not matter to a process that is leaving. (Raising an exception there
+  instead reached a C++ frame of torch's import now and then, which aborted: exit -6.);
 * from :func:`defer` on (``cli.main``, once the imports are done), a signal is only recorded, so
   no code that owns something (a bound socket, a temporary directory) is interrupted;
   ``serve.run`` asks :func:`pending` as soon as its own handlers are in place, and exits 128+N
@@ -19,34 +19,31 @@ Only the process entry point calls :func:`install`; nothing here runs on import.
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 from typing import Optional
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 _pending: Optional[int] = None  # the first signal that arrived
-_interrupt = False  # raise StartupSignal (True) or only record (False)
-
-
-class StartupSignal(BaseException):
-    """A signal arrived while the entry point was importing; ``signum`` says which."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"signal {signum} during startup")
-        self.signum = signum
+_interrupt = False  # exit at once (True) or only record (False)
 
 
 def _handler(signum: int, frame) -> None:
-    global _pending, _interrupt
+    global _pending
     if _pending is None:
         _pending = signum
     if _interrupt:
-        _interrupt = False  # once: a second signal must not cut short the unwinding of the first
-        raise StartupSignal(signum)
+        try:
+            sys.stderr.write(f"enginecore: stopped by signal {signum} during startup\n")
+            sys.stderr.flush()
+        finally:
+            os._exit(128 + signum)  # not the interpreter's teardown of half-made imports
 
 
 def install() -> None:
-    """Catch SIGTERM and SIGINT, raising :class:`StartupSignal` until :func:`defer`."""
+    """Catch SIGTERM and SIGINT, exiting 128+N at once until :func:`defer`."""
     global _interrupt
     _interrupt = True
     for s in SIGNALS:
@@ -72,4 +69,4 @@ def pending() -> Optional[int]:
     return _pending
 
 
-__all__ = ["StartupSignal", "install", "defer", "restore", "pending", "SIGNALS"]
+__all__ = ["install", "defer", "restore", "pending", "SIGNALS"]
