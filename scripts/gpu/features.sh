@@ -17,7 +17,7 @@ if [ -f bench/first_request.py ]; then
     step first_request 90 python3 -m bench.first_request --device cuda --warmup on,off --out "$OUT/first_request.json"
 fi
 step weight_sync 110 python3 -m bench.weight_sync --device cuda --no-progress --rounds 3 \
-    --paths tensors,ipc,ipc-bucket --out "$OUT/weight_sync.json"
+    --paths tensors,distributed,ipc,ipc-bucket --out "$OUT/weight_sync.json"
 step deterministic 90 python3 -m bench.throughput --device cuda --no-progress --modes inproc \
     --repeat 1 --num-requests 64 --max-output 256 --deterministic-compare --out "$OUT/deterministic.json"
 exit $((FAILED > 0))
