@@ -56,7 +56,12 @@ class Rotary(nn.Module):
         self.cfg = cfg
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
-        self.reset(self.cos.device)
+        if self.cos.device.type == "meta":  # shapes only: computed by reset() on the real device
+            # (computing them on the meta device imports torch._refs: 1.7 s of a first load)
+            self.cos = torch.empty(cfg.max_position_embeddings, cfg.head_dim // 2)
+            self.sin = torch.empty(cfg.max_position_embeddings, cfg.head_dim // 2)
+        else:
+            self.reset(self.cos.device)
 
     def reset(self, device: torch.device) -> None:
         """(Re)compute the fp32 cos/sin tables on ``device``."""
@@ -169,7 +174,10 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # NOTE: ``_weight`` skips nn.Embedding's normal_() init (the loader fills every weight):
+        # on the meta device that init imports torch._refs, 1.7 s of a first load in a process
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
