@@ -83,12 +83,16 @@ class TrainerProcess:
         got = self._call({"cmd": "close"})
         self.proc.stdin.close()
         self.proc.wait(timeout)
+        self.proc.stdout.close()
         return got["allocated"]
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if not pipe.closed:
+                pipe.close()
 
 
 def main() -> int:

@@ -41,9 +41,10 @@ import torch
 from torch import nn
 
 from engine.ops.cpu import invariant_attention
+from engine.ops.triton import fused_ops, invariant as gpu_invariant
 
 from .attention import AttentionMetadata, write_kv
-from .llama import CausalLM
+from .llama import CausalLM, RMSNorm
 
 #: rows per GEMM tile (see the module docstring): a step of fewer rows pays for this many.
 #: Measured (one thread, float32, the default model's q/k/o/gate/down shapes, ms): 1 row 0.28
@@ -53,7 +54,10 @@ TILE_ROWS = 16
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with every row computed in a GEMM of one shape."""
+    """``F.linear(x, weight, bias)`` with every row computed in a GEMM of one shape (on CUDA:
+    engine/ops/triton/invariant.py's GEMM, one configuration for every row count)."""
+    if x.is_cuda and gpu_invariant.usable(x.device):
+        return gpu_invariant.linear(x, weight, bias)
     k, n = x.shape[-1], weight.shape[0]
     rows = x.reshape(-1, k)
     t = rows.shape[0]
@@ -78,6 +82,18 @@ class InvariantLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+class InvariantRMSNorm(RMSNorm):
+    """An ``RMSNorm`` that on CUDA reduces each row in a program of its own (fused_ops'
+    kernel, rounded at the same points as the torch forward): torch's CUDA reduction sizes its
+    thread blocks by the number of rows, so a row's sum depended on the batch. On the CPU the
+    torch forward (one row per thread) is kept."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and gpu_invariant.usable(x.device):
+            return fused_ops.rms_norm(x, self.weight, self.eps)
+        return super().forward(x)
 
 
 def row_tables(meta: AttentionMetadata, positions: torch.Tensor,
@@ -154,15 +170,21 @@ def make_invariant(model: CausalLM) -> str:
     for mod in model.modules():
         if isinstance(mod, nn.Linear) and not isinstance(mod, InvariantLinear):
             mod.__class__ = _swapped(type(mod), InvariantLinear)
+        elif type(mod) is RMSNorm:
+            mod.__class__ = InvariantRMSNorm
     if not isinstance(model, InvariantCausalLM):
         model.__class__ = _swapped(type(model), InvariantCausalLM)
     model.use_fused = False  # the packed forward builds per-sequence metadata (row_tables)
     device = model.model.norm.weight.device
-    kernel, name = invariant_attention.kernel(device)
+    if device.type == "cuda" and gpu_invariant.usable(device):
+        kernel, name = gpu_invariant.attention, "Triton kernel (engine/ops/triton/invariant.py)"
+    else:
+        kernel, name = invariant_attention.kernel(device)
     model.attention_kernel = kernel
     model.attention_name = name
     return name
 
 
-__all__ = ["linear", "silu", "InvariantLinear", "InvariantCausalLM", "make_invariant",
+__all__ = ["linear", "silu", "InvariantLinear", "InvariantRMSNorm", "InvariantCausalLM",
+           "make_invariant",
            "row_tables", "TILE_ROWS"]

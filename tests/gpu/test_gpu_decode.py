@@ -145,7 +145,7 @@ def test_graph_decode_matches_eager():
     graph, ig = _serve(True)
     print(f"\neager: {ie['steps']} steps in {ie['seconds']:.2f}s; graphs: {ig['steps']} steps in "
           f"{ig['seconds']:.2f}s, {ig['replays']} replays, captured {ig['captured']} "
-          f"({', '.join(f'{b}: {s * 1000:.0f} ms' for b, s in sorted(ig['capture_s'].items()))})")
+          f"({', '.join(f'{b}: {s * 1000:.0f} ms' for b, s in sorted(ig['capture_s'].items(), key=str))})")
     assert ie["captured"] == [] and ig["replays"] > 0 and len(ig["captured"]) >= 3
     order = ig["order"]  # reverse order of creation: the graphs go before what they captured
     assert order.index("cuda_graphs") < order.index("model_state") < order.index("weights"), order

@@ -98,3 +98,29 @@ def test_the_cache_chunking_and_preemption_change_no_bit_on_cuda():
     chunk, _ = _run(_cfg(max_num_batched_tokens=128, deterministic=False), jobs)
     print(f"default path, chunked vs whole: "
           f"{sum(plain[r].difference(chunk[r]) is not None for r in plain)} of {len(jobs)} differ")
+
+
+def _long_chat(n: int) -> list:
+    """The chat workload of the mode's acceptance: turns sharing a 1,500-token system prompt,
+    greedy, 16 tokens each, arriving eight a step."""
+    rng = random.Random(11)
+    system = [(31 * j) % 20000 + 50 for j in range(1500)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=True, top_logprobs=1)
+    return [(f"turn-{i}", system + [rng.randrange(20, 30000) for _ in range(rng.randint(10, 60))],
+             params, i // 8) for i in range(n)]
+
+
+def test_96_long_chat_turns_cache_on_off_and_48_under_preemption_on_cuda():
+    jobs = _long_chat(96)
+    off, _ = _run(_cfg(enable_prefix_caching=False, num_kv_blocks=12000), jobs)
+    on, stats = _run(_cfg(num_kv_blocks=12000), jobs)
+    assert stats.prefix_cache_hits > 0
+    same = sum(off[r].difference(on[r]) is None for r in off)
+    print(f"\n96 chat turns, 1,500-token system prompt: {same}/96 identical with prefix caching "
+          f"on vs off (tokens and logprob bits)")
+    pressed, pstats = _run(_cfg(num_kv_blocks=140), jobs[:48])
+    assert pstats.preemptions > 0, "the small cache did not preempt: the check is void"
+    held = sum(on[r].difference(pressed[r]) is None for r in pressed)
+    print(f"48 under preemption pressure ({pstats.preemptions} preemptions): {held}/48 identical "
+          f"to the unpressured run")
+    assert same == 96 and held == 48

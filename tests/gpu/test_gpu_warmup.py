@@ -120,7 +120,8 @@ def _in_fresh_process(warmup: bool) -> dict:
     earlier test in this one would have compiled them already."""
     root = Path(__file__).resolve().parents[2]
     p = subprocess.run([sys.executable, __file__, "on" if warmup else "off"], cwd=root,
-                       env=dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{root / 'tests' / 'gpu'}"),
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                           [str(root), str(root / "tests" / "gpu"), os.environ.get("PYTHONPATH", "")])),
                        capture_output=True, text=True, timeout=400)
     lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
     assert p.returncode == 0 and lines, p.stderr[-4000:]

@@ -1,0 +1,68 @@
+"""Deterministic mode's CUDA kernels (engine/ops/triton/invariant.py), run in Triton's CPU
+interpreter: the GEMM against ``F.linear`` and the paged attention against the torch reference
+(engine/ops/cpu/invariant_attention.py), and for both: a row's bits are the same alone and amid
+other rows of other lengths and tables. (On the GPU the same properties are checked in bf16 through
+the whole model: tests/gpu/test_gpu_deterministic.py.)"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+CHECK = r'''
+import torch
+import torch.nn.functional as F
+from engine.ops.triton import invariant as inv
+from engine.ops.cpu.invariant_attention import attention_torch
+
+assert inv.usable(torch.device("cpu"))
+g = torch.Generator().manual_seed(0)
+# the GEMM: K not a multiple of the tile, N not either; rows alone and in batches of 3 and 70
+w = torch.randn(72, 80, generator=g)
+x = torch.randn(70, 80, generator=g)
+y = inv.linear(x, w)
+assert y.shape == (70, 72) and y.dtype == x.dtype
+torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+for r in (0, 5, 69):
+    assert torch.equal(inv.linear(x[r:r + 1], w)[0], y[r]), r
+    assert torch.equal(inv.linear(x[max(0, r - 2): r + 1], w)[-1], y[r]), r
+b = torch.randn(72, generator=g)
+torch.testing.assert_close(inv.linear(x[:4].view(2, 2, 80), w, b), F.linear(x[:4], w, b).view(2, 2, 72),
+                           rtol=1e-5, atol=1e-5)
+assert inv.linear(x[:0], w).shape == (0, 72)
+
+# the attention: 4 query heads on 2 KV heads, blocks of 4 keys, rows of 1 .. 37 keys
+heads, kv_heads, dim, bs, blocks = 4, 2, 16, 4, 40
+cache = torch.randn(2, blocks, bs, kv_heads, dim, generator=g)
+lens = torch.tensor([1, 5, 16, 17, 37])
+tables = torch.stack([torch.randperm(blocks, generator=g)[:10] for _ in lens])
+q = torch.randn(len(lens), heads, dim, generator=g)
+out = inv.attention(q, cache, tables, lens, 0.25)
+ref = attention_torch(q, cache, tables, lens, 0.25)
+torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+for r in range(len(lens)):  # alone, with a table of its own width
+    w_r = -(-int(lens[r]) // bs)
+    alone = inv.attention(q[r:r + 1], cache, tables[r:r + 1, :w_r], lens[r:r + 1], 0.25)
+    assert torch.equal(alone[0], out[r]), r
+# GQA 3 (padded to 4 heads a program) and bfloat16
+q3 = torch.randn(2, 6, dim, generator=g).bfloat16()
+got = inv.attention(q3, cache.bfloat16(), tables[:2], lens[:2], 0.5)
+torch.testing.assert_close(got.float(), attention_torch(q3, cache.bfloat16(), tables[:2], lens[:2], 0.5).float(),
+                           rtol=2e-2, atol=2e-2)
+print("ok")
+'''
+
+
+def test_triton_invariant_kernels_in_the_interpreter():
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env,
+                         timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "ok"
