@@ -181,3 +181,33 @@ def test_the_ledger_charges_rows_by_their_own_cpu_time():
     off.fill_rows([(slow, 0, ())], None)
     off.advance(slow, 1)
     assert not off.pending and not off.on
+
+
+def test_a_constraint_ended_over_the_budget_is_refused_for_a_while(monkeypatch):
+    """The verdict remembers the request's constraint (by its cache key); the grammar service
+    then refuses the same constraint at once, names why, lets others through, and forgets it
+    after REFUSE_S; at most REMEMBERED are kept."""
+    from engine import BadRequestError
+    from engine.structured import budget as budget_mod
+
+    budget = GrammarBudget(5.0)
+    slow = _Matcher(0.02)
+    spec = StructuredOutputs(grammar='root ::= "a"')
+    other = StructuredOutputs(grammar='root ::= "b"')
+    budget.fill_rows([(slow, 0, ())], None)
+    assert budget.verdict(slow, spec)[0] == "error"
+    why = budget.refused(spec.key)
+    assert why and "refused" in why and "grammar_row_budget_ms" in why
+    assert budget.refused(other.key) is None
+    service = GrammarService(lambda: None, lambda: 0, refused=budget.refused)
+    with pytest.raises(BadRequestError, match="refused"):
+        service.check(spec)
+    service.check(other)
+    service.close()
+    now = budget_mod.time.monotonic()
+    monkeypatch.setattr(budget_mod.time, "monotonic", lambda: now + budget_mod.REFUSE_S + 1)
+    assert budget.refused(spec.key) is None
+    monkeypatch.undo()
+    for i in range(budget_mod.REMEMBERED + 5):
+        budget.remember(f"k{i}", "x")
+    assert budget.refused("k0") is None and budget.refused(f"k{budget_mod.REMEMBERED + 4}")

@@ -355,7 +355,7 @@ class EngineCore(LateStep):
             if finish:
                 break
         if self._budget.pending and not finish:  # its grammar's work was over the budget
-            finish, reason = self._budget.verdict(req.matcher) or (finish, reason)
+            finish, reason = self._budget.verdict(req.matcher, p.structured) or (finish, reason)
         self._gen_tokens += len(accepted)
         out = RequestOutput(request_id=req.request_id, token_ids=accepted, text=text)
         if p.logprobs:  # the accepted tokens' (a prefix of the step's new tokens)

@@ -89,8 +89,13 @@ class AsyncEngine(IntakeAPI, EngineLoop, SleepAPI, PauseAPI, TransferAPI):
             lambda: self.runner.tokenizer, lambda: self.runner.model_config.vocab_size,
             compile_timeout=config.grammar_compile_timeout,
             compile_workers=config.grammar_compile_workers,
-            cache=GrammarCache(config.grammar_cache_entries, config.grammar_cache_bytes))
+            cache=GrammarCache(config.grammar_cache_entries, config.grammar_cache_bytes),
+            refused=self._grammar_refused)
         self.lifecycle.describe_in_flight(self._in_flight)  # for the transition's log line
+
+    def _grammar_refused(self, key: str) -> Optional[str]:
+        budget = getattr(self.runner, "grammar_budget", None)  # (structured/budget.py)
+        return budget.refused(key) if budget is not None else None
 
     # -- opening and closing ------------------------------------------------------------------
     @classmethod

@@ -95,6 +95,8 @@ class IntakeAPI:
         if ids is not None:
             ids = admission.check_ids(ids, params, client)
         st = params.structured
+        if st is not None:
+            self.grammars.check(st)
         grammar = self.grammars.cached(st) if st is not None else None
         admission.opened(request_id, client)
         self._sinks[request_id] = sink

@@ -20,6 +20,11 @@ whole work is compared with the budget instead, and one over it makes the next c
 run row by row, timed (:meth:`batch`, :meth:`row_by_row`): a growing grammar is caught one step
 later (its cost grows by steps, not by orders of magnitude).
 
+A constraint whose request was ended this way is remembered (:meth:`remember`, by its cache key)
+and refused at admission for :data:`REFUSE_S` (:meth:`refused`, a 400 before any step): a
+client that sends the same grammar again and again -- an attack, or a retry loop -- would
+otherwise put every copy's first, cheaper but still growing, steps on the shared path.
+
 The ledger is read and written on the step thread and the bitmask's helper thread: single dict
 operations, atomic under the GIL. An entry holds its matcher (so no other matcher can take its
 id while it is there); the core drops a finished request's entry (:meth:`forget`) and the
@@ -29,12 +34,17 @@ request did).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 import time
 from typing import Iterable, Optional, Sequence
 
 from .matcher import Verdict, advance, advance_all
 
 _cpu = time.thread_time  # this thread's CPU seconds
+#: seconds a constraint ended over the budget stays refused at admission
+REFUSE_S = 600.0
+#: constraints remembered at most (least recently ended first out)
+REMEMBERED = 4096
 
 
 class GrammarBudget:
@@ -48,6 +58,9 @@ class GrammarBudget:
         self._row_by_row = {"fill": False, "accept": False}  # the next batch call, per row
         #: requests ended over the budget (a statistic)
         self.ended = 0
+        #: constraint key -> (monotonic time its request was ended, the reason); written on the
+        #: step thread, read on the event loop's (single operations: atomic under the GIL)
+        self._costly: OrderedDict[str, tuple[float, str]] = OrderedDict()
 
     @property
     def on(self) -> bool:
@@ -111,19 +124,41 @@ class GrammarBudget:
         self.batch(_cpu() - c0, "accept")
         return verdicts
 
-    def verdict(self, matcher) -> Optional[tuple[str, str]]:
+    def verdict(self, matcher, spec=None) -> Optional[tuple[str, str]]:
         """``("error", reason)`` when ``matcher``'s request ends for its grammar's work (its
-        entry is then dropped); None: within the budget (or no matcher)."""
+        entry is then dropped, its constraint ``spec`` remembered: :meth:`remember`); None:
+        within the budget (or no matcher)."""
         entry = self._over.get(id(matcher)) if self._over else None
         if entry is None or entry[0] is not matcher:
             return None
         del self._over[id(matcher)]
         self.ended += 1
         _, seconds, what = entry
-        return "error", (f"structured output: the grammar's {what} of one token took "
-                         f"{seconds * 1e3:.1f} ms of CPU, over the per-step budget of "
-                         f"{self.limit * 1e3:g} ms (grammar_row_budget_ms): the grammar is too "
-                         f"ambiguous to follow")
+        why = (f"the grammar's {what} of one token took {seconds * 1e3:.1f} ms of CPU, over the "
+               f"per-step budget of {self.limit * 1e3:g} ms (grammar_row_budget_ms)")
+        if spec is not None:
+            self.remember(spec.key, why)
+        return "error", f"structured output: {why}: the grammar is too ambiguous to follow"
+
+    def remember(self, key: str, reason: str) -> None:
+        """A request of the constraint ``key`` was ended over the budget (``reason``)."""
+        self._costly[key] = (time.monotonic(), reason)
+        self._costly.move_to_end(key)
+        while len(self._costly) > REMEMBERED:
+            self._costly.popitem(last=False)
+
+    def refused(self, key: str) -> Optional[str]:
+        """Why the constraint ``key`` is refused at admission (ended over the budget within
+        :data:`REFUSE_S`), or None."""
+        entry = self._costly.get(key)
+        if entry is None:
+            return None
+        if time.monotonic() - entry[0] > REFUSE_S:
+            self._costly.pop(key, None)
+            return None
+        return (f"invalid structured output: a request with this constraint was ended "
+                f"{time.monotonic() - entry[0]:.0f} s ago for its grammar's work ({entry[1]}); "
+                f"the same constraint is refused for {REFUSE_S:g} s")
 
     def forget(self, matcher) -> None:
         """``matcher``'s request is gone (None: it had none): its entry, if any, too."""
@@ -140,4 +175,4 @@ class GrammarBudget:
             self._over.pop(key, None)
 
 
-__all__ = ["GrammarBudget"]
+__all__ = ["GrammarBudget", "REFUSE_S", "REMEMBERED"]

@@ -118,13 +118,23 @@ class _Pending:
 class GrammarService:
     def __init__(self, tokenizer: Callable[[], object], vocab_size: Callable[[], int], *,
                  compile_timeout: float = 10.0, compile_workers: int = 2,
-                 cache: Optional[GrammarCache] = None) -> None:
+                 cache: Optional[GrammarCache] = None,
+                 refused: Callable[[str], Optional[str]] = lambda key: None) -> None:
         self.compile_timeout = compile_timeout
+        #: constraint key -> why it is refused (structured/budget.py ``refused``), or None
+        self._refused = refused
         self.pool = CompilePool(lambda: tokenizer_info(tokenizer(), vocab_size()),
                                 compile_workers)
         self.cache = cache or GrammarCache()
         self._pending: dict[str, _Pending] = {}
         self.compile_seconds: list[float] = []  # of the compiles finished (bench reads them)
+
+    def check(self, c: StructuredOutputs) -> None:
+        """A :class:`BadRequestError` if ``c`` is refused: a request with the same constraint
+        was ended over the per-step grammar budget a short while ago."""
+        why = self._refused(c.key)
+        if why is not None:
+            raise BadRequestError(why)
 
     def cached(self, c: StructuredOutputs):
         """The compiled grammar if it is cached (never blocks), else None."""

@@ -6,7 +6,11 @@ letters to an output whose parse is ever more ambiguous: that request's mask fil
 its 5th token, 100 ms at its 11th and 2 s at its 31st (xgrammar, measured), all of it on the step
 every other request waits for. The per-step grammar budget (``EngineConfig.grammar_row_budget_ms``,
 ``engine/structured/budget.py``) ends such a request with finish_reason "error" once one fill or
-accept of it is over the budget.
+accept of it is over the budget, and the same constraint is then refused at admission for a
+while (a 400 before any step: the attacker's retries never reach the shared path). The attacker
+here resends the same request as soon as the last one ended; after the first is ended every
+retry is refused. (An attacker that sends a new variant each time -- compiled, then run until the
+budget ends it -- is measured by the same loop in tools; see the module's git log.)
 
 Measured here: a streaming victim's token rate in windows without the attacker and with it
 (resubmitting as soon as each request ends), alternated so that the load of the machine moves
@@ -22,7 +26,7 @@ import time
 import anyio
 import pytest
 
-from engine import AsyncEngine, EngineConfig, SamplingParams, StructuredOutputs
+from engine import AsyncEngine, BadRequestError, EngineConfig, SamplingParams, StructuredOutputs
 
 GRAMMAR = 'root ::= s "!"\ns ::= "" | s s | [a-z]\n'
 WINDOW_S = 2.0  # one measuring window
@@ -47,14 +51,23 @@ def test_an_ambiguous_grammar_does_not_starve_the_others(alone_from_here):
             table = eng.tokenizer.byte_table
             lower = [i for i, b in enumerate(table) if b and all(97 <= c <= 122 for c in b)]
             longest = sorted(lower, key=lambda i: -len(table[i]))[:300]
-            attack = SamplingParams(max_tokens=400, logit_bias={i: 100.0 for i in longest},
-                                    structured=StructuredOutputs(grammar=GRAMMAR))
+            bias = {i: 100.0 for i in longest}
             ends: list[tuple[float, str, str, int]] = []  # (seconds, finish, reason, finals)
 
-            async def one_attack(bound: float = ATTACK_END_S) -> None:
+            def attack(grammar: str) -> SamplingParams:
+                return SamplingParams(max_tokens=400, logit_bias=bias,
+                                      structured=StructuredOutputs(grammar=grammar))
+
+            async def one_attack(bound: float = ATTACK_END_S, grammar: str = GRAMMAR) -> None:
                 t0 = time.monotonic()
-                with anyio.fail_after(bound):  # (without a budget: hours)
-                    outs = [o async for o in eng.generate("Write lowercase words:", attack)]
+                try:
+                    with anyio.fail_after(bound):  # (without a budget: hours)
+                        outs = [o async for o in eng.generate("Write lowercase words:",
+                                                              attack(grammar))]
+                except BadRequestError as exc:  # refused at admission
+                    ends.append((time.monotonic() - t0, "refused", str(exc), 1))
+                    await anyio.sleep(0.005)  # (a client's round trip)
+                    return
                 ends.append((time.monotonic() - t0, outs[-1].finish_reason, outs[-1].reason,
                              sum(o.finished for o in outs)))
 
@@ -63,6 +76,11 @@ def test_an_ambiguous_grammar_does_not_starve_the_others(alone_from_here):
             await one_attack(3 * ATTACK_END_S)
             warm = ends.pop()
             assert warm[1:] == ("error", warm[2], 1) and "grammar_row_budget_ms" in warm[2]
+            # the same grammar again: refused at once, before any step
+            t0 = time.monotonic()
+            with pytest.raises(BadRequestError, match="refused"):
+                await eng.generate("Write lowercase words:", attack(GRAMMAR)).__anext__()
+            refused_s = time.monotonic() - t0
             await anyio.to_thread.run_sync(alone_from_here)  # (the load and warm-up: beside others)
             rss0 = _rss()
             chunks: list[tuple[float, int]] = []
@@ -120,22 +138,24 @@ def test_an_ambiguous_grammar_does_not_starve_the_others(alone_from_here):
                     break
             health = await eng.health()
             budget = eng.core.runner.grammar_budget
-            return windows, after, ends, healthy, health, budget, rss0, _rss(), busy
+            return windows, after, ends, healthy, health, budget, rss0, _rss(), busy, refused_s
 
-    windows, after, ends, healthy, health, budget, rss0, rss1, busy = anyio.run(main)
+    windows, after, ends, healthy, health, budget, rss0, rss1, busy, refused_s = anyio.run(main)
+    assert refused_s < 0.5, refused_s
     quiet, attacked = (statistics.median(windows[k]) for k in ("quiet", "attacked"))
     times = [round(e[0], 2) for e in ends]
     print(f"\nvictim tok/s quiet {windows['quiet']} attacked {windows['attacked']} "
           f"after {after:.1f}; attacker requests {len(ends)}, seconds each {times}; "
-          f"RSS {rss0 / 2**20:.0f} -> {rss1 / 2**20:.0f} MiB")
+          f"RSS {rss0 / 2**20:.0f} -> {rss1 / 2**20:.0f} MiB; the same grammar refused in "
+          f"{refused_s * 1e3:.1f} ms")
     assert quiet > 0 and attacked >= 0.5 * quiet, (windows, after)
     # every attacker request: one terminal output, an error naming the budget, soon
     assert len(ends) >= ROUNDS
-    for seconds, finish, reason, finals in ends:
-        assert finals == 1 and finish == "error", (finish, reason)
+    for seconds, finish, reason, finals in ends:  # refused: the same constraint was ended
+        assert finals == 1 and finish in ("error", "refused"), (finish, reason)
         assert "grammar_row_budget_ms" in reason, reason
-        assert seconds < ATTACK_END_S, times
-    assert budget.ended >= len(ends) and not budget.pending
+        assert seconds < (0.5 if finish == "refused" else ATTACK_END_S), times
+    assert budget.ended >= sum(e[1] == "error" for e in ends) and not budget.pending
     # the engine healthy throughout and after; the victim back at its quiet pace
     assert all(healthy) and health.ready
     assert after >= 0.5 * quiet, (windows, after)
