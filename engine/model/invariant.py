@@ -77,11 +77,36 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return (xf / (1.0 + torch.exp(-xf))).to(x.dtype)
 
 
+def partial_products(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """``[parts, *x.shape[:-1], N]`` float32: the products of ``x`` and ``weight`` over each of
+    ``parts`` equal slices of the input dimension (:func:`linear`, in x's dtype)."""
+    k = x.shape[-1] // parts
+    return torch.stack([linear(x[..., i * k:(i + 1) * k].contiguous(),
+                               weight[:, i * k:(i + 1) * k]).float() for i in range(parts)])
+
+
+def add_in_order(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``parts[0] + parts[1] + ...`` left to right in float32, then ``dtype``."""
+    y = parts[0]
+    for p in parts[1:]:
+        y = y + p
+    return y.to(dtype)
+
+
 class InvariantLinear(nn.Linear):
-    """An ``nn.Linear`` whose forward is :func:`linear`."""
+    """An ``nn.Linear`` whose forward is :func:`linear`. ``k_parts`` (the o and down
+    projections, :func:`make_invariant`): the input dimension in that many slices (one per KV
+    head's share), their products added in order (:func:`add_in_order`) -- what a tensor-
+    parallel shard's ``RowParallelLinear`` computes from every rank's slices (engine/tp/
+    layers.py), so that TP=w gives TP=1's bits for every w dividing the KV heads."""
+
+    k_parts = 0  # 0: one GEMM
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        if self.k_parts < 2:
+            return linear(x, self.weight, self.bias)
+        y = add_in_order(partial_products(x, self.weight, self.k_parts), x.dtype)
+        return y if self.bias is None else y + self.bias
 
 
 class InvariantRMSNorm(RMSNorm):
@@ -174,6 +199,10 @@ def make_invariant(model: CausalLM) -> str:
             mod.__class__ = InvariantRMSNorm
     if not isinstance(model, InvariantCausalLM):
         model.__class__ = _swapped(type(model), InvariantCausalLM)
+    parts = model.config.num_kv_heads  # (a shard's: its share of them)
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            proj.k_parts = parts if proj.in_features % parts == 0 else 1
     model.use_fused = False  # the packed forward builds per-sequence metadata (row_tables)
     device = model.model.norm.weight.device
     if device.type == "cuda" and gpu_invariant.usable(device):
@@ -185,6 +214,6 @@ def make_invariant(model: CausalLM) -> str:
     return name
 
 
-__all__ = ["linear", "silu", "InvariantLinear", "InvariantRMSNorm", "InvariantCausalLM",
+__all__ = ["linear", "silu", "partial_products", "add_in_order", "InvariantLinear", "InvariantRMSNorm", "InvariantCausalLM",
            "make_invariant",
            "row_tables", "TILE_ROWS"]

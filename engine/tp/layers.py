@@ -51,8 +51,16 @@ class RowParallelLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
         self.group = group
 
+    k_parts = 0  # deterministic mode: this rank's slices of the input (engine/model/invariant.py)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)  # nn.Linear's (deterministic mode: the invariant one's)
+        if self.k_parts:  # every rank's slices' products, added in one order on every rank
+            from engine.model.invariant import add_in_order, partial_products
+
+            world = dist.get_world_size(self.group)
+            mine = partial_products(x, self.weight, self.k_parts).contiguous()
+            return add_in_order(torch.cat(all_gather(mine, world, self.group)), x.dtype)
+        y = super().forward(x)  # nn.Linear's
         all_reduce(y, self.group)
         return y
 
