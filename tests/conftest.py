@@ -56,9 +56,30 @@ def _alone_rank(item) -> int:
     return 1 if "alone_from_here" in getattr(item, "fixturenames", ()) else 0
 
 
+#: Modules of many short tests (none over a few seconds). Under xdist they are placed where the
+#: second worker's part of the collection begins: while the first worker runs the ``alone``
+#: tests, each exclusive lock waits for the second worker's test of the moment, which is then
+#: a short one (a long one there kept the first worker waiting up to ~40 s a time, one core idle).
+_SHORT_TESTS = ("tests/unit/", "tests/ipc/", "tests/test_states.py", "tests/test_no_pickle.py",
+                "tests/test_docs.py", "tests/test_mailbox.py")
+
+
+def _short(item) -> bool:
+    path = Path(str(item.path)).resolve().relative_to(Path(__file__).resolve().parents[1])
+    return path.as_posix().startswith(_SHORT_TESTS)
+
+
 def pytest_collection_modifyitems(config, items):
-    if _run_lock_paths() is not None:  # (every worker sorts alike: xdist checks they agree)
-        items.sort(key=_alone_rank)  # stable: the files' order within each kind
+    if _run_lock_paths() is None:  # (every worker sorts alike: xdist checks they agree)
+        return
+    items.sort(key=_alone_rank)  # stable: the files' order within each kind
+    # xdist's work stealing hands the first worker items[:n // 2] (the ``alone`` tests first),
+    # the second the rest: the short modules go at n // 2, whole (module fixtures kept)
+    alone = [i for i in items if _alone_rank(i) < 2]
+    short = [i for i in items[len(alone):] if _short(i)]
+    other = [i for i in items[len(alone):] if not _short(i)]
+    cut = max(0, len(items) // 2 - len(alone))
+    items[:] = alone + other[:cut] + short + other[cut:]
 
 
 def _take(exclusive: bool) -> None:

@@ -167,11 +167,40 @@ def compare_prefill(device: str = "cpu", names: Optional[Sequence[str]] = None) 
             sc = sc.masked_fill(tok[None, None, :] > pos[None, :, None], float("-inf"))
             ref[qs:qs + n] = torch.einsum("hnt,thd->nhd", sc.softmax(-1), vv)
         batch = tp.build(chunks, bs, torch.device(device))
-        for name, choice in choices.items():
-            out = torch.zeros_like(q).to(device)
-            tp.prefill_attention(q.to(device), cache.to(device), batch, dim ** -0.5, out, choice)
-            worst[name] = max(worst[name], (out.cpu() - ref).abs().max().item())
+        kernel = tp._prefill_kernel
+        if device == "cpu":  # (restored below)
+            tp._prefill_kernel = _LaunchOnce(kernel)
+        try:
+            for name, choice in choices.items():
+                out = torch.zeros_like(q).to(device)
+                tp.prefill_attention(q.to(device), cache.to(device), batch, dim ** -0.5, out,
+                                     choice)
+                worst[name] = max(worst[name], (out.cpu() - ref).abs().max().item())
+        finally:
+            tp._prefill_kernel = kernel
     return worst
+
+
+class _LaunchOnce:
+    """A kernel launched as before, but a launch whose grid and arguments other than the
+    tensors are those of an earlier one (the same inputs: one case of ``compare_prefill``)
+    takes that one's output instead of running again: choices that come to the same launch
+    for a case's GQA (on GQA 1 every packing is one program a head) cost the interpreter once."""
+
+    def __init__(self, kernel):
+        self.kernel, self.done = kernel, {}
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            out = args[3]  # (q, k, v, out, ...)
+            key = (tuple(grid), tuple(a for a in args if not isinstance(a, torch.Tensor)),
+                   tuple(sorted(kw.items())))
+            if key in self.done:
+                out.copy_(self.done[key])
+                return
+            self.kernel[grid](*args, **kw)
+            self.done[key] = out.clone()
+        return launch
 
 
 class _EagerMixed:
@@ -238,7 +267,7 @@ def compare_mixed(model: str, device: str = "cpu", dtype: str = "float32",
     the Triton decode kernel (split-K and its reduce, as on CUDA) against the torch decode path
     of the eager inputs."""
     from engine.forward.mixed_inputs import MixedInputs
-    from engine.ops.triton import decode_attention as ta
+    from engine.ops.triton import decode_attention as ta, fused_ops
 
     if device == "cpu":
         ta._sm_count = lambda dev: 4
@@ -279,7 +308,7 @@ def compare_mixed(model: str, device: str = "cpu", dtype: str = "float32",
                 cache.zero_()
             st.buffers["sampled"][:3] = sampled
             outs = []
-            supported, sm_count = ta.supported, ta._sm_count
+            supported, sm_count, usable = ta.supported, ta._sm_count, fused_ops.usable
             # NOTE: on CPU (Triton's interpreter) the reference runs the plain torch path
             # throughout: the interpreted kernels were ~half of this check's time, and the
             # fixed-shape run below still takes them (the fused path against the plain one is
@@ -289,6 +318,11 @@ def compare_mixed(model: str, device: str = "cpu", dtype: str = "float32",
                 ta.supported = lambda q, c: c.stride(-1) == 1 and q.stride(-1) == 1
                 # a grid of several programs per sequence (its splits taken in turn), as on CUDA
                 ta._sm_count = lambda dev: 64
+                # the rare shapes are the attention's (its metadata, the prefill and decode
+                # kernels, still interpreted); the decoder's norm/rotary/MLP kernels, ~2/3 of
+                # this run in the interpreter, stay on the torch path here ("basic" runs them
+                # over fixed-shape rows, and the first check against the plain path)
+                fused_ops.usable = lambda *a, **k: False
             try:
                 with torch.inference_mode():
                     for seqs, fill in steps:
@@ -297,6 +331,7 @@ def compare_mixed(model: str, device: str = "cpu", dtype: str = "float32",
                         outs.append(lm.logits(h).float())
             finally:
                 ta.supported, ta._sm_count = supported, sm_count
+                fused_ops.usable = usable
                 lm.use_fused = None
             keep = torch.ones(cache.shape[2], dtype=torch.bool)
             keep[scratch] = False
