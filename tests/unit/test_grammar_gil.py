@@ -94,7 +94,9 @@ def test_a_step_of_grammar_work_never_lets_another_thread_run():
 def test_the_compile_still_lets_other_threads_run():
     _, comp = _compiler()
     keep_gil_on_step_calls()
-    # a schema that takes xgrammar a while to compile: the other thread runs meanwhile
+    # a schema that takes xgrammar a while to compile (~1 s here: long enough for the spinner
+    # to be scheduled on a busy 2-core box; 40 properties once left it no turn): the other
+    # thread runs meanwhile
     big = {"type": "object", "properties": {f"k{i}": {"type": "string", "maxLength": 20}
-                                           for i in range(40)}}
+                                           for i in range(120)}}
     assert _ran_beside(lambda: comp.compile_json_schema(json.dumps(big))) > 0
