@@ -124,3 +124,22 @@ def test_96_long_chat_turns_cache_on_off_and_48_under_preemption_on_cuda():
     print(f"48 under preemption pressure ({pstats.preemptions} preemptions): {held}/48 identical "
           f"to the unpressured run")
     assert same == 96 and held == 48
+
+
+@pytest.mark.skipif(torch.cuda.device_count() != 1, reason="the shared-GPU case: exactly one device")
+def test_tp2_on_one_gpu_gives_the_bits_of_tp1(hf_checkpoint):
+    """TP=2 (two processes sharing the GPU over gloo) against TP=1, bf16, in the mode: every
+    token and logprob bit equal (the o and down projections' per-KV-head slices added in one
+    order on every rank: engine/tp/layers.py)."""
+    path, _ = hf_checkpoint("deterministic-tp-gpu")
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=True, top_logprobs=3)
+    jobs = [(f"r{i}", [(37 * j + i) % 380 + 3 for j in range(20 + 23 * i)], params, i)
+            for i in range(6)]
+    got = {}
+    for tp in (1, 2):
+        got[tp], _ = _run(EngineConfig(model=str(path), device="cuda", dtype="bfloat16", seed=3,
+                                       deterministic=True, num_kv_blocks=256,
+                                       tensor_parallel_size=tp), jobs)
+    diff = {r: got[1][r].difference(got[2][r]) for r in got[1] if got[1][r].difference(got[2][r])}
+    print(f"\nTP=2 on one GPU vs TP=1: {len(jobs) - len(diff)}/{len(jobs)} identical")
+    assert not diff, diff
