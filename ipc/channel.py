@@ -82,6 +82,7 @@ class ClientChannel:
         self._death_reason = ""  # for DEAD: "engine failed" or "lost the connection ..."
         self.process: Optional["EngineProcess"] = None  # set by spawn()
         self._token_bytes: Optional[list[bytes]] = None  # EngineClient.token_bytes, once asked
+        self._vocab_lock: Optional[anyio.Lock] = None  # one token_bytes call in flight
 
     # ------------------------------------------------------------------ opening
 

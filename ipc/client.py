@@ -231,8 +231,12 @@ class EngineClient(ClientChannel):
     async def token_bytes(self) -> list[bytes]:
         """Every token's bytes, by id (asked once, then kept: the tokenizer does not change)."""
         if self._token_bytes is None:
-            msg = await self._call("token_bytes", lambda cid: Vocabulary(call_id=cid))
-            self._token_bytes = list(msg.pieces)
+            if self._vocab_lock is None:  # one call in flight, the others wait for it
+                self._vocab_lock = anyio.Lock()
+            async with self._vocab_lock:
+                if self._token_bytes is None:
+                    msg = await self._call("token_bytes", lambda cid: Vocabulary(call_id=cid))
+                    self._token_bytes = list(msg.pieces)
         return self._token_bytes
 
     # ------------------------------------------------------------------ sleep mode

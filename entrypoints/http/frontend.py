@@ -112,6 +112,7 @@ async def serve_frontend(engine, sock: socket.socket, *, limits: HttpLimits = Ht
     app = create_app(engine, limits=limits, model_name=model_names, cache_info=cache_info,
                      sleep_mode=sleep_mode, admin_token=admin_token, bound=_bound_host(sock))
     server = make_server(app, limits, **server_options)
+    await app.state.frontend.prefetch()  # (connections wait in the socket's backlog meanwhile)
     code = EXIT_OK
     async with anyio.create_task_group() as tg:
         async def watch() -> None:
