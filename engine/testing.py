@@ -24,6 +24,7 @@ import dataclasses
 import random
 from typing import Optional, Sequence
 
+import msgspec
 import torch
 
 from engine.config import EngineConfig
@@ -120,6 +121,16 @@ def run_workload(config: EngineConfig, jobs: Sequence[Job]) -> dict[str, Outcome
         runner.shutdown()
 
 
+def tensor_parallel_differences(config: EngineConfig, jobs: Sequence[Job],
+                                world: int = 2) -> dict[str, str]:
+    """``jobs`` on ``config`` with ``tensor_parallel_size`` 1 and ``world``: each request whose
+    outcome differs, and how (empty: identical; deterministic mode promises it for every
+    ``world`` dividing the KV heads)."""
+    one = run_workload(msgspec.structs.replace(config, tensor_parallel_size=1), jobs)
+    many = run_workload(msgspec.structs.replace(config, tensor_parallel_size=world), jobs)
+    return {r: d for r in one if (d := one[r].difference(many[r])) is not None}
+
+
 def mixed_jobs(n: int, vocab_size: int, *, seed: int = 0, prefix: Sequence[int] = (),
                max_prompt: int = 96, max_tokens: int = 24, first_step: int = 0) -> list[Job]:
     """``n`` requests of mixed shapes: prompts of 1 to ``max_prompt`` random tokens (every third
@@ -189,4 +200,5 @@ def logprob_rows(outcome: Outcome, k: int) -> list[tuple[int, float]]:
 
 
 __all__ = ["Outcome", "InvarianceReport", "Job", "load", "run_jobs", "run_workload", "mixed_jobs",
-           "check_batch_invariance", "full_sequence_logprobs", "logprob_rows"]
+           "check_batch_invariance", "tensor_parallel_differences", "full_sequence_logprobs",
+           "logprob_rows"]

@@ -31,6 +31,7 @@ from engine.model import invariant
 from engine.ops.cpu import invariant_attention
 from engine.sample import logprobs
 from engine.testing import (check_batch_invariance, full_sequence_logprobs, load, logprob_rows,
+                            tensor_parallel_differences,
                             mixed_jobs, run_jobs)
 from states import State
 
@@ -188,12 +189,9 @@ def test_tensor_parallel_two_ranks_give_the_bits_of_one(hf_checkpoint, dtype):
     params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=3)
     jobs = [(f"r{i}", [(37 * j + i) % 380 + 3 for j in range(20 + 9 * i)], params, i)
             for i in range(4)]
-    got = {}
-    for tp in (1, 2):
-        got[tp], _ = _run(EngineConfig(model=str(path), device="cpu", dtype=dtype, seed=3,
-                                       deterministic=True, num_kv_blocks=256,
-                                       tensor_parallel_size=tp), jobs)
-    diff = {r: got[1][r].difference(got[2][r]) for r in got[1] if got[1][r].difference(got[2][r])}
+    diff = tensor_parallel_differences(EngineConfig(
+        model=str(path), device="cpu", dtype=dtype, seed=3, deterministic=True,
+        num_kv_blocks=256), jobs, world=2)
     assert not diff, diff
 
 

@@ -263,10 +263,12 @@ async def test_message_floods_get_400_fast_and_the_frontend_stays_small_and_serv
         # the frontend gives the bodies about its share of a core, not all it can get ...
         assert loads["attack", "end"][0] < share + 0.1, loads
         # ... so the victim keeps half its rate under the bytes, and under the lists, which cost
-        # it no more than their bytes (with a margin for noise)
+        # it little more than their bytes: measured 0.61-0.70 of the text flood's rate on a
+        # 2-core box (parsing a list's 2.7 M elements is work of its own), 0.7 failed one run in
+        # three there; 0.6 still fails a parse that reads the lists instead of bounding them
         assert text_rate >= 0.5 * quiet, (quiet, text_rate, during)
         assert during >= 0.5 * quiet, (quiet, text_rate, during)
-        assert during >= 0.7 * text_rate, (quiet, text_rate, during)
+        assert during >= 0.6 * text_rate, (quiet, text_rate, during)
     finally:
         for a in (control, attack):
             if a is not None:

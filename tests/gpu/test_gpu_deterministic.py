@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams
-from engine.testing import check_batch_invariance, load, run_jobs
+from engine.testing import check_batch_invariance, load, run_jobs, tensor_parallel_differences
 
 pytestmark = [
     pytest.mark.gpu,
@@ -135,11 +135,8 @@ def test_tp2_on_one_gpu_gives_the_bits_of_tp1(hf_checkpoint):
     params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=True, top_logprobs=3)
     jobs = [(f"r{i}", [(37 * j + i) % 380 + 3 for j in range(20 + 23 * i)], params, i)
             for i in range(6)]
-    got = {}
-    for tp in (1, 2):
-        got[tp], _ = _run(EngineConfig(model=str(path), device="cuda", dtype="bfloat16", seed=3,
-                                       deterministic=True, num_kv_blocks=256,
-                                       tensor_parallel_size=tp), jobs)
-    diff = {r: got[1][r].difference(got[2][r]) for r in got[1] if got[1][r].difference(got[2][r])}
+    diff = tensor_parallel_differences(EngineConfig(
+        model=str(path), device="cuda", dtype="bfloat16", seed=3, deterministic=True,
+        num_kv_blocks=256), jobs, world=2)
     print(f"\nTP=2 on one GPU vs TP=1: {len(jobs) - len(diff)}/{len(jobs)} identical")
     assert not diff, diff
