@@ -214,6 +214,5 @@ def make_invariant(model: CausalLM) -> str:
     return name
 
 
-__all__ = ["linear", "silu", "partial_products", "add_in_order", "InvariantLinear", "InvariantRMSNorm", "InvariantCausalLM",
-           "make_invariant",
-           "row_tables", "TILE_ROWS"]
+__all__ = ["linear", "silu", "partial_products", "add_in_order", "InvariantLinear",
+           "InvariantRMSNorm", "InvariantCausalLM", "make_invariant", "row_tables", "TILE_ROWS"]

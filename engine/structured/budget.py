@@ -153,11 +153,12 @@ class GrammarBudget:
         entry = self._costly.get(key)
         if entry is None:
             return None
-        if time.monotonic() - entry[0] > REFUSE_S:
+        age = time.monotonic() - entry[0]
+        if age > REFUSE_S:
             self._costly.pop(key, None)
             return None
         return (f"invalid structured output: a request with this constraint was ended "
-                f"{time.monotonic() - entry[0]:.0f} s ago for its grammar's work ({entry[1]}); "
+                f"{age:.0f} s ago for its grammar's work ({entry[1]}); "
                 f"the same constraint is refused for {REFUSE_S:g} s")
 
     def forget(self, matcher) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from engine.model.invariant import add_in_order, partial_products
 from engine.model.llama import CausalLM
 from engine.model.model_config import ModelConfig
 
@@ -55,8 +56,6 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.k_parts:  # every rank's slices' products, added in one order on every rank
-            from engine.model.invariant import add_in_order, partial_products
-
             world = dist.get_world_size(self.group)
             mine = partial_products(x, self.weight, self.k_parts).contiguous()
             return add_in_order(torch.cat(all_gather(mine, world, self.group)), x.dtype)
