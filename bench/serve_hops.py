@@ -36,9 +36,12 @@ FAMILIES = {
     "prefill": ("enginecore_request_prefill_time_seconds", "vllm:request_prefill_time_seconds"),
     "arrival_offset": ("enginecore_request_arrival_offset_seconds",),
     "server_e2e": ("enginecore_e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds"),
+    "decode": ("enginecore_request_decode_time_seconds", "vllm:request_decode_time_seconds"),
+    "step": ("enginecore_step_time_seconds",),
 }
 #: hop -> the engine's Health field prefix (engine/core/stats.py's histogram_bounds keys)
-ENGINE_KEYS = {"queue": "queue_time", "prefill": "prefill_time", "arrival_offset": "arrival_offset"}
+ENGINE_KEYS = {"queue": "queue_time", "prefill": "prefill_time", "arrival_offset": "arrival_offset",
+               "decode": "decode_time", "step": "step_time"}
 
 #: (key, label, what it measures) in the order printed; ``run`` says which run has the row
 ROWS = (
@@ -58,6 +61,8 @@ ROWS = (
     ("inproc_residual", "= TTFT - queue - prefill", "inbox wait, output delivery"),
     ("client_e2e", "client e2e", "request sent -> response end"),
     ("server_e2e", "server e2e", "API route entered -> last output in the API server"),
+    ("decode", "engine decode", "first token in the core -> finished in the core"),
+    ("step", "engine step (n: steps)", "one engine step's wall time (schedule, forward, sample)"),
 )
 
 
