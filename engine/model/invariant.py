@@ -27,8 +27,9 @@ Op by op (each checked on its own in tests/test_deterministic.py):
   the hidden size, exactly rounded elementwise ops); unchanged.
 * the LM head: :func:`linear`; logprobs: engine/sample/logprobs.py ``device_rows_invariant``.
 
-The model runs the plain decoder (no fused kernels, no packed CPU weights, no CUDA graphs:
-engine/runner/load.py). Tensor parallel shards swap the same way: ``RowParallelLinear``'s
+The model runs the plain decoder (no fused kernels, no packed CPU weights; on CUDA, decode steps
+replay CUDA graphs -- each row's arithmetic is the same in a padded graph bucket as eagerly --
+and prompt steps run eagerly: engine/runner/load.py). Tensor parallel shards swap the same way: ``RowParallelLinear``'s
 partial product is an invariant linear, then all-reduced (with two ranks one addition, exact in
 either order).
 """
@@ -80,6 +81,8 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 def partial_products(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
     """``[parts, *x.shape[:-1], N]`` float32: the products of ``x`` and ``weight`` over each of
     ``parts`` equal slices of the input dimension (:func:`linear`, in x's dtype)."""
+    if x.is_cuda and gpu_invariant.usable(x.device):
+        return gpu_invariant.partial_products(x, weight, parts)
     k = x.shape[-1] // parts
     return torch.stack([linear(x[..., i * k:(i + 1) * k].contiguous(),
                                weight[:, i * k:(i + 1) * k]).float() for i in range(parts)])
@@ -105,6 +108,8 @@ class InvariantLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.k_parts < 2:
             return linear(x, self.weight, self.bias)
+        if x.is_cuda and gpu_invariant.usable(x.device):  # the same sum, in one launch
+            return gpu_invariant.linear(x, self.weight, self.bias, parts=self.k_parts)
         y = add_in_order(partial_products(x, self.weight, self.k_parts), x.dtype)
         return y if self.bias is None else y + self.bias
 
@@ -141,6 +146,10 @@ def row_tables(meta: AttentionMetadata, positions: torch.Tensor,
     if meta.prefill_batch is not None:
         raise RuntimeError("the paged prefill kernel's metadata has no per-row tables: a "
                            "deterministic model runs with use_fused = False")
+    if (dev.type == "cuda" and meta.decode_rows is not None and len(parts) == 1
+            and meta.decode_rows.shape[0] == t and meta.decode_block_tables is not None):
+        # a decode-only step (a CUDA graph's too): its rows in order, their tables as they are
+        return meta.decode_block_tables, positions + 1
     width = max((tb.shape[1] for _, tb in parts), default=1)
     tables = torch.zeros(t, width, dtype=torch.long, device=dev)
     for rows, tb in parts:

@@ -95,7 +95,7 @@ class RunnerLoad:
             self.speculator = build_speculator(self.config, self)
         if self.config.deterministic:
             log.info("deterministic mode: on (batch-invariant linears, attention by %s, SiLU and "
-                     "logprobs; float weights, no fused kernels, no CUDA graphs; "
+                     "logprobs; float weights, no fused kernels, CUDA graphs for decode steps only; "
                      "docs/deterministic.md)", getattr(self._owner[R.WEIGHTS], "attention_name", "?"))
         log.info("loaded %s on %s/%s (%s weights): %d KV blocks of %d tokens (%.1f MiB); CUDA graphs %s",
                  self.config.model, self.device, self.dtype, self.weight_format, self.num_blocks, self.block_size,
@@ -121,8 +121,9 @@ class RunnerLoad:
         stopped part way. At load, and again when a sleep is woken."""
         cfg = self._shapes
         # NOTE: no CUDA graphs with TP yet: the all-reduces would be captured too (untested)
-        # deterministic mode: no graphs (its forward reads per-row block tables made each step)
-        graphs = self._tp is None and not self.config.deterministic and cuda_graphs.usable(
+        # deterministic mode: decode graphs only (a prompt step's per-row tables are made each
+        # step, engine/model/invariant.py row_tables)
+        graphs = self._tp is None and cuda_graphs.usable(
             self.device, self.config.cuda_graphs and self.switches.triton, cfg.head_dim,
             self.block_size)
         # with a speculator a decode carries up to k draft rows, each a decode row
@@ -133,7 +134,7 @@ class RunnerLoad:
                 device=self.device, use_graphs=graphs, max_model_len=self.max_model_len,
                 max_tokens=self.config.max_num_batched_tokens + self.config.max_num_seqs * 17,
                 max_rows=self.config.max_num_seqs * rows_per_seq,
-                mixed_graphs=self.config.mixed_cuda_graphs):
+                mixed_graphs=self.config.mixed_cuda_graphs and not self.config.deterministic):
             self._owner.adopt(name, part)
             del part
             if should_stop():

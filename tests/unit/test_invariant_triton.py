@@ -36,6 +36,20 @@ b = torch.randn(72, generator=g)
 torch.testing.assert_close(inv.linear(x[:4].view(2, 2, 80), w, b), F.linear(x[:4], w, b).view(2, 2, 72),
                            rtol=1e-5, atol=1e-5)
 assert inv.linear(x[:0], w).shape == (0, 72)
+# K in slices (the o/down projections): one launch gives the slices' products, rounded to x's
+# dtype, added in order -- the bits of one GEMM per slice added left to right; alone = amid
+# (float16 for the rounding: the interpreter's bfloat16 dot is not usable, numpy has no bfloat16)
+for dt in (torch.float32, torch.float16):
+    xs, ws = x[:, :64].to(dt), w[:, :64].to(dt)
+    parts = inv.partial_products(xs, ws, 4)
+    assert parts.shape == (4, 70, 72) and parts.dtype == torch.float32
+    for i in range(4):
+        assert torch.equal(parts[i], inv.linear(xs[:, 16 * i:16 * (i + 1)].contiguous(),
+                                                ws[:, 16 * i:16 * (i + 1)]).float()), (dt, i)
+    ref = parts[0] + parts[1] + parts[2] + parts[3]
+    summed = inv.linear(xs, ws, parts=4)
+    assert summed.dtype == dt and torch.equal(summed, ref.to(dt)), dt
+    assert torch.equal(inv.linear(xs[7:8], ws, parts=4)[0], summed[7]), dt
 
 # the attention: 4 query heads on 2 KV heads, blocks of 4 keys, rows of 1 .. 37 keys
 heads, kv_heads, dim, bs, blocks = 4, 2, 16, 4, 40

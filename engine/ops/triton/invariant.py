@@ -12,7 +12,10 @@ arithmetic is fixed at compile time:
 * :func:`linear`: one program per ``BLOCK_M x BLOCK_N`` tile of the output, its ``K`` loop in
   ``BLOCK_K`` steps from 0 in order, no split-K, one configuration for every row count. A tensor-core
   MMA computes each output element from its own row and column, so a row's values do not depend on
-  the other rows of its tile or on how many tiles there are.
+  the other rows of its tile or on how many tiles there are. With ``parts``, the same kernel runs
+  the ``K`` loop once per slice of the input, rounds each slice's product to the input's dtype and
+  adds them in order (the o/down projections of engine/model/invariant.py: one launch instead of
+  a GEMM, a copy and a cast per slice and an add per slice).
 * :func:`attention`: one program per (query row, KV head), its GQA query heads together; the row's
   keys ``0 .. len - 1`` read through its own block table in chunks of ``BLOCK_N`` from key 0 with an
   online softmax. The chunks' boundaries depend only on the key positions, so a key computed this
@@ -44,26 +47,43 @@ def usable(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit(do_not_specialize=["m"])
-    def _gemm_kernel(X, W, Y, m, n, k, stride_x, stride_w, stride_y, IEEE: tl.constexpr,
+    def _gemm_kernel(X, W, Y, m, n, k, stride_x, stride_w, stride_y, stride_yp,
+                     IEEE: tl.constexpr, PARTS: tl.constexpr, SUM: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # ``PARTS`` slices of ``k`` inputs each: slice p's product is rounded to X's dtype;
+        # SUM: the slices' products added in order in float32, stored in Y's dtype; else each
+        # slice's product stored (float32) at Y + p * stride_yp. One slice: a plain GEMM.
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
         cols = pid_n * BN + tl.arange(0, BN)
         ks = tl.arange(0, BK)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, k, BK):
-            kk = k0 + ks
-            a = tl.load(X + rows[:, None] * stride_x + kk[None, :],
-                        mask=(rows[:, None] < m) & (kk[None, :] < k), other=0.0)
-            b = tl.load(W + cols[None, :] * stride_w + kk[:, None],
-                        mask=(cols[None, :] < n) & (kk[:, None] < k), other=0.0)
-            if IEEE:  # float32 inputs: no TF32 rounding
-                acc = tl.dot(a, b, acc, input_precision="ieee")
+        out_mask = (rows[:, None] < m) & (cols[None, :] < n)
+        total = tl.zeros((BM, BN), dtype=tl.float32)
+        for p in tl.static_range(PARTS):
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k0 in range(0, k, BK):
+                kk = k0 + ks
+                a = tl.load(X + rows[:, None] * stride_x + (p * k + kk)[None, :],
+                            mask=(rows[:, None] < m) & (kk[None, :] < k), other=0.0)
+                b = tl.load(W + cols[None, :] * stride_w + (p * k + kk)[:, None],
+                            mask=(cols[None, :] < n) & (kk[:, None] < k), other=0.0)
+                if IEEE:  # float32 inputs: no TF32 rounding
+                    acc = tl.dot(a, b, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, b, acc)
+            part = acc.to(X.dtype.element_ty).to(tl.float32)
+            if SUM:
+                if p == 0:
+                    total = part
+                else:
+                    total = total + part
             else:
-                acc = tl.dot(a, b, acc)
-        tl.store(Y + rows[:, None] * stride_y + cols[None, :], acc.to(Y.dtype.element_ty),
-                 mask=(rows[:, None] < m) & (cols[None, :] < n))
+                tl.store(Y + p * stride_yp + rows[:, None] * stride_y + cols[None, :], part,
+                         mask=out_mask)
+        if SUM:
+            tl.store(Y + rows[:, None] * stride_y + cols[None, :], total.to(Y.dtype.element_ty),
+                     mask=out_mask)
 
     @triton.jit(do_not_specialize=["stride_t"])
     def _attention_kernel(Q, C, T, L, O, scale, stride_qt, stride_qh, stride_c0, stride_cb,
@@ -103,8 +123,7 @@ if triton is not None:
                  out.to(O.dtype.element_ty), mask=hmask[:, None])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with a row's result independent of the other rows."""
+def _gemm(x: torch.Tensor, weight: torch.Tensor, parts: int, summed: bool) -> torch.Tensor:
     k, n = x.shape[-1], weight.shape[0]
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
@@ -112,37 +131,59 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     w = w.to(rows.dtype)
     m = rows.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if k % parts:
+        raise ValueError(f"invariant GEMM: {k} inputs do not split into {parts} slices")
+    y = (torch.empty(m, n, dtype=x.dtype, device=x.device) if summed
+         else torch.empty(parts, m, n, dtype=torch.float32, device=x.device))
     if m:
         grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-        _gemm_kernel[grid](rows, w, y, m, n, k, rows.stride(0), w.stride(0), y.stride(0),
-                           IEEE=rows.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
-                           num_warps=4, num_stages=3)
+        _gemm_kernel[grid](rows, w, y, m, n, k // parts, rows.stride(0), w.stride(0),
+                           y.stride(-2), 0 if summed else y.stride(0),
+                           IEEE=rows.dtype == torch.float32, PARTS=parts, SUM=summed,
+                           BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=4, num_stages=3)
+    return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, parts: int = 1) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with a row's result independent of the other rows.
+    ``parts``: the input dimension in that many equal slices, each slice's product rounded to
+    x's dtype, then added in order in float32 (:func:`partial_products` summed, in one launch)."""
+    n = weight.shape[0]
+    y = _gemm(x, weight, parts, summed=True)
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], n)
 
 
+def partial_products(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """``[parts, *x.shape[:-1], N]`` float32: the product of each of ``parts`` equal slices of
+    the input dimension, rounded to x's dtype (what :func:`linear` with ``parts`` adds up)."""
+    return _gemm(x, weight, parts, summed=False).view(parts, *x.shape[:-1], weight.shape[0])
+
+
 def attention(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-              scale: float) -> torch.Tensor:
+              scale: float, keys: int = KEYS, warps: int = 4) -> torch.Tensor:
     """q [T, H, D]; cache [2, blocks, bs, Hkv, D]; tables [T, W] (row r's blocks); lens [T]
-    (row r sees keys ``0 .. lens[r] - 1``, each >= 1) -> [T, H, D] in q's dtype."""
+    (row r sees keys ``0 .. lens[r] - 1``, each >= 1) -> [T, H, D] in q's dtype. ``keys``
+    (the chunk of the online softmax) and ``warps``: for tools/bench_invariant_kernels.py; a
+    deterministic engine runs one value of each (another chunk size changes the bits)."""
     t, heads, dim = q.shape
     bs, kv_heads = cache.shape[2], cache.shape[3]
     if heads % kv_heads or dim & (dim - 1) or cache.stride(-1) != 1:
         raise ValueError("invariant attention: heads, head size or cache layout not supported")
     gqa = heads // kv_heads
     q = q if q.stride(-1) == 1 else q.contiguous()
-    tables = tables.contiguous()
+    if tables.stride(-1) != 1:  # (a row stride of its own is fine: a slice of a wider table)
+        tables = tables.contiguous()
     lens = lens.contiguous()
     out = torch.empty(t, heads, dim, dtype=q.dtype, device=q.device)
     if t:
         _attention_kernel[(t, kv_heads)](
             q, cache, tables, lens, out, float(scale), q.stride(0), q.stride(1), cache.stride(0),
             cache.stride(1), cache.stride(2), cache.stride(3), tables.stride(0), out.stride(0),
-            out.stride(1), GQA=gqa, G=triton.next_power_of_2(gqa), D=dim, BS=bs, BN=KEYS,
-            num_warps=4)
+            out.stride(1), GQA=gqa, G=triton.next_power_of_2(gqa), D=dim, BS=bs, BN=keys,
+            num_warps=warps)
     return out
 
 
-__all__ = ["usable", "linear", "attention", "BLOCK_M", "BLOCK_N", "BLOCK_K", "KEYS"]
+__all__ = ["usable", "linear", "partial_products", "attention", "BLOCK_M", "BLOCK_N", "BLOCK_K", "KEYS"]

@@ -1,0 +1,94 @@
+"""Deterministic mode's CUDA kernels (engine/ops/triton/invariant.py) against the default path's,
+on the qwen3-0.6b layer shapes (bf16): the GEMM (one launch; the o/down projections' slices in one
+launch against one GEMM per slice plus the adds) beside cuBLAS, and the paged attention by keys
+per step and warps beside the default split decode kernel. Times are CUDA-event means over
+repeated launches (ms). Prints a table and writes JSON.
+
+    python3 -m tools.bench_invariant_kernels [--out kernels.json]
+"""
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from engine.model import invariant as model_inv
+from engine.ops.triton import decode_attention as ta
+from engine.ops.triton import invariant as inv
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", default=None)
+ap.add_argument("--rows", default="1,64,256,2048")
+ap.add_argument("--points", default="64x1024,256x1024,16x4096")
+ap.add_argument("--keys", default="16,32,64")
+ap.add_argument("--warps", default="4,8")
+a = ap.parse_args()
+dev, dt = "cuda", torch.bfloat16
+HID, H, KVH, D, INTER, bs = 1024, 16, 8, 128, 3072, 16
+torch.manual_seed(0)
+
+
+def timed(fn, n=50):
+    fn()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(n):
+        fn()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / n
+
+
+def unfused_parts(x, w, parts):  # one GEMM per slice, a copy and a cast each, the adds
+    k = x.shape[-1] // parts
+    ps = torch.stack([inv.linear(x[:, i * k:(i + 1) * k].contiguous(), w[:, i * k:(i + 1) * k]).float()
+                      for i in range(parts)])
+    return model_inv.add_in_order(ps, x.dtype)
+
+
+rows_out = []
+shapes = {"qkv (q)": (H * D, HID, 1), "o (8 slices)": (HID, H * D, KVH), "gate": (INTER, HID, 1),
+          "down (8 slices)": (HID, INTER, KVH), "lm head": (151936, HID, 1)}
+for m in [int(v) for v in a.rows.split(",")]:
+    for name, (n, k, parts) in shapes.items():
+        if name == "lm head" and m > 256:
+            continue
+        x = torch.randn(m, k, device=dev, dtype=dt)
+        w = torch.randn(n, k, device=dev, dtype=dt) * 0.02
+        r = {"op": name, "rows": m, "cublas_ms": timed(lambda: F.linear(x, w)),
+             "invariant_ms": timed(lambda: inv.linear(x, w, parts=parts))}
+        if parts > 1:
+            r["unfused_ms"] = timed(lambda: unfused_parts(x, w, parts))
+            assert torch.equal(unfused_parts(x, w, parts), inv.linear(x, w, parts=parts)), name
+        rows_out.append(r)
+        print(f"gemm {name:16s} rows {m:5d}: cuBLAS {r['cublas_ms']:.4f}  invariant "
+              f"{r['invariant_ms']:.4f}" + (f"  unfused {r['unfused_ms']:.4f}" if parts > 1 else ""),
+              flush=True)
+
+att = []
+for b, ctx in [tuple(int(v) for v in p.split("x")) for p in a.points.split(",")]:
+    width = -(-ctx // bs)
+    nblocks = b * width + 1
+    cache = torch.randn(2, nblocks, bs, KVH, D, device=dev, dtype=dt)
+    bt = torch.randperm(nblocks, device=dev)[: b * width].view(b, width).contiguous()
+    q = torch.randn(b, H, D, device=dev, dtype=dt)
+    lens = torch.full((b,), ctx, device=dev)
+    out = torch.empty_like(q)
+    rows = torch.arange(b, device=dev)
+    kv_bytes = b * ctx * KVH * D * 2 * 2
+    base = timed(lambda: ta.decode_attention(q, cache, rows, bt, lens, D ** -0.5, out))
+    r = {"batch": b, "ctx": ctx, "default_ms": base}
+    line = f"attention {b}x{ctx}: default {base:.4f} ms ({kv_bytes / base / 1e9:.2f} TB/s)"
+    for keys in [int(v) for v in a.keys.split(",")]:
+        for warps in [int(v) for v in a.warps.split(",")]:
+            t = timed(lambda: inv.attention(q, cache, bt, lens, D ** -0.5, keys=keys, warps=warps))
+            r[f"k{keys}w{warps}_ms"] = t
+            line += f" | k{keys} w{warps} {t:.4f}"
+    att.append(r)
+    print(line, flush=True)
+
+if a.out:
+    with open(a.out, "w") as f:
+        json.dump({"gemm": rows_out, "attention": att, "device": torch.cuda.get_device_name()}, f,
+                  indent=1)
