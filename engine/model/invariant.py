@@ -37,6 +37,7 @@ either order).
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 from torch import nn
@@ -46,6 +47,8 @@ from engine.ops.triton import fused_ops, invariant as gpu_invariant
 
 from .attention import AttentionMetadata, write_kv
 from .llama import CausalLM, RMSNorm
+
+Tiles = tuple[torch.Tensor, torch.Tensor]  # (first row, rows) of each attention program
 
 #: rows per GEMM tile (see the module docstring): a step of fewer rows pays for this many.
 #: Measured (one thread, float32, the default model's q/k/o/gate/down shapes, ms): 1 row 0.28
@@ -126,35 +129,51 @@ class InvariantRMSNorm(RMSNorm):
         return super().forward(x)
 
 
-def row_tables(meta: AttentionMetadata, positions: torch.Tensor,
-               block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def row_tables(meta: AttentionMetadata, positions: torch.Tensor, block_size: int,
+               query_tile: int = 0) -> tuple[torch.Tensor, torch.Tensor, Optional[Tiles]]:
     """Each packed row's block table ``[T, W]`` and visible key count ``[T]`` (its position + 1),
     from the step's attention metadata (decode rows, prefill chunks, batched chunks after
-    context): made once per step, read by every layer."""
+    context): made once per step, read by every layer. With ``query_tile`` also the CUDA
+    attention's tiles (first row, rows): a prompt chunk's rows in runs of ``query_tile``, every
+    other row a tile of its own (engine/ops/triton/invariant.py ``attention``)."""
     t = positions.shape[0]
     dev = positions.device
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, their tables)
     if meta.decode_rows is not None:
         parts.append((meta.decode_rows, meta.decode_block_tables))
+    if meta.prefill_batch is not None:
+        raise RuntimeError("the paged prefill kernel's metadata has no per-row tables: a "
+                           "deterministic model runs with use_fused = False")
+    if (dev.type == "cuda" and meta.decode_rows is not None and not meta.prefills
+            and not meta.context_groups and meta.decode_rows.shape[0] == t):
+        # a decode-only step (a CUDA graph's too): its rows in order, their tables as they are
+        rows = meta.decode_rows
+        return (meta.decode_block_tables, positions + 1,
+                (rows, torch.ones_like(rows)) if query_tile else None)
+    singles = [meta.decode_rows] if meta.decode_rows is not None else []
+    firsts: list[int] = []
+    counts: list[int] = []
     for p in meta.prefills:
         rows = torch.arange(p.start, p.end, device=dev)
         parts.append((rows, p.block_table[None].expand(p.end - p.start, -1)))
+        firsts += range(p.start, p.end, max(1, query_tile))
+        counts += [min(query_tile, p.end - f) for f in range(p.start, p.end, max(1, query_tile))]
     for g in meta.context_groups:
         # a chunk's keys' slots, position by position: its blocks are every block_size-th one's
         tables = g.kv_slots[:, ::block_size] // block_size  # [B, C / bs]
         parts.append((g.rows, tables[g.valid // g.q_rows.shape[1]]))
-    if meta.prefill_batch is not None:
-        raise RuntimeError("the paged prefill kernel's metadata has no per-row tables: a "
-                           "deterministic model runs with use_fused = False")
-    if (dev.type == "cuda" and meta.decode_rows is not None and len(parts) == 1
-            and meta.decode_rows.shape[0] == t and meta.decode_block_tables is not None):
-        # a decode-only step (a CUDA graph's too): its rows in order, their tables as they are
-        return meta.decode_block_tables, positions + 1
+        singles.append(g.rows)
     width = max((tb.shape[1] for _, tb in parts), default=1)
     tables = torch.zeros(t, width, dtype=torch.long, device=dev)
     for rows, tb in parts:
         tables[rows, : tb.shape[1]] = tb
-    return tables, positions + 1
+    tiles = None
+    if query_tile:
+        first = torch.cat(singles + [torch.tensor(firsts, dtype=torch.long).to(dev)])
+        n = torch.cat([torch.ones_like(r) for r in singles]
+                      + [torch.tensor(counts, dtype=torch.long).to(dev)])
+        tiles = (first, n)
+    return tables, positions + 1, tiles
 
 
 class InvariantCausalLM(CausalLM):
@@ -162,6 +181,8 @@ class InvariantCausalLM(CausalLM):
 
     #: (q, cache, tables, lens, scale) -> attention output; set by :func:`make_invariant`
     attention_kernel = staticmethod(invariant_attention.attention_torch)
+    #: queries a CUDA attention program takes from one prompt chunk (0: a kernel without tiles)
+    query_tile = 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -169,8 +190,10 @@ class InvariantCausalLM(CausalLM):
         t = input_ids.shape[0]
         x = m.embed_tokens(input_ids)
         rot = m.rotary.tables(positions)
-        tables, lens = row_tables(meta, positions, kv.shape[3])
+        tables, lens, tiles = row_tables(meta, positions, kv.shape[3], self.query_tile)
         attend = self.attention_kernel
+        if tiles is not None:
+            attend = functools.partial(attend, tiles=tiles)
         for i, layer in enumerate(m.layers):
             a, mlp = layer.self_attn, layer.mlp
             q, k, v = a._qkv(layer.input_layernorm(x))
@@ -216,6 +239,8 @@ def make_invariant(model: CausalLM) -> str:
     device = model.model.norm.weight.device
     if device.type == "cuda" and gpu_invariant.usable(device):
         kernel, name = gpu_invariant.attention, "Triton kernel (engine/ops/triton/invariant.py)"
+        cfg = model.config
+        model.query_tile = gpu_invariant.query_tile(cfg.num_heads // cfg.num_kv_heads)
     else:
         kernel, name = invariant_attention.kernel(device)
     model.attention_kernel = kernel

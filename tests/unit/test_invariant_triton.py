@@ -64,10 +64,24 @@ for r in range(len(lens)):  # alone, with a table of its own width
     w_r = -(-int(lens[r]) // bs)
     alone = inv.attention(q[r:r + 1], cache, tables[r:r + 1, :w_r], lens[r:r + 1], 0.25)
     assert torch.equal(alone[0], out[r]), r
-# GQA 3 (padded to 4 heads a program) and bfloat16
-q3 = torch.randn(2, 6, dim, generator=g).bfloat16()
-got = inv.attention(q3, cache.bfloat16(), tables[:2], lens[:2], 0.5)
-torch.testing.assert_close(got.float(), attention_torch(q3, cache.bfloat16(), tables[:2], lens[:2], 0.5).float(),
+# a prompt's queries in tiles of consecutive rows sharing one table (causal: row j sees j + 1
+# keys): each row's bits are those it gets alone, as a decode row, whatever its tile
+n_q = 21
+ptab = tables[4:5].expand(n_q, -1)
+plens = torch.arange(1, n_q + 1)
+pq = torch.randn(n_q, heads, dim, generator=g)
+tile = inv.query_tile(heads // kv_heads)
+assert tile == inv.ROWS // 2
+starts = torch.tensor([0, 5, 7, 20])  # tiles of 5, 2, 13 and 1 rows
+tiled = inv.attention(pq, cache, ptab, plens, 0.25, tiles=(starts, torch.tensor([5, 2, 13, 1])))
+torch.testing.assert_close(tiled, attention_torch(pq, cache, ptab, plens, 0.25), rtol=1e-5, atol=1e-5)
+for r in range(n_q):
+    alone = inv.attention(pq[r:r + 1], cache, ptab[r:r + 1], plens[r:r + 1], 0.25)
+    assert torch.equal(alone[0], tiled[r]), r
+# GQA 3 (padded to 4 heads a program) and float16 (the interpreter's bfloat16 dot is not usable)
+q3 = torch.randn(2, 6, dim, generator=g).half()
+got = inv.attention(q3, cache.half(), tables[:2], lens[:2], 0.5)
+torch.testing.assert_close(got.float(), attention_torch(q3, cache.half(), tables[:2], lens[:2], 0.5).float(),
                            rtol=2e-2, atol=2e-2)
 print("ok")
 '''

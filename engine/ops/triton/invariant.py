@@ -16,11 +16,16 @@ arithmetic is fixed at compile time:
   the ``K`` loop once per slice of the input, rounds each slice's product to the input's dtype and
   adds them in order (the o/down projections of engine/model/invariant.py: one launch instead of
   a GEMM, a copy and a cast per slice and an add per slice).
-* :func:`attention`: one program per (query row, KV head), its GQA query heads together; the row's
-  keys ``0 .. len - 1`` read through its own block table in chunks of ``BLOCK_N`` from key 0 with an
-  online softmax. The chunks' boundaries depend only on the key positions, so a key computed this
-  step, by an earlier chunk of the prompt or by another request (a cached prefix) is added at the
-  same point of the same sum.
+* :func:`attention`: one program per (tile, KV head): a tile is a run of up to
+  :func:`query_tile` consecutive queries of one sequence (a decode row: a tile of its own), its
+  queries' GQA heads the rows of one block of ``ROWS`` rows; keys ``0 .. len - 1`` read through the
+  sequence's block table in chunks of ``KEYS`` from key 0, scores and the weighted values by
+  tensor-core dots, an online softmax. Each (query, head) row's arithmetic is its own: a dot
+  computes each output element from its own row and column, the softmax reduces along the row,
+  and a row whose keys ended before a chunk keeps its state unchanged (not multiplied by 1).
+  The chunks' boundaries depend only on the key positions, so a key computed this step, by an
+  earlier chunk of the prompt or by another request (a cached prefix) is added at the same
+  point of the same sum, and a query gets the same bits in a prompt tile as alone in a decode.
 * RMSNorm: engine/ops/triton/fused_ops.py's kernel already reduces one row per program.
 
 Integer arguments that vary with the batch are not specialized (``do_not_specialize``): one
@@ -29,6 +34,8 @@ compiled variant serves every batch.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .fused_ops import AVAILABLE, INTERPRET, tl, triton
@@ -36,7 +43,9 @@ from .fused_ops import AVAILABLE, INTERPRET, tl, triton
 #: the GEMM's one configuration (tensor-core tiles; bf16 / fp16 / fp32 inputs, fp32 accumulation)
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
 #: keys per step of the attention's online softmax
-KEYS = 16
+KEYS = 64
+#: (query, head) rows of one attention program: ``ROWS // G`` queries of one sequence, ``G`` heads
+ROWS = 64
 
 
 def usable(device: torch.device) -> bool:
@@ -86,41 +95,60 @@ if triton is not None:
                      mask=out_mask)
 
     @triton.jit(do_not_specialize=["stride_t"])
-    def _attention_kernel(Q, C, T, L, O, scale, stride_qt, stride_qh, stride_c0, stride_cb,
-                          stride_cs, stride_ch, stride_t, stride_ot, stride_oh,
-                          GQA: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                          BS: tl.constexpr, BN: tl.constexpr):
-        row = tl.program_id(0)
+    def _attention_kernel(Q, C, T, L, R0, RN, O, scale, stride_qt, stride_qh, stride_c0,
+                          stride_cb, stride_cs, stride_ch, stride_t, stride_ot, stride_oh,
+                          GQA: tl.constexpr, G: tl.constexpr, BQ: tl.constexpr, D: tl.constexpr,
+                          BS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+        # one program: the tile's rows R0 .. R0 + RN - 1 (consecutive queries of one sequence,
+        # one block table: row R0's) x one KV head's GQA query heads, as the BQ * G rows of one
+        # block (row i: query i // G, head i % G); keys in chunks of BN from key 0
+        tile = tl.program_id(0)
         kvh = tl.program_id(1)
-        heads = kvh * GQA + tl.arange(0, G)
-        hmask = tl.arange(0, G) < GQA
+        r0 = tl.load(R0 + tile)
+        nr = tl.load(RN + tile)
+        i = tl.arange(0, BQ * G)
+        qi = i // G
+        gi = i % G
+        row = r0 + qi
+        live = qi < nr
+        valid = live & (gi < GQA)
         d = tl.arange(0, D)
-        q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                    mask=hmask[:, None], other=0.0).to(tl.float32)  # [G, D]
-        n_keys = tl.load(L + row)
-        m_i = tl.full((G,), float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros((G,), dtype=tl.float32)
-        acc = tl.zeros((G, D), dtype=tl.float32)
-        for start in range(0, n_keys, BN):
+        q = tl.load(Q + row[:, None] * stride_qt + (kvh * GQA + gi)[:, None] * stride_qh
+                    + d[None, :], mask=valid[:, None], other=0.0)  # [BQ * G, D]
+        n_keys = tl.load(L + row, mask=live, other=0)  # each row's own
+        last = tl.max(n_keys, axis=0)
+        m_i = tl.full((BQ * G,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BQ * G,), dtype=tl.float32)
+        acc = tl.zeros((BQ * G, D), dtype=tl.float32)
+        for start in range(0, last, BN):
             keys = start + tl.arange(0, BN)
-            kmask = keys < n_keys
-            blk = tl.load(T + row * stride_t + keys // BS, mask=kmask, other=0)
+            kmask = keys < last
+            blk = tl.load(T + r0 * stride_t + keys // BS, mask=kmask, other=0)
             base = blk * stride_cb + (keys % BS) * stride_cs + kvh * stride_ch
-            kv_mask = kmask[:, None]
-            k = tl.load(C + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BN]
-            s = tl.where(kmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(C + stride_c0 + base[:, None] + d[None, :], mask=kv_mask,
-                        other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            k = tl.load(C + base[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale  # [BQ * G, BN]
+            seen = keys[None, :] < n_keys[:, None]
+            s = tl.where(seen, s, float("-inf"))
+            # a row whose keys ended before this chunk keeps its state exactly (not `* 1 + 0`)
+            on = start < n_keys
+            m_new = tl.where(on, tl.maximum(m_i, tl.max(s, axis=1)), m_i)
+            alpha = tl.where(on, tl.exp(m_i - m_new), 1.0)
+            p = tl.where(seen, tl.exp(s - m_new[:, None]), 0.0)
+            v = tl.load(C + stride_c0 + base[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            l_i = tl.where(on, l_i * alpha + tl.sum(p, axis=1), l_i)
+            acc = tl.where(on[:, None], acc * alpha[:, None] + pv, acc)
             m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(O + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 out.to(O.dtype.element_ty), mask=hmask[:, None])
+        out = acc / tl.where(live, l_i, 1.0)[:, None]
+        tl.store(O + row[:, None] * stride_ot + (kvh * GQA + gi)[:, None] * stride_oh + d[None, :],
+                 out.to(O.dtype.element_ty), mask=valid[:, None])
 
 
 def _gemm(x: torch.Tensor, weight: torch.Tensor, parts: int, summed: bool) -> torch.Tensor:
@@ -161,29 +189,43 @@ def partial_products(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch
     return _gemm(x, weight, parts, summed=False).view(parts, *x.shape[:-1], weight.shape[0])
 
 
+def query_tile(gqa: int) -> int:
+    """Queries a program of :func:`attention` takes for a model with ``gqa`` query heads per KV
+    head: ``ROWS`` rows of (query, head) in all."""
+    return max(1, ROWS // triton.next_power_of_2(gqa)) if triton is not None else 1
+
+
 def attention(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-              scale: float, keys: int = KEYS, warps: int = 4) -> torch.Tensor:
+              scale: float, tiles: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+              keys: int = KEYS, warps: int = 4) -> torch.Tensor:
     """q [T, H, D]; cache [2, blocks, bs, Hkv, D]; tables [T, W] (row r's blocks); lens [T]
-    (row r sees keys ``0 .. lens[r] - 1``, each >= 1) -> [T, H, D] in q's dtype. ``keys``
-    (the chunk of the online softmax) and ``warps``: for tools/bench_invariant_kernels.py; a
-    deterministic engine runs one value of each (another chunk size changes the bits)."""
+    (row r sees keys ``0 .. lens[r] - 1``, each >= 1) -> [T, H, D] in q's dtype. ``tiles``:
+    (first row, rows) of each program's run of consecutive queries of one sequence (each at
+    most :func:`query_tile` rows; they share row ``first``'s table); default: a row each.
+    ``keys`` (the chunk of the online softmax) and ``warps``: for tools/bench_invariant_kernels.py;
+    a deterministic engine runs one value of each (another chunk size changes the bits)."""
     t, heads, dim = q.shape
     bs, kv_heads = cache.shape[2], cache.shape[3]
-    if heads % kv_heads or dim & (dim - 1) or cache.stride(-1) != 1:
+    if heads % kv_heads or dim & (dim - 1) or dim < 16 or cache.stride(-1) != 1:
         raise ValueError("invariant attention: heads, head size or cache layout not supported")
     gqa = heads // kv_heads
     q = q if q.stride(-1) == 1 else q.contiguous()
     if tables.stride(-1) != 1:  # (a row stride of its own is fine: a slice of a wider table)
         tables = tables.contiguous()
     lens = lens.contiguous()
+    if tiles is None:
+        first = torch.arange(t, device=q.device)
+        tiles = (first, torch.ones_like(first))
     out = torch.empty(t, heads, dim, dtype=q.dtype, device=q.device)
     if t:
-        _attention_kernel[(t, kv_heads)](
-            q, cache, tables, lens, out, float(scale), q.stride(0), q.stride(1), cache.stride(0),
-            cache.stride(1), cache.stride(2), cache.stride(3), tables.stride(0), out.stride(0),
-            out.stride(1), GQA=gqa, G=triton.next_power_of_2(gqa), D=dim, BS=bs, BN=keys,
+        g = triton.next_power_of_2(gqa)
+        _attention_kernel[(tiles[0].shape[0], kv_heads)](
+            q, cache, tables, lens, tiles[0], tiles[1], out, float(scale), q.stride(0),
+            q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+            tables.stride(0), out.stride(0), out.stride(1), GQA=gqa, G=g,
+            BQ=max(1, ROWS // g), D=dim, BS=bs, BN=keys, IEEE=q.dtype == torch.float32,
             num_warps=warps)
     return out
 
 
-__all__ = ["usable", "linear", "partial_products", "attention", "BLOCK_M", "BLOCK_N", "BLOCK_K", "KEYS"]
+__all__ = ["usable", "linear", "partial_products", "attention", "query_tile", "ROWS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "KEYS"]
