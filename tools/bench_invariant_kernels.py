@@ -88,7 +88,23 @@ for b, ctx in [tuple(int(v) for v in p.split("x")) for p in a.points.split(",")]
     att.append(r)
     print(line, flush=True)
 
+# a prompt step: 2 sequences of 1,024 fresh queries (causal), in tiles of query_tile rows
+# against a tile per row
+n_q, seqs = 1024, 2
+width = n_q // bs
+cache = torch.randn(2, seqs * width + 1, bs, KVH, D, device=dev, dtype=dt)
+q = torch.randn(seqs * n_q, H, D, device=dev, dtype=dt)
+bt = torch.arange(seqs * width, device=dev).view(seqs, width).repeat_interleave(n_q, 0)
+lens = torch.arange(1, n_q + 1, device=dev).repeat(seqs)
+qt = inv.query_tile(H // KVH)
+first = torch.arange(0, seqs * n_q, qt, device=dev)
+tiles = (first, torch.full_like(first, qt))
+prefill = {"queries": seqs * n_q, "tiled_ms": timed(lambda: inv.attention(q, cache, bt, lens, D ** -0.5, tiles=tiles), 10),
+           "per_row_ms": timed(lambda: inv.attention(q, cache, bt, lens, D ** -0.5), 10)}
+print(f"prefill attention 2x1024: tiles of {qt} {prefill['tiled_ms']:.3f} ms, a tile per row "
+      f"{prefill['per_row_ms']:.3f} ms", flush=True)
+
 if a.out:
     with open(a.out, "w") as f:
-        json.dump({"gemm": rows_out, "attention": att, "device": torch.cuda.get_device_name()}, f,
+        json.dump({"gemm": rows_out, "attention": att, "prefill": prefill, "device": torch.cuda.get_device_name()}, f,
                   indent=1)
