@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .invariant import InvariantLinear
+
 #: (parent in a decoder layer, fused name, the linears it replaces, in row order)
 GROUPS = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
           ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
@@ -29,7 +31,8 @@ def fuse(model: nn.Module) -> int:
             for parent_name, fused_name, names in GROUPS:
                 parent = getattr(layer, parent_name)
                 lins = [getattr(parent, n, None) for n in names]
-                if not all(type(m) is nn.Linear for m in lins):
+                kind = type(lins[0])
+                if kind not in (nn.Linear, InvariantLinear) or not all(type(m) is kind for m in lins):
                     continue  # packed on CPU, or already fused
                 biased = {m.bias is not None for m in lins}
                 if len(biased) != 1:
@@ -37,6 +40,7 @@ def fuse(model: nn.Module) -> int:
                 w = torch.cat([m.weight for m in lins])
                 with torch.device("meta"):
                     lin = nn.Linear(w.shape[1], w.shape[0], bias=biased.pop())
+                lin.__class__ = kind  # (deterministic mode's: a column's bits are the same)
                 lin.weight = nn.Parameter(w, requires_grad=False)
                 if lin.bias is not None:
                     lin.bias = nn.Parameter(torch.cat([m.bias for m in lins]), requires_grad=False)

@@ -60,7 +60,7 @@ TILE_ROWS = 16
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with every row computed in a GEMM of one shape (on CUDA:
     engine/ops/triton/invariant.py's GEMM, one configuration for every row count)."""
-    if x.is_cuda and gpu_invariant.usable(x.device):
+    if gpu_invariant.usable(x.device):  # CUDA (or Triton's CPU interpreter: tests)
         return gpu_invariant.linear(x, weight, bias)
     k, n = x.shape[-1], weight.shape[0]
     rows = x.reshape(-1, k)
@@ -84,7 +84,7 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 def partial_products(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
     """``[parts, *x.shape[:-1], N]`` float32: the products of ``x`` and ``weight`` over each of
     ``parts`` equal slices of the input dimension (:func:`linear`, in x's dtype)."""
-    if x.is_cuda and gpu_invariant.usable(x.device):
+    if gpu_invariant.usable(x.device):
         return gpu_invariant.partial_products(x, weight, parts)
     k = x.shape[-1] // parts
     return torch.stack([linear(x[..., i * k:(i + 1) * k].contiguous(),
@@ -111,7 +111,7 @@ class InvariantLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.k_parts < 2:
             return linear(x, self.weight, self.bias)
-        if x.is_cuda and gpu_invariant.usable(x.device):  # the same sum, in one launch
+        if gpu_invariant.usable(x.device):  # the same sum, in one launch
             return gpu_invariant.linear(x, self.weight, self.bias, parts=self.k_parts)
         y = add_in_order(partial_products(x, self.weight, self.k_parts), x.dtype)
         return y if self.bias is None else y + self.bias
@@ -124,7 +124,7 @@ class InvariantRMSNorm(RMSNorm):
     torch forward (one row per thread) is kept."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and gpu_invariant.usable(x.device):
+        if gpu_invariant.usable(x.device):
             return fused_ops.rms_norm(x, self.weight, self.eps)
         return super().forward(x)
 
@@ -144,7 +144,7 @@ def row_tables(meta: AttentionMetadata, positions: torch.Tensor, block_size: int
     if meta.prefill_batch is not None:
         raise RuntimeError("the paged prefill kernel's metadata has no per-row tables: a "
                            "deterministic model runs with use_fused = False")
-    if (dev.type == "cuda" and meta.decode_rows is not None and not meta.prefills
+    if (query_tile and meta.decode_rows is not None and not meta.prefills
             and not meta.context_groups and meta.decode_rows.shape[0] == t):
         # a decode-only step (a CUDA graph's too): its rows in order, their tables as they are
         rows = meta.decode_rows
@@ -192,8 +192,10 @@ class InvariantCausalLM(CausalLM):
         rot = m.rotary.tables(positions)
         tables, lens, tiles = row_tables(meta, positions, kv.shape[3], self.query_tile)
         attend = self.attention_kernel
-        if tiles is not None:
+        if tiles is not None:  # CUDA: the fused per-row kernels
             attend = functools.partial(attend, tiles=tiles)
+            return self._forward_cuda(input_ids, positions, kv, meta,
+                                      lambda q, c, a: attend(q, c, tables, lens, a.scale))
         for i, layer in enumerate(m.layers):
             a, mlp = layer.self_attn, layer.mlp
             q, k, v = a._qkv(layer.input_layernorm(x))
@@ -205,6 +207,39 @@ class InvariantCausalLM(CausalLM):
             h = layer.post_attention_layernorm(x)
             x = x + mlp.down_proj(silu(mlp.gate_proj(h)) * mlp.up_proj(h))
         return m.norm(x)
+
+    def _forward_cuda(self, input_ids, positions, kv, meta, attend) -> torch.Tensor:
+        """The forward on CUDA: the default path's fused kernels, each of which computes a row
+        (or a row's head) in a program of its own -- RMSNorm with the residual carried beside the
+        hidden state, q/k norm + rotary + the K/V write in one kernel, SiLU * up in one pass --
+        with the invariant linears (q/k/v and gate/up fused into one each where the runner
+        fused them: a column's arithmetic is the same in any GEMM) and attention."""
+        m = self.model
+        t = input_ids.shape[0]
+        x = m.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(m.layers):
+            a, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
+            if residual is None:
+                residual = x
+                h = fused_ops.rms_norm(x, norm.weight, norm.eps)
+            else:
+                h = fused_ops.rms_norm(x, norm.weight, norm.eps, residual)
+            q, k, v = a._qkv(h)
+            qw, kw = (a.q_norm.weight, a.k_norm.weight) if a.qk_norm else (None, None)
+            q, _ = fused_ops.qk_norm_rope_write(q, k, v, qw, kw, a.q_norm.eps if a.qk_norm else 0.0,
+                                                m.rotary.cos, m.rotary.sin, positions,
+                                                meta.slot_mapping, kv[i])
+            x = a.o_proj(attend(q, kv[i], a).reshape(t, -1))
+            norm = layer.post_attention_layernorm
+            h = fused_ops.rms_norm(x, norm.weight, norm.eps, residual)
+            if mlp.gate_up_proj is not None:
+                x = mlp.down_proj(fused_ops.silu_mul_halves(mlp.gate_up_proj(h)))
+            else:
+                x = mlp.down_proj(fused_ops.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+        if residual is None:
+            return m.norm(x)
+        return fused_ops.rms_norm(x, m.norm.weight, m.norm.eps, residual)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
@@ -237,7 +272,8 @@ def make_invariant(model: CausalLM) -> str:
             proj.k_parts = parts if proj.in_features % parts == 0 else 1
     model.use_fused = False  # the packed forward builds per-sequence metadata (row_tables)
     device = model.model.norm.weight.device
-    if device.type == "cuda" and gpu_invariant.usable(device):
+    if gpu_invariant.usable(device) and fused_ops.usable(model.model.norm.weight,
+                                                         model.config.head_dim):
         kernel, name = gpu_invariant.attention, "Triton kernel (engine/ops/triton/invariant.py)"
         cfg = model.config
         model.query_tile = gpu_invariant.query_tile(cfg.num_heads // cfg.num_kv_heads)

@@ -95,7 +95,7 @@ class RunnerLoad:
             self.speculator = build_speculator(self.config, self)
         if self.config.deterministic:
             log.info("deterministic mode: on (batch-invariant linears, attention by %s, SiLU and "
-                     "logprobs; float weights, no fused kernels, CUDA graphs for decode steps only; "
+                     "logprobs; float weights; on CUDA its own fused kernels and CUDA graphs for decode steps; "
                      "docs/deterministic.md)", getattr(self._owner[R.WEIGHTS], "attention_name", "?"))
         log.info("loaded %s on %s/%s (%s weights): %d KV blocks of %d tokens (%.1f MiB); CUDA graphs %s",
                  self.config.model, self.device, self.dtype, self.weight_format, self.num_blocks, self.block_size,
@@ -111,9 +111,11 @@ class RunnerLoad:
         n = pack_model(model, fmt, types or {})
         self.weight_format = fmt if n else "float"
         log.info("weights: %s, %d linears packed (%s)", self.weight_format, n, why)
-        fusable = self.switches.fused and fused_ops.AVAILABLE and not self.config.deterministic
-        if not n and self._tp is None and fusable and (
-                self.device.type == "cuda" or fused_ops.INTERPRET):
+        # (deterministic mode too: its Triton GEMM computes a column alike in any GEMM; on the
+        # CPU, where its tiled bmm promises that for rows only, nothing is fused)
+        fusable = self.switches.fused and fused_ops.AVAILABLE and (
+            self.device.type == "cuda" or fused_ops.INTERPRET)
+        if not n and self._tp is None and fusable:
             log.info("q/k/v and gate/up fused: %d linears", fused_linears.fuse(model))
 
     def _build_stack(self, should_stop=lambda: False) -> bool:

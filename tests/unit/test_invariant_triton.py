@@ -94,3 +94,42 @@ def test_triton_invariant_kernels_in_the_interpreter():
                          timeout=300, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-1] == "ok"
+
+
+ENGINE = r'''
+import msgspec
+from engine import EngineConfig, SamplingParams
+from engine.memory.owner import Resource
+from engine.testing import check_batch_invariance, load, mixed_jobs
+
+cfg = EngineConfig(model="random:tiny-qwen3", device="cpu", dtype="float32", deterministic=True,
+                   max_num_batched_tokens=128)
+runner, core = load(cfg)
+model = runner._owner[Resource.WEIGHTS]
+# the CUDA forward: Triton kernels, tiles, q/k/v and gate/up fused, q/k norm + rotary fused
+assert model.query_tile > 0 and "Triton" in model.attention_name
+assert model.model.layers[0].self_attn.qkv_proj is not None
+assert model.model.layers[0].mlp.gate_up_proj is not None
+runner.shutdown()
+# amid 3 others (one sharing its first half: a cached prefix), prefilled beside their decodes
+# in chunks of at most 8 tokens (small: the interpreter runs each program in Python)
+cfg = msgspec.structs.replace(cfg, max_num_batched_tokens=8)
+prompt = list(range(5, 25))
+rep = check_batch_invariance(cfg, prompt, SamplingParams(max_tokens=3, logprobs=True, top_logprobs=2),
+                             other_jobs=mixed_jobs(3, 512, prefix=prompt[:10], max_prompt=12,
+                                                   max_tokens=3, first_step=1))
+assert rep.identical, rep.first_difference
+print("ok")
+'''
+
+
+def test_the_cuda_forward_is_invariant_in_the_interpreter():
+    """Deterministic mode's CUDA forward (fused linears, q/k norm + rotary + K/V write in one
+    kernel, query tiles, the o/down slices in one GEMM), run in the interpreter on a tiny Qwen3:
+    a request alone = amid others (chunked, beside their decodes, a shared prefix cached)."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", ENGINE], capture_output=True, text=True, env=env,
+                         timeout=600, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "ok"
