@@ -1,9 +1,11 @@
 """Deterministic mode on CUDA (``EngineConfig.deterministic``; docs/deterministic.md): the checks
 of tests/test_deterministic.py on the GPU path, in a real model's shape (random:qwen3-0.6b,
-bfloat16), where the mode turns off the Triton kernels, the fused sampler and CUDA graphs and
-runs its fixed-tile linears and per-query attention instead:
+bfloat16), where the mode runs its own Triton GEMM and query-tiled attention beside the default
+path's per-row fused kernels, decode steps in CUDA graphs:
 
-* a request alone and amid 63 mixed others: the same tokens and logprob bits;
+* a request alone and amid 255 mixed others: the same tokens and logprob bits, decode steps
+  replayed from CUDA graphs;
+* the logprobs equal a trainer's recomputation (one forward over the whole sequence) bit for bit;
 * a chat workload with prefix caching off (the reference) against prefix caching, chunked
   prefill and preemption pressure: no request differs in a bit;
 * without the mode the same batch changes at least one bit (so the check can fail), printed
@@ -22,7 +24,9 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams
-from engine.testing import check_batch_invariance, load, run_jobs, tensor_parallel_differences
+from engine.memory.owner import Resource as R
+from engine.testing import (check_batch_invariance, full_sequence_logprobs, load, logprob_rows,
+                            run_jobs, tensor_parallel_differences)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,13 +43,37 @@ def _cfg(**kw) -> EngineConfig:
                         **{"deterministic": True, "num_kv_blocks": 2048, **kw})
 
 
-def test_alone_and_amid_63_others_the_same_bits_on_cuda():
+def test_alone_and_amid_255_others_the_same_bits_on_cuda():
     before = baseline()
-    report = check_batch_invariance(_cfg(), TARGET, PARAMS, others=63)
+    report = check_batch_invariance(_cfg(), TARGET, PARAMS, others=255)
     print(f"\ndeterministic cuda: {len(report.alone.tokens)} tokens, identical={report.identical}"
           f" ({report.first_difference})")
     assert report.identical, report.first_difference
     assert baseline() == before, (before, mem())
+
+
+def test_decode_graphs_and_a_full_sequence_recomputation_on_cuda():
+    """Decode steps replay CUDA graphs in the mode, and a trainer's recomputation -- one forward
+    over prompt + output, log_softmax -- gives the engine's logprobs bit for bit."""
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=True, top_logprobs=0)
+    runner, core = load(_cfg())
+    try:
+        jobs = [("t", TARGET, greedy, 0), *[(f"o{i}", TARGET[i:i + 40], greedy, 1) for i in range(7)]]
+        out = run_jobs(core, jobs)["t"]
+        graphs = runner.resource(R.CUDA_GRAPHS)
+        assert graphs is not None and graphs.replays > 0, "no decode step replayed a graph"
+        core.reset_kv()
+        seq = TARGET + out.tokens
+        lp = full_sequence_logprobs(runner, seq[:-1])
+    finally:
+        runner.shutdown()
+    rows = logprob_rows(out, 0)
+    n = len(TARGET)
+    want = lp[torch.arange(n - 1, len(seq) - 1), torch.tensor(out.tokens)].cpu()
+    assert [t for t, _ in rows] == out.tokens
+    same = torch.equal(torch.tensor([v for _, v in rows]), want)
+    print(f"\n{graphs.replays} graph replays; logprobs equal a full-sequence recomputation: {same}")
+    assert same
 
 
 def test_without_the_mode_the_batch_changes_bits_on_cuda():
