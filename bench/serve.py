@@ -290,9 +290,10 @@ def parse_args(argv: Optional[list[str]]):
                     help="Poisson arrivals, requests a second (default inf: all at t=0)")
     ap.add_argument("--clients", type=int, default=min(12, max(2, (os.cpu_count() or 2) - 2)),
                     help="client processes (default: CPUs - 2, at least 2, at most 12)")
-    ap.add_argument("--client", choices=["httpx", "raw"], default="httpx",
-                    help="how the clients read the streams: httpx, or a plain HTTP/1.1 reader "
-                         "(a fraction of httpx's CPU per token: for small machines)")
+    ap.add_argument("--client", choices=["httpx", "raw"], default="raw",
+                    help="how the clients read the streams: a plain HTTP/1.1 reader (default: "
+                         "~1/3 of httpx's CPU per token, so that the clients take less of the "
+                         "host the server is measured on), or httpx")
     ap.add_argument("--api-servers", type=int, default=None, help="default: the server's own")
     ap.add_argument("--serve-arg", action="append", default=[], help="more serve flags (repeatable)")
     ap.add_argument("--server-root", type=Path, default=None, metavar="DIR",

@@ -458,7 +458,8 @@ def test_serve_bench_drives_the_real_server_and_the_in_process_run(tmp_path):
     out = tmp_path / "s.json"
     p = _bench("serve", "--device", "cpu", "--no-progress", "--num-requests", "6", "--min-input", "8",
                "--max-input", "24", "--min-output", "4", "--max-output", "12", "--warmup", "0",
-               "--concurrency", "2,6", "--clients", "2", "--out", str(out), timeout=120)
+               "--concurrency", "2,6", "--clients", "2", "--client", "httpx", "--out", str(out),
+               timeout=120)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())
     expected = res["workload"]["output_tokens"]
