@@ -87,13 +87,18 @@ print("ok")
 '''
 
 
-def test_triton_invariant_kernels_in_the_interpreter():
+def _interpret(script: str) -> None:
+    """Run ``script`` in a fresh interpreter with Triton's CPU interpreter on; it prints "ok"."""
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env,
-                         timeout=300, cwd=root)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                         timeout=600, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-1] == "ok"
+
+
+def test_triton_invariant_kernels_in_the_interpreter():
+    _interpret(CHECK)
 
 
 ENGINE = r'''
@@ -127,9 +132,4 @@ def test_the_cuda_forward_is_invariant_in_the_interpreter():
     """Deterministic mode's CUDA forward (fused linears, q/k norm + rotary + K/V write in one
     kernel, query tiles, the o/down slices in one GEMM), run in the interpreter on a tiny Qwen3:
     a request alone = amid others (chunked, beside their decodes, a shared prefix cached)."""
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", ENGINE], capture_output=True, text=True, env=env,
-                         timeout=600, cwd=root)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-1] == "ok"
+    _interpret(ENGINE)
