@@ -27,9 +27,11 @@ Op by op (each checked on its own in tests/test_deterministic.py):
   the hidden size, exactly rounded elementwise ops); unchanged.
 * the LM head: :func:`linear`; logprobs: engine/sample/logprobs.py ``device_rows_invariant``.
 
-The model runs the plain decoder (no fused kernels, no packed CPU weights; on CUDA, decode steps
-replay CUDA graphs -- each row's arithmetic is the same in a padded graph bucket as eagerly --
-and prompt steps run eagerly: engine/runner/load.py). Tensor parallel shards swap the same way: ``RowParallelLinear``'s
+On the CPU the model runs the plain decoder (no fused kernels, no packed weights). On CUDA
+(``InvariantCausalLM._forward_cuda``) it runs the default path's fused per-row kernels around
+engine/ops/triton/invariant.py's GEMM and query-tiled attention, decode steps replayed from CUDA
+graphs (a row's arithmetic is the same in a padded graph bucket as eagerly; prompt steps run
+eagerly: engine/runner/load.py). Tensor parallel shards swap the same way: ``RowParallelLinear``'s
 partial product is an invariant linear, then all-reduced (with two ranks one addition, exact in
 either order).
 """
@@ -148,8 +150,7 @@ def row_tables(meta: AttentionMetadata, positions: torch.Tensor, block_size: int
             and not meta.context_groups and meta.decode_rows.shape[0] == t):
         # a decode-only step (a CUDA graph's too): its rows in order, their tables as they are
         rows = meta.decode_rows
-        return (meta.decode_block_tables, positions + 1,
-                (rows, torch.ones_like(rows)) if query_tile else None)
+        return meta.decode_block_tables, positions + 1, (rows, torch.ones_like(rows))
     singles = [meta.decode_rows] if meta.decode_rows is not None else []
     firsts: list[int] = []
     counts: list[int] = []
@@ -193,9 +194,8 @@ class InvariantCausalLM(CausalLM):
         tables, lens, tiles = row_tables(meta, positions, kv.shape[3], self.query_tile)
         attend = self.attention_kernel
         if tiles is not None:  # CUDA: the fused per-row kernels
-            attend = functools.partial(attend, tiles=tiles)
-            return self._forward_cuda(input_ids, positions, kv, meta,
-                                      lambda q, c, a: attend(q, c, tables, lens, a.scale))
+            return self._forward_cuda(input_ids, positions, kv, meta, lambda q, c, a: attend(
+                q, c, tables, lens, a.scale, tiles=tiles))
         for i, layer in enumerate(m.layers):
             a, mlp = layer.self_attn, layer.mlp
             q, k, v = a._qkv(layer.input_layernorm(x))
