@@ -11,6 +11,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import fcntl  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
@@ -143,6 +144,15 @@ def pytest_runtest_makereport(item, call):
     if report.when == "call" and report.failed:
         item.stash[_CALL_FAILED] = True
     return report
+
+
+def pytest_sessionfinish(session):
+    # the xdist controller, its workers done: what they shared in the run's temporary directory
+    # (tests/test_gguf_loader.py: transformers' load of the default model, ~0.5 GB) goes
+    if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config,
+                                                                           "workerinput"):
+        shutil.rmtree(session.config._tmp_path_factory.getbasetemp() / "hf-gguf-load",
+                      ignore_errors=True)
 
 
 def pytest_unconfigure(config):

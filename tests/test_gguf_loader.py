@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
+import json
+import os
 
 import numpy as np
 import pytest
@@ -25,6 +28,10 @@ TEXTS = [
     "<repo_name>engine<file_sep>main.py<|endoftext|>",
 ]
 
+#: the run's directory (beside the workers' own) of transformers' load, shared by the workers
+#: (tests/conftest.py removes it at the run's end)
+HF_LOAD = "hf-gguf-load"
+
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"},
      {"role": "assistant", "content": "Paris."}],
@@ -44,13 +51,40 @@ def loaded(gguf_path):
 
 
 @pytest.fixture(scope="module")
-def hf_lm(gguf_path):
-    """transformers' own load of the file (needs `accelerate`)."""
-    from transformers import AutoModelForCausalLM
+def hf_lm(gguf_path, tmp_path_factory):
+    """transformers' own load of the file (needs `accelerate`).
 
-    return AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    ).eval()
+    That load takes ~15 s (its GGUF reader parses the vocabulary twice, once for the config, once
+    for the weights). Under xdist the worker that loads it first saves what it got -- its weights
+    and config -- in the run's temporary directory, and a later fixture (the other worker's, or
+    this one's when work stealing split the module) builds the same model from them in ~1 s."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def read():
+        return AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        ).eval()
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return read()
+    from safetensors.torch import load_model, save_model
+
+    shared = tmp_path_factory.getbasetemp().parent / HF_LOAD  # (the run's, not the worker's)
+    shared.mkdir(exist_ok=True)
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (the other worker waits for it rather than reading too)
+        if (shared / "done").exists():
+            config = AutoConfig.for_model(**json.loads((shared / "config.json").read_text()))
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            load_model(model, shared / "model.safetensors")  # strict: every weight, tied ones once
+            return model.eval()
+        model = read()
+        config = model.config.to_dict()
+        config.pop("quantization_config")  # (how it was read: the GGUF file, dequantized)
+        (shared / "config.json").write_text(json.dumps(config))
+        save_model(model, shared / "model.safetensors")
+        (shared / "done").touch()
+        return model
 
 
 @pytest.fixture(scope="module")
