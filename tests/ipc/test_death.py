@@ -86,10 +86,12 @@ def gone(pid: int) -> bool:
 @pytest.mark.slow
 @pytest.mark.asyncio
 @pytest.mark.alone  # asserts wall-clock bounds
-async def test_engine_sigkill_fails_every_client_within_a_second():
+async def test_engine_sigkill_fails_every_client_within_a_second(alone_from_here):
     remote = None
     async with EngineClient.spawn(EngineConfig(model=MODEL)) as a:
         address = a.process.bound_address
+        # (the engine's start: beside other tests; from here on its streams run against time)
+        await anyio.to_thread.run_sync(alone_from_here)
         remote = await anyio.open_process([sys.executable, "-c", REMOTE_CLIENT, address], env=ENV)
         async with remote, EngineClient.connect(address) as b, EngineClient.connect(address) as idle:
             streams = [c.generate([i + 1, 2, 3], LONG) for c in (a, b) for i in range(4)]
