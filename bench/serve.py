@@ -33,7 +33,7 @@ and after: API server TTFT and time to submit, the engine's queue, prefill and a
 engine's same histograms over the in-process run. ``--rounds R`` repeats in-process then HTTP R
 times (the machine's load changes: the median of the per-round ratios is the fairest figure). JSON
 to ``bench/results/serve.json``; a plot of TTFT and ITL against concurrency beside it (PNG, when
-matplotlib is installed). ``--spy DIR``: a py-spy profile (raw, the samples on CPU) of every API
+matplotlib is installed). ``--spy DIR``: a py-spy profile (raw, the samples on CPU) of the engine process and every API
 server process during each point.
 """
 
@@ -194,15 +194,17 @@ def bodies(args, work: list[tuple[list[int], int]], model: str) -> list[bytes]:
     return out
 
 
-def _spy(pids: list[int], out_dir: Optional[Path], tag: str) -> list[subprocess.Popen]:
+def _spy(server: "Server", out_dir: Optional[Path], tag: str) -> list[subprocess.Popen]:
+    """py-spy on the engine process and on every API server process, one raw file each."""
     if out_dir is None:
         return []
     exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     out_dir.mkdir(parents=True, exist_ok=True)
+    named = [("engine", server.proc.pid)] + [(f"frontend{k}", p) for k, p in enumerate(server.frontends)]
     return [subprocess.Popen([exe, "record", "-r", "200", "-f", "raw", "--threads", "-o",
-                              str(out_dir / f"frontend{k}-{tag}.txt"), "--pid", str(pid)],
+                              str(out_dir / f"{name}-{tag}.txt"), "--pid", str(pid)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            for k, pid in enumerate(pids)]
+            for name, pid in named]
 
 
 def run_point(server: Server, args, payloads: list[bytes], offsets: list[float], concurrency: int,
@@ -223,7 +225,7 @@ def run_point(server: Server, args, payloads: list[bytes], offsets: list[float],
         for proc in workers:
             if json.loads(proc.stdout.readline() or b"{}").get("ready") is not True:
                 raise RuntimeError("a client process did not start")
-        spies = _spy(server.frontends, args.spy, tag) if tag else []
+        spies = _spy(server, args.spy, tag) if tag else []
         metrics0 = serve_hops.scrape(server.base_url)  # the server's histograms before and after
         cpu0 = server.cpu()
         t0 = time.monotonic() + 0.05
@@ -311,7 +313,7 @@ def parse_args(argv: Optional[list[str]]):
     ap.add_argument("--ready-timeout", type=float, default=600.0)
     ap.add_argument("--plot", type=Path, default=None, help="default: the JSON path, .png")
     ap.add_argument("--spy", type=Path, default=None, metavar="DIR",
-                    help="py-spy profiles of the API server processes during each point")
+                    help="py-spy profiles of the engine and API server processes during each point")
     args = common.finish_common_args(ap.parse_args(argv), "serve")
     for k, v in (CUDA_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS).items():
         if getattr(args, k) is None:

@@ -3,7 +3,7 @@ phases (schedule / execute / update, each closed by a device sync), the forward'
 alone, and the kernels launched per decode step (counted by the torch profiler, graphs off).
 
     python3 -m tools.profile_decode [--model random:qwen3-0.6b] [--batches 1 64 256]
-        [--ctx 256] [--kernels] [--table]
+        [--ctx 256] [--kernels] [--table] [--deterministic]
 
 ``--kernels`` profiles 3 steps and counts their kernels: run it with ``--no-cuda-graphs``
 so that every kernel is seen (a graph replay hides them); ``--table``
@@ -47,10 +47,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-cuda-graphs", action="store_true",
                     help="EngineConfig(cuda_graphs=False): eager decode steps, every kernel seen")
+    ap.add_argument("--deterministic", action="store_true", help="EngineConfig(deterministic=True)")
     a = ap.parse_args()
     r = ModelRunner(EngineConfig(model=a.model, device=a.device, kv_cache_bytes=16 * 2**30 if a.device == "cuda" else 2**28,
                                  max_num_seqs=max(a.batches), enable_prefix_caching=False,
-                                 cuda_graphs=not a.no_cuda_graphs))
+                                 cuda_graphs=not a.no_cuda_graphs, deterministic=a.deterministic))
     r.load()
     results = []
     for n in a.batches:
@@ -59,9 +60,13 @@ def main() -> None:
             c.add_request(f"{n}-{i}", [(i * 7 + j) % 50000 + 10 for j in range(a.ctx)],
                           SamplingParams(max_tokens=a.steps * 3 + 40, ignore_eos=True,
                                          temperature=a.temperature))
+        sync()
+        t_pre = time.perf_counter()
         while c.scheduler.waiting or any(q.num_computed_tokens < q.num_prompt_tokens
                                          for q in c.scheduler.running):
             c.step()
+        sync()
+        prompt_ms = (time.perf_counter() - t_pre) * 1e3  # the prompts' steps (the first: cold)
         for _ in range(3):
             c.step()
         sync()
@@ -110,7 +115,7 @@ def main() -> None:
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
             if a.cpu_table:
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), flush=True)
-        row = dict(batch=n, ctx=a.ctx, step_ms=round(wall, 3), cpu_ms=round(cpu, 3),
+        row = dict(batch=n, ctx=a.ctx, prompt_steps_ms=round(prompt_ms, 1), step_ms=round(wall, 3), cpu_ms=round(cpu, 3),
                    replay_ms=None if replay is None else round(replay, 3),
                    kernels_per_step=kernels, **{k + "_ms": round(v, 3) for k, v in ph.items()})
         print(json.dumps(row), flush=True)

@@ -66,6 +66,32 @@ def _variants(device_type: str) -> list[list[tuple[SamplingParams, bool]]]:
     ]
 
 
+def _warm_head(runner: ModelRunner) -> int:
+    """The LM head once at every row count a step samples (1 .. ``max_num_seqs``), from the
+    first rows and gathered from every other row as a mixed step's are; returns the count.
+
+    Why: the head's GEMM is run eagerly (outside the graphs) at the step's row count, and cuBLAS
+    picks a kernel per shape; a kernel's first launch loads its module (CUDA's lazy loading),
+    which waits for the device. A burst goes through every count from 256 down to 1 as its
+    requests finish, so a cold server stalled its pipeline at each new one (py-spy of the
+    first vs the second burst of bench.serve on an H100: ~1 s more host time in the head and
+    its row gather; the first burst ran 7.1 ms steps against 6.7). Measured by
+    tools/logits_first_use.py: ~0.25 s at load for 256 counts. Not with tensor parallelism
+    (the head gathers its vocabulary shards across the ranks: a driver-only call would wait
+    for them)."""
+    if getattr(runner, "_tp", None) is not None:
+        return 0
+    model = runner.resource(R.WEIGHTS)
+    rows = runner.config.max_num_seqs
+    weight = model.model.norm.weight
+    hidden = torch.zeros(2 * rows, weight.shape[0], dtype=weight.dtype, device=runner.device)
+    with torch.inference_mode():
+        for m in range(1, rows + 1):
+            runner.head_logits(model, hidden, list(range(m)))
+            runner.head_logits(model, hidden, list(range(1, 2 * m, 2)))
+    return rows
+
+
 def warm_up(runner: ModelRunner, should_stop: Callable[[], bool] = lambda: False) -> float:
     """Run the warm-up steps on ``runner`` (loaded, not serving); returns its seconds. Nothing
     it made outlives it; a failure propagates (the load then fails as a whole)."""
@@ -113,10 +139,11 @@ def warm_up(runner: ModelRunner, should_stop: Callable[[], bool] = lambda: False
         torch.set_rng_state(saved_rng)
         if saved_cuda is not None:
             torch.cuda.set_rng_state(saved_cuda, runner.device)
+    heads = _warm_head(runner) if cuda and not should_stop() else 0
     if cuda:
         torch.cuda.synchronize(runner.device)
     seconds = time.perf_counter() - t0
-    log.info("warm-up: %d steps in %.2fs", n_steps, seconds)
+    log.info("warm-up: %d steps, the LM head at %d row counts, in %.2fs", n_steps, heads, seconds)
     return seconds
 
 

@@ -228,7 +228,7 @@ class ModelRunner(RunnerLoad, RunnerSleep):
             poll()
         if not idx:
             return Forwarded(batch, sample_rows, plp, [], None, None, None, None)
-        logits_all = self._logits(model, hidden, idx)
+        logits_all = self.head_logits(model, hidden, idx)
         owners = [i for i, rows in enumerate(sample_rows) for _ in rows]
         logits = logits_all[: len(flat)]
         sb = processed = None
@@ -367,7 +367,7 @@ class ModelRunner(RunnerLoad, RunnerSleep):
             words, lp_plan, len(batch))
         return result
 
-    def _logits(self, model, hidden, idx: list[int]):
+    def head_logits(self, model, hidden, idx: list[int]):
         if idx == list(range(len(idx))):
             return model.logits(hidden[: len(idx)])
         return model.logits(hidden[long_tensor(idx).to(self.device, non_blocking=True)])
@@ -380,7 +380,7 @@ class ModelRunner(RunnerLoad, RunnerSleep):
                                 self._owner[R.MODEL_STATE], None, self.device, self.block_size,
                                 seqs)
         if logits_rows:
-            self._logits(self._owner[R.WEIGHTS], hidden, logits_rows)
+            self.head_logits(self._owner[R.WEIGHTS], hidden, logits_rows)
 
 
 def _constrained(batch) -> list[tuple]:
