@@ -1,8 +1,9 @@
 """Deterministic mode's CUDA kernels (engine/ops/triton/invariant.py) against the default path's,
 on the qwen3-0.6b layer shapes (bf16): the GEMM (one launch; the o/down projections' slices in one
 launch against one GEMM per slice plus the adds) beside cuBLAS, and the paged attention by keys
-per step and warps beside the default split decode kernel. Times are CUDA-event means over
-repeated launches (ms). Prints a table and writes JSON.
+per step and warps beside the default split decode kernel; with slices, each launch (one program
+over the slices, a slice a program) forced. Times are device ms a call (CUDA graphs of repeated
+calls, replayed). Prints a table and writes JSON.
 
     python3 -m tools.bench_invariant_kernels [--out kernels.json]
 """
@@ -18,7 +19,7 @@ from engine.ops.triton import invariant as inv
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", default=None)
-ap.add_argument("--rows", default="1,64,256,2048")
+ap.add_argument("--rows", default="1,16,64,128,256,2048")
 ap.add_argument("--points", default="64x1024,256x1024,16x4096")
 ap.add_argument("--keys", default="16,32,64")
 ap.add_argument("--warps", default="4,8")
@@ -28,16 +29,30 @@ HID, H, KVH, D, INTER, bs = 1024, 16, 8, 128, 3072, 16
 torch.manual_seed(0)
 
 
-def timed(fn, n=50):
+def timed(fn, n=20):
+    """Device ms a call: ``n`` calls captured in one CUDA graph, replayed (a Triton launch costs
+    the host ~20-65 µs, more than most of these kernels take: timed launch by launch, the host
+    was measured)."""
     fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    g.replay()
     torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
-    for _ in range(n):
-        fn()
+    for _ in range(5):
+        g.replay()
     e1.record()
     torch.cuda.synchronize()
-    return e0.elapsed_time(e1) / n
+    return e0.elapsed_time(e1) / (5 * n)
 
 
 def unfused_parts(x, w, parts):  # one GEMM per slice, a copy and a cast each, the adds
@@ -48,22 +63,30 @@ def unfused_parts(x, w, parts):  # one GEMM per slice, a copy and a cast each, t
 
 
 rows_out = []
-shapes = {"qkv (q)": (H * D, HID, 1), "o (8 slices)": (HID, H * D, KVH), "gate": (INTER, HID, 1),
-          "down (8 slices)": (HID, INTER, KVH), "lm head": (151936, HID, 1)}
+shapes = {"qkv": ((H + 2 * KVH) * D, HID, model_inv.K_SPLIT), "o (8 slices)": (HID, H * D, KVH),
+          "gate_up": (2 * INTER, HID, model_inv.K_SPLIT), "down (8 slices)": (HID, INTER, KVH),
+          "lm head": (151936, HID, 1)}
 for m in [int(v) for v in a.rows.split(",")]:
     for name, (n, k, parts) in shapes.items():
         if name == "lm head" and m > 256:
             continue
         x = torch.randn(m, k, device=dev, dtype=dt)
         w = torch.randn(n, k, device=dev, dtype=dt) * 0.02
+        rounded = "slices" in name
         r = {"op": name, "rows": m, "cublas_ms": timed(lambda: F.linear(x, w)),
-             "invariant_ms": timed(lambda: inv.linear(x, w, parts=parts))}
-        if parts > 1:
+             "invariant_ms": timed(lambda: inv.linear(x, w, parts=parts, rounded=rounded))}
+        if parts > 1:  # each launch forced: one program over the slices, a slice a program
+            one = inv.linear(x, w, parts=parts, rounded=rounded, split=False)
+            assert torch.equal(inv.linear(x, w, parts=parts, rounded=rounded, split=True), one), name
+            r["one_program_ms"] = timed(lambda: inv.linear(x, w, parts=parts, rounded=rounded, split=False))
+            r["split_ms"] = timed(lambda: inv.linear(x, w, parts=parts, rounded=rounded, split=True))
+        if rounded:
             r["unfused_ms"] = timed(lambda: unfused_parts(x, w, parts))
             assert torch.equal(unfused_parts(x, w, parts), inv.linear(x, w, parts=parts)), name
         rows_out.append(r)
         print(f"gemm {name:16s} rows {m:5d}: cuBLAS {r['cublas_ms']:.4f}  invariant "
-              f"{r['invariant_ms']:.4f}" + (f"  unfused {r['unfused_ms']:.4f}" if parts > 1 else ""),
+              f"{r['invariant_ms']:.4f}" + "".join(f"  {k[:-3]} {r[k]:.4f}" for k in
+                                                    ("one_program_ms", "split_ms", "unfused_ms") if k in r),
               flush=True)
 
 att = []

@@ -58,6 +58,12 @@ Tiles = tuple[torch.Tensor, torch.Tensor]  # (first row, rows) of each attention
 #: 182 / 139 / 117 (many small GEMMs run slower than one large one)
 TILE_ROWS = 16
 
+#: CUDA: a linear without ``k_parts`` sums its input dimension in this many fixed slices (their
+#: float32 products added in order, not rounded): a decode step's few rows then run a slice a
+#: program and still fill the device (engine/ops/triton/invariant.py). The slices depend on the
+#: input dimension only, which a tensor-parallel shard of these linears keeps whole.
+K_SPLIT = 4
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with every row computed in a GEMM of one shape (on CUDA:
@@ -112,6 +118,9 @@ class InvariantLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.k_parts < 2:
+            if gpu_invariant.usable(x.device):  # in K_SPLIT slices where the input divides
+                s = K_SPLIT if self.in_features % (K_SPLIT * gpu_invariant.BLOCK_K) == 0 else 1
+                return gpu_invariant.linear(x, self.weight, self.bias, parts=s, rounded=False)
             return linear(x, self.weight, self.bias)
         if gpu_invariant.usable(x.device):  # the same sum, in one launch
             return gpu_invariant.linear(x, self.weight, self.bias, parts=self.k_parts)
@@ -284,5 +293,5 @@ def make_invariant(model: CausalLM) -> str:
     return name
 
 
-__all__ = ["linear", "silu", "partial_products", "add_in_order", "InvariantLinear",
+__all__ = ["K_SPLIT", "linear", "silu", "partial_products", "add_in_order", "InvariantLinear",
            "InvariantRMSNorm", "InvariantCausalLM", "make_invariant", "row_tables", "TILE_ROWS"]

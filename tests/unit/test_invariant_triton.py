@@ -50,6 +50,16 @@ for dt in (torch.float32, torch.float16):
     summed = inv.linear(xs, ws, parts=4)
     assert summed.dtype == dt and torch.equal(summed, ref.to(dt)), dt
     assert torch.equal(inv.linear(xs[7:8], ws, parts=4)[0], summed[7]), dt
+    # a slice a program and a second launch adding them: the bits of one program looping over
+    # the slices, rounded (o/down) or not (the K_SPLIT slices), at every row count
+    for rounded in (True, False):
+        one = inv.linear(xs, ws, parts=4, rounded=rounded, split=False)
+        assert torch.equal(inv.linear(xs, ws, parts=4, rounded=rounded, split=True), one), (dt, rounded)
+        for rows in ((3, 4), (0, 70), (69, 70)):
+            got = inv.linear(xs[rows[0]:rows[1]], ws, parts=4, rounded=rounded)  # by tile count
+            assert torch.equal(got, one[rows[0]:rows[1]]), (dt, rounded, rows)
+    if dt == torch.float16:  # the rounding is not a no-op
+        assert not torch.equal(inv.linear(xs, ws, parts=4, rounded=False), summed)
 
 # the attention: 4 query heads on 2 KV heads, blocks of 4 keys, rows of 1 .. 37 keys
 heads, kv_heads, dim, bs, blocks = 4, 2, 16, 4, 40

@@ -13,9 +13,15 @@ arithmetic is fixed at compile time:
   ``BLOCK_K`` steps from 0 in order, no split-K, one configuration for every row count. A tensor-core
   MMA computes each output element from its own row and column, so a row's values do not depend on
   the other rows of its tile or on how many tiles there are. With ``parts``, the same kernel runs
-  the ``K`` loop once per slice of the input, rounds each slice's product to the input's dtype and
-  adds them in order (the o/down projections of engine/model/invariant.py: one launch instead of
-  a GEMM, a copy and a cast per slice and an add per slice).
+  the ``K`` loop once per slice of the input, rounds each slice's product to the input's dtype
+  (the o/down projections of engine/model/invariant.py: one slice per KV head's share) or not
+  (the q/k/v and gate/up projections: fixed slices of the input) and adds them in order. A
+  decode step's few rows make few output tiles, too few programs to stream the weight at the
+  device's bandwidth (16 for the o/down projections of a 0.6B model on 132 SMs): there each
+  slice runs in a program of its own, stores its product in float32, and a second launch adds
+  them in the same order -- the same arithmetic, so the same bits, as one program looping over
+  the slices (checked bitwise in tests/unit/test_invariant_triton.py); which launch runs depends
+  on the row count, the bits do not.
 * :func:`attention`: one program per (tile, KV head): a tile is a run of up to
   :func:`query_tile` consecutive queries of one sequence (a decode row: a tile of its own), its
   queries' GQA heads the rows of one block of ``ROWS`` rows; keys ``0 .. len - 1`` read through the
@@ -55,44 +61,75 @@ def usable(device: torch.device) -> bool:
 
 if triton is not None:
 
+    @triton.jit
+    def _slice_product(X, W, rows, cols, p, m, n, k, stride_x, stride_w,
+                       IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # slice p of the input dimension (inputs p * k .. p * k + k - 1): its product, float32,
+        # the K loop in BK steps from the slice's first input, in order
+        ks = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, k, BK):
+            kk = k0 + ks
+            a = tl.load(X + rows[:, None] * stride_x + (p * k + kk)[None, :],
+                        mask=(rows[:, None] < m) & (kk[None, :] < k), other=0.0)
+            b = tl.load(W + cols[None, :] * stride_w + (p * k + kk)[:, None],
+                        mask=(cols[None, :] < n) & (kk[:, None] < k), other=0.0)
+            if IEEE:  # float32 inputs: no TF32 rounding
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        return acc
+
     @triton.jit(do_not_specialize=["m"])
     def _gemm_kernel(X, W, Y, m, n, k, stride_x, stride_w, stride_y, stride_yp,
                      IEEE: tl.constexpr, PARTS: tl.constexpr, SUM: tl.constexpr,
+                     ROUND: tl.constexpr, SPLIT: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        # ``PARTS`` slices of ``k`` inputs each: slice p's product is rounded to X's dtype;
+        # ``PARTS`` slices of ``k`` inputs each; ROUND: slice p's product rounded to X's dtype.
         # SUM: the slices' products added in order in float32, stored in Y's dtype; else each
-        # slice's product stored (float32) at Y + p * stride_yp. One slice: a plain GEMM.
+        # slice's product stored (float32) at Y + p * stride_yp. SPLIT: this program computes
+        # the one slice program_id(2) (stored as without SUM; _sum_kernel adds them). One
+        # slice: a plain GEMM.
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
         cols = pid_n * BN + tl.arange(0, BN)
-        ks = tl.arange(0, BK)
         out_mask = (rows[:, None] < m) & (cols[None, :] < n)
-        total = tl.zeros((BM, BN), dtype=tl.float32)
-        for p in tl.static_range(PARTS):
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for k0 in range(0, k, BK):
-                kk = k0 + ks
-                a = tl.load(X + rows[:, None] * stride_x + (p * k + kk)[None, :],
-                            mask=(rows[:, None] < m) & (kk[None, :] < k), other=0.0)
-                b = tl.load(W + cols[None, :] * stride_w + (p * k + kk)[:, None],
-                            mask=(cols[None, :] < n) & (kk[:, None] < k), other=0.0)
-                if IEEE:  # float32 inputs: no TF32 rounding
-                    acc = tl.dot(a, b, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, b, acc)
-            part = acc.to(X.dtype.element_ty).to(tl.float32)
-            if SUM:
-                if p == 0:
-                    total = part
-                else:
-                    total = total + part
-            else:
-                tl.store(Y + p * stride_yp + rows[:, None] * stride_y + cols[None, :], part,
-                         mask=out_mask)
-        if SUM:
-            tl.store(Y + rows[:, None] * stride_y + cols[None, :], total.to(Y.dtype.element_ty),
+        if SPLIT:
+            p = tl.program_id(2)
+            part = _slice_product(X, W, rows, cols, p, m, n, k, stride_x, stride_w, IEEE, BM, BN, BK)
+            if ROUND:
+                part = part.to(X.dtype.element_ty).to(tl.float32)
+            tl.store(Y + p * stride_yp + rows[:, None] * stride_y + cols[None, :], part,
                      mask=out_mask)
+        else:
+            total = tl.zeros((BM, BN), dtype=tl.float32)
+            for p in tl.static_range(PARTS):
+                part = _slice_product(X, W, rows, cols, p, m, n, k, stride_x, stride_w, IEEE, BM, BN, BK)
+                if ROUND:
+                    part = part.to(X.dtype.element_ty).to(tl.float32)
+                if SUM:
+                    if p == 0:
+                        total = part
+                    else:
+                        total = total + part
+                else:
+                    tl.store(Y + p * stride_yp + rows[:, None] * stride_y + cols[None, :], part,
+                             mask=out_mask)
+            if SUM:
+                tl.store(Y + rows[:, None] * stride_y + cols[None, :],
+                         total.to(Y.dtype.element_ty), mask=out_mask)
+
+    @triton.jit(do_not_specialize=["total"])
+    def _sum_kernel(P, Y, total, stride_p, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+        # Y = P[0] + P[1] + ... in order, float32, stored in Y's dtype (``_gemm_kernel`` with
+        # SUM adds its slices the same way)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < total
+        acc = tl.load(P + offs, mask=mask, other=0.0)
+        for p in tl.static_range(1, PARTS):
+            acc = acc + tl.load(P + p * stride_p + offs, mask=mask, other=0.0)
+        tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit(do_not_specialize=["stride_t"])
     def _attention_kernel(Q, C, T, L, R0, RN, O, scale, stride_qt, stride_qh, stride_c0,
@@ -151,7 +188,20 @@ if triton is not None:
                  out.to(O.dtype.element_ty), mask=valid[:, None])
 
 
-def _gemm(x: torch.Tensor, weight: torch.Tensor, parts: int, summed: bool) -> torch.Tensor:
+#: elements a program of _sum_kernel adds
+SUM_BLOCK = 1024
+
+
+def _programs_wanted(device: torch.device) -> int:
+    """A GEMM whose output tiles are fewer than this runs its slices in programs of their own
+    (the streaming multiprocessors; 4 in Triton's CPU interpreter, for the tests)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _gemm(x: torch.Tensor, weight: torch.Tensor, parts: int, summed: bool, rounded: bool = True,
+          split: Optional[bool] = None) -> torch.Tensor:
     k, n = x.shape[-1], weight.shape[0]
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
@@ -161,23 +211,39 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, parts: int, summed: bool) -> to
     m = rows.shape[0]
     if k % parts:
         raise ValueError(f"invariant GEMM: {k} inputs do not split into {parts} slices")
+    tiles = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    if split is None:  # the same bits either way: only the launch differs (module docstring)
+        split = summed and parts > 1 and tiles[0] * tiles[1] < _programs_wanted(x.device)
+    split = split and parts > 1
     y = (torch.empty(m, n, dtype=x.dtype, device=x.device) if summed
          else torch.empty(parts, m, n, dtype=torch.float32, device=x.device))
-    if m:
-        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-        _gemm_kernel[grid](rows, w, y, m, n, k // parts, rows.stride(0), w.stride(0),
-                           y.stride(-2), 0 if summed else y.stride(0),
-                           IEEE=rows.dtype == torch.float32, PARTS=parts, SUM=summed,
-                           BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=4, num_stages=3)
+    if not m:
+        return y
+    flags = dict(IEEE=rows.dtype == torch.float32, PARTS=parts, ROUND=rounded,
+                 BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=4, num_stages=3)
+    if split:
+        out = y if not summed else torch.empty(parts, m, n, dtype=torch.float32, device=x.device)
+        _gemm_kernel[(*tiles, parts)](rows, w, out, m, n, k // parts, rows.stride(0), w.stride(0),
+                                      out.stride(-2), out.stride(0), SUM=False, SPLIT=True, **flags)
+        if summed:
+            _sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](out, y, m * n, out.stride(0),
+                                                        PARTS=parts, BLOCK=SUM_BLOCK)
+        return y
+    _gemm_kernel[tiles](rows, w, y, m, n, k // parts, rows.stride(0), w.stride(0),
+                        y.stride(-2), 0 if summed else y.stride(0), SUM=summed, SPLIT=False, **flags)
     return y
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, parts: int = 1) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, parts: int = 1,
+           rounded: bool = True, split: Optional[bool] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with a row's result independent of the other rows.
-    ``parts``: the input dimension in that many equal slices, each slice's product rounded to
-    x's dtype, then added in order in float32 (:func:`partial_products` summed, in one launch)."""
+    ``parts``: the input dimension in that many equal slices, each slice's product (rounded to
+    x's dtype with ``rounded``) added in order in float32 (:func:`partial_products` summed).
+    With few output tiles (a decode step's rows) each slice runs in a program of its own and a
+    second launch adds them; else one program loops over the slices: the same arithmetic, the
+    same bits (``split`` forces one or the other: tests)."""
     n = weight.shape[0]
-    y = _gemm(x, weight, parts, summed=True)
+    y = _gemm(x, weight, parts, summed=True, rounded=rounded, split=split)
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], n)
