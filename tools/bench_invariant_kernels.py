@@ -20,7 +20,7 @@ from engine.ops.triton import invariant as inv
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", default=None)
 ap.add_argument("--rows", default="1,16,64,128,256,2048")
-ap.add_argument("--points", default="64x1024,256x1024,16x4096")
+ap.add_argument("--points", default="1x1024,64x1024,256x1024,16x4096")
 ap.add_argument("--keys", default="16,32,64")
 ap.add_argument("--warps", default="4,8")
 a = ap.parse_args()
@@ -108,6 +108,11 @@ for b, ctx in [tuple(int(v) for v in p.split("x")) for p in a.points.split(",")]
             t = timed(lambda: inv.attention(q, cache, bt, lens, D ** -0.5, keys=keys, warps=warps))
             r[f"k{keys}w{warps}_ms"] = t
             line += f" | k{keys} w{warps} {t:.4f}"
+    # a decode step's launch: each row's key segments in programs of their own, then the merge
+    one = inv.attention(q, cache, bt, lens, D ** -0.5)
+    assert torch.equal(inv.attention(q, cache, bt, lens, D ** -0.5, split=True), one)
+    r["split_ms"] = timed(lambda: inv.attention(q, cache, bt, lens, D ** -0.5, split=True))
+    line += f" | split {r['split_ms']:.4f}"
     att.append(r)
     print(line, flush=True)
 

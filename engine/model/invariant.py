@@ -140,6 +140,12 @@ class InvariantRMSNorm(RMSNorm):
         return super().forward(x)
 
 
+def decode_only(meta: AttentionMetadata, t: int) -> bool:
+    """Whether the step's ``t`` rows are all decode rows (a CUDA graph's step is)."""
+    return (meta.decode_rows is not None and not meta.prefills and not meta.context_groups
+            and meta.decode_rows.shape[0] == t)
+
+
 def row_tables(meta: AttentionMetadata, positions: torch.Tensor, block_size: int,
                query_tile: int = 0) -> tuple[torch.Tensor, torch.Tensor, Optional[Tiles]]:
     """Each packed row's block table ``[T, W]`` and visible key count ``[T]`` (its position + 1),
@@ -155,8 +161,7 @@ def row_tables(meta: AttentionMetadata, positions: torch.Tensor, block_size: int
     if meta.prefill_batch is not None:
         raise RuntimeError("the paged prefill kernel's metadata has no per-row tables: a "
                            "deterministic model runs with use_fused = False")
-    if (query_tile and meta.decode_rows is not None and not meta.prefills
-            and not meta.context_groups and meta.decode_rows.shape[0] == t):
+    if query_tile and decode_only(meta, t):
         # a decode-only step (a CUDA graph's too): its rows in order, their tables as they are
         rows = meta.decode_rows
         return meta.decode_block_tables, positions + 1, (rows, torch.ones_like(rows))
@@ -203,8 +208,11 @@ class InvariantCausalLM(CausalLM):
         tables, lens, tiles = row_tables(meta, positions, kv.shape[3], self.query_tile)
         attend = self.attention_kernel
         if tiles is not None:  # CUDA: the fused per-row kernels
+            # a decode-only step (every row a tile of its own): each row's key segments in
+            # programs of their own, merged by a second launch (the same bits)
+            split = decode_only(meta, t)
             return self._forward_cuda(input_ids, positions, kv, meta, lambda q, c, a: attend(
-                q, c, tables, lens, a.scale, tiles=tiles))
+                q, c, tables, lens, a.scale, tiles=tiles, split=split))
         for i, layer in enumerate(m.layers):
             a, mlp = layer.self_attn, layer.mlp
             q, k, v = a._qkv(layer.input_layernorm(x))
@@ -294,4 +302,4 @@ def make_invariant(model: CausalLM) -> str:
 
 
 __all__ = ["K_SPLIT", "linear", "silu", "partial_products", "add_in_order", "InvariantLinear",
-           "InvariantRMSNorm", "InvariantCausalLM", "make_invariant", "row_tables", "TILE_ROWS"]
+           "InvariantRMSNorm", "InvariantCausalLM", "make_invariant", "decode_only", "row_tables", "TILE_ROWS"]

@@ -52,6 +52,8 @@ BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
 KEYS = 64
 #: (query, head) rows of one attention program: ``ROWS // G`` queries of one sequence, ``G`` heads
 ROWS = 64
+#: keys of one segment of the attention: each from an empty softmax state, merged in order
+SEGMENT = 256
 
 
 def usable(device: torch.device) -> bool:
@@ -131,43 +133,27 @@ if triton is not None:
             acc = acc + tl.load(P + p * stride_p + offs, mask=mask, other=0.0)
         tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=mask)
 
-    @triton.jit(do_not_specialize=["stride_t"])
-    def _attention_kernel(Q, C, T, L, R0, RN, O, scale, stride_qt, stride_qh, stride_c0,
-                          stride_cb, stride_cs, stride_ch, stride_t, stride_ot, stride_oh,
-                          GQA: tl.constexpr, G: tl.constexpr, BQ: tl.constexpr, D: tl.constexpr,
-                          BS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
-        # one program: the tile's rows R0 .. R0 + RN - 1 (consecutive queries of one sequence,
-        # one block table: row R0's) x one KV head's GQA query heads, as the BQ * G rows of one
-        # block (row i: query i // G, head i % G); keys in chunks of BN from key 0
-        tile = tl.program_id(0)
-        kvh = tl.program_id(1)
-        r0 = tl.load(R0 + tile)
-        nr = tl.load(RN + tile)
-        i = tl.arange(0, BQ * G)
-        qi = i // G
-        gi = i % G
-        row = r0 + qi
-        live = qi < nr
-        valid = live & (gi < GQA)
+    @triton.jit
+    def _segment(C, T, q, n_keys, kvh, seg0, seg_end, scale, stride_c0, stride_cb, stride_cs,
+                 stride_ch, stride_t, tab, D: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+                 IEEE: tl.constexpr, R: tl.constexpr):
+        # the rows' softmax state over keys seg0 .. seg_end - 1 (each row: those below its own
+        # n_keys), from an empty state, keys in chunks of BN from seg0: (max, sum, weighted V)
         d = tl.arange(0, D)
-        q = tl.load(Q + row[:, None] * stride_qt + (kvh * GQA + gi)[:, None] * stride_qh
-                    + d[None, :], mask=valid[:, None], other=0.0)  # [BQ * G, D]
-        n_keys = tl.load(L + row, mask=live, other=0)  # each row's own
-        last = tl.max(n_keys, axis=0)
-        m_i = tl.full((BQ * G,), float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros((BQ * G,), dtype=tl.float32)
-        acc = tl.zeros((BQ * G, D), dtype=tl.float32)
-        for start in range(0, last, BN):
+        m_i = tl.full((R,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((R,), dtype=tl.float32)
+        acc = tl.zeros((R, D), dtype=tl.float32)
+        for start in range(seg0, seg_end, BN):
             keys = start + tl.arange(0, BN)
-            kmask = keys < last
-            blk = tl.load(T + r0 * stride_t + keys // BS, mask=kmask, other=0)
+            kmask = keys < seg_end
+            blk = tl.load(T + tab * stride_t + keys // BS, mask=kmask, other=0)
             base = blk * stride_cb + (keys % BS) * stride_cs + kvh * stride_ch
             k = tl.load(C + base[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = s * scale  # [BQ * G, BN]
+            s = s * scale  # [R, BN]
             seen = keys[None, :] < n_keys[:, None]
             s = tl.where(seen, s, float("-inf"))
             # a row whose keys ended before this chunk keeps its state exactly (not `* 1 + 0`)
@@ -183,8 +169,97 @@ if triton is not None:
             l_i = tl.where(on, l_i * alpha + tl.sum(p, axis=1), l_i)
             acc = tl.where(on[:, None], acc * alpha[:, None] + pv, acc)
             m_i = m_new
-        out = acc / tl.where(live, l_i, 1.0)[:, None]
-        tl.store(O + row[:, None] * stride_ot + (kvh * GQA + gi)[:, None] * stride_oh + d[None, :],
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _merge(m, l, acc, m_s, l_s, acc_s, on):
+        # the state so far and a later segment's, for the rows ``on`` (the others keep theirs
+        # exactly). Explicit FMAs, so that the attention kernel and _merge_kernel round alike
+        # (a compiler free to contract `x * a + y * b` may do so in one kernel, not the other);
+        # from the empty state (m -inf, l and acc 0) the result is the segment's, exactly.
+        m_new = tl.where(on, tl.maximum(m, m_s), m)
+        a = tl.exp(m - m_new)
+        b = tl.exp(m_s - m_new)
+        l_new = tl.fma(l, a, l_s * b)
+        acc_new = tl.fma(acc, a[:, None], acc_s * b[:, None])
+        return m_new, tl.where(on, l_new, l), tl.where(on[:, None], acc_new, acc)
+
+    @triton.jit(do_not_specialize=["stride_t", "z_count"])
+    def _attention_kernel(Q, C, T, L, R0, RN, O, PM, PL, PA, scale, stride_qt, stride_qh,
+                          stride_c0, stride_cb, stride_cs, stride_ch, stride_t, stride_ot,
+                          stride_oh, stride_pt, stride_ph, z_count,
+                          GQA: tl.constexpr, G: tl.constexpr, BQ: tl.constexpr, D: tl.constexpr,
+                          BS: tl.constexpr, BN: tl.constexpr, SEG: tl.constexpr,
+                          IEEE: tl.constexpr, SPLIT: tl.constexpr):
+        # one program: the tile's rows R0 .. R0 + RN - 1 (consecutive queries of one sequence,
+        # one block table: row R0's) x one KV head's GQA query heads, as the BQ * G rows of one
+        # block (row i: query i // G, head i % G); keys in segments of SEG from key 0, each from
+        # an empty state (_segment), merged in order (_merge). SPLIT (a decode row a tile): this
+        # program computes segments z, z + z_count, ... and stores each one's state at
+        # PM / PL / PA[row, head, segment]; _merge_kernel merges them in order.
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        r0 = tl.load(R0 + tile)
+        nr = tl.load(RN + tile)
+        i = tl.arange(0, BQ * G)
+        qi = i // G
+        gi = i % G
+        row = r0 + qi
+        live = qi < nr
+        valid = live & (gi < GQA)
+        d = tl.arange(0, D)
+        head = kvh * GQA + gi
+        q = tl.load(Q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=valid[:, None], other=0.0)  # [BQ * G, D]
+        n_keys = tl.load(L + row, mask=live, other=0)  # each row's own
+        last = tl.max(n_keys, axis=0)
+        if SPLIT:
+            for seg0 in range(tl.program_id(2) * SEG, last, z_count * SEG):
+                seg_end = tl.minimum(seg0 + SEG, last)
+                m_s, l_s, acc_s = _segment(C, T, q, n_keys, kvh, seg0, seg_end, scale,
+                                           stride_c0, stride_cb, stride_cs, stride_ch,
+                                           stride_t, r0, D, BS, BN, IEEE, BQ * G)
+                at = row * stride_pt + head * stride_ph + seg0 // SEG
+                tl.store(PM + at, m_s, mask=valid)
+                tl.store(PL + at, l_s, mask=valid)
+                tl.store(PA + at[:, None] * D + d[None, :], acc_s, mask=valid[:, None])
+        else:
+            m_i = tl.full((BQ * G,), float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros((BQ * G,), dtype=tl.float32)
+            acc = tl.zeros((BQ * G, D), dtype=tl.float32)
+            for seg0 in range(0, last, SEG):
+                seg_end = tl.minimum(seg0 + SEG, last)
+                m_s, l_s, acc_s = _segment(C, T, q, n_keys, kvh, seg0, seg_end, scale,
+                                           stride_c0, stride_cb, stride_cs, stride_ch,
+                                           stride_t, r0, D, BS, BN, IEEE, BQ * G)
+                m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s, seg0 < n_keys)
+            out = acc / tl.where(live, l_i, 1.0)[:, None]
+            tl.store(O + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     out.to(O.dtype.element_ty), mask=valid[:, None])
+
+    @triton.jit
+    def _merge_kernel(L, PM, PL, PA, O, stride_pt, stride_ph, stride_ot, stride_oh,
+                      GQA: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SEG: tl.constexpr):
+        # one program: one row x one KV head's GQA heads; its segments' states merged in order
+        row = tl.program_id(0)
+        kvh = tl.program_id(1)
+        gi = tl.arange(0, G)
+        valid = gi < GQA
+        head = kvh * GQA + gi
+        d = tl.arange(0, D)
+        n_keys = tl.load(L + row)
+        m_i = tl.full((G,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((G,), dtype=tl.float32)
+        acc = tl.zeros((G, D), dtype=tl.float32)
+        on = valid & (n_keys > 0)
+        for s in range(0, tl.cdiv(n_keys, SEG)):
+            at = row * stride_pt + head * stride_ph + s
+            m_s = tl.load(PM + at, mask=valid, other=float("-inf"))
+            l_s = tl.load(PL + at, mask=valid, other=0.0)
+            acc_s = tl.load(PA + at[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+            m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s, on)
+        out = acc / tl.where(on, l_i, 1.0)[:, None]
+        tl.store(O + row * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(O.dtype.element_ty), mask=valid[:, None])
 
 
@@ -263,17 +338,24 @@ def query_tile(gqa: int) -> int:
 
 def attention(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
               scale: float, tiles: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-              keys: int = KEYS, warps: int = 4) -> torch.Tensor:
+              keys: int = KEYS, warps: int = 4, segment: int = SEGMENT,
+              split: bool = False) -> torch.Tensor:
     """q [T, H, D]; cache [2, blocks, bs, Hkv, D]; tables [T, W] (row r's blocks); lens [T]
     (row r sees keys ``0 .. lens[r] - 1``, each >= 1) -> [T, H, D] in q's dtype. ``tiles``:
     (first row, rows) of each program's run of consecutive queries of one sequence (each at
     most :func:`query_tile` rows; they share row ``first``'s table); default: a row each.
-    ``keys`` (the chunk of the online softmax) and ``warps``: for tools/bench_invariant_kernels.py;
-    a deterministic engine runs one value of each (another chunk size changes the bits)."""
+    ``split`` (only where every row is a tile of its own: a decode step): each row's key
+    segments in programs of their own, merged by a second launch -- the bits of one program
+    going through them in order.
+    ``keys`` (the chunk of the online softmax), ``segment`` and ``warps``: for tests and
+    tools/bench_invariant_kernels.py; a deterministic engine runs one value of each (another
+    chunk or segment size changes the bits)."""
     t, heads, dim = q.shape
     bs, kv_heads = cache.shape[2], cache.shape[3]
     if heads % kv_heads or dim & (dim - 1) or dim < 16 or cache.stride(-1) != 1:
         raise ValueError("invariant attention: heads, head size or cache layout not supported")
+    if segment % keys:
+        raise ValueError("invariant attention: a segment is a whole number of key chunks")
     gqa = heads // kv_heads
     q = q if q.stride(-1) == 1 else q.contiguous()
     if tables.stride(-1) != 1:  # (a row stride of its own is fine: a slice of a wider table)
@@ -283,15 +365,27 @@ def attention(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: 
         first = torch.arange(t, device=q.device)
         tiles = (first, torch.ones_like(first))
     out = torch.empty(t, heads, dim, dtype=q.dtype, device=q.device)
-    if t:
-        g = triton.next_power_of_2(gqa)
-        _attention_kernel[(tiles[0].shape[0], kv_heads)](
-            q, cache, tables, lens, tiles[0], tiles[1], out, float(scale), q.stride(0),
-            q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-            tables.stride(0), out.stride(0), out.stride(1), GQA=gqa, G=g,
-            BQ=max(1, ROWS // g), D=dim, BS=bs, BN=keys, IEEE=q.dtype == torch.float32,
-            num_warps=warps)
+    if not t:
+        return out
+    g = triton.next_power_of_2(gqa)
+    # a split's per-segment states: as many segments as the tables can address (fixed for a
+    # CUDA graph's full-width tables); spread over z programs a row and head (any z: the same bits)
+    segs = triton.cdiv(tables.shape[1] * bs, segment) if split else 1
+    z = min(segs, max(1, triton.cdiv(2 * _programs_wanted(q.device), t * kv_heads))) if split else 1
+    pm = torch.empty(t if split else 1, heads, segs, dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    pa = torch.empty(*pm.shape, dim, dtype=torch.float32, device=q.device)
+    _attention_kernel[(tiles[0].shape[0], kv_heads, z)](
+        q, cache, tables, lens, tiles[0], tiles[1], out, pm, pl, pa, float(scale), q.stride(0),
+        q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        tables.stride(0), out.stride(0), out.stride(1), pm.stride(0), pm.stride(1), z,
+        GQA=gqa, G=g, BQ=max(1, ROWS // g), D=dim, BS=bs, BN=keys, SEG=segment,
+        IEEE=q.dtype == torch.float32, SPLIT=split, num_warps=warps)
+    if split:
+        _merge_kernel[(t, kv_heads)](lens, pm, pl, pa, out, pm.stride(0), pm.stride(1),
+                                     out.stride(0), out.stride(1), GQA=gqa, G=g, D=dim,
+                                     SEG=segment, num_warps=4)
     return out
 
 
-__all__ = ["usable", "linear", "partial_products", "attention", "query_tile", "ROWS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "KEYS"]
+__all__ = ["usable", "linear", "partial_products", "attention", "query_tile", "ROWS", "SEGMENT", "BLOCK_M", "BLOCK_N", "BLOCK_K", "KEYS"]
