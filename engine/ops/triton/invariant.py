@@ -40,6 +40,7 @@ compiled variant serves every batch.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -267,6 +268,7 @@ if triton is not None:
 SUM_BLOCK = 1024
 
 
+@functools.lru_cache(maxsize=None)
 def _programs_wanted(device: torch.device) -> int:
     """A GEMM whose output tiles are fewer than this runs its slices in programs of their own
     (the streaming multiprocessors; 4 in Triton's CPU interpreter, for the tests)."""
@@ -372,9 +374,12 @@ def attention(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: 
     # CUDA graph's full-width tables); spread over z programs a row and head (any z: the same bits)
     segs = triton.cdiv(tables.shape[1] * bs, segment) if split else 1
     z = min(segs, max(1, triton.cdiv(2 * _programs_wanted(q.device), t * kv_heads))) if split else 1
-    pm = torch.empty(t if split else 1, heads, segs, dtype=torch.float32, device=q.device)
-    pl = torch.empty_like(pm)
-    pa = torch.empty(*pm.shape, dim, dtype=torch.float32, device=q.device)
+    if split:
+        pm = torch.empty(t, heads, segs, dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+        pa = torch.empty(t, heads, segs, dim, dtype=torch.float32, device=q.device)
+    else:  # not read: an eager prompt step's host time is launches and allocations
+        pm = pl = pa = out
     _attention_kernel[(tiles[0].shape[0], kv_heads, z)](
         q, cache, tables, lens, tiles[0], tiles[1], out, pm, pl, pa, float(scale), q.stride(0),
         q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
