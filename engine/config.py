@@ -88,8 +88,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # kernel launches; engine/forward/mixed_inputs.py)
     mixed_cuda_graphs: bool = True
     # warm up at load, before the engine says ready (engine/core/warmup.py): a few real steps
-    # (a long prompt, decodes, each sampler and logprobs path) and, with cuda_graphs, every
-    # decode batch bucket captured, so that the first requests compile and capture nothing.
+    # (a long prompt, decodes, each sampler and logprobs path), the LM head at every row count
+    # up to max_num_seqs (a kernel's first launch waits for the device) and, with cuda_graphs,
+    # every decode batch bucket captured, so that the first requests compile and capture nothing.
     # None: on CUDA only (a CPU compiles nothing on first use; its one-request warm-up still
     # cost 0.3-0.6 s of startup, measured, which tests that open many engines would pay)
     warmup: Optional[bool] = None
