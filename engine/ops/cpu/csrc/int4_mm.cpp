@@ -63,15 +63,9 @@ EC_AVX512 void split(const float* x, int64_t n, uint16_t* hi, uint16_t* lo, floa
 // R rows (<= 8) of AVX512-BF16 dot products, output blocks [b0, b1)
 // Every loop over r is unrolled (the pragmas): rolled, GCC at -O2 kept the rows' accumulators on
 // the stack (R = 2 with `lo` ran 3.4x slower than one row instead of ~1.4x, measured).
-// P chains of accumulators a row (piece j feeds chain j % P): with one chain each of a group's 8
-// dot products waited for the one before it (vdpbf16ps' latency), so a decode row (R = 1) ran at
-// ~half the memory's speed -- the 120 layer matmuls of the default model streamed 15.7 GB/s on the
-// 2-core EPYC (2 threads), where a sum over memory reads 29 (measured). More chains for few rows;
-// 8 rows already keep 8 chains each in flight (and more would not fit the 32 registers).
 template <int R, bool LO>
 EC_AVX512 void avx_rows(const Inputs& in, int64_t K, const uint8_t* q, const uint16_t* d,
                         const uint16_t* m, int64_t b0, int64_t b1, float* out, int64_t N) {
-  constexpr int P = R == 1 ? 4 : (R == 2 ? 2 : 1);
   const int64_t G = K / 32;
   const __m512i tbl = _mm512_load_si512(kBf16Of);
   const __m512i low4 = _mm512_set1_epi16(0x0F);
@@ -83,39 +77,23 @@ EC_AVX512 void avx_rows(const Inputs& in, int64_t K, const uint8_t* q, const uin
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* qg = q + (blk * G + g) * 256;
-      __m512 ta[P][R], tb[P][R], tc[P][R], td[P][R];
-      #pragma GCC unroll 4
-      for (int p = 0; p < P; ++p) {
-        #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) ta[p][r] = tb[p][r] = tc[p][r] = td[p][r] = _mm512_setzero_ps();
-      }
+      __m512 ta[R], tb[R], tc[R], td[R];
+      #pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) ta[r] = tb[r] = tc[r] = td[r] = _mm512_setzero_ps();
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const int p = j % P;
         const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qg + j * 32)));
         const __m512bh wa = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(w, low4), tbl);
         const __m512bh wb = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), tbl);
         #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const uint32_t* xr = hi + r * (K / 2) + g * 16;
-          ta[p][r] = _mm512_dpbf16_ps(ta[p][r], wa, (__m512bh)_mm512_set1_epi32(xr[j]));
-          tb[p][r] = _mm512_dpbf16_ps(tb[p][r], wb, (__m512bh)_mm512_set1_epi32(xr[j + 8]));
+          ta[r] = _mm512_dpbf16_ps(ta[r], wa, (__m512bh)_mm512_set1_epi32(xr[j]));
+          tb[r] = _mm512_dpbf16_ps(tb[r], wb, (__m512bh)_mm512_set1_epi32(xr[j + 8]));
           if (LO) {
             const uint32_t* xl = lo + r * (K / 2) + g * 16;
-            tc[p][r] = _mm512_dpbf16_ps(tc[p][r], wa, (__m512bh)_mm512_set1_epi32(xl[j]));
-            td[p][r] = _mm512_dpbf16_ps(td[p][r], wb, (__m512bh)_mm512_set1_epi32(xl[j + 8]));
-          }
-        }
-      }
-      #pragma GCC unroll 4
-      for (int p = 1; p < P; ++p) {
-        #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          ta[0][r] = _mm512_add_ps(ta[0][r], ta[p][r]);
-          tb[0][r] = _mm512_add_ps(tb[0][r], tb[p][r]);
-          if (LO) {
-            tc[0][r] = _mm512_add_ps(tc[0][r], tc[p][r]);
-            td[0][r] = _mm512_add_ps(td[0][r], td[p][r]);
+            tc[r] = _mm512_dpbf16_ps(tc[r], wa, (__m512bh)_mm512_set1_epi32(xl[j]));
+            td[r] = _mm512_dpbf16_ps(td[r], wb, (__m512bh)_mm512_set1_epi32(xl[j + 8]));
           }
         }
       }
@@ -123,8 +101,8 @@ EC_AVX512 void avx_rows(const Inputs& in, int64_t K, const uint8_t* q, const uin
       const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(m + (blk * G + g) * 16)));
       #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const __m512 s = LO ? _mm512_add_ps(_mm512_add_ps(ta[0][r], tb[0][r]), _mm512_add_ps(tc[0][r], td[0][r]))
-                            : _mm512_add_ps(ta[0][r], tb[0][r]);
+        const __m512 s = LO ? _mm512_add_ps(_mm512_add_ps(ta[r], tb[r]), _mm512_add_ps(tc[r], td[r]))
+                            : _mm512_add_ps(ta[r], tb[r]);
         acc[r] = _mm512_fmadd_ps(s, dv, acc[r]);
         acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(in.sums[r * G + g]), acc[r]);
       }
