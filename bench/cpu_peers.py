@@ -5,7 +5,9 @@
 
 Engines: ``enginecore`` in-process (``AsyncEngine``), ``enginecore_http`` (``enginecore serve
 --http``, streamed ``/v1/completions`` with token-id prompts; RSS is the server's process tree),
-``llamacpp`` and ``llamacpp_native`` (two builds, below), ``hf`` (transformers, fp32). Each engine runs in its own process (its RSS after load is its own; a crash is one row), on the
+``llamacpp`` and ``llamacpp_native`` (two builds, below), ``llamacpp_server`` (llama.cpp's own
+``llama-server`` with 32 slots and continuous batching, streamed ``/completion`` with token-id
+prompts: llama.cpp's many-stream and HTTP figures), ``hf`` (transformers, fp32). Each engine runs in its own process (its RSS after load is its own; a crash is one row), on the
 default SmolLM2-135M Q4_1 GGUF unless ``--gguf``: 1-stream greedy decode tok/s, TTFT of a 128-
 and a 1,000-token prompt, aggregate tok/s of 8 and 32 concurrent streams, RSS after load, and with
 ``--busy`` the 1-stream figure again beside a competing spin loop (bounded: it exits by itself).
@@ -14,8 +16,9 @@ llama.cpp comes from ``llama-cpp-python`` built from source into its own venv (`
 first use; ~4 min on 2 idle cores, longer on a busy box). Build options: :func:`cmake_args`
 (``llamacpp``: NATIVE off, the CPU's AVX2 / AVX-512 set; ``llamacpp_native``: GGML_NATIVE=ON in
 ``--venv-native``, prompts fed one token a call because its batched path segfaults).
-llama-cpp-python's high-level API runs one sequence, so llama.cpp's multi-stream rows are not
-measured here.
+llama-cpp-python's high-level API runs one sequence: llama.cpp's multi-stream rows come from
+``llamacpp_server``, built (:func:`ensure_llama_server`) from the llama.cpp sources in the same
+llama-cpp-python sdist with the AVX build's options.
 
 Each worker is this file run with ``--worker NAME`` (the workers themselves:
 ``bench/cpu_peers_workers.py``); it and they import only the standard library at module level:
@@ -79,12 +82,39 @@ def ensure_llamacpp(venv: Path, native: bool = False) -> Path:
     return py
 
 
+def ensure_llama_server(build: Path) -> Path:
+    """llama.cpp's own ``llama-server`` (continuous batching over ``-np`` slots), built with
+    :func:`cmake_args` (the AVX build) from the llama.cpp sources vendored in the
+    llama-cpp-python sdist of :data:`LLAMACPP_VERSION` (from the package registry: no other
+    download); ``build`` is the CMake build folder (~5-10 min on 2 cores the first time)."""
+    exe = build / "bin" / "llama-server"
+    if exe.is_file():
+        return exe
+    print(f"building llama-server from llama-cpp-python {LLAMACPP_VERSION}'s sources into {build} "
+          "(minutes) ...", flush=True)
+    src = build.parent / (build.name + "-src")
+    src.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                    "-d", str(src), f"llama-cpp-python=={LLAMACPP_VERSION}"], check=True)
+    sdist = next(src.glob("llama_cpp_python-*.tar.gz"))
+    subprocess.run(["tar", "-xzf", str(sdist), "-C", str(src)], check=True)
+    tree = next(src.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    flags = cmake_args(False).replace("-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_SERVER=ON").replace(
+        "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_TOOLS=ON")
+    subprocess.run(["cmake", "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+                    "-DLLAMA_OPENSSL=OFF", *flags.split()], cwd=tree, check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j",
+                    str(os.cpu_count() or 2)], check=True)
+    return exe
+
+
 def run_worker(name: str, a, python: str) -> dict:
     threads = a.enginecore_threads if name.startswith("enginecore") else a.threads
     argv = [python, str(Path(__file__).resolve()), "--worker", name, "--gguf", a.gguf,
             "--threads", str(threads), "--tokens", str(a.tokens), "--dtype", a.dtype,
             "--cpu-weights", a.cpu_weights, "--busy-seconds", str(a.busy_seconds),
-            "--streams", *map(str, a.streams)] + (["--busy"] if a.busy else [])
+            "--streams", *map(str, a.streams), "--llama-server-build", str(a.llama_server_build)
+            ] + (["--busy"] if a.busy else [])
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
     if threads == "auto":  # the engine's default: its own count, following the machine
         del env["OMP_NUM_THREADS"]
@@ -141,6 +171,8 @@ def main(argv=None) -> int:
     ap.add_argument("--busy-seconds", type=float, default=120.0)
     ap.add_argument("--venv", type=Path, default=Path("/tmp/llamacpp-venv"))
     ap.add_argument("--venv-native", type=Path, default=Path("/tmp/llamacpp-native"))
+    ap.add_argument("--llama-server-build", type=Path, default=Path("/tmp/llama-server-build"),
+                    help="llamacpp_server: the CMake build folder of llama-server (made on first use)")
     ap.add_argument("--timeout", type=float, default=1200.0, help="per engine, seconds")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu_peers.json")
     ap.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
@@ -158,6 +190,8 @@ def main(argv=None) -> int:
     names = [n for n in a.engines.split(",") if n]
     rows = []
     for name in names:
+        if name == "llamacpp_server":
+            ensure_llama_server(a.llama_server_build)
         python = (str(ensure_llamacpp(a.venv)) if name == "llamacpp" else
                   str(ensure_llamacpp(a.venv_native, native=True)) if name == "llamacpp_native"
                   else sys.executable)

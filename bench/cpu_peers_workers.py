@@ -175,6 +175,73 @@ def work_enginecore_http(a) -> dict:
     return out
 
 
+def work_llamacpp_server(a) -> dict:
+    """llama.cpp's ``llama-server`` (32 slots, continuous batching; its own process group);
+    streamed ``/completion`` with the prompt as token ids, greedy, EOS ignored, no prompt cache,
+    timed at each SSE chunk (one a token)."""
+    import socket
+
+    import anyio
+    import httpx
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    slots = max(32, *a.streams)
+    exe = Path(a.llama_server_build) / "bin" / "llama-server"
+    argv = [str(exe), "-m", a.gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(a.threads),
+            "-tb", str(a.threads), "-np", str(slots), "-c", str(slots * 1088), "-cb", "--no-webui"]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    out: dict = {}
+
+    async def stream(c, ids, n):
+        body = {"prompt": ids, "n_predict": n, "temperature": 0.0, "top_k": 1, "stream": True,
+                "ignore_eos": True, "cache_prompt": False}
+        t0, first, last, count = time.perf_counter(), None, None, 0
+        async with c.stream("POST", "/completion", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("stop"):
+                    continue
+                now = time.perf_counter()
+                first = now if first is None else first
+                last, count = now, count + 1
+        return t0, first, last, count
+
+    async def main():
+        t = time.perf_counter()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as c:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"llama-server exited with {proc.returncode}")
+                try:
+                    if (await c.get("/health")).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.perf_counter() - t > 300:
+                    raise RuntimeError("llama-server not ready in 300 s")
+                await anyio.sleep(0.2)
+            out["load_s"] = time.perf_counter() - t
+            out["rss_after_load_mib"] = _tree_rss_mib(proc.pid)
+            await measure(lambda ids, n: stream(c, ids, n), a, out)
+
+    try:
+        anyio.run(main)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    return out
+
+
 def work_llamacpp(a) -> dict:
     from llama_cpp import Llama
 
@@ -260,4 +327,5 @@ class busy_neighbour:
 
 
 WORKERS = {"enginecore": work_enginecore, "enginecore_http": work_enginecore_http,
+           "llamacpp_server": work_llamacpp_server,
            "llamacpp": work_llamacpp, "llamacpp_native": work_llamacpp, "hf": work_hf}
