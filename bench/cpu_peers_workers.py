@@ -39,7 +39,7 @@ async def measure(stream, a, out: dict) -> None:
     await stream(prompt_ids(16, 0), 8)  # warm-up
     _, first, last, n = await stream(prompt_ids(16, 1), a.tokens)
     out["decode_1_tok_s"] = (n - 1) / (last - first)
-    for plen in (128, 1000):
+    for plen in (20, 128, 1000):
         t0, first, _, _ = await stream(prompt_ids(plen, plen), 1)
         out[f"ttft_{plen}_ms"] = (first - t0) * 1e3
     for count in a.streams:
@@ -265,7 +265,7 @@ def work_llamacpp(a) -> dict:
     stream(prompt_ids(16, 0), 8)
     t0, first, last, n = stream(prompt_ids(16, 1), a.tokens)
     out["decode_1_tok_s"] = (n - 1) / (last - first)
-    for plen in (128, 1000):
+    for plen in (20, 128, 1000):
         t0, first, _, _ = stream(prompt_ids(plen, plen), 1)
         out[f"ttft_{plen}_ms"] = (first - t0) * 1e3
     if a.busy:
@@ -299,7 +299,7 @@ def work_hf(a) -> dict:
     # decode rate from two lengths: the difference cancels the prefill
     t_short, t_long = gen([prompt_ids(16, 1)], 2), gen([prompt_ids(16, 1)], a.tokens)
     out["decode_1_tok_s"] = (a.tokens - 2) / (t_long - t_short)
-    for plen in (128, 1000):
+    for plen in (20, 128, 1000):
         out[f"ttft_{plen}_ms"] = gen([prompt_ids(plen, plen)], 1) * 1e3
     for s in a.streams:
         out[f"aggregate_{s}_tok_s"] = s * a.tokens / gen([prompt_ids(16, 100 + i) for i in range(s)], a.tokens)
