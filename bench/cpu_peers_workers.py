@@ -191,8 +191,9 @@ def work_llamacpp_server(a) -> dict:
     exe = Path(a.llama_server_build) / "bin" / "llama-server"
     argv = [str(exe), "-m", a.gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(a.threads),
             "-tb", str(a.threads), "-np", str(slots), "-c", str(slots * 1088), "-cb", "--no-webui"]
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{port}.log", "w+b")
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     out: dict = {}
 
     async def stream(c, ids, n):
@@ -214,7 +215,10 @@ def work_llamacpp_server(a) -> dict:
 
     async def main():
         t = time.perf_counter()
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as c:
+        # a connection a request: llama-server may close a kept-alive connection after a
+        # stream, and the next request on it then fails ("Server disconnected")
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600,
+                                     limits=httpx.Limits(max_keepalive_connections=0)) as c:
             while True:
                 if proc.poll() is not None:
                     raise RuntimeError(f"llama-server exited with {proc.returncode}")
@@ -232,6 +236,10 @@ def work_llamacpp_server(a) -> dict:
 
     try:
         anyio.run(main)
+    except Exception:
+        log.seek(0)
+        print(log.read()[-3000:].decode(errors="replace"), file=sys.stderr)  # the server's own words
+        raise
     finally:
         proc.terminate()
         try:
@@ -239,6 +247,8 @@ def work_llamacpp_server(a) -> dict:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait()
+        log.close()
+        os.unlink(log.name)
     return out
 
 
