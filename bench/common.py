@@ -267,23 +267,29 @@ def nano_vllm_workload(num_requests: int, min_input: int, max_input: int, min_ou
     return list(zip(prompts, outputs))
 
 
-async def wait_ready(client, proc, timeout: float) -> str:
-    """Poll ``enginecore serve``'s ``/ready`` through ``client`` (an ``httpx.AsyncClient`` on
-    its base URL) until it answers 200, failing if ``proc`` exits or ``timeout`` seconds pass;
-    returns the served model's id (``/v1/models``)."""
+async def wait_http(client, proc, timeout: float, path: str, what: str) -> None:
+    """Poll ``path`` through ``client`` (an ``httpx.AsyncClient`` on the server's base URL)
+    until it answers 200, failing if ``proc`` (the server, ``what``) exits or ``timeout``
+    seconds pass."""
     import anyio
     import httpx
 
     with anyio.fail_after(timeout):
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"serve exited with {proc.returncode}")
+                raise RuntimeError(f"{what} exited with {proc.returncode}")
             try:
-                if (await client.get("/ready")).status_code == 200:
-                    break
+                if (await client.get(path)).status_code == 200:
+                    return
             except httpx.TransportError:
                 pass
             await anyio.sleep(0.2)
+
+
+async def wait_ready(client, proc, timeout: float) -> str:
+    """``enginecore serve``'s ``/ready`` (:func:`wait_http`); returns the served model's id
+    (``/v1/models``)."""
+    await wait_http(client, proc, timeout, "/ready", "serve")
     return (await client.get("/v1/models")).json()["data"][0]["id"]
 
 

@@ -184,6 +184,8 @@ def work_llamacpp_server(a) -> dict:
     import anyio
     import httpx
 
+    from bench.common import wait_http
+
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
@@ -219,17 +221,7 @@ def work_llamacpp_server(a) -> dict:
         # stream, and the next request on it then fails ("Server disconnected")
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600,
                                      limits=httpx.Limits(max_keepalive_connections=0)) as c:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"llama-server exited with {proc.returncode}")
-                try:
-                    if (await c.get("/health")).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.perf_counter() - t > 300:
-                    raise RuntimeError("llama-server not ready in 300 s")
-                await anyio.sleep(0.2)
+            await wait_http(c, proc, 300, "/health", "llama-server")
             out["load_s"] = time.perf_counter() - t
             out["rss_after_load_mib"] = _tree_rss_mib(proc.pid)
             await measure(lambda ids, n: stream(c, ids, n), a, out)
