@@ -43,19 +43,23 @@ LLAMACPP_VERSION = "0.3.36"
 _NO_EXTRAS = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF"
 
 
-def cmake_args(native: bool) -> str:
+def cmake_args(native: bool, server: bool = False) -> str:
     """llama.cpp's build options. ``native`` (GGML_NATIVE=ON: -march=native, AMX on Sapphire
     Rapids) decodes fastest but segfaulted on any multi-token batch on both boxes tried (prompts
     then go one token a call: ``llamacpp_native`` runs with n_batch=1). Otherwise the vector set
     this CPU has: AVX2, plus AVX-512 F/VBMI/VNNI/BF16 where the CPU has them (no AMX): batched
-    prompts work (checked at n_batch=512 on the AMD EPYC AVX2 box and the Xeon AVX-512 box)."""
+    prompts work (checked at n_batch=512 on the AMD EPYC AVX2 box and the Xeon AVX-512 box).
+    ``server``: llama.cpp's tools and ``llama-server`` built too (:func:`ensure_llama_server`)."""
+    extras = _NO_EXTRAS
+    if server:
+        extras = extras.replace("SERVER=OFF", "SERVER=ON").replace("TOOLS=OFF", "TOOLS=ON")
     if native:
-        return "-DGGML_NATIVE=ON " + _NO_EXTRAS
+        return "-DGGML_NATIVE=ON " + extras
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     avx512 = " avx512f " in flags and " avx512_bf16 " in flags
     return ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
             + ("-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON "
-               if avx512 else "-DGGML_AVX512=OFF ") + _NO_EXTRAS)
+               if avx512 else "-DGGML_AVX512=OFF ") + extras)
 
 
 def default_gguf() -> str:
@@ -99,10 +103,9 @@ def ensure_llama_server(build: Path) -> Path:
     sdist = next(src.glob("llama_cpp_python-*.tar.gz"))
     subprocess.run(["tar", "-xzf", str(sdist), "-C", str(src)], check=True)
     tree = next(src.glob("llama_cpp_python-*/vendor/llama.cpp"))
-    flags = cmake_args(False).replace("-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_SERVER=ON").replace(
-        "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_TOOLS=ON")
     subprocess.run(["cmake", "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-                    "-DLLAMA_OPENSSL=OFF", *flags.split()], cwd=tree, check=True)
+                    "-DLLAMA_OPENSSL=OFF", *cmake_args(False, server=True).split()], cwd=tree,
+                   check=True)
     subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j",
                     str(os.cpu_count() or 2)], check=True)
     return exe

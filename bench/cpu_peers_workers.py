@@ -114,19 +114,33 @@ def _tree_rss_mib(pid: int) -> float:
     return total
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM to a server started in its own session; its process group killed after ``grace``."""
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
 def work_enginecore_http(a) -> dict:
     """``enginecore serve --http`` in its own process group; streamed /v1/completions with the
     prompt as token ids (what benchmark clients send), timed at each SSE chunk."""
-    import socket
-
     import anyio
     import httpx
 
     from bench.common import wait_ready
 
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
+    port = _free_port()
     argv = [sys.executable, "-m", "entrypoints.cli", "serve", "--model", a.gguf, "--device", "cpu",
             "--dtype", a.dtype, "--cpu-weights", a.cpu_weights,
             *([] if a.threads == "auto" else ["--threads", str(a.threads)]),
@@ -166,12 +180,7 @@ def work_enginecore_http(a) -> dict:
     try:
         anyio.run(main)
     finally:
-        proc.terminate()  # SIGTERM: the server drains and exits
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        _stop(proc, 60)  # SIGTERM: the server drains and exits
     return out
 
 
@@ -179,21 +188,19 @@ def work_llamacpp_server(a) -> dict:
     """llama.cpp's ``llama-server`` (32 slots, continuous batching; its own process group);
     streamed ``/completion`` with the prompt as token ids, greedy, EOS ignored, no prompt cache,
     timed at each SSE chunk (one a token)."""
-    import socket
+    import tempfile
 
     import anyio
     import httpx
 
     from bench.common import wait_http
 
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
+    port = _free_port()
     slots = max(32, *a.streams)
     exe = Path(a.llama_server_build) / "bin" / "llama-server"
     argv = [str(exe), "-m", a.gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(a.threads),
             "-tb", str(a.threads), "-np", str(slots), "-c", str(slots * 1088), "-cb", "--no-webui"]
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{port}.log", "w+b")
+    log = tempfile.TemporaryFile()
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     out: dict = {}
@@ -233,14 +240,8 @@ def work_llamacpp_server(a) -> dict:
         print(log.read()[-3000:].decode(errors="replace"), file=sys.stderr)  # the server's own words
         raise
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        _stop(proc, 30)
         log.close()
-        os.unlink(log.name)
     return out
 
 

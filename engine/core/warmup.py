@@ -79,7 +79,7 @@ def _warm_head(runner: ModelRunner) -> int:
     tools/logits_first_use.py: ~0.25 s at load for 256 counts. Not with tensor parallelism
     (the head gathers its vocabulary shards across the ranks: a driver-only call would wait
     for them)."""
-    if getattr(runner, "_tp", None) is not None:
+    if runner.tensor_parallel:
         return 0
     model = runner.resource(R.WEIGHTS)
     rows = runner.config.max_num_seqs

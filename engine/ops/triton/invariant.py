@@ -289,9 +289,9 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, parts: int, summed: bool, round
     if k % parts:
         raise ValueError(f"invariant GEMM: {k} inputs do not split into {parts} slices")
     tiles = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    if split is None:  # the same bits either way: only the launch differs (module docstring)
-        split = summed and parts > 1 and tiles[0] * tiles[1] < _programs_wanted(x.device)
-    split = split and parts > 1
+    # a slice a program, then the in-order sum (the same bits either way: module docstring)
+    split = summed and parts > 1 and (
+        split if split is not None else tiles[0] * tiles[1] < _programs_wanted(x.device))
     y = (torch.empty(m, n, dtype=x.dtype, device=x.device) if summed
          else torch.empty(parts, m, n, dtype=torch.float32, device=x.device))
     if not m:
@@ -299,12 +299,11 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, parts: int, summed: bool, round
     flags = dict(IEEE=rows.dtype == torch.float32, PARTS=parts, ROUND=rounded,
                  BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=4, num_stages=3)
     if split:
-        out = y if not summed else torch.empty(parts, m, n, dtype=torch.float32, device=x.device)
-        _gemm_kernel[(*tiles, parts)](rows, w, out, m, n, k // parts, rows.stride(0), w.stride(0),
-                                      out.stride(-2), out.stride(0), SUM=False, SPLIT=True, **flags)
-        if summed:
-            _sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](out, y, m * n, out.stride(0),
-                                                        PARTS=parts, BLOCK=SUM_BLOCK)
+        part = torch.empty(parts, m, n, dtype=torch.float32, device=x.device)
+        _gemm_kernel[(*tiles, parts)](rows, w, part, m, n, k // parts, rows.stride(0), w.stride(0),
+                                      part.stride(-2), part.stride(0), SUM=False, SPLIT=True, **flags)
+        _sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](part, y, m * n, part.stride(0),
+                                                    PARTS=parts, BLOCK=SUM_BLOCK)
         return y
     _gemm_kernel[tiles](rows, w, y, m, n, k // parts, rows.stride(0), w.stride(0),
                         y.stride(-2), 0 if summed else y.stride(0), SUM=summed, SPLIT=False, **flags)
@@ -370,16 +369,16 @@ def attention(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: 
     if not t:
         return out
     g = triton.next_power_of_2(gqa)
-    # a split's per-segment states: as many segments as the tables can address (fixed for a
-    # CUDA graph's full-width tables); spread over z programs a row and head (any z: the same bits)
-    segs = triton.cdiv(tables.shape[1] * bs, segment) if split else 1
-    z = min(segs, max(1, triton.cdiv(2 * _programs_wanted(q.device), t * kv_heads))) if split else 1
     if split:
+        # per-segment states: as many segments as the tables can address (fixed for a CUDA
+        # graph's full-width tables), spread over z programs a row and head (any z: same bits)
+        segs = triton.cdiv(tables.shape[1] * bs, segment)
+        z = min(segs, max(1, triton.cdiv(2 * _programs_wanted(q.device), t * kv_heads)))
         pm = torch.empty(t, heads, segs, dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
         pa = torch.empty(t, heads, segs, dim, dtype=torch.float32, device=q.device)
     else:  # not read: an eager prompt step's host time is launches and allocations
-        pm = pl = pa = out
+        z, pm, pl, pa = 1, out, out, out
     _attention_kernel[(tiles[0].shape[0], kv_heads, z)](
         q, cache, tables, lens, tiles[0], tiles[1], out, pm, pl, pa, float(scale), q.stride(0),
         q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
