@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import invariant as model_inv
-from engine.ops.triton import decode_attention as ta
+from engine.ops.triton import decode_attention as ta, prefill_attention
 from engine.ops.triton import invariant as inv
+from tools.cuda_timing import timed
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", default=None)
@@ -27,32 +28,6 @@ a = ap.parse_args()
 dev, dt = "cuda", torch.bfloat16
 HID, H, KVH, D, INTER, bs = 1024, 16, 8, 128, 3072, 16
 torch.manual_seed(0)
-
-
-def timed(fn, n=20):
-    """Device ms a call: ``n`` calls captured in one CUDA graph, replayed (a Triton launch costs
-    the host ~20-65 µs, more than most of these kernels take: timed launch by launch, the host
-    was measured)."""
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(5):
-        g.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) / (5 * n)
 
 
 def unfused_parts(x, w, parts):  # one GEMM per slice, a copy and a cast each, the adds
@@ -103,33 +78,34 @@ for b, ctx in [tuple(int(v) for v in p.split("x")) for p in a.points.split(",")]
     base = timed(lambda: ta.decode_attention(q, cache, rows, bt, lens, D ** -0.5, out))
     r = {"batch": b, "ctx": ctx, "default_ms": base}
     line = f"attention {b}x{ctx}: default {base:.4f} ms ({kv_bytes / base / 1e9:.2f} TB/s)"
+    dec = (rows, bt, lens)
     for keys in [int(v) for v in a.keys.split(",")]:
         for warps in [int(v) for v in a.warps.split(",")]:
-            t = timed(lambda: inv.attention(q, cache, bt, lens, D ** -0.5, keys=keys, warps=warps))
+            t = timed(lambda: inv.attention(q, cache, D ** -0.5, dec, keys=keys, warps=warps))
             r[f"k{keys}w{warps}_ms"] = t
             line += f" | k{keys} w{warps} {t:.4f}"
     # a decode step's launch: each row's key segments in programs of their own, then the merge
-    one = inv.attention(q, cache, bt, lens, D ** -0.5)
-    assert torch.equal(inv.attention(q, cache, bt, lens, D ** -0.5, split=True), one)
-    r["split_ms"] = timed(lambda: inv.attention(q, cache, bt, lens, D ** -0.5, split=True))
+    one = inv.attention(q, cache, D ** -0.5, dec)
+    assert torch.equal(inv.attention(q, cache, D ** -0.5, dec, split=True), one)
+    r["split_ms"] = timed(lambda: inv.attention(q, cache, D ** -0.5, dec, split=True))
     line += f" | split {r['split_ms']:.4f}"
     att.append(r)
     print(line, flush=True)
 
-# a prompt step: 2 sequences of 1,024 fresh queries (causal), in tiles of query_tile rows
-# against a tile per row
+# a prompt step: 2 sequences of 1,024 fresh queries (causal), as paged prompt chunks (tiles of
+# query_tile rows) against each query as a decode row of its own
 n_q, seqs = 1024, 2
 width = n_q // bs
 cache = torch.randn(2, seqs * width + 1, bs, KVH, D, device=dev, dtype=dt)
 q = torch.randn(seqs * n_q, H, D, device=dev, dtype=dt)
 bt = torch.arange(seqs * width, device=dev).view(seqs, width).repeat_interleave(n_q, 0)
 lens = torch.arange(1, n_q + 1, device=dev).repeat(seqs)
-qt = inv.query_tile(H // KVH)
-first = torch.arange(0, seqs * n_q, qt, device=dev)
-tiles = (first, torch.full_like(first, qt))
-prefill = {"queries": seqs * n_q, "tiled_ms": timed(lambda: inv.attention(q, cache, bt, lens, D ** -0.5, tiles=tiles), 10),
-           "per_row_ms": timed(lambda: inv.attention(q, cache, bt, lens, D ** -0.5), 10)}
-print(f"prefill attention 2x1024: tiles of {qt} {prefill['tiled_ms']:.3f} ms, a tile per row "
+chunks = prefill_attention.build([(s * n_q, n_q, n_q, list(range(s * width, (s + 1) * width)))
+                                  for s in range(seqs)], bs, q.device)
+each = (torch.arange(seqs * n_q, device=dev), bt, lens)
+prefill = {"queries": seqs * n_q, "tiled_ms": timed(lambda: inv.attention(q, cache, D ** -0.5, chunks=chunks), 10),
+           "per_row_ms": timed(lambda: inv.attention(q, cache, D ** -0.5, each), 10)}
+print(f"prefill attention 2x1024: tiles of {inv.query_tile(H // KVH)} {prefill['tiled_ms']:.3f} ms, a tile per row "
       f"{prefill['per_row_ms']:.3f} ms", flush=True)
 
 if a.out:

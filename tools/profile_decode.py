@@ -3,7 +3,7 @@ phases (schedule / execute / update, each closed by a device sync), the forward'
 alone, and the kernels launched per decode step (counted by the torch profiler, graphs off).
 
     python3 -m tools.profile_decode [--model random:qwen3-0.6b] [--batches 1 64 256]
-        [--ctx 256] [--kernels] [--table] [--deterministic]
+        [--ctx 256] [--kernels] [--table] [--deterministic] [--prompt-table]
 
 ``--kernels`` profiles 3 steps and counts their kernels: run it with ``--no-cuda-graphs``
 so that every kernel is seen (a graph replay hides them); ``--table``
@@ -13,6 +13,7 @@ time (an eager step's host cost).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -48,6 +49,9 @@ def main() -> None:
     ap.add_argument("--no-cuda-graphs", action="store_true",
                     help="EngineConfig(cuda_graphs=False): eager decode steps, every kernel seen")
     ap.add_argument("--deterministic", action="store_true", help="EngineConfig(deterministic=True)")
+    ap.add_argument("--prompt-table", action="store_true",
+                    help="the prompts' steps of every batch after the first under the torch profiler: "
+                         "top CUDA kernels and the device's busy time against the wall")
     a = ap.parse_args()
     r = ModelRunner(EngineConfig(model=a.model, device=a.device, kv_cache_bytes=16 * 2**30 if a.device == "cuda" else 2**28,
                                  max_num_seqs=max(a.batches), enable_prefix_caching=False,
@@ -61,12 +65,20 @@ def main() -> None:
                           SamplingParams(max_tokens=a.steps * 3 + 40, ignore_eos=True,
                                          temperature=a.temperature))
         sync()
+        prof_p = (profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                  if a.prompt_table and results else None)
         t_pre = time.perf_counter()
-        while c.scheduler.waiting or any(q.num_computed_tokens < q.num_prompt_tokens
-                                         for q in c.scheduler.running):
-            c.step()
-        sync()
+        with prof_p or contextlib.nullcontext():
+            while c.scheduler.waiting or any(q.num_computed_tokens < q.num_prompt_tokens
+                                             for q in c.scheduler.running):
+                c.step()
+            sync()
         prompt_ms = (time.perf_counter() - t_pre) * 1e3  # the prompts' steps (the first: cold)
+        if prof_p is not None:
+            busy = sum(e.self_device_time_total for e in prof_p.key_averages()) / 1e3
+            print(prof_p.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
+            print(json.dumps({"batch": n, "prompt_wall_ms_profiled": round(prompt_ms, 1),
+                              "prompt_device_busy_ms": round(busy, 1)}), flush=True)
         for _ in range(3):
             c.step()
         sync()

@@ -29,9 +29,9 @@ Op by op (each checked on its own in tests/test_deterministic.py):
 
 On the CPU the model runs the plain decoder (no fused kernels, no packed weights). On CUDA
 (``InvariantCausalLM._forward_cuda``) it runs the default path's fused per-row kernels around
-engine/ops/triton/invariant.py's GEMM and query-tiled attention, decode steps replayed from CUDA
-graphs (a row's arithmetic is the same in a padded graph bucket as eagerly; prompt steps run
-eagerly: engine/runner/load.py). Tensor parallel shards swap the same way: ``RowParallelLinear``'s
+engine/ops/triton/invariant.py's GEMM and attention (over the step's decode rows and its prompt
+chunks as the paged prefill kernel's metadata describes them), steps replayed from CUDA graphs
+where the default path's are (a row's arithmetic is the same in a padded graph as eagerly). Tensor parallel shards swap the same way: ``RowParallelLinear``'s
 partial product is an invariant linear, then all-reduced (with two ranks one addition, exact in
 either order).
 """
@@ -39,18 +39,15 @@ either order).
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 from torch import nn
 
 from engine.ops.cpu import invariant_attention
-from engine.ops.triton import fused_ops, invariant as gpu_invariant
+from engine.ops.triton import fused_ops, invariant as gpu_invariant, prefill_attention
 
 from .attention import AttentionMetadata, write_kv
 from .llama import CausalLM, RMSNorm
-
-Tiles = tuple[torch.Tensor, torch.Tensor]  # (first row, rows) of each attention program
 
 #: rows per GEMM tile (see the module docstring): a step of fewer rows pays for this many.
 #: Measured (one thread, float32, the default model's q/k/o/gate/down shapes, ms): 1 row 0.28
@@ -140,19 +137,12 @@ class InvariantRMSNorm(RMSNorm):
         return super().forward(x)
 
 
-def decode_only(meta: AttentionMetadata, t: int) -> bool:
-    """Whether the step's ``t`` rows are all decode rows (a CUDA graph's step is)."""
-    return (meta.decode_rows is not None and not meta.prefills and not meta.context_groups
-            and meta.decode_rows.shape[0] == t)
-
-
-def row_tables(meta: AttentionMetadata, positions: torch.Tensor, block_size: int,
-               query_tile: int = 0) -> tuple[torch.Tensor, torch.Tensor, Optional[Tiles]]:
+def row_tables(meta: AttentionMetadata, positions: torch.Tensor,
+               block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each packed row's block table ``[T, W]`` and visible key count ``[T]`` (its position + 1),
     from the step's attention metadata (decode rows, prefill chunks, batched chunks after
-    context): made once per step, read by every layer. With ``query_tile`` also the CUDA
-    attention's tiles (first row, rows): a prompt chunk's rows in runs of ``query_tile``, every
-    other row a tile of its own (engine/ops/triton/invariant.py ``attention``)."""
+    context): made once per step, read by every layer (the CPU's attention; on CUDA the kernel
+    reads the step's decode rows and paged prompt chunks as they are)."""
     t = positions.shape[0]
     dev = positions.device
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, their tables)
@@ -160,35 +150,19 @@ def row_tables(meta: AttentionMetadata, positions: torch.Tensor, block_size: int
         parts.append((meta.decode_rows, meta.decode_block_tables))
     if meta.prefill_batch is not None:
         raise RuntimeError("the paged prefill kernel's metadata has no per-row tables: a "
-                           "deterministic model runs with use_fused = False")
-    if query_tile and decode_only(meta, t):
-        # a decode-only step (a CUDA graph's too): its rows in order, their tables as they are
-        rows = meta.decode_rows
-        return meta.decode_block_tables, positions + 1, (rows, torch.ones_like(rows))
-    singles = [meta.decode_rows] if meta.decode_rows is not None else []
-    firsts: list[int] = []
-    counts: list[int] = []
+                           "deterministic model on the CPU runs with use_fused = False")
     for p in meta.prefills:
         rows = torch.arange(p.start, p.end, device=dev)
         parts.append((rows, p.block_table[None].expand(p.end - p.start, -1)))
-        firsts += range(p.start, p.end, max(1, query_tile))
-        counts += [min(query_tile, p.end - f) for f in range(p.start, p.end, max(1, query_tile))]
     for g in meta.context_groups:
         # a chunk's keys' slots, position by position: its blocks are every block_size-th one's
         tables = g.kv_slots[:, ::block_size] // block_size  # [B, C / bs]
         parts.append((g.rows, tables[g.valid // g.q_rows.shape[1]]))
-        singles.append(g.rows)
     width = max((tb.shape[1] for _, tb in parts), default=1)
     tables = torch.zeros(t, width, dtype=torch.long, device=dev)
     for rows, tb in parts:
         tables[rows, : tb.shape[1]] = tb
-    tiles = None
-    if query_tile:
-        first = torch.cat(singles + [torch.tensor(firsts, dtype=torch.long).to(dev)])
-        n = torch.cat([torch.ones_like(r) for r in singles]
-                      + [torch.tensor(counts, dtype=torch.long).to(dev)])
-        tiles = (first, n)
-    return tables, positions + 1, tiles
+    return tables, positions + 1
 
 
 class InvariantCausalLM(CausalLM):
@@ -196,23 +170,29 @@ class InvariantCausalLM(CausalLM):
 
     #: (q, cache, tables, lens, scale) -> attention output; set by :func:`make_invariant`
     attention_kernel = staticmethod(invariant_attention.attention_torch)
-    #: queries a CUDA attention program takes from one prompt chunk (0: a kernel without tiles)
-    query_tile = 0
+    #: the CUDA forward (engine/ops/triton/invariant.py's attention over the step's decode rows
+    #: and paged prompt chunks, the fused per-row kernels); set by :func:`make_invariant`
+    triton_forward = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        if self.triton_forward:
+            if meta.prefills or meta.context_groups:
+                raise RuntimeError("deterministic CUDA forward: every prompt chunk in the paged "
+                                   "prefill metadata expected (use_fused not False)")
+            rows = None if meta.decode_rows is None else (
+                meta.decode_rows, meta.decode_block_tables, meta.decode_context_lens)
+            chunks = meta.prefill_batch
+            # a step of decode rows only: each row's key segments in programs of their own,
+            # merged by a second launch (the same bits)
+            return self._forward_cuda(input_ids, positions, kv, meta, lambda q, c, a: (
+                gpu_invariant.attention(q, c, a.scale, rows, chunks, split=chunks is None)))
         m = self.model
         t = input_ids.shape[0]
         x = m.embed_tokens(input_ids)
         rot = m.rotary.tables(positions)
-        tables, lens, tiles = row_tables(meta, positions, kv.shape[3], self.query_tile)
+        tables, lens = row_tables(meta, positions, kv.shape[3])
         attend = self.attention_kernel
-        if tiles is not None:  # CUDA: the fused per-row kernels
-            # a decode-only step (every row a tile of its own): each row's key segments in
-            # programs of their own, merged by a second launch (the same bits)
-            split = decode_only(meta, t)
-            return self._forward_cuda(input_ids, positions, kv, meta, lambda q, c, a: attend(
-                q, c, tables, lens, a.scale, tiles=tiles, split=split))
         for i, layer in enumerate(m.layers):
             a, mlp = layer.self_attn, layer.mlp
             q, k, v = a._qkv(layer.input_layernorm(x))
@@ -287,14 +267,18 @@ def make_invariant(model: CausalLM) -> str:
     for layer in model.model.layers:
         for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
             proj.k_parts = parts if proj.in_features % parts == 0 else 1
-    model.use_fused = False  # the packed forward builds per-sequence metadata (row_tables)
     device = model.model.norm.weight.device
-    if gpu_invariant.usable(device) and fused_ops.usable(model.model.norm.weight,
-                                                         model.config.head_dim):
-        kernel, name = gpu_invariant.attention, "Triton kernel (engine/ops/triton/invariant.py)"
-        cfg = model.config
-        model.query_tile = gpu_invariant.query_tile(cfg.num_heads // cfg.num_kv_heads)
+    # (16: any power of two -- EngineConfig's block sizes are)
+    model.triton_forward = (gpu_invariant.usable(device) and prefill_attention.usable(
+        device, model.config.head_dim, 16) and fused_ops.usable(model.model.norm.weight,
+                                                                 model.config.head_dim))
+    if model.triton_forward:
+        # the step's prompt chunks in the paged prefill kernel's metadata (a CUDA graph's
+        # mixed steps too: engine/forward/mixed_inputs.py), read by the invariant attention
+        model.use_fused = None
+        kernel, name = None, "Triton kernel (engine/ops/triton/invariant.py)"
     else:
+        model.use_fused = False  # the plain forward builds per-row metadata (row_tables)
         kernel, name = invariant_attention.kernel(device)
     model.attention_kernel = kernel
     model.attention_name = name
@@ -302,4 +286,4 @@ def make_invariant(model: CausalLM) -> str:
 
 
 __all__ = ["K_SPLIT", "linear", "silu", "partial_products", "add_in_order", "InvariantLinear",
-           "InvariantRMSNorm", "InvariantCausalLM", "make_invariant", "decode_only", "row_tables", "TILE_ROWS"]
+           "InvariantRMSNorm", "InvariantCausalLM", "make_invariant", "row_tables", "TILE_ROWS"]

@@ -123,8 +123,6 @@ class RunnerLoad:
         stopped part way. At load, and again when a sleep is woken."""
         cfg = self._shapes
         # NOTE: no CUDA graphs with TP yet: the all-reduces would be captured too (untested)
-        # deterministic mode: decode graphs only (a prompt step's per-row tables are made each
-        # step, engine/model/invariant.py row_tables)
         graphs = self._tp is None and cuda_graphs.usable(
             self.device, self.config.cuda_graphs and self.switches.triton, cfg.head_dim,
             self.block_size)
@@ -136,7 +134,7 @@ class RunnerLoad:
                 device=self.device, use_graphs=graphs, max_model_len=self.max_model_len,
                 max_tokens=self.config.max_num_batched_tokens + self.config.max_num_seqs * 17,
                 max_rows=self.config.max_num_seqs * rows_per_seq,
-                mixed_graphs=self.config.mixed_cuda_graphs and not self.config.deterministic):
+                mixed_graphs=self.config.mixed_cuda_graphs):
             self._owner.adopt(name, part)
             del part
             if should_stop():

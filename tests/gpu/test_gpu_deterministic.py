@@ -53,7 +53,7 @@ def test_alone_and_amid_255_others_the_same_bits_on_cuda():
 
 
 def test_decode_graphs_and_a_full_sequence_recomputation_on_cuda():
-    """Decode steps replay CUDA graphs in the mode, and a trainer's recomputation -- one forward
+    """Decode and prompt steps replay CUDA graphs in the mode, and a trainer's recomputation -- one forward
     over prompt + output, log_softmax -- gives the engine's logprobs bit for bit."""
     greedy = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=True, top_logprobs=0)
     runner, core = load(_cfg())
@@ -62,6 +62,8 @@ def test_decode_graphs_and_a_full_sequence_recomputation_on_cuda():
         out = run_jobs(core, jobs)["t"]
         graphs = runner.resource(R.CUDA_GRAPHS)
         assert graphs is not None and graphs.replays > 0, "no decode step replayed a graph"
+        # prompt steps too (the mixed graphs: the invariant attention reads their paged chunks)
+        assert any(isinstance(k, tuple) for k in graphs.captured), graphs.captured
         core.reset_kv()
         seq = TARGET + out.tokens
         lp = full_sequence_logprobs(runner, seq[:-1])

@@ -62,52 +62,71 @@ for dt in (torch.float32, torch.float16):
         assert not torch.equal(inv.linear(xs, ws, parts=4, rounded=False), summed)
 
 # the attention: 4 query heads on 2 KV heads, blocks of 4 keys, rows of 1 .. 37 keys
+from engine.ops.triton import prefill_attention
+
+
+def dec(q, cache, tables, lens, scale, **kw):  # every row a decode query
+    return inv.attention(q, cache, scale, (torch.arange(len(lens)), tables, lens), **kw)
+
+
 heads, kv_heads, dim, bs, blocks = 4, 2, 16, 4, 40
 cache = torch.randn(2, blocks, bs, kv_heads, dim, generator=g)
 lens = torch.tensor([1, 5, 16, 17, 37])
 tables = torch.stack([torch.randperm(blocks, generator=g)[:10] for _ in lens])
 q = torch.randn(len(lens), heads, dim, generator=g)
-out = inv.attention(q, cache, tables, lens, 0.25)
+out = dec(q, cache, tables, lens, 0.25)
 ref = attention_torch(q, cache, tables, lens, 0.25)
 torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 for r in range(len(lens)):  # alone, with a table of its own width
     w_r = -(-int(lens[r]) // bs)
-    alone = inv.attention(q[r:r + 1], cache, tables[r:r + 1, :w_r], lens[r:r + 1], 0.25)
+    alone = dec(q[r:r + 1], cache, tables[r:r + 1, :w_r], lens[r:r + 1], 0.25)
     assert torch.equal(alone[0], out[r]), r
-# a prompt's queries in tiles of consecutive rows sharing one table (causal: row j sees j + 1
-# keys): each row's bits are those it gets alone, as a decode row, whatever its tile
-n_q = 21
+# a prompt's queries as paged prompt chunks (the prefill kernel's metadata): causal, row j sees
+# j + 1 keys; in chunks of 5, 2, 29 and 1 queries (each after the ones before: context), or one
+# chunk of 37 (two query tiles of 32); each row's bits are those it gets alone as a decode row
+n_q = 37
+blk = tables[4].tolist()
 ptab = tables[4:5].expand(n_q, -1)
 plens = torch.arange(1, n_q + 1)
 pq = torch.randn(n_q, heads, dim, generator=g)
 tile = inv.query_tile(heads // kv_heads)
 assert tile == inv.ROWS // 2
-starts = torch.tensor([0, 5, 7, 20])  # tiles of 5, 2, 13 and 1 rows
-tiled = inv.attention(pq, cache, ptab, plens, 0.25, tiles=(starts, torch.tensor([5, 2, 13, 1])))
+chunked = prefill_attention.build([(0, 5, 5, blk), (5, 2, 7, blk), (7, 29, 36, blk), (36, 1, 37, blk)],
+                                  bs, pq.device)
+whole = prefill_attention.build([(0, n_q, n_q, blk)], bs, pq.device)
+tiled = inv.attention(pq, cache, 0.25, chunks=chunked)
 torch.testing.assert_close(tiled, attention_torch(pq, cache, ptab, plens, 0.25), rtol=1e-5, atol=1e-5)
+assert torch.equal(inv.attention(pq, cache, 0.25, chunks=whole), tiled)
 for r in range(n_q):
-    alone = inv.attention(pq[r:r + 1], cache, ptab[r:r + 1], plens[r:r + 1], 0.25)
+    alone = dec(pq[r:r + 1], cache, ptab[r:r + 1], plens[r:r + 1], 0.25)
     assert torch.equal(alone[0], tiled[r]), r
+# decode rows and prompt chunks in one step (rows 0-4 decode, 5.. a chunk): each as alone; a
+# graph's padded decode row (the scratch block, 1 key) writing into the chunk's first row is
+# overwritten by the chunks' launch
+mq = torch.cat([q, pq])
+pad_tables = torch.cat([tables, torch.full((1, tables.shape[1]), blocks - 1)])
+rows = (torch.tensor([0, 1, 2, 3, 4, 5]), pad_tables, torch.cat([lens, torch.tensor([1])]))
+mixed = inv.attention(mq, cache, 0.25, rows,
+                      prefill_attention.build([(5, n_q, n_q, blk)], bs, pq.device))
+assert torch.equal(mixed[:5], out) and torch.equal(mixed[5:], tiled)
 # key segments (small here: chunks of 8 keys, segments of 16, so rows of up to 37 keys have 1-3),
 # each from an empty state, merged in order: one program going through them, or a program a
 # segment (any number of programs) and a second launch merging -- the same bits; alone = amid =
-# in a prompt tile
+# in a prompt chunk
 for dt in (torch.float32, torch.float16):
     qd, cd = q.to(dt), cache.to(dt)
-    seg = inv.attention(qd, cd, tables, lens, 0.25, keys=8, segment=16)
+    seg = dec(qd, cd, tables, lens, 0.25, keys=8, segment=16)
     torch.testing.assert_close(seg.float(), ref, rtol=1e-5 if dt == torch.float32 else 2e-2,
                                atol=1e-5 if dt == torch.float32 else 2e-2)
-    assert torch.equal(inv.attention(qd, cd, tables, lens, 0.25, keys=8, segment=16, split=True), seg), dt
+    assert torch.equal(dec(qd, cd, tables, lens, 0.25, keys=8, segment=16, split=True), seg), dt
     r = 4  # the longest row (3 segments), alone
-    alone = inv.attention(qd[r:r + 1], cd, tables[r:r + 1], lens[r:r + 1], 0.25, keys=8,
-                          segment=16, split=True)
+    alone = dec(qd[r:r + 1], cd, tables[r:r + 1], lens[r:r + 1], 0.25, keys=8, segment=16, split=True)
     assert torch.equal(alone[0], seg[r]), dt
-tiled = inv.attention(pq, cache, ptab, plens, 0.25, tiles=(starts, torch.tensor([5, 2, 13, 1])),
-                      keys=8, segment=16)
-assert torch.equal(tiled, inv.attention(pq, cache, ptab, plens, 0.25, keys=8, segment=16, split=True))
+tiled = inv.attention(pq, cache, 0.25, chunks=chunked, keys=8, segment=16)
+assert torch.equal(tiled, dec(pq, cache, ptab, plens, 0.25, keys=8, segment=16, split=True))
 # GQA 3 (padded to 4 heads a program) and float16 (the interpreter's bfloat16 dot is not usable)
 q3 = torch.randn(2, 6, dim, generator=g).half()
-got = inv.attention(q3, cache.half(), tables[:2], lens[:2], 0.5)
+got = dec(q3, cache.half(), tables[:2], lens[:2], 0.5)
 torch.testing.assert_close(got.float(), attention_torch(q3, cache.half(), tables[:2], lens[:2], 0.5).float(),
                            rtol=2e-2, atol=2e-2)
 print("ok")
@@ -136,8 +155,8 @@ cfg = EngineConfig(model="random:tiny-qwen3", device="cpu", dtype="float32", det
                    max_num_batched_tokens=128)
 runner, core = load(cfg)
 model = runner._owner[Resource.WEIGHTS]
-# the CUDA forward: Triton kernels, tiles, q/k/v and gate/up fused, q/k norm + rotary fused
-assert model.query_tile > 0 and "Triton" in model.attention_name
+# the CUDA forward: Triton kernels, paged prompt chunks, q/k/v and gate/up fused, q/k norm + rotary fused
+assert model.triton_forward and "Triton" in model.attention_name
 assert model.model.layers[0].self_attn.qkv_proj is not None
 assert model.model.layers[0].mlp.gate_up_proj is not None
 runner.shutdown()
@@ -155,7 +174,7 @@ print("ok")
 
 def test_the_kernels_and_the_cuda_forward_in_the_interpreter():
     """The kernels against their references (``CHECK``), then deterministic mode's CUDA forward
-    (fused linears, q/k norm + rotary + K/V write in one kernel, query tiles, the o/down slices in
+    (fused linears, q/k norm + rotary + K/V write in one kernel, paged prompt chunks, the o/down slices in
     one GEMM) on a tiny Qwen3: a request alone = amid others (chunked, beside their decodes, a
     shared prefix cached). One interpreter process for both (its start is seconds)."""
     _interpret(CHECK.replace('print("ok")', "") + ENGINE)

@@ -46,6 +46,7 @@ from typing import Optional
 import torch
 
 from .fused_ops import AVAILABLE, INTERPRET, tl, triton
+from .prefill_attention import BLOCK_M as PREFILL_TILE, PrefillBatch
 
 #: the GEMM's one configuration (tensor-core tiles; bf16 / fp16 / fp32 inputs, fp32 accumulation)
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
@@ -186,22 +187,37 @@ if triton is not None:
         return m_new, tl.where(on, l_new, l), tl.where(on[:, None], acc_new, acc)
 
     @triton.jit(do_not_specialize=["stride_t", "z_count"])
-    def _attention_kernel(Q, C, T, L, R0, RN, O, PM, PL, PA, scale, stride_qt, stride_qh,
-                          stride_c0, stride_cb, stride_cs, stride_ch, stride_t, stride_ot,
-                          stride_oh, stride_pt, stride_ph, z_count,
+    def _attention_kernel(Q, C, O, PM, PL, PA, T, RI, LN, TC, TM, QS, QL, CL, scale, stride_qt,
+                          stride_qh, stride_c0, stride_cb, stride_cs, stride_ch, stride_t,
+                          stride_ot, stride_oh, stride_pt, stride_ph, z_count,
                           GQA: tl.constexpr, G: tl.constexpr, BQ: tl.constexpr, D: tl.constexpr,
                           BS: tl.constexpr, BN: tl.constexpr, SEG: tl.constexpr,
-                          IEEE: tl.constexpr, SPLIT: tl.constexpr):
-        # one program: the tile's rows R0 .. R0 + RN - 1 (consecutive queries of one sequence,
-        # one block table: row R0's) x one KV head's GQA query heads, as the BQ * G rows of one
-        # block (row i: query i // G, head i % G); keys in segments of SEG from key 0, each from
-        # an empty state (_segment), merged in order (_merge). SPLIT (a decode row a tile): this
-        # program computes segments z, z + z_count, ... and stores each one's state at
-        # PM / PL / PA[row, head, segment]; _merge_kernel merges them in order.
-        tile = tl.program_id(0)
+                          IEEE: tl.constexpr, SPLIT: tl.constexpr, CHUNKS: tl.constexpr):
+        # one program: up to BQ consecutive queries of one sequence (one block table) x one KV
+        # head's GQA query heads, as the BQ * G rows of one block (row i: query i // G, head
+        # i % G); query j of the run sees keys 0 .. k0 + j - 1. CHUNKS: the run is queries
+        # m0 .. m0 + BQ - 1 of prompt chunk TC[tile] (m0: the tile's first query TM[tile] plus
+        # BQ * program_id(2); the chunk's rows from QS, QL queries, the last seeing CL keys, its
+        # table row c of T); else one decode query: packed row RI[i], table row i, LN[i] keys.
+        # Keys in segments of SEG from key 0, each from an empty state (_segment), merged in
+        # order (_merge). SPLIT (decode rows): this program computes segments z, z + z_count,
+        # ... and stores each one's state at PM / PL / PA[i, head, segment]; _merge_kernel
+        # merges them in order.
+        i0 = tl.program_id(0)
         kvh = tl.program_id(1)
-        r0 = tl.load(R0 + tile)
-        nr = tl.load(RN + tile)
+        if CHUNKS:
+            c = tl.load(TC + i0)
+            q_len = tl.load(QL + c)
+            m0 = tl.load(TM + i0) + tl.program_id(2) * BQ
+            r0 = tl.load(QS + c) + m0
+            nr = q_len - m0
+            k0 = tl.load(CL + c) - q_len + m0 + 1
+            tab = c
+        else:
+            r0 = tl.load(RI + i0)
+            nr = 1
+            k0 = tl.load(LN + i0)
+            tab = i0
         i = tl.arange(0, BQ * G)
         qi = i // G
         gi = i % G
@@ -212,15 +228,15 @@ if triton is not None:
         head = kvh * GQA + gi
         q = tl.load(Q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=valid[:, None], other=0.0)  # [BQ * G, D]
-        n_keys = tl.load(L + row, mask=live, other=0)  # each row's own
+        n_keys = tl.where(live, k0 + qi, 0)  # each row's own
         last = tl.max(n_keys, axis=0)
         if SPLIT:
             for seg0 in range(tl.program_id(2) * SEG, last, z_count * SEG):
                 seg_end = tl.minimum(seg0 + SEG, last)
                 m_s, l_s, acc_s = _segment(C, T, q, n_keys, kvh, seg0, seg_end, scale,
                                            stride_c0, stride_cb, stride_cs, stride_ch,
-                                           stride_t, r0, D, BS, BN, IEEE, BQ * G)
-                at = row * stride_pt + head * stride_ph + seg0 // SEG
+                                           stride_t, tab, D, BS, BN, IEEE, BQ * G)
+                at = i0 * stride_pt + head * stride_ph + seg0 // SEG
                 tl.store(PM + at, m_s, mask=valid)
                 tl.store(PL + at, l_s, mask=valid)
                 tl.store(PA + at[:, None] * D + d[None, :], acc_s, mask=valid[:, None])
@@ -232,29 +248,31 @@ if triton is not None:
                 seg_end = tl.minimum(seg0 + SEG, last)
                 m_s, l_s, acc_s = _segment(C, T, q, n_keys, kvh, seg0, seg_end, scale,
                                            stride_c0, stride_cb, stride_cs, stride_ch,
-                                           stride_t, r0, D, BS, BN, IEEE, BQ * G)
+                                           stride_t, tab, D, BS, BN, IEEE, BQ * G)
                 m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s, seg0 < n_keys)
             out = acc / tl.where(live, l_i, 1.0)[:, None]
             tl.store(O + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                      out.to(O.dtype.element_ty), mask=valid[:, None])
 
     @triton.jit
-    def _merge_kernel(L, PM, PL, PA, O, stride_pt, stride_ph, stride_ot, stride_oh,
+    def _merge_kernel(RI, LN, PM, PL, PA, O, stride_pt, stride_ph, stride_ot, stride_oh,
                       GQA: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SEG: tl.constexpr):
-        # one program: one row x one KV head's GQA heads; its segments' states merged in order
-        row = tl.program_id(0)
+        # one program: decode query i (packed row RI[i], LN[i] keys) x one KV head's GQA heads;
+        # its segments' states merged in order
+        i0 = tl.program_id(0)
         kvh = tl.program_id(1)
+        row = tl.load(RI + i0)
         gi = tl.arange(0, G)
         valid = gi < GQA
         head = kvh * GQA + gi
         d = tl.arange(0, D)
-        n_keys = tl.load(L + row)
+        n_keys = tl.load(LN + i0)
         m_i = tl.full((G,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((G,), dtype=tl.float32)
         acc = tl.zeros((G, D), dtype=tl.float32)
         on = valid & (n_keys > 0)
         for s in range(0, tl.cdiv(n_keys, SEG)):
-            at = row * stride_pt + head * stride_ph + s
+            at = i0 * stride_pt + head * stride_ph + s
             m_s = tl.load(PM + at, mask=valid, other=float("-inf"))
             l_s = tl.load(PL + at, mask=valid, other=0.0)
             acc_s = tl.load(PA + at[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
@@ -337,17 +355,24 @@ def query_tile(gqa: int) -> int:
     return max(1, ROWS // triton.next_power_of_2(gqa)) if triton is not None else 1
 
 
-def attention(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-              scale: float, tiles: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-              keys: int = KEYS, warps: int = 4, segment: int = SEGMENT,
-              split: bool = False) -> torch.Tensor:
-    """q [T, H, D]; cache [2, blocks, bs, Hkv, D]; tables [T, W] (row r's blocks); lens [T]
-    (row r sees keys ``0 .. lens[r] - 1``, each >= 1) -> [T, H, D] in q's dtype. ``tiles``:
-    (first row, rows) of each program's run of consecutive queries of one sequence (each at
-    most :func:`query_tile` rows; they share row ``first``'s table); default: a row each.
-    ``split`` (only where every row is a tile of its own: a decode step): each row's key
-    segments in programs of their own, merged by a second launch -- the bits of one program
-    going through them in order.
+#: (packed rows [n] long, block tables [n, W], key counts [n]) of decode queries
+DecodeRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def attention(q: torch.Tensor, cache: torch.Tensor, scale: float,
+              rows: Optional[DecodeRows] = None, chunks: Optional[PrefillBatch] = None, *,
+              split: bool = False, keys: int = KEYS, warps: int = 4,
+              segment: int = SEGMENT) -> torch.Tensor:
+    """q [T, H, D]; cache [2, blocks, bs, Hkv, D] -> [T, H, D] in q's dtype, for the rows of
+    ``rows`` (decode queries: packed row ``rows[0][i]`` sees keys ``0 .. rows[2][i] - 1``
+    through table ``rows[1][i]``) and of ``chunks`` (the step's prompt chunks, the paged
+    prefill kernel's :class:`~engine.ops.triton.prefill_attention.PrefillBatch`: query ``j``
+    of chunk ``c`` is row ``q_start[c] + j`` and sees keys ``0 .. ctx_len[c] - q_len[c] + j``),
+    decode rows first (a CUDA graph's padded decode rows write into a chunk's row, which the
+    chunks' launch then writes); other rows are left unwritten. A chunk's queries run in tiles
+    of :func:`query_tile`, a decode query alone: a query's bits are the same either way.
+    ``split`` (decode rows only): each query's key segments in programs of their own, merged
+    by a second launch -- the bits of one program going through them in order.
     ``keys`` (the chunk of the online softmax), ``segment`` and ``warps``: for tests and
     tools/bench_invariant_kernels.py; a deterministic engine runs one value of each (another
     chunk or segment size changes the bits)."""
@@ -357,39 +382,47 @@ def attention(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: 
         raise ValueError("invariant attention: heads, head size or cache layout not supported")
     if segment % keys:
         raise ValueError("invariant attention: a segment is a whole number of key chunks")
+    if split and chunks is not None:
+        raise ValueError("invariant attention: split is for decode rows only")
     gqa = heads // kv_heads
     q = q if q.stride(-1) == 1 else q.contiguous()
-    if tables.stride(-1) != 1:  # (a row stride of its own is fine: a slice of a wider table)
-        tables = tables.contiguous()
-    lens = lens.contiguous()
-    if tiles is None:
-        first = torch.arange(t, device=q.device)
-        tiles = (first, torch.ones_like(first))
     out = torch.empty(t, heads, dim, dtype=q.dtype, device=q.device)
-    if not t:
-        return out
     g = triton.next_power_of_2(gqa)
-    if split:
-        # per-segment states: as many segments as the tables can address (fixed for a CUDA
-        # graph's full-width tables), spread over z programs a row and head (any z: same bits)
-        segs = triton.cdiv(tables.shape[1] * bs, segment)
-        z = min(segs, max(1, triton.cdiv(2 * _programs_wanted(q.device), t * kv_heads)))
-        pm = torch.empty(t, heads, segs, dtype=torch.float32, device=q.device)
-        pl = torch.empty_like(pm)
-        pa = torch.empty(t, heads, segs, dim, dtype=torch.float32, device=q.device)
-    else:  # not read: an eager prompt step's host time is launches and allocations
-        z, pm, pl, pa = 1, out, out, out
-    _attention_kernel[(tiles[0].shape[0], kv_heads, z)](
-        q, cache, tables, lens, tiles[0], tiles[1], out, pm, pl, pa, float(scale), q.stride(0),
-        q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-        tables.stride(0), out.stride(0), out.stride(1), pm.stride(0), pm.stride(1), z,
-        GQA=gqa, G=g, BQ=max(1, ROWS // g), D=dim, BS=bs, BN=keys, SEG=segment,
-        IEEE=q.dtype == torch.float32, SPLIT=split, num_warps=warps)
-    if split:
-        _merge_kernel[(t, kv_heads)](lens, pm, pl, pa, out, pm.stride(0), pm.stride(1),
-                                     out.stride(0), out.stride(1), GQA=gqa, G=g, D=dim,
-                                     SEG=segment, num_warps=4)
+    bq = max(1, ROWS // g)
+    args = (float(scale), q.stride(0), q.stride(1), cache.stride(0), cache.stride(1),
+            cache.stride(2), cache.stride(3))
+    consts = dict(GQA=gqa, G=g, BQ=bq, D=dim, BS=bs, BN=keys, SEG=segment,
+                  IEEE=q.dtype == torch.float32, num_warps=warps)
+    if rows is not None and rows[0].shape[0]:
+        index, tables, lens = rows
+        n = index.shape[0]
+        if tables.stride(-1) != 1:  # (a row stride of its own is fine: a slice of a wider table)
+            tables = tables.contiguous()
+        if split:
+            # per-segment states: as many segments as the tables can address (fixed for a CUDA
+            # graph's full-width tables), spread over z programs a row and head (any z: same bits)
+            segs = triton.cdiv(tables.shape[1] * bs, segment)
+            z = min(segs, max(1, triton.cdiv(2 * _programs_wanted(q.device), n * kv_heads)))
+            pm = torch.empty(n, heads, segs, dtype=torch.float32, device=q.device)
+            pl = torch.empty_like(pm)
+            pa = torch.empty(n, heads, segs, dim, dtype=torch.float32, device=q.device)
+        else:  # not read: an eager prompt step's host time is launches and allocations
+            z, pm, pl, pa = 1, out, out, out
+        _attention_kernel[(n, kv_heads, z)](
+            q, cache, out, pm, pl, pa, tables, index, lens, index, index, index, index, index,
+            *args, tables.stride(0), out.stride(0), out.stride(1), pm.stride(0), pm.stride(1), z,
+            SPLIT=split, CHUNKS=False, **consts)
+        if split:
+            _merge_kernel[(n, kv_heads)](index, lens, pm, pl, pa, out, pm.stride(0), pm.stride(1),
+                                         out.stride(0), out.stride(1), GQA=gqa, G=g, D=dim,
+                                         SEG=segment, num_warps=4)
+    if chunks is not None and chunks.tile_chunk.shape[0]:
+        b = chunks
+        _attention_kernel[(b.tile_chunk.shape[0], kv_heads, triton.cdiv(PREFILL_TILE, bq))](
+            q, cache, out, out, out, out, b.block_table, b.q_start, b.q_start, b.tile_chunk,
+            b.tile_m0, b.q_start, b.q_len, b.ctx_len, *args, b.block_table.stride(0),
+            out.stride(0), out.stride(1), 0, 0, 1, SPLIT=False, CHUNKS=True, **consts)
     return out
 
 
-__all__ = ["usable", "linear", "partial_products", "attention", "query_tile", "ROWS", "SEGMENT", "BLOCK_M", "BLOCK_N", "BLOCK_K", "KEYS"]
+__all__ = ["usable", "linear", "partial_products", "attention", "query_tile", "DecodeRows", "ROWS", "SEGMENT", "BLOCK_M", "BLOCK_N", "BLOCK_K", "KEYS"]

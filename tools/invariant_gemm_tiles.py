@@ -1,0 +1,81 @@
+"""Deterministic mode's GEMM (engine/ops/triton/invariant.py ``_gemm_kernel``) under other tile
+shapes: does a row get the same bits as under the engine's one configuration, and how long does
+each take (device ms a call, CUDA graph replay) at decode and prompt row counts, on the
+qwen3-0.6b layer shapes (bf16). If a shape gives the same bits at every row count, the engine
+may pick tiles by row count without changing a token.
+
+    python3 -m tools.invariant_gemm_tiles [--rows 1,64,256,2048] [--out tiles.json]
+"""
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from engine.model import invariant as model_inv
+from engine.ops.triton import invariant as inv
+from tools.cuda_timing import timed
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--rows", default="1,64,256,2048")
+ap.add_argument("--out", default=None)
+a = ap.parse_args()
+dev, dt = "cuda", torch.bfloat16
+HID, H, KVH, D, INTER = 1024, 16, 8, 128, 3072
+torch.manual_seed(0)
+# (BM, BN, BK, warps, stages); the first is the engine's
+CONFIGS = [(inv.BLOCK_M, inv.BLOCK_N, inv.BLOCK_K, 4, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 3),
+           (64, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4),
+           (64, 64, 128, 4, 3), (64, 128, 128, 8, 3), (128, 128, 128, 8, 3)]
+SHAPES = {"qkv": ((H + 2 * KVH) * D, HID, model_inv.K_SPLIT, False),
+          "o": (HID, H * D, KVH, True), "gate_up": (2 * INTER, HID, model_inv.K_SPLIT, False),
+          "down": (HID, INTER, KVH, True), "head": (151936, HID, 1, False)}
+
+
+def run(x, w, parts, rounded, cfg, split):
+    bm, bn, bk, warps, stages = cfg
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    flags = dict(IEEE=False, PARTS=parts, ROUND=rounded, BM=bm, BN=bn, BK=bk,
+                 num_warps=warps, num_stages=stages)
+    tiles = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    if split:
+        part = torch.empty(parts, m, n, dtype=torch.float32, device=x.device)
+        inv._gemm_kernel[(*tiles, parts)](x, w, part, m, n, k // parts, x.stride(0), w.stride(0),
+                                          part.stride(-2), part.stride(0), SUM=False, SPLIT=True,
+                                          **flags)
+        inv._sum_kernel[(triton.cdiv(m * n, inv.SUM_BLOCK),)](part, y, m * n, part.stride(0),
+                                                            PARTS=parts, BLOCK=inv.SUM_BLOCK)
+    else:
+        inv._gemm_kernel[tiles](x, w, y, m, n, k // parts, x.stride(0), w.stride(0), y.stride(0),
+                                0, SUM=True, SPLIT=False, **flags)
+    return y
+
+
+triton = inv.triton
+out = []
+for m in [int(v) for v in a.rows.split(",")]:
+    for name, (n, k, parts, rounded) in SHAPES.items():
+        if name == "head" and m > 256:
+            continue
+        x = torch.randn(m, k, device=dev, dtype=dt)
+        w = torch.randn(n, k, device=dev, dtype=dt) * 0.02
+        ref = inv.linear(x, w, parts=parts, rounded=rounded)
+        line = f"{name:8s} rows {m:5d}: cuBLAS {timed(lambda: F.linear(x, w)):.4f}"
+        for cfg in CONFIGS:
+            for split in ([False, True] if parts > 1 else [False]):
+                try:
+                    y = run(x, w, parts, rounded, cfg, split)
+                    same = bool(torch.equal(y, ref))
+                    ms = timed(lambda: run(x, w, parts, rounded, cfg, split))
+                except Exception as e:  # (a shape the compiler refuses: out of shared memory)
+                    same, ms = None, None
+                    print(f"  {cfg} split={split}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                out.append(dict(op=name, rows=m, config=cfg, split=split, same_bits=same, ms=ms))
+                if ms is not None:
+                    line += f" | {'x'.join(map(str, cfg[:3]))}w{cfg[3]}s{cfg[4]}{'S' if split else ''} {ms:.4f}{'' if same else ' DIFF'}"
+        print(line, flush=True)
+if a.out:
+    with open(a.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": out}, f, indent=1)
