@@ -47,10 +47,14 @@ GROUP = 32  # GGUF's block size for Q4_0/Q4_1/Q8_0, and the int4 kernel's group 
 #: instead (what this replaced) cost 3.9 ms a matrix, ~230 ms per 1,000-token prefill chunk.
 DENSE_ROWS = 16
 #: engine/ops/cpu/csrc/int4_mm.cpp's kernel (``q4``, no dense copy) takes up to this many rows; more (a
-#: prefill chunk) run oneDNN's bf16 GEMM on the weight dequantized for the call
-#: (``int4_dequant_t``). Measured on the 2-core Xeon, one thread, 3072x576, us: kernel at
-#: 64 / 128 / 256 / 512 rows 576 / 1,211 / 2,458 / 6,063, dequantized + GEMM 1,219 / 1,443 /
-#: 1,742 / 2,804 (of which the dequantization 554); 576x1536 at 128 rows 633 against 602.
+#: prefill chunk) run a dense GEMM on the weight dequantized for the call (``int4_dequant_t``).
+#: Measured on the 2-core Xeon, one thread, 3072x576, us: kernel at 64 / 128 / 256 / 512 rows
+#: 576 / 1,211 / 2,458 / 6,063, dequantized + bf16 GEMM 1,219 / 1,443 / 1,742 / 2,804 (of which
+#: the dequantization 554); 576x1536 at 128 rows 633 against 602. The GEMM runs in float32 on the
+#: exact weight: in bf16 (the weight and the activations rounded to 8 bits) a prompt's K/V and
+#: first logits moved enough that greedy outputs left the float32 path's (bench.cpu_agreement,
+#: the AMD EPYC box: 89.7 % of tokens agreed, 27 / 32 prompts; float32: 100 %, 32 / 32) for
+#: ~1.45x the time of a 1,000-token prompt (1.10 -> 1.60 s there; llama.cpp took 2.9-3.3 s).
 Q4_DENSE_ROWS = 128
 #: inputs per int8 scale (each chunk is one kernel call): GGUF Q8_0's own groups of 32, so a
 #: Q8_0 tensor is kept as it is (up to the scales' rounding to the activation dtype). One scale
@@ -206,7 +210,7 @@ class PackedLinear(nn.Module):
         if prefix + "q4" in b:
             q4, d16, m16 = b[prefix + "q4"], b[prefix + "d16"], b[prefix + "m16"]
             if x.shape[0] >= Q4_DENSE_ROWS:
-                return torch.mm(x.to(torch.bfloat16), cpu_ext.module().int4_dequant_t(q4, d16, m16)).float()
+                return torch.mm(x.float(), cpu_ext.module().int4_dequant_t(q4, d16, m16, True))
             return cpu_ext.int4_mm(x, q4, d16, m16)
         return _INT4_MM(x.to(torch.bfloat16), b[prefix + "qweight"], GROUP,
                         b[prefix + "scales_zeros"]).float()

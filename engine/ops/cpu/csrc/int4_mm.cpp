@@ -237,11 +237,14 @@ EC_AMX void amx_rows(const Inputs& in, int64_t M, int64_t K, const uint8_t* q, c
   _tile_release();
 }
 
-// blocks [b0, b1) of the 4-bit weight -> its transpose wt [K, N] bf16, row-major: bf16(d q + m)
-// computed in float32 and rounded to nearest even (as torch converts float to bf16). In the
-// block layout one piece's 16 lanes are 16 consecutive outputs of one input: a row of wt.
+// blocks [b0, b1) of the 4-bit weight -> its transpose wt [K, N], row-major: d q + m computed in
+// float32 (exact: d q has at most 15 significant bits, so the one rounding is the add's, as in
+// GGUF's own dequantization), stored as float32 (F32) or rounded to nearest even bf16 (as torch
+// converts float to bf16). In the block layout one piece's 16 lanes are 16 consecutive outputs
+// of one input: a row of wt.
+template <bool F32>
 EC_AVX512 void dequant_t_blocks(const uint8_t* q, const uint16_t* d16, const uint16_t* m16, int64_t K,
-                                int64_t N, int64_t b0, int64_t b1, uint16_t* wt) {
+                                int64_t N, int64_t b0, int64_t b1, void* wt) {
   const int64_t G = K / 32;
   const __m512i low4 = _mm512_set1_epi16(0x0F);
   const __m512i low16 = _mm512_set1_epi32(0xFFFF);
@@ -250,7 +253,7 @@ EC_AVX512 void dequant_t_blocks(const uint8_t* q, const uint16_t* d16, const uin
       const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d16 + (blk * G + g) * 16)));
       const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(m16 + (blk * G + g) * 16)));
       const uint8_t* qg = q + (blk * G + g) * 256;
-      uint16_t* col = wt + (g * 32) * N + blk * 16;
+      const int64_t at = (g * 32) * N + blk * 16;
       for (int j = 0; j < 8; ++j) {
         const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qg + j * 32)));
         const __m512i nib[2] = {_mm512_and_si512(w, low4), _mm512_srli_epi16(w, 4)};  // k, k + 16
@@ -259,7 +262,11 @@ EC_AVX512 void dequant_t_blocks(const uint8_t* q, const uint16_t* d16, const uin
             const __m512i v = e ? _mm512_srli_epi32(nib[h], 16) : _mm512_and_si512(nib[h], low16);
             const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), dv, mv);
             const int64_t k = 2 * j + e + 16 * h;
-            _mm256_storeu_si256((__m256i*)(col + k * N), (__m256i)_mm512_cvtneps_pbh(f));
+            if constexpr (F32)
+              _mm512_storeu_ps(static_cast<float*>(wt) + at + k * N, f);
+            else
+              _mm256_storeu_si256((__m256i*)(static_cast<uint16_t*>(wt) + at + k * N),
+                                  (__m256i)_mm512_cvtneps_pbh(f));
           }
         }
       }
@@ -278,7 +285,7 @@ static void require_avx512_bf16(const char* what) {
               what, ": needs a CPU with AVX512-BF16");
 }
 
-at::Tensor int4_dequant_t(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
+at::Tensor int4_dequant_t(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m, bool f32) {
   require_avx512_bf16("int4_dequant_t");
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 8 && q.size(3) == 32 && q.scalar_type() == at::kByte,
               "int4_dequant_t: q must be [N/16, K/32, 8, 32] uint8");
@@ -287,12 +294,17 @@ at::Tensor int4_dequant_t(const at::Tensor& q, const at::Tensor& d, const at::Te
                   d.numel() == q.size(0) * q.size(1) * 16 && m.numel() == d.numel(),
               "int4_dequant_t: q, d and m must be contiguous and agree, d and m float16");
   const int64_t NB = q.size(0), N = NB * 16, K = q.size(1) * 32;
-  at::Tensor wt = at::empty({K, N}, q.options().dtype(at::kBFloat16));
+  at::Tensor wt = at::empty({K, N}, q.options().dtype(f32 ? at::kFloat : at::kBFloat16));
   const auto* qp = q.data_ptr<uint8_t>();
   const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr());
   const auto* mp = reinterpret_cast<const uint16_t*>(m.data_ptr());
-  auto* wp = reinterpret_cast<uint16_t*>(wt.data_ptr());
-  at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) { dequant_t_blocks(qp, dp, mp, K, N, b0, b1, wp); });
+  void* wp = wt.data_ptr();
+  at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
+    if (f32)
+      dequant_t_blocks<true>(qp, dp, mp, K, N, b0, b1, wp);
+    else
+      dequant_t_blocks<false>(qp, dp, mp, K, N, b0, b1, wp);
+  });
   return wt;
 }
 at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,

@@ -8,5 +8,6 @@
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
                    bool lo, bool amx);
 
-// the weight's transpose as bf16 [K, N]: bf16(d q + m), for matmuls of many rows (a dense GEMM)
-at::Tensor int4_dequant_t(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m);
+// the weight's transpose [K, N]: d q + m in float32 (f32, exact) or bf16, for matmuls of many
+// rows (a dense GEMM)
+at::Tensor int4_dequant_t(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m, bool f32);

@@ -35,8 +35,8 @@ at::Tensor mm(const at::Tensor& x, const Linear& lin, const MatmulOptions& opt) 
   if (x.size(0) >= opt.dense_rows && lin.dense.defined())
     return at::linear(x.to(at::kBFloat16), lin.dense).to(at::kFloat);
   if (lin.mins.defined()) {
-    if (x.size(0) >= opt.q4_dense_rows)
-      return at::mm(x.to(at::kBFloat16), int4_dequant_t(lin.q, lin.scales, lin.mins)).to(at::kFloat);
+    if (x.size(0) >= opt.q4_dense_rows)  // float32: packed_linear.py Q4_DENSE_ROWS says why
+      return at::mm(x, int4_dequant_t(lin.q, lin.scales, lin.mins, true));
     return int4_mm(x, lin.q, lin.scales, lin.mins, opt.lo, opt.amx);
   }
   return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), lin.q, kGroup, lin.scales).to(at::kFloat);
@@ -158,6 +158,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("woq_decode", &woq_decode, "a decode-only step of a woq-packed model (all layers)", nogil());
   m.def("int4_mm", &int4_mm, "x @ W.T for a 4-bit weight with fp16 group scales and minimums", nogil());
-  m.def("int4_dequant_t", &int4_dequant_t, "the 4-bit weight's transpose as bf16 [K, N]", nogil());
+  m.def("int4_dequant_t", &int4_dequant_t, "the 4-bit weight's transpose [K, N], float32 or bf16",
+        py::arg("q"), py::arg("d"), py::arg("m"), py::arg("f32") = false, nogil());
   m.def("head_logits_exact", &head_logits_exact, "the LM head's exact logits at candidate ids", nogil());
 }
