@@ -19,6 +19,10 @@ from tools.cuda_timing import timed
 ap = argparse.ArgumentParser()
 ap.add_argument("--rows", default="1,64,256,2048")
 ap.add_argument("--out", default=None)
+ap.add_argument("--flat", action="store_true",
+                help="the one-loop kernel (_gemm_flat_kernel) under tile shapes and group sizes instead")
+ap.add_argument("--attention", action="store_true",
+                help="the decode attention's block of (query, head) rows and warps instead: bits and times")
 a = ap.parse_args()
 dev, dt = "cuda", torch.bfloat16
 HID, H, KVH, D, INTER = 1024, 16, 8, 128, 3072
@@ -55,7 +59,76 @@ def run(x, w, parts, rounded, cfg, split):
 
 triton = inv.triton
 out = []
-for m in [int(v) for v in a.rows.split(",")]:
+FLAT = [(64, 64, 64, 4, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3),
+        (64, 128, 64, 4, 4)]
+
+
+def run_flat(x, w, parts, rounded, cfg, where, group):
+    bm, bn, bk, warps, stages = cfg
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    inv._gemm_flat_kernel[grid](x, w, y, m, n, k // parts, x.stride(0), w.stride(0), y.stride(0),
+                                IEEE=False, PARTS=parts, ROUND=rounded, WHERE=where, GROUP_M=group,
+                                BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+    return y
+
+
+if a.flat:
+    for m in [int(v) for v in a.rows.split(",")]:
+        for name, (n, k, parts, rounded) in SHAPES.items():
+            if name == "head" and m > 256:
+                continue
+            x = torch.randn(m, k, device=dev, dtype=dt)
+            w = torch.randn(n, k, device=dev, dtype=dt) * 0.02
+            ref = inv.linear(x, w, parts=parts, rounded=rounded)
+            line = (f"{name:8s} rows {m:5d}: cuBLAS {timed(lambda: F.linear(x, w)):.4f} engine "
+                    f"{timed(lambda: inv.linear(x, w, parts=parts, rounded=rounded)):.4f}")
+            for cfg in FLAT:
+                for where in (False, True):
+                    for group in (8,):
+                        try:
+                            same = bool(torch.equal(run_flat(x, w, parts, rounded, cfg, where, group), ref))
+                            ms = timed(lambda: run_flat(x, w, parts, rounded, cfg, where, group))
+                        except Exception as e:
+                            print(f"  {cfg} where={where}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                            continue
+                        out.append(dict(op=name, rows=m, config=cfg, where=where, group=group,
+                                        same_bits=same, ms=ms))
+                        line += (f" | {'x'.join(map(str, cfg[:3]))}w{cfg[3]}s{cfg[4]}"
+                                 f"{'W' if where else ''}g{group} {ms:.4f}{'' if same else ' DIFF'}")
+            print(line, flush=True)
+    a.rows = ""
+if a.attention:
+    bs = 16
+    for b, ctx in ((64, 600), (64, 1024), (256, 1024), (8, 4096)):
+        width = -(-ctx // bs)
+        nblocks = b * width + 1
+        cache = torch.randn(2, nblocks, bs, KVH, D, device=dev, dtype=dt)
+        bt = torch.randperm(nblocks, device=dev)[: b * width].view(b, width).contiguous()
+        q = torch.randn(b, H, D, device=dev, dtype=dt)
+        lens = torch.randint(ctx // 2, ctx + 1, (b,), device=dev)
+        dec = (torch.arange(b, device=dev), bt, lens)
+        ref = inv.attention(q, cache, D ** -0.5, dec)
+        line = f"attention {b}x{ctx}:"
+        for rows in (16, 32, 64):
+            for warps in (2, 4, 8):
+                for split in (False, True):
+                    try:
+                        got = inv.attention(q, cache, D ** -0.5, dec, block_rows=rows, warps=warps, split=split)
+                        same = bool(torch.equal(got, ref))
+                        ms = timed(lambda: inv.attention(q, cache, D ** -0.5, dec, block_rows=rows,
+                                                         warps=warps, split=split))
+                    except Exception as e:
+                        print(f"  rows {rows} warps {warps}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                        continue
+                    out.append(dict(op="attention", batch=b, ctx=ctx, block_rows=rows, warps=warps,
+                                    split=split, same_bits=same, ms=ms))
+                    line += f" | r{rows}w{warps}{'S' if split else ''} {ms:.4f}{'' if same else ' DIFF'}"
+        print(line, flush=True)
+    a.rows = ""
+for m in [int(v) for v in a.rows.split(",") if v]:
     for name, (n, k, parts, rounded) in SHAPES.items():
         if name == "head" and m > 256:
             continue

@@ -124,6 +124,59 @@ if triton is not None:
                 tl.store(Y + rows[:, None] * stride_y + cols[None, :],
                          total.to(Y.dtype.element_ty), mask=out_mask)
 
+    @triton.jit(do_not_specialize=["m"])
+    def _gemm_flat_kernel(X, W, Y, m, n, k, stride_x, stride_w, stride_y,
+                          IEEE: tl.constexpr, PARTS: tl.constexpr, ROUND: tl.constexpr,
+                          WHERE: tl.constexpr, GROUP_M: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # _gemm_kernel's SUM launch (slices of k inputs, k a multiple of BK) as one loop over
+        # every input, so that the loads pipeline across the slices' boundaries: the same
+        # per-slice products (each from zero, in BK steps in order), rounded or not, added in
+        # order -- the same bits. Tiles in groups of GROUP_M rows of tiles (a weight tile read
+        # from L2 by the group). WHERE: the slice's end by selects instead of a branch.
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(m, BM)
+        num_n = tl.cdiv(n, BN)
+        group = GROUP_M * num_n
+        first = (pid // group) * GROUP_M
+        size = tl.minimum(num_m - first, GROUP_M)
+        pid_m = first + (pid % group) % size
+        pid_n = (pid % group) // size
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        ks = tl.arange(0, BK)
+        steps = k // BK
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        total = tl.zeros((BM, BN), dtype=tl.float32)
+        for i in range(0, PARTS * steps):
+            kk = i * BK + ks
+            a = tl.load(X + rows[:, None] * stride_x + kk[None, :], mask=rows[:, None] < m, other=0.0)
+            b = tl.load(W + cols[None, :] * stride_w + kk[:, None], mask=cols[None, :] < n, other=0.0)
+            if WHERE:
+                acc = tl.where(i % steps == 0, 0.0, acc)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            if WHERE:
+                part = acc
+                if ROUND:
+                    part = part.to(X.dtype.element_ty).to(tl.float32)
+                end = (i + 1) % steps == 0
+                total = tl.where(end, tl.where(i + 1 == steps, part, total + part), total)
+            else:
+                if (i + 1) % steps == 0:
+                    part = acc
+                    if ROUND:
+                        part = part.to(X.dtype.element_ty).to(tl.float32)
+                    if i + 1 == steps:
+                        total = part
+                    else:
+                        total = total + part
+                    acc = tl.zeros((BM, BN), dtype=tl.float32)
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], total.to(Y.dtype.element_ty),
+                 mask=(rows[:, None] < m) & (cols[None, :] < n))
+
     @triton.jit(do_not_specialize=["total"])
     def _sum_kernel(P, Y, total, stride_p, PARTS: tl.constexpr, BLOCK: tl.constexpr):
         # Y = P[0] + P[1] + ... in order, float32, stored in Y's dtype (``_gemm_kernel`` with
@@ -362,7 +415,7 @@ DecodeRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 def attention(q: torch.Tensor, cache: torch.Tensor, scale: float,
               rows: Optional[DecodeRows] = None, chunks: Optional[PrefillBatch] = None, *,
               split: bool = False, keys: int = KEYS, warps: int = 4,
-              segment: int = SEGMENT) -> torch.Tensor:
+              segment: int = SEGMENT, block_rows: int = ROWS) -> torch.Tensor:
     """q [T, H, D]; cache [2, blocks, bs, Hkv, D] -> [T, H, D] in q's dtype, for the rows of
     ``rows`` (decode queries: packed row ``rows[0][i]`` sees keys ``0 .. rows[2][i] - 1``
     through table ``rows[1][i]``) and of ``chunks`` (the step's prompt chunks, the paged
@@ -388,7 +441,7 @@ def attention(q: torch.Tensor, cache: torch.Tensor, scale: float,
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(t, heads, dim, dtype=q.dtype, device=q.device)
     g = triton.next_power_of_2(gqa)
-    bq = max(1, ROWS // g)
+    bq = max(1, block_rows // g)
     args = (float(scale), q.stride(0), q.stride(1), cache.stride(0), cache.stride(1),
             cache.stride(2), cache.stride(3))
     consts = dict(GQA=gqa, G=g, BQ=bq, D=dim, BS=bs, BN=keys, SEG=segment,
