@@ -116,6 +116,7 @@ def run_worker(name: str, a, python: str) -> dict:
     argv = [python, str(Path(__file__).resolve()), "--worker", name, "--gguf", a.gguf,
             "--threads", str(threads), "--tokens", str(a.tokens), "--dtype", a.dtype,
             "--cpu-weights", a.cpu_weights, "--busy-seconds", str(a.busy_seconds),
+            "--repeats", str(a.repeats),
             "--streams", *map(str, a.streams), "--llama-server-build", str(a.llama_server_build)
             ] + (["--busy"] if a.busy else [])
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
@@ -167,6 +168,9 @@ def main(argv=None) -> int:
                          "at start, then as many CPUs as other processes leave free, up to the "
                          "budget: engine/serving/cpu_threads.py ThreadGovernor)")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="1-stream decode and each TTFT: the median of this many requests (other "
+                         "prompts each time: no engine reuses a cached prompt)")
     ap.add_argument("--streams", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--dtype", default="auto", help="enginecore --dtype (auto: packed weights where faster)")
     ap.add_argument("--cpu-weights", default="auto")

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import os
 import random
 import subprocess
@@ -37,11 +38,18 @@ async def measure(stream, a, out: dict) -> None:
     import anyio
 
     await stream(prompt_ids(16, 0), 8)  # warm-up
-    _, first, last, n = await stream(prompt_ids(16, 1), a.tokens)
-    out["decode_1_tok_s"] = (n - 1) / (last - first)
+    rates = []
+    for r in range(a.repeats):
+        _, first, last, n = await stream(prompt_ids(16, 1 + 1000 * r), a.tokens)
+        rates.append((n - 1) / (last - first))
+    out["decode_1_tok_s"] = statistics.median(rates)
+    out["decode_1_tok_s_each"] = rates
     for plen in (20, 128, 1000):
-        t0, first, _, _ = await stream(prompt_ids(plen, plen), 1)
-        out[f"ttft_{plen}_ms"] = (first - t0) * 1e3
+        ttfts = []
+        for r in range(a.repeats):
+            t0, first, _, _ = await stream(prompt_ids(plen, plen + 1000 * r), 1)
+            ttfts.append((first - t0) * 1e3)
+        out[f"ttft_{plen}_ms"] = statistics.median(ttfts)
     for count in a.streams:
         t0 = time.perf_counter()
         res = []
@@ -266,11 +274,18 @@ def work_llamacpp(a) -> dict:
         return t0, first, last, count
 
     stream(prompt_ids(16, 0), 8)
-    t0, first, last, n = stream(prompt_ids(16, 1), a.tokens)
-    out["decode_1_tok_s"] = (n - 1) / (last - first)
+    rates = []
+    for r in range(a.repeats):
+        t0, first, last, n = stream(prompt_ids(16, 1 + 1000 * r), a.tokens)
+        rates.append((n - 1) / (last - first))
+    out["decode_1_tok_s"] = statistics.median(rates)
+    out["decode_1_tok_s_each"] = rates
     for plen in (20, 128, 1000):
-        t0, first, _, _ = stream(prompt_ids(plen, plen), 1)
-        out[f"ttft_{plen}_ms"] = (first - t0) * 1e3
+        ttfts = []
+        for r in range(a.repeats):
+            t0, first, _, _ = stream(prompt_ids(plen, plen + 1000 * r), 1)
+            ttfts.append((first - t0) * 1e3)
+        out[f"ttft_{plen}_ms"] = statistics.median(ttfts)
     if a.busy:
         with busy_neighbour(a.busy_seconds):
             t0, first, last, n = stream(prompt_ids(16, 2), a.tokens)

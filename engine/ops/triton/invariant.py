@@ -337,6 +337,12 @@ if triton is not None:
 
 #: elements a program of _sum_kernel adds
 SUM_BLOCK = 1024
+#: from this many rows (a prompt step) the GEMM runs _gemm_flat_kernel with these tiles (BM, BN,
+#: warps, stages): a row's bits are those of _gemm_kernel's 64 x 64 tiles (the K order is the
+#: same; measured equal bit for bit on the H100 for every shape tried, tools/invariant_gemm_tiles.py)
+FLAT_ROWS = 256
+FLAT_TILES = (128, 128, 8, 3)
+FLAT_WHERE = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -369,6 +375,13 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, parts: int, summed: bool, round
         return y
     flags = dict(IEEE=rows.dtype == torch.float32, PARTS=parts, ROUND=rounded,
                  BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=4, num_stages=3)
+    if summed and not split and m >= FLAT_ROWS and (k // parts) % BLOCK_K == 0:
+        bm, bn, warps, stages = FLAT_TILES
+        _gemm_flat_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
+            rows, w, y, m, n, k // parts, rows.stride(0), w.stride(0), y.stride(0),
+            IEEE=rows.dtype == torch.float32, PARTS=parts, ROUND=rounded, WHERE=FLAT_WHERE,
+            GROUP_M=8, BM=bm, BN=bn, BK=BLOCK_K, num_warps=warps, num_stages=stages)
+        return y
     if split:
         part = torch.empty(parts, m, n, dtype=torch.float32, device=x.device)
         _gemm_kernel[(*tiles, parts)](rows, w, part, m, n, k // parts, rows.stride(0), w.stride(0),
