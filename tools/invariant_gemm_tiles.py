@@ -69,7 +69,7 @@ def run_flat(x, w, parts, rounded, cfg, where, group):
     n = w.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    inv._gemm_flat_kernel[grid](x, w, y, m, n, k // parts, x.stride(0), w.stride(0), y.stride(0),
+    inv._gemm_flat_kernel[grid](x, w, y, m, n, k // parts, x.stride(0), w.stride(0), y.stride(0), 0,
                                 IEEE=False, PARTS=parts, ROUND=rounded, WHERE=where, GROUP_M=group,
                                 BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
     return y

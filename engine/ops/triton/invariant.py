@@ -124,8 +124,8 @@ if triton is not None:
                 tl.store(Y + rows[:, None] * stride_y + cols[None, :],
                          total.to(Y.dtype.element_ty), mask=out_mask)
 
-    @triton.jit(do_not_specialize=["m"])
-    def _gemm_flat_kernel(X, W, Y, m, n, k, stride_x, stride_w, stride_y,
+    @triton.jit(do_not_specialize=["m", "m_class"])
+    def _gemm_flat_kernel(X, W, Y, m, n, k, stride_x, stride_w, stride_y, m_class,
                           IEEE: tl.constexpr, PARTS: tl.constexpr, ROUND: tl.constexpr,
                           WHERE: tl.constexpr, GROUP_M: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -134,6 +134,7 @@ if triton is not None:
         # per-slice products (each from zero, in BK steps in order), rounded or not, added in
         # order -- the same bits. Tiles in groups of GROUP_M rows of tiles (a weight tile read
         # from L2 by the group). WHERE: the slice's end by selects instead of a branch.
+        # m_class (unread): the autotuner's key for the row count (_flat_tuned)
         pid = tl.program_id(0)
         num_m = tl.cdiv(m, BM)
         num_n = tl.cdiv(n, BN)
@@ -337,12 +338,21 @@ if triton is not None:
 
 #: elements a program of _sum_kernel adds
 SUM_BLOCK = 1024
-#: from this many rows (a prompt step) the GEMM runs _gemm_flat_kernel with these tiles (BM, BN,
-#: warps, stages): a row's bits are those of _gemm_kernel's 64 x 64 tiles (the K order is the
-#: same; measured equal bit for bit on the H100 for every shape tried, tools/invariant_gemm_tiles.py)
+#: from this many rows (a prompt step) the GEMM runs _gemm_flat_kernel, its tiles picked by
+#: Triton's autotuner per shape and row-count class (powers of two) among FLAT_CONFIGS (BM, BN,
+#: warps, stages): which tiles a GEMM runs does not change a row's bits -- the K order is the
+#: same (measured equal bit for bit on the H100 for 10 tile shapes against _gemm_kernel's 64 x 64
+#: at 1-2,048 rows, tools/invariant_gemm_tiles.py), so a timing choice is safe here
 FLAT_ROWS = 256
-FLAT_TILES = (128, 128, 8, 3)
-FLAT_WHERE = False
+FLAT_CONFIGS = ((128, 128, 8, 3), (128, 256, 8, 3), (128, 128, 4, 4), (64, 128, 4, 4))
+
+
+@functools.lru_cache(maxsize=None)
+def _flat_tuned():
+    """_gemm_flat_kernel under the autotuner (CUDA only: made at first use)."""
+    configs = [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=st)
+               for bm, bn, w, st in FLAT_CONFIGS]
+    return triton.autotune(configs, key=["n", "k", "m_class", "PARTS", "ROUND"])(_gemm_flat_kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -375,12 +385,12 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, parts: int, summed: bool, round
         return y
     flags = dict(IEEE=rows.dtype == torch.float32, PARTS=parts, ROUND=rounded,
                  BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=4, num_stages=3)
-    if summed and not split and m >= FLAT_ROWS and (k // parts) % BLOCK_K == 0:
-        bm, bn, warps, stages = FLAT_TILES
-        _gemm_flat_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
-            rows, w, y, m, n, k // parts, rows.stride(0), w.stride(0), y.stride(0),
-            IEEE=rows.dtype == torch.float32, PARTS=parts, ROUND=rounded, WHERE=FLAT_WHERE,
-            GROUP_M=8, BM=bm, BN=bn, BK=BLOCK_K, num_warps=warps, num_stages=stages)
+    if (summed and not split and m >= FLAT_ROWS and (k // parts) % BLOCK_K == 0
+            and x.device.type == "cuda"):
+        _flat_tuned()[lambda meta: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)](
+            rows, w, y, m, n, k // parts, rows.stride(0), w.stride(0), y.stride(0), m.bit_length(),
+            IEEE=rows.dtype == torch.float32, PARTS=parts, ROUND=rounded, WHERE=False,
+            GROUP_M=8, BK=BLOCK_K)
         return y
     if split:
         part = torch.empty(parts, m, n, dtype=torch.float32, device=x.device)
