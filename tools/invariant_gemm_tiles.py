@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import invariant as model_inv
-from engine.ops.triton import invariant as inv
+from engine.ops.triton import invariant as inv, invariant_gemm as ig
 from tools.cuda_timing import timed
 
 ap = argparse.ArgumentParser()
@@ -46,13 +46,13 @@ def run(x, w, parts, rounded, cfg, split):
     tiles = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     if split:
         part = torch.empty(parts, m, n, dtype=torch.float32, device=x.device)
-        inv._gemm_kernel[(*tiles, parts)](x, w, part, m, n, k // parts, x.stride(0), w.stride(0),
+        ig._gemm_kernel[(*tiles, parts)](x, w, part, m, n, k // parts, x.stride(0), w.stride(0),
                                           part.stride(-2), part.stride(0), SUM=False, SPLIT=True,
                                           **flags)
-        inv._sum_kernel[(triton.cdiv(m * n, inv.SUM_BLOCK),)](part, y, m * n, part.stride(0),
-                                                            PARTS=parts, BLOCK=inv.SUM_BLOCK)
+        ig._sum_kernel[(triton.cdiv(m * n, ig.SUM_BLOCK),)](part, y, m * n, part.stride(0),
+                                                            PARTS=parts, BLOCK=ig.SUM_BLOCK)
     else:
-        inv._gemm_kernel[tiles](x, w, y, m, n, k // parts, x.stride(0), w.stride(0), y.stride(0),
+        ig._gemm_kernel[tiles](x, w, y, m, n, k // parts, x.stride(0), w.stride(0), y.stride(0),
                                 0, SUM=True, SPLIT=False, **flags)
     return y
 
@@ -69,7 +69,7 @@ def run_flat(x, w, parts, rounded, cfg, where, group):
     n = w.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    inv._gemm_flat_kernel[grid](x, w, y, m, n, k // parts, x.stride(0), w.stride(0), y.stride(0), 0,
+    ig._gemm_flat_kernel[grid](x, w, y, m, n, k // parts, x.stride(0), w.stride(0), y.stride(0), 0,
                                 IEEE=False, PARTS=parts, ROUND=rounded, WHERE=where, GROUP_M=group,
                                 BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
     return y
