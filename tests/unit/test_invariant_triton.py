@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 CHECK = r'''
 import torch
 import torch.nn.functional as F
-from engine.ops.triton import invariant as inv
+from engine.ops.triton import invariant as inv, invariant_gemm as ig
 from engine.ops.cpu.invariant_attention import attention_torch
 
 assert inv.usable(torch.device("cpu"))
@@ -58,6 +58,13 @@ for dt in (torch.float32, torch.float16):
         for rows in ((3, 4), (0, 70), (69, 70)):
             got = inv.linear(xs[rows[0]:rows[1]], ws, parts=4, rounded=rounded)  # by tile count
             assert torch.equal(got, one[rows[0]:rows[1]]), (dt, rounded, rows)
+        # the one-loop kernel (prompt-sized launches): the same bits, branch or selects
+        for where in (False, True):
+            y = torch.empty(70, 72, dtype=dt)
+            ig._gemm_flat_kernel[(2 * 2,)](xs, ws, y, 70, 72, 16, xs.stride(0), ws.stride(0),
+                                           y.stride(0), 0, IEEE=dt == torch.float32, PARTS=4,
+                                           ROUND=rounded, WHERE=where, GROUP_M=8, BM=64, BN=64, BK=16)
+            assert torch.equal(y, one), (dt, rounded, where)
     if dt == torch.float16:  # the rounding is not a no-op
         assert not torch.equal(inv.linear(xs, ws, parts=4, rounded=False), summed)
 
