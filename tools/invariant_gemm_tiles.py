@@ -75,30 +75,36 @@ def run_flat(x, w, parts, rounded, cfg, where, group):
     return y
 
 
-if a.flat:
-    for m in [int(v) for v in a.rows.split(",")]:
+def problems(rows: str):
+    """(name, rows, x, w, parts, rounded, the engine's output) of each layer shape at each row
+    count of ``rows`` (the LM head up to 256 rows)."""
+    for m in [int(v) for v in rows.split(",") if v]:
         for name, (n, k, parts, rounded) in SHAPES.items():
             if name == "head" and m > 256:
                 continue
             x = torch.randn(m, k, device=dev, dtype=dt)
             w = torch.randn(n, k, device=dev, dtype=dt) * 0.02
-            ref = inv.linear(x, w, parts=parts, rounded=rounded)
-            line = (f"{name:8s} rows {m:5d}: cuBLAS {timed(lambda: F.linear(x, w)):.4f} engine "
-                    f"{timed(lambda: inv.linear(x, w, parts=parts, rounded=rounded)):.4f}")
-            for cfg in FLAT:
-                for where in (False, True):
-                    for group in (8,):
-                        try:
-                            same = bool(torch.equal(run_flat(x, w, parts, rounded, cfg, where, group), ref))
-                            ms = timed(lambda: run_flat(x, w, parts, rounded, cfg, where, group))
-                        except Exception as e:
-                            print(f"  {cfg} where={where}: {type(e).__name__}: {str(e)[:100]}", flush=True)
-                            continue
-                        out.append(dict(op=name, rows=m, config=cfg, where=where, group=group,
-                                        same_bits=same, ms=ms))
-                        line += (f" | {'x'.join(map(str, cfg[:3]))}w{cfg[3]}s{cfg[4]}"
-                                 f"{'W' if where else ''}g{group} {ms:.4f}{'' if same else ' DIFF'}")
-            print(line, flush=True)
+            yield name, m, x, w, parts, rounded, inv.linear(x, w, parts=parts, rounded=rounded)
+
+
+if a.flat:
+    for name, m, x, w, parts, rounded, ref in problems(a.rows):
+        line = (f"{name:8s} rows {m:5d}: cuBLAS {timed(lambda: F.linear(x, w)):.4f} engine "
+                f"{timed(lambda: inv.linear(x, w, parts=parts, rounded=rounded)):.4f}")
+        for cfg in FLAT:
+            for where in (False, True):
+                for group in (8,):
+                    try:
+                        same = bool(torch.equal(run_flat(x, w, parts, rounded, cfg, where, group), ref))
+                        ms = timed(lambda: run_flat(x, w, parts, rounded, cfg, where, group))
+                    except Exception as e:
+                        print(f"  {cfg} where={where}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                        continue
+                    out.append(dict(op=name, rows=m, config=cfg, where=where, group=group,
+                                    same_bits=same, ms=ms))
+                    line += (f" | {'x'.join(map(str, cfg[:3]))}w{cfg[3]}s{cfg[4]}"
+                             f"{'W' if where else ''}g{group} {ms:.4f}{'' if same else ' DIFF'}")
+        print(line, flush=True)
     a.rows = ""
 if a.attention:
     bs = 16
@@ -128,27 +134,21 @@ if a.attention:
                     line += f" | r{rows}w{warps}{'S' if split else ''} {ms:.4f}{'' if same else ' DIFF'}"
         print(line, flush=True)
     a.rows = ""
-for m in [int(v) for v in a.rows.split(",") if v]:
-    for name, (n, k, parts, rounded) in SHAPES.items():
-        if name == "head" and m > 256:
-            continue
-        x = torch.randn(m, k, device=dev, dtype=dt)
-        w = torch.randn(n, k, device=dev, dtype=dt) * 0.02
-        ref = inv.linear(x, w, parts=parts, rounded=rounded)
-        line = f"{name:8s} rows {m:5d}: cuBLAS {timed(lambda: F.linear(x, w)):.4f}"
-        for cfg in CONFIGS:
-            for split in ([False, True] if parts > 1 else [False]):
-                try:
-                    y = run(x, w, parts, rounded, cfg, split)
-                    same = bool(torch.equal(y, ref))
-                    ms = timed(lambda: run(x, w, parts, rounded, cfg, split))
-                except Exception as e:  # (a shape the compiler refuses: out of shared memory)
-                    same, ms = None, None
-                    print(f"  {cfg} split={split}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                out.append(dict(op=name, rows=m, config=cfg, split=split, same_bits=same, ms=ms))
-                if ms is not None:
-                    line += f" | {'x'.join(map(str, cfg[:3]))}w{cfg[3]}s{cfg[4]}{'S' if split else ''} {ms:.4f}{'' if same else ' DIFF'}"
-        print(line, flush=True)
+for name, m, x, w, parts, rounded, ref in problems(a.rows):
+    line = f"{name:8s} rows {m:5d}: cuBLAS {timed(lambda: F.linear(x, w)):.4f}"
+    for cfg in CONFIGS:
+        for split in ([False, True] if parts > 1 else [False]):
+            try:
+                y = run(x, w, parts, rounded, cfg, split)
+                same = bool(torch.equal(y, ref))
+                ms = timed(lambda: run(x, w, parts, rounded, cfg, split))
+            except Exception as e:  # (a shape the compiler refuses: out of shared memory)
+                same, ms = None, None
+                print(f"  {cfg} split={split}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            out.append(dict(op=name, rows=m, config=cfg, split=split, same_bits=same, ms=ms))
+            if ms is not None:
+                line += f" | {'x'.join(map(str, cfg[:3]))}w{cfg[3]}s{cfg[4]}{'S' if split else ''} {ms:.4f}{'' if same else ' DIFF'}"
+    print(line, flush=True)
 if a.out:
     with open(a.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": out}, f, indent=1)
