@@ -1,5 +1,8 @@
 """CPU linear kernels on the default model's shapes: fp32 / bf16 GEMM, torch's weight-only int8
-and int4 kernels, fbgemm's fp16-weight GEMM; best-of-N microseconds per call (random weights).
+and int4 kernels, fbgemm's fp16-weight GEMM, and (with the C++ extension) the engine's 4-bit
+kernel against a float32 or bf16 GEMM on its weight dequantized for the call (what prompt steps
+of 128+ rows run, engine/ops/cpu/packed_linear.py Q4_DENSE_ROWS); best-of-N microseconds per
+call (random weights).
 
     python -m tools.cpu_kernels [--threads 2] [--rows 1 8 64] [--iters 30]
 
@@ -45,7 +48,16 @@ def kernels(n: int, k: int, m: int) -> dict[str, Callable[[], object]]:
     sz = torch.rand(k // 32, n, 2, generator=g)
     p16 = torch.ops.quantized.linear_prepack_fp16(w, None)
     F = torch.nn.functional
-    return {
+    ours: dict[str, Callable[[], object]] = {}
+    from engine.ops.cpu import cpu_ext
+    if cpu_ext.int4_usable(n, k):  # the engine's 4-bit kernel and the dense paths of many rows
+        from engine.ops.cpu.packed_linear import pack_int4_blocks
+        b4, d16, m16, _ = pack_int4_blocks(w)
+        ext = cpu_ext.module()
+        ours = {"int4_mm": lambda: cpu_ext.int4_mm(x, b4, d16, m16),
+                "int4_dequant_f32_mm": lambda: torch.mm(x, ext.int4_dequant_t(b4, d16, m16, True)),
+                "int4_dequant_bf16_mm": lambda: torch.mm(xb, ext.int4_dequant_t(b4, d16, m16))}
+    return ours | {
         "fp32": lambda: F.linear(x, w),
         "bf16": lambda: F.linear(xb, wb),
         "int8pack": lambda: torch.ops.aten._weight_int8pack_mm(x, q8, s8),
