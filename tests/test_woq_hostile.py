@@ -269,10 +269,10 @@ def test_decode_rows_of_one_sequence(runner):
 
 @pytest.mark.parametrize("rows", [128, 129])
 def test_decode_rows_from_q4_dense_rows(runner, rows):
-    """From 128 rows every linear is a bf16 GEMM on the dequantized weight in both paths. On
-    this random cache that path is chaotic (measured: the Python loop alone, its cache scaled
-    by 1 + 1e-6, fell to cosine 0.61 against itself), so only: it runs, finite, and the first
-    layer's K/V writes (before any chaos) agree."""
+    """From 128 rows every linear is a float32 GEMM on the weight dequantized for the call, in
+    both paths. On this random cache a step is chaotic (measured with the bf16 GEMM this path ran
+    before: the Python loop alone, its cache scaled by 1 + 1e-6, fell to cosine 0.61 against
+    itself), so only: it runs, finite, and the first layer's K/V writes (before any chaos) agree."""
     got, ref, kv_got, kv_ref = _decode_batch(runner, rows)
     assert torch.isfinite(got).all() and got.shape == ref.shape
     assert (kv_got[0] - kv_ref[0]).abs().max().item() < 5e-3 * kv_got[0].abs().max().item()
