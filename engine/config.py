@@ -121,9 +121,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # deterministic mode (docs/deterministic.md): every op of the forward, the LM head and the
     # logprobs batch-invariant (engine/model/invariant.py), so a request's tokens and logprobs
     # are bitwise the same alone or in any batch, with or without a cached prefix, chunked
-    # prefill, preemption or overlap. Float weights only (no packed CPU format), no fused
-    # kernels, no CUDA graphs, a fixed intra-op thread count. Measured on CPU only; costs
-    # throughput (docs/deterministic.md says how much).
+    # prefill, preemption or overlap. On the CPU: float weights (no packed format), the plain
+    # forward, a fixed intra-op thread count; on CUDA: its own Triton GEMM and attention beside
+    # the per-row fused kernels, CUDA graphs as usual. Costs throughput (docs/deterministic.md
+    # says how much: 0.68x on an H100).
     deterministic: bool = False
 
     def resolved_device(self) -> torch.device:
