@@ -289,13 +289,13 @@ def test_int4_kernel_is_float32_exact_on_its_grid(rows):
                             m16[:, :3].contiguous(), True, True).double(), x[:, :96].double() @ w[:, :96].double().T) < 2e-5
 
 
-def test_int4_many_rows_take_the_weight_dequantized():
-    """Q4_DENSE_ROWS+ rows: a float32 GEMM on the weight dequantized exactly for the call
-    (``int4_dequant_t``: d q + m in float32; its bf16 form rounds as torch does), not a stored
-    dense copy: as close to the exact product as the kernel's rows."""
+def test_int4_many_rows_take_the_kernel_too():
+    """A prompt step's many rows: the same 4-bit kernel (no dense copy is kept), as close to the
+    exact product as a few rows; ``int4_dequant_t`` (tools/cpu_kernels.py's dense paths, the
+    model's ``dense_weight``) gives d q + m exactly in float32 and rounded as torch rounds in bf16."""
     if not cpu_ext.int4_usable(64, 64):
         pytest.skip("the int4 kernel does not run here (no extension or no AVX512-BF16)")
-    from engine.ops.cpu.packed_linear import Q4_DENSE_ROWS, pack_int4_blocks
+    from engine.ops.cpu.packed_linear import pack_int4_blocks
 
     w = _q4_1_grid(48, 128, 3)
     lin = PackedLinear(w, "int4", torch.bfloat16)
@@ -303,12 +303,11 @@ def test_int4_many_rows_take_the_weight_dequantized():
     q4, d16, m16, _ = pack_int4_blocks(w)
     assert torch.equal(cpu_ext.module().int4_dequant_t(q4, d16, m16), w.bfloat16().T)
     assert torch.equal(cpu_ext.module().int4_dequant_t(q4, d16, m16, True), w.float().T)
-    x = torch.randn(Q4_DENSE_ROWS + 3, 128, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(259, 128, generator=torch.Generator().manual_seed(5))
     ref = x.double() @ w.double().T
     many, few = lin.mm(x), lin.mm(x[:7])
     assert many.dtype == few.dtype == torch.float32
-    assert _rel(many.double(), ref) < 2e-5  # float32 input and exact weight
-    assert _rel(few.double(), ref[:7]) < 2e-5  # the kernel's two-part input, exact weight
+    assert _rel(many.double(), ref) < 2e-5 and _rel(few.double(), ref[:7]) < 2e-5
 
 
 def test_head_exact_logits_in_cpp_are_the_gathered_rows_product():

@@ -178,7 +178,7 @@ def test_cpp_step_refuses_indices_out_of_range(woq_runner_wide):
     def step(slot, table, n):
         return ext.woq_decode(x.clone(), woq_forward._weights(model), kv, cos2, sin2, torch.tensor([slot]),
                               torch.tensor([table]), torch.tensor([n]), cfg.num_heads, cfg.num_kv_heads,
-                              cfg.head_dim, 1e-5, 0.125, 16, 128, True, True)
+                              cfg.head_dim, 1e-5, 0.125, 16, True, True)
 
     assert step(0, [0, 1], 3).shape == (1, cfg.hidden_size)  # in range: runs
     for slot, table, n in ((blocks * bs, [0, 1], 3), (-1, [0, 1], 3), (0, [0, blocks], 20),

@@ -16,8 +16,9 @@ tensor types and the CPU (``torch.backends.cpu.get_cpu_capability()``), and says
   a step against 43.7 ms with fbgemm fp16 and 56.2 ms in fp32 (one thread;
   bench/RESULTS.md); 10.8 ms (one thread) and 6.6 ms (two) with the C++ step and kernel.
 * deterministic mode (``EngineConfig.deterministic``) always gets ``float``: the packed kernels
-  change path with the row count (``DENSE_ROWS``, ``Q4_DENSE_ROWS``; fbgemm's fp16 GEMM gave one
-  result for one row, another for two or three, another for more, measured), and the float
+  change path with the row count (``DENSE_ROWS``, the 4-bit kernel's AVX and AMX tiles;
+  fbgemm's fp16 GEMM gave one result for one row, another for two or three, another for more,
+  measured), and the float
   linears are made batch-invariant instead (engine/model/invariant.py).
 * ``fbgemm_fp16`` -- fbgemm's fp16-weight GEMM (AVX2, and AVX-512 without BF16), ``auto``'s
   choice there. On an AVX2-only CPU torch's

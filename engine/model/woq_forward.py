@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.ops.cpu import cpu_ext
-from engine.ops.cpu.packed_linear import DENSE_ROWS, Q4_DENSE_ROWS, PackedLinear
+from engine.ops.cpu.packed_linear import DENSE_ROWS, PackedLinear
 
 from .attention import AttentionMetadata, paged_attention
 
@@ -128,7 +128,7 @@ def _decode_cpp(ext, model, x, cos2, sin2, kv, meta: AttentionMetadata, scale: f
     lo, amx = cpu_ext.int4_options()
     return ext.woq_decode(x.contiguous(), _weights(model), kv, cos2, sin2, meta.slot_mapping,
                           meta.decode_block_tables, meta.decode_context_lens, cfg.num_heads,
-                          cfg.num_kv_heads, cfg.head_dim, eps, scale, DENSE_ROWS, Q4_DENSE_ROWS, lo, amx)
+                          cfg.num_kv_heads, cfg.head_dim, eps, scale, DENSE_ROWS, lo, amx)
 
 
 def cpp_step(model, kv: torch.Tensor):

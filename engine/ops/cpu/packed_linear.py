@@ -46,16 +46,6 @@ GROUP = 32  # GGUF's block size for Q4_0/Q4_1/Q8_0, and the int4 kernel's group 
 #: 3,089, dense 392 / 508 / 843; at 1,000 rows 39.7 ms against 4.1 ms. Dequantizing per call
 #: instead (what this replaced) cost 3.9 ms a matrix, ~230 ms per 1,000-token prefill chunk.
 DENSE_ROWS = 16
-#: engine/ops/cpu/csrc/int4_mm.cpp's kernel (``q4``, no dense copy) takes up to this many rows; more (a
-#: prefill chunk) run a dense GEMM on the weight dequantized for the call (``int4_dequant_t``).
-#: Measured on the 2-core Xeon, one thread, 3072x576, us: kernel at 64 / 128 / 256 / 512 rows
-#: 576 / 1,211 / 2,458 / 6,063, dequantized + bf16 GEMM 1,219 / 1,443 / 1,742 / 2,804 (of which
-#: the dequantization 554); 576x1536 at 128 rows 633 against 602. The GEMM runs in float32 on the
-#: exact weight: in bf16 (the weight and the activations rounded to 8 bits) a prompt's K/V and
-#: first logits moved enough that greedy outputs left the float32 path's (bench.cpu_agreement,
-#: the AMD EPYC box: 89.7 % of tokens agreed, 27 / 32 prompts; float32: 100 %, 32 / 32) for
-#: ~1.45x the time of a 1,000-token prompt (1.10 -> 1.60 s there; llama.cpp took 2.9-3.3 s).
-Q4_DENSE_ROWS = 128
 #: inputs per int8 scale (each chunk is one kernel call): GGUF Q8_0's own groups of 32, so a
 #: Q8_0 tensor is kept as it is (up to the scales' rounding to the activation dtype). One scale
 #: per row (576 inputs of the default model's head) was 2.7 ms a step faster at batch 1, but
@@ -208,10 +198,15 @@ class PackedLinear(nn.Module):
         approximate copy) -> float32 [T, N]."""
         b = self._buffers
         if prefix + "q4" in b:
-            q4, d16, m16 = b[prefix + "q4"], b[prefix + "d16"], b[prefix + "m16"]
-            if x.shape[0] >= Q4_DENSE_ROWS:
-                return torch.mm(x.float(), cpu_ext.module().int4_dequant_t(q4, d16, m16, True))
-            return cpu_ext.int4_mm(x, q4, d16, m16)
+            # engine/ops/cpu/csrc/int4_mm.cpp's kernel at every row count, prompt steps too: a
+            # GEMM on the weight dequantized for the call lost either accuracy or time. In bf16
+            # (activations and weight rounded to 8 bits) a prompt's K/V and first logits moved
+            # enough to flip near-tie greedy picks (bench.cpu_agreement on an AMD EPYC box: 89.7 %
+            # of tokens, against 100 % through the kernel); in float32 it was exact but slower
+            # than the kernel at every row count measured (tools/cpu_kernels.py, the same box,
+            # 2 threads, 3072x576: 4,367 against 2,970 us at 128 rows, 42.8 against 36.6 ms at
+            # 2,048), and without AMX, which the kernel uses where the CPU has it.
+            return cpu_ext.int4_mm(x, b[prefix + "q4"], b[prefix + "d16"], b[prefix + "m16"])
         return _INT4_MM(x.to(torch.bfloat16), b[prefix + "qweight"], GROUP,
                         b[prefix + "scales_zeros"]).float()
 

@@ -26,7 +26,7 @@ struct Linear {
 };
 
 struct MatmulOptions {
-  int64_t dense_rows, q4_dense_rows;  // packed_linear.DENSE_ROWS, Q4_DENSE_ROWS
+  int64_t dense_rows;  // packed_linear.DENSE_ROWS
   bool lo, amx;
 };
 
@@ -34,11 +34,8 @@ struct MatmulOptions {
 at::Tensor mm(const at::Tensor& x, const Linear& lin, const MatmulOptions& opt) {
   if (x.size(0) >= opt.dense_rows && lin.dense.defined())
     return at::linear(x.to(at::kBFloat16), lin.dense).to(at::kFloat);
-  if (lin.mins.defined()) {
-    if (x.size(0) >= opt.q4_dense_rows)  // float32: packed_linear.py Q4_DENSE_ROWS says why
-      return at::mm(x, int4_dequant_t(lin.q, lin.scales, lin.mins, true));
+  if (lin.mins.defined())  // every row count (packed_linear.py PackedLinear._int4 says why)
     return int4_mm(x, lin.q, lin.scales, lin.mins, opt.lo, opt.amx);
-  }
   return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), lin.q, kGroup, lin.scales).to(at::kFloat);
 }
 
@@ -61,13 +58,13 @@ at::Tensor woq_decode(at::Tensor x, const std::vector<at::Tensor>& weights, cons
                       const at::Tensor& cos2, const at::Tensor& sin2, const at::Tensor& slot_mapping,
                       const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t heads,
                       int64_t kv_heads, int64_t head_dim, double eps, double scale, int64_t dense_rows,
-                      int64_t q4_dense_rows, bool lo, bool amx) {
+                      bool lo, bool amx) {
   constexpr size_t kPerLayer = 18;
   // its loops are AVX-512 (decode_ops.cpp): refused on a CPU without it, never an illegal
   // instruction (the caller checks first; a direct call must not kill the process either)
   TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq"),
               "woq_decode: needs a CPU with AVX-512 (avx512f, avx512dq)");
-  const MatmulOptions opt{dense_rows, q4_dense_rows, lo, amx};
+  const MatmulOptions opt{dense_rows, lo, amx};
   // NOTE: the loops below take heads, kv_heads and head_dim as the cache's and the qkv rows'
   // layout: checked against kv here and against each matmul's output below (a mismatch read
   // and wrote past both; kv_heads 0 was a SIGFPE), never trusted
