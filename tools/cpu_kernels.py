@@ -1,8 +1,8 @@
 """CPU linear kernels on the default model's shapes: fp32 / bf16 GEMM, torch's weight-only int8
 and int4 kernels, fbgemm's fp16-weight GEMM, and (with the C++ extension) the engine's 4-bit
-kernel against a float32 or bf16 GEMM on its weight dequantized for the call (what prompt steps
-of 128+ rows ran before 2026-12-08, engine/ops/cpu/packed_linear.py _int4); best-of-N microseconds per
-call (random weights).
+kernel against a float32 or bf16 GEMM on its weight dequantized for the call (what prompt
+steps of 128+ rows ran before 2026-12-08, engine/ops/cpu/packed_linear.py _int4); best-of-N
+microseconds per call (random weights).
 
     python -m tools.cpu_kernels [--threads 2] [--rows 1 8 64] [--iters 30]
 

@@ -202,10 +202,11 @@ class PackedLinear(nn.Module):
             # GEMM on the weight dequantized for the call lost either accuracy or time. In bf16
             # (activations and weight rounded to 8 bits) a prompt's K/V and first logits moved
             # enough to flip near-tie greedy picks (bench.cpu_agreement on an AMD EPYC box: 89.7 %
-            # of tokens, against 100 % through the kernel); in float32 it was exact but slower
-            # than the kernel at every row count measured (tools/cpu_kernels.py, the same box,
-            # 2 threads, 3072x576: 4,367 against 2,970 us at 128 rows, 42.8 against 36.6 ms at
-            # 2,048), and without AMX, which the kernel uses where the CPU has it.
+            # of tokens, against 100 % through the kernel); in float32 it was exact but slower:
+            # a prompt's first token took 305 against 237 ms at 128 tokens and 2,085 against
+            # 2,031 ms at 1,000 (the same box, 2 threads, medians of 5 interleaved; per matrix
+            # the kernel lost only on the narrow ones, o at 2,048 rows: tools/cpu_kernels.py),
+            # and a float32 GEMM has no AMX, which the kernel uses where the CPU has it.
             return cpu_ext.int4_mm(x, b[prefix + "q4"], b[prefix + "d16"], b[prefix + "m16"])
         return _INT4_MM(x.to(torch.bfloat16), b[prefix + "qweight"], GROUP,
                         b[prefix + "scales_zeros"]).float()
