@@ -58,13 +58,13 @@ for dt in (torch.float32, torch.float16):
         for rows in ((3, 4), (0, 70), (69, 70)):
             got = inv.linear(xs[rows[0]:rows[1]], ws, parts=4, rounded=rounded)  # by tile count
             assert torch.equal(got, one[rows[0]:rows[1]]), (dt, rounded, rows)
-        # the one-loop kernel (prompt-sized launches): the same bits, branch or selects
-        for where in (False, True):
-            y = torch.empty(70, 72, dtype=dt)
-            ig._gemm_flat_kernel[(2 * 2,)](xs, ws, y, 70, 72, 16, xs.stride(0), ws.stride(0),
-                                           y.stride(0), 0, IEEE=dt == torch.float32, PARTS=4,
-                                           ROUND=rounded, WHERE=where, GROUP_M=8, BM=64, BN=64, BK=16)
-            assert torch.equal(y, one), (dt, rounded, where)
+        # the one-loop kernel (prompt-sized launches, not yet on: invariant_gemm.FLAT_ROWS):
+        # the same bits
+        y = torch.empty(70, 72, dtype=dt)
+        ig._gemm_flat_kernel[(2 * 2,)](xs, ws, y, 70, 72, 16, xs.stride(0), ws.stride(0),
+                                       y.stride(0), 0, IEEE=dt == torch.float32, PARTS=4,
+                                       ROUND=rounded, WHERE=False, GROUP_M=8, BM=64, BN=64, BK=16)
+        assert torch.equal(y, one), (dt, rounded)
     if dt == torch.float16:  # the rounding is not a no-op
         assert not torch.equal(inv.linear(xs, ws, parts=4, rounded=False), summed)
 
