@@ -29,6 +29,28 @@ def prompt_ids(n: int, seed: int, vocab: int = 49152) -> list[int]:
     return [rng.randrange(200, vocab - 200) for _ in range(n)]
 
 
+def single_requests(a) -> list[tuple[str, list[int], int]]:
+    """The one-at-a-time requests of an engine row, in order: ``a.repeats`` 64-token streams
+    (the 1-stream rate), then ``a.repeats`` one-token requests per prompt length (TTFT); other
+    prompts each time, so that no engine reuses a cached prompt."""
+    reqs = [("decode", prompt_ids(16, 1 + 1000 * r), a.tokens) for r in range(a.repeats)]
+    for plen in (20, 128, 1000):
+        reqs += [(f"ttft_{plen}", prompt_ids(plen, plen + 1000 * r), 1) for r in range(a.repeats)]
+    return reqs
+
+
+def single_figures(reqs, results, out: dict) -> None:
+    """The medians of :func:`single_requests`' ``results`` ((t0, first, last, tokens) each)."""
+    rates = [(n - 1) / (last - first) for (k, _, _), (_, first, last, n) in zip(reqs, results)
+             if k == "decode"]
+    out["decode_1_tok_s"] = statistics.median(rates)
+    out["decode_1_tok_s_each"] = rates
+    for plen in (20, 128, 1000):
+        out[f"ttft_{plen}_ms"] = statistics.median(
+            (first - t0) * 1e3 for (k, _, _), (t0, first, _, _) in zip(reqs, results)
+            if k == f"ttft_{plen}")
+
+
 # -- workers: one engine, one process; print one JSON line --------------------------------------
 async def measure(stream, a, out: dict) -> None:
     """The figures of an engine row, from ``stream(prompt ids, max tokens) -> (t0, first token
@@ -38,18 +60,8 @@ async def measure(stream, a, out: dict) -> None:
     import anyio
 
     await stream(prompt_ids(16, 0), 8)  # warm-up
-    rates = []
-    for r in range(a.repeats):
-        _, first, last, n = await stream(prompt_ids(16, 1 + 1000 * r), a.tokens)
-        rates.append((n - 1) / (last - first))
-    out["decode_1_tok_s"] = statistics.median(rates)
-    out["decode_1_tok_s_each"] = rates
-    for plen in (20, 128, 1000):
-        ttfts = []
-        for r in range(a.repeats):
-            t0, first, _, _ = await stream(prompt_ids(plen, plen + 1000 * r), 1)
-            ttfts.append((first - t0) * 1e3)
-        out[f"ttft_{plen}_ms"] = statistics.median(ttfts)
+    reqs = single_requests(a)
+    single_figures(reqs, [await stream(ids, n) for _, ids, n in reqs], out)
     for count in a.streams:
         t0 = time.perf_counter()
         res = []
@@ -274,18 +286,8 @@ def work_llamacpp(a) -> dict:
         return t0, first, last, count
 
     stream(prompt_ids(16, 0), 8)
-    rates = []
-    for r in range(a.repeats):
-        t0, first, last, n = stream(prompt_ids(16, 1 + 1000 * r), a.tokens)
-        rates.append((n - 1) / (last - first))
-    out["decode_1_tok_s"] = statistics.median(rates)
-    out["decode_1_tok_s_each"] = rates
-    for plen in (20, 128, 1000):
-        ttfts = []
-        for r in range(a.repeats):
-            t0, first, _, _ = stream(prompt_ids(plen, plen + 1000 * r), 1)
-            ttfts.append((first - t0) * 1e3)
-        out[f"ttft_{plen}_ms"] = statistics.median(ttfts)
+    reqs = single_requests(a)
+    single_figures(reqs, [stream(ids, n) for _, ids, n in reqs], out)
     if a.busy:
         with busy_neighbour(a.busy_seconds):
             t0, first, last, n = stream(prompt_ids(16, 2), a.tokens)

@@ -31,9 +31,9 @@ On the CPU the model runs the plain decoder (no fused kernels, no packed weights
 (``InvariantCausalLM._forward_cuda``) it runs the default path's fused per-row kernels around
 engine/ops/triton/invariant.py's GEMM and attention (over the step's decode rows and its prompt
 chunks as the paged prefill kernel's metadata describes them), steps replayed from CUDA graphs
-where the default path's are (a row's arithmetic is the same in a padded graph as eagerly). Tensor parallel shards swap the same way: ``RowParallelLinear``'s
-partial product is an invariant linear, then all-reduced (with two ranks one addition, exact in
-either order).
+where the default path's are (a row's arithmetic is the same in a padded graph as eagerly).
+Tensor parallel shards swap the same way: ``RowParallelLinear``'s partial product is an
+invariant linear, then all-reduced (with two ranks one addition, exact in either order).
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ for dt in (torch.float32, torch.float16):
         y = torch.empty(70, 72, dtype=dt)
         ig._gemm_flat_kernel[(2 * 2,)](xs, ws, y, 70, 72, 16, xs.stride(0), ws.stride(0),
                                        y.stride(0), 0, IEEE=dt == torch.float32, PARTS=4,
-                                       ROUND=rounded, WHERE=False, GROUP_M=8, BM=64, BN=64, BK=16)
+                                       ROUND=rounded, GROUP_M=8, BM=64, BN=64, BK=16)
         assert torch.equal(y, one), (dt, rounded)
     if dt == torch.float16:  # the rounding is not a no-op
         assert not torch.equal(inv.linear(xs, ws, parts=4, rounded=False), summed)

@@ -222,9 +222,9 @@ def attention(q: torch.Tensor, cache: torch.Tensor, scale: float,
     of :func:`query_tile`, a decode query alone: a query's bits are the same either way.
     ``split`` (decode rows only): each query's key segments in programs of their own, merged
     by a second launch -- the bits of one program going through them in order.
-    ``keys`` (the chunk of the online softmax), ``segment`` and ``warps``: for tests and
-    tools/bench_invariant_kernels.py; a deterministic engine runs one value of each (another
-    chunk or segment size changes the bits)."""
+    ``keys`` (the chunk of the online softmax), ``segment``, ``warps`` and ``block_rows``: for
+    tests and the kernel tools; a deterministic engine runs one value of each (another chunk or
+    segment size changes the bits)."""
     t, heads, dim = q.shape
     bs, kv_heads = cache.shape[2], cache.shape[3]
     if heads % kv_heads or dim & (dim - 1) or dim < 16 or cache.stride(-1) != 1:

@@ -98,13 +98,13 @@ if triton is not None:
     @triton.jit(do_not_specialize=["m", "m_class"])
     def _gemm_flat_kernel(X, W, Y, m, n, k, stride_x, stride_w, stride_y, m_class,
                           IEEE: tl.constexpr, PARTS: tl.constexpr, ROUND: tl.constexpr,
-                          WHERE: tl.constexpr, GROUP_M: tl.constexpr,
+                          GROUP_M: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         # _gemm_kernel's SUM launch (slices of k inputs, k a multiple of BK) as one loop over
         # every input, so that the loads pipeline across the slices' boundaries: the same
         # per-slice products (each from zero, in BK steps in order), rounded or not, added in
         # order -- the same bits. Tiles in groups of GROUP_M rows of tiles (a weight tile read
-        # from L2 by the group). WHERE: the slice's end by selects instead of a branch.
+        # from L2 by the group).
         # m_class (unread): the autotuner's key for the row count (_flat_tuned)
         pid = tl.program_id(0)
         num_m = tl.cdiv(m, BM)
@@ -124,28 +124,19 @@ if triton is not None:
             kk = i * BK + ks
             a = tl.load(X + rows[:, None] * stride_x + kk[None, :], mask=rows[:, None] < m, other=0.0)
             b = tl.load(W + cols[None, :] * stride_w + kk[:, None], mask=cols[None, :] < n, other=0.0)
-            if WHERE:
-                acc = tl.where(i % steps == 0, 0.0, acc)
             if IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
-            if WHERE:
+            if (i + 1) % steps == 0:  # a slice's end
                 part = acc
                 if ROUND:
                     part = part.to(X.dtype.element_ty).to(tl.float32)
-                end = (i + 1) % steps == 0
-                total = tl.where(end, tl.where(i + 1 == steps, part, total + part), total)
-            else:
-                if (i + 1) % steps == 0:
-                    part = acc
-                    if ROUND:
-                        part = part.to(X.dtype.element_ty).to(tl.float32)
-                    if i + 1 == steps:
-                        total = part
-                    else:
-                        total = total + part
-                    acc = tl.zeros((BM, BN), dtype=tl.float32)
+                if i + 1 == steps:
+                    total = part
+                else:
+                    total = total + part
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
         tl.store(Y + rows[:, None] * stride_y + cols[None, :], total.to(Y.dtype.element_ty),
                  mask=(rows[:, None] < m) & (cols[None, :] < n))
 
@@ -218,7 +209,7 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, parts: int, summed: bool, round
             and (k // parts) % BLOCK_K == 0 and x.device.type == "cuda"):
         _flat_tuned()[lambda meta: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)](
             rows, w, y, m, n, k // parts, rows.stride(0), w.stride(0), y.stride(0), m.bit_length(),
-            IEEE=rows.dtype == torch.float32, PARTS=parts, ROUND=rounded, WHERE=False,
+            IEEE=rows.dtype == torch.float32, PARTS=parts, ROUND=rounded,
             GROUP_M=8, BK=BLOCK_K)
         return y
     if split:
